@@ -1,0 +1,3 @@
+//! `tl-engine`: the engine behind the `tl` binary.
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]

@@ -1,0 +1,213 @@
+//! The writer: one copy of each payload into the caller's buffer, CRC-32C computed alongside.
+//!
+//! Everything is validated before the first byte is written, so a refused write leaves the
+//! caller's buffer as it was.
+
+use bytes::BufMut;
+use zerocopy::IntoBytes;
+use zerocopy::little_endian::{U16, U32, U64};
+
+use crate::crc::Crc32c;
+use crate::format::Shape;
+use crate::header::{Header, MAGIC, RecordHead};
+
+/// One block to write.
+#[derive(Clone, Copy, Debug)]
+pub struct RecordIn<'p> {
+    /// The block's chained hash; 0 for a partial block or one never registered.
+    pub hash: u64,
+    /// Tokens present, in `1..=B`.
+    pub fill: u32,
+    /// Either the full P bytes (token slots past `fill` may hold anything: they are written as
+    /// zeros) or the short form holding only the first `fill` token rows of each plane
+    /// (`2 * L * fill * H * D * elem` bytes), which the writer pads with zeros.
+    pub payload: &'p [u8],
+}
+
+/// Why a write was refused. Nothing was written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WriteError {
+    /// An envelope has at least one record.
+    #[error("an envelope needs at least one record")]
+    NoRecords,
+    /// Every dimension of the shape is at least 1.
+    #[error("every dimension of the shape must be >= 1")]
+    ZeroDimension,
+    /// The envelope's size does not fit in memory arithmetic.
+    #[error("the envelope's size overflows")]
+    Overflow,
+    /// Too many records for the header's u32 count.
+    #[error("{0} records do not fit the header's u32 n_blocks")]
+    TooManyRecords(usize),
+    /// A fill is in `1..=B`.
+    #[error("record {record}: fill {fill} outside 1..={block_tokens}")]
+    BadFill {
+        /// Record index.
+        record: usize,
+        /// Its fill.
+        fill: u32,
+        /// B.
+        block_tokens: u32,
+    },
+    /// Only full blocks carry a hash.
+    #[error("record {record}: hash {hash:#018x} on a partial block (fill {fill})")]
+    HashedPartial {
+        /// Record index.
+        record: usize,
+        /// Its hash.
+        hash: u64,
+        /// Its fill.
+        fill: u32,
+    },
+    /// The payload is neither P bytes nor the short form for its fill.
+    #[error("record {record}: payload of {len} bytes is neither {full} nor the short {short}")]
+    PayloadLength {
+        /// Record index.
+        record: usize,
+        /// Given length.
+        len: usize,
+        /// P.
+        full: usize,
+        /// The short form's length for this fill.
+        short: usize,
+    },
+}
+
+/// Zeros to copy and checksum for the unfilled token rows.
+static ZEROS: [u8; 4096] = [0; 4096];
+
+/// Copies and checksums in pieces small enough to stay in cache between the two.
+const PIECE: usize = 64 * 1024;
+
+/// Writes an envelope of `records` into `out` and returns its length.
+///
+/// `out` grows as it is written; for a `Vec<u8>` prefer [`write_to_vec`], which reserves once.
+///
+/// # Errors
+/// A [`WriteError`] when the shape or a record is invalid; then nothing is written.
+pub fn write_envelope<B: BufMut>(
+    shape: &Shape,
+    records: &[RecordIn<'_>],
+    out: &mut B,
+) -> Result<usize, WriteError> {
+    let len = check(shape, records)?;
+    let dims = &shape.dims;
+    let header = Header {
+        magic: MAGIC,
+        version: U16::new(shape.format.version),
+        dtype: U16::new(shape.format.dtype),
+        n_blocks: U32::new(records.len() as u32),
+        block_tokens: U32::new(dims.block_tokens),
+        n_layers: U32::new(dims.n_layers),
+        n_kv_heads: U32::new(dims.n_kv_heads),
+        head_dim: U32::new(dims.head_dim),
+    };
+    let mut crc = Crc32c::new();
+    put(out, &mut crc, header.as_bytes());
+
+    // check() proved these sizes fit.
+    let row = shape.row_bytes().unwrap_or(0);
+    let b = dims.block_tokens as usize;
+    for r in records {
+        let head = RecordHead {
+            hash: U64::new(r.hash),
+            n_tokens: U32::new(r.fill),
+        };
+        put(out, &mut crc, head.as_bytes());
+        let fill = r.fill as usize;
+        // Source stride: a full payload keeps B rows per plane, the short form `fill` rows.
+        let stride = if r.payload.len() == row * b * shape.planes() {
+            b
+        } else {
+            fill
+        };
+        if fill == b {
+            put(out, &mut crc, r.payload);
+            continue;
+        }
+        for plane in r.payload.chunks_exact(row * stride) {
+            put(out, &mut crc, &plane[..row * fill]);
+            put_zeros(out, &mut crc, row * (b - fill));
+        }
+    }
+    out.put_slice(&crc.finish().to_le_bytes());
+    Ok(len)
+}
+
+/// [`write_envelope`] appending to a `Vec`, reserving the envelope's size first so the payload
+/// is copied once and never moved by a reallocation.
+///
+/// # Errors
+/// As [`write_envelope`]; then `out` is unchanged.
+pub fn write_to_vec(
+    shape: &Shape,
+    records: &[RecordIn<'_>],
+    out: &mut Vec<u8>,
+) -> Result<usize, WriteError> {
+    let len = check(shape, records)?;
+    out.reserve(len);
+    write_envelope(shape, records, out)
+}
+
+fn put<B: BufMut>(out: &mut B, crc: &mut Crc32c, bytes: &[u8]) {
+    for piece in bytes.chunks(PIECE) {
+        out.put_slice(piece);
+        crc.update(piece);
+    }
+}
+
+fn put_zeros<B: BufMut>(out: &mut B, crc: &mut Crc32c, mut n: usize) {
+    while n > 0 {
+        let k = n.min(ZEROS.len());
+        out.put_slice(&ZEROS[..k]);
+        crc.update(&ZEROS[..k]);
+        n -= k;
+    }
+}
+
+/// Validates the shape and every record; returns the envelope length.
+fn check(shape: &Shape, records: &[RecordIn<'_>]) -> Result<usize, WriteError> {
+    if !shape.is_valid() {
+        return Err(WriteError::ZeroDimension);
+    }
+    if records.is_empty() {
+        return Err(WriteError::NoRecords);
+    }
+    if u32::try_from(records.len()).is_err() {
+        return Err(WriteError::TooManyRecords(records.len()));
+    }
+    let len = shape
+        .envelope_len(records.len())
+        .ok_or(WriteError::Overflow)?;
+    let full = shape.payload_bytes().ok_or(WriteError::Overflow)?;
+    let row = shape.row_bytes().ok_or(WriteError::Overflow)?;
+    let b = shape.dims.block_tokens;
+    for (i, r) in records.iter().enumerate() {
+        if r.fill == 0 || r.fill > b {
+            return Err(WriteError::BadFill {
+                record: i,
+                fill: r.fill,
+                block_tokens: b,
+            });
+        }
+        if r.hash != 0 && r.fill != b {
+            return Err(WriteError::HashedPartial {
+                record: i,
+                hash: r.hash,
+                fill: r.fill,
+            });
+        }
+        // Cannot overflow: at most `full`.
+        let short = row * r.fill as usize * shape.planes();
+        if r.payload.len() != full && r.payload.len() != short {
+            return Err(WriteError::PayloadLength {
+                record: i,
+                len: r.payload.len(),
+                full,
+                short,
+            });
+        }
+    }
+    Ok(len)
+}
