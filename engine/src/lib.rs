@@ -4,3 +4,8 @@
 
 pub mod bench;
 pub mod cli;
+pub mod engine;
+pub mod model;
+pub mod pool;
+pub mod rng;
+pub mod sampler;

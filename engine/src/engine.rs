@@ -1,0 +1,663 @@
+//! The colocated engine: sequences with block tables over the shared pool, prefill that reuses
+//! cached prefix blocks, and a step loop that decodes every running sequence together
+//! (continuous batching). Pure logic: the servers drive [`Engine::step`] from their own tasks.
+//!
+//! A sequence's life: [`Engine::submit`] queues it; the next [`Engine::step`] prefills it (taking
+//! references on the longest cached prefix, allocating the rest, registering each full block)
+//! and samples its first token; later steps feed the last token and sample the next, allocating a
+//! block whenever a position starts one and registering blocks as they fill; at `max_tokens`, on
+//! cancel, or on an error, its references are released (full blocks stay cached for reuse).
+//!
+//! A prefill-only request ([`Mode::PrefillOnly`], the prefill role) stops after the first token
+//! and hands its blocks out in [`Event::Prefilled`]; [`Engine::resume`] starts a sequence from
+//! such blocks (the decode role) with the generator resumed where the prefill left it.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvwire::{block_hash, prompt_hashes};
+
+use crate::model::{Model, ModelError};
+use crate::pool::{BlockId, Blocks, KvPool, PoolError, SharedKv};
+use crate::rng::{Pcg32, SAMPLE_LABEL, resume_rng, stream};
+use crate::sampler::Sampling;
+
+/// A sequence's id within one engine.
+pub type SeqId = u64;
+
+/// Why a request was refused before any work.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RequestError {
+    /// The prompt has no tokens.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// A token id outside the vocabulary.
+    #[error("token {token} at position {pos} is outside the vocabulary of {vocab}")]
+    BadToken {
+        /// The token.
+        token: u32,
+        /// Its position.
+        pos: usize,
+        /// Vocabulary size.
+        vocab: u32,
+    },
+    /// The prompt does not fit the context.
+    #[error("the prompt has {len} tokens; the context holds {max}")]
+    TooLong {
+        /// Prompt length.
+        len: usize,
+        /// Context length.
+        max: u32,
+    },
+    /// max_tokens must be at least 1.
+    #[error("max_tokens must be >= 1")]
+    ZeroMaxTokens,
+    /// Resumed blocks do not cover the prompt.
+    #[error("{blocks} blocks cannot hold a prompt of {len} tokens at {block_tokens} per block")]
+    BlocksDoNotFit {
+        /// Blocks given.
+        blocks: usize,
+        /// Prompt length.
+        len: usize,
+        /// B.
+        block_tokens: u32,
+    },
+}
+
+/// Why a running sequence failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SeqError {
+    /// No block for the next position.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// The model refused a step.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+/// Run to completion, or stop after the first token and hand the blocks out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Generate `max_tokens` tokens here.
+    Generate,
+    /// Prefill, sample the first token, emit [`Event::Prefilled`].
+    PrefillOnly,
+}
+
+/// A generation request.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Validated sampling parameters.
+    pub sampling: Sampling,
+    /// The generator seed.
+    pub seed: u64,
+    /// Tokens to generate, at least 1.
+    pub max_tokens: u32,
+    /// Whole generation or prefill only.
+    pub mode: Mode,
+}
+
+/// The result of a prefill-only request.
+#[derive(Debug)]
+pub struct PrefillOutput {
+    /// The sampled first token.
+    pub first_token: u32,
+    /// One reference on each block of the prompt, in order (the partial tail last).
+    pub blocks: Blocks,
+    /// The chained hash of each full block of the prompt.
+    pub hashes: Vec<u64>,
+    /// Draws the first token consumed (0 greedy, 1 otherwise).
+    pub draws: u32,
+    /// The seed.
+    pub seed: u64,
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// Blocks found in the prefix cache rather than computed.
+    pub cached_blocks: usize,
+}
+
+/// Why a sequence ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// max_tokens reached.
+    Length,
+    /// The context is full.
+    Context,
+}
+
+/// What a step produced.
+#[derive(Debug)]
+pub enum Event {
+    /// A sampled token; `index` 0 is the first token of the completion.
+    Token {
+        /// The sequence.
+        seq: SeqId,
+        /// The token.
+        token: u32,
+        /// Its index in the completion.
+        index: u32,
+    },
+    /// The sequence ended normally; its blocks are released.
+    Finished {
+        /// The sequence.
+        seq: SeqId,
+        /// Why.
+        reason: FinishReason,
+    },
+    /// The sequence failed; its blocks are released.
+    Failed {
+        /// The sequence.
+        seq: SeqId,
+        /// Why.
+        error: SeqError,
+    },
+    /// A prefill-only request is done.
+    Prefilled {
+        /// The sequence (no longer in the engine).
+        seq: SeqId,
+        /// Its first token and blocks.
+        output: PrefillOutput,
+    },
+}
+
+#[derive(Debug)]
+struct Seq {
+    id: SeqId,
+    /// Prompt, then every sampled token (the last one not yet fed to the model).
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    blocks: Blocks,
+    /// Chained hashes of the full blocks so far.
+    hashes: Vec<u64>,
+    /// Positions whose KV is in the pool.
+    n_cached: usize,
+    sampling: Sampling,
+    rng: Pcg32,
+    draws: u64,
+    seed: u64,
+    max_tokens: u32,
+    mode: Mode,
+}
+
+impl Seq {
+    fn generated(&self) -> u32 {
+        (self.tokens.len() - self.prompt_len) as u32
+    }
+}
+
+/// Optional simulated compute cost, applied by the caller of [`Engine::step`] as a sleep after
+/// the step (never by spinning), so several engines sharing few cores do not distort each other.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CostModel {
+    /// Simulated time per prompt token prefilled (cached prefix tokens cost nothing).
+    pub prefill_per_token: Duration,
+    /// Simulated time per running sequence per decode step.
+    pub decode_per_seq: Duration,
+}
+
+/// Figures of one step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepStats {
+    /// Prompt tokens computed (not found cached).
+    pub prefilled_tokens: usize,
+    /// Sequences decoded.
+    pub decoded: usize,
+}
+
+/// The engine: a model, a pool, and its sequences.
+#[derive(Debug)]
+pub struct Engine {
+    model: Arc<dyn Model>,
+    pool: SharedKv,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    next_id: SeqId,
+    cost: CostModel,
+}
+
+impl Engine {
+    /// An engine over `pool`, whose shape must be the model's.
+    ///
+    /// # Panics
+    /// If the pool's shape is not the model's.
+    #[must_use]
+    pub fn new(model: Arc<dyn Model>, pool: SharedKv) -> Self {
+        assert_eq!(
+            pool.lock().shape(),
+            model.shape(),
+            "pool and model shapes differ"
+        );
+        Self {
+            model,
+            pool,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 1,
+            cost: CostModel::default(),
+        }
+    }
+
+    /// Sets the simulated compute cost (see [`CostModel`]).
+    pub fn set_cost(&mut self, cost: CostModel) {
+        self.cost = cost;
+    }
+
+    /// The simulated compute cost.
+    #[must_use]
+    pub fn cost(&self) -> CostModel {
+        self.cost
+    }
+
+    /// The model.
+    #[must_use]
+    pub fn model(&self) -> &Arc<dyn Model> {
+        &self.model
+    }
+
+    /// The pool.
+    #[must_use]
+    pub fn pool(&self) -> &SharedKv {
+        &self.pool
+    }
+
+    /// Requests waiting for prefill.
+    #[must_use]
+    pub fn queue_depth(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Sequences decoding.
+    #[must_use]
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// True when nothing waits or runs.
+    #[must_use]
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// Checks a prompt against the model.
+    ///
+    /// # Errors
+    /// The first problem found.
+    pub fn validate_prompt(&self, prompt: &[u32]) -> Result<(), RequestError> {
+        if prompt.is_empty() {
+            return Err(RequestError::EmptyPrompt);
+        }
+        let vocab = self.model.vocab();
+        if let Some((pos, &token)) = prompt.iter().enumerate().find(|(_, t)| **t >= vocab) {
+            return Err(RequestError::BadToken { token, pos, vocab });
+        }
+        let max = self.model.max_context();
+        if prompt.len() > max as usize {
+            return Err(RequestError::TooLong {
+                len: prompt.len(),
+                max,
+            });
+        }
+        Ok(())
+    }
+
+    fn new_id(&mut self) -> SeqId {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    /// Queues a request; it is prefilled by the next [`step`](Self::step).
+    ///
+    /// # Errors
+    /// A [`RequestError`] before anything is queued or allocated.
+    pub fn submit(&mut self, req: Request) -> Result<SeqId, RequestError> {
+        self.validate_prompt(&req.prompt)?;
+        if req.max_tokens == 0 {
+            return Err(RequestError::ZeroMaxTokens);
+        }
+        let id = self.new_id();
+        let prompt_len = req.prompt.len();
+        self.waiting.push_back(Seq {
+            id,
+            tokens: req.prompt,
+            prompt_len,
+            blocks: Blocks::new(self.pool.clone(), Vec::new()),
+            hashes: Vec::new(),
+            n_cached: 0,
+            sampling: req.sampling,
+            rng: stream(req.seed, SAMPLE_LABEL),
+            draws: 0,
+            seed: req.seed,
+            max_tokens: req.max_tokens,
+            mode: req.mode,
+        });
+        Ok(id)
+    }
+
+    /// Starts decoding from blocks that already hold the prompt's KV (imported from a prefill
+    /// engine): `first_token` was sampled there after `draws` draws of the seed's stream. The
+    /// first token counts as the completion's token 0; the next step samples token 1.
+    ///
+    /// # Errors
+    /// A [`RequestError`] when the prompt is invalid or the blocks cannot hold it; the blocks are
+    /// then released (the guard drops).
+    #[allow(clippy::too_many_arguments)]
+    pub fn resume(
+        &mut self,
+        prompt: Vec<u32>,
+        blocks: Blocks,
+        first_token: u32,
+        draws: u64,
+        sampling: Sampling,
+        seed: u64,
+        max_tokens: u32,
+    ) -> Result<SeqId, RequestError> {
+        self.validate_prompt(&prompt)?;
+        if max_tokens == 0 {
+            return Err(RequestError::ZeroMaxTokens);
+        }
+        if first_token >= self.model.vocab() {
+            return Err(RequestError::BadToken {
+                token: first_token,
+                pos: prompt.len(),
+                vocab: self.model.vocab(),
+            });
+        }
+        let b = self.model.shape().block_tokens();
+        if blocks.len() != prompt.len().div_ceil(b as usize) {
+            return Err(RequestError::BlocksDoNotFit {
+                blocks: blocks.len(),
+                len: prompt.len(),
+                block_tokens: b,
+            });
+        }
+        let id = self.new_id();
+        let hashes = prompt_hashes(&prompt, b as usize);
+        let prompt_len = prompt.len();
+        let mut tokens = prompt;
+        tokens.push(first_token);
+        self.running.push(Seq {
+            id,
+            tokens,
+            prompt_len,
+            blocks,
+            hashes,
+            n_cached: prompt_len,
+            sampling,
+            rng: resume_rng(seed, draws),
+            draws,
+            seed,
+            max_tokens,
+            mode: Mode::Generate,
+        });
+        Ok(id)
+    }
+
+    /// Cancels a waiting or running sequence and releases its blocks.
+    pub fn cancel(&mut self, id: SeqId) -> bool {
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            drop(self.waiting.remove(i));
+            return true;
+        }
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            drop(self.running.swap_remove(i));
+            return true;
+        }
+        false
+    }
+
+    /// One step: prefill every waiting request, then one decode step for every sequence that
+    /// was running before it. Returns the events in order and the step's figures.
+    pub fn step(&mut self) -> (Vec<Event>, StepStats) {
+        let mut events = Vec::new();
+        let mut stats = StepStats::default();
+        let decoding = std::mem::take(&mut self.running);
+        let mut keep = Vec::with_capacity(decoding.len());
+        for mut seq in decoding {
+            // A resumed sequence may be complete before its first step (max_tokens 1).
+            if let Some(reason) = self.finish_reason(&seq) {
+                events.push(Event::Finished {
+                    seq: seq.id,
+                    reason,
+                });
+                continue;
+            }
+            stats.decoded += 1;
+            match self.decode_one(&mut seq) {
+                Ok(token) => {
+                    let index = seq.generated() - 1;
+                    events.push(Event::Token {
+                        seq: seq.id,
+                        token,
+                        index,
+                    });
+                    match self.finish_reason(&seq) {
+                        Some(reason) => events.push(Event::Finished {
+                            seq: seq.id,
+                            reason,
+                        }),
+                        None => keep.push(seq),
+                    }
+                }
+                Err(error) => events.push(Event::Failed { seq: seq.id, error }),
+            }
+        }
+        self.running = keep;
+
+        while let Some(mut seq) = self.waiting.pop_front() {
+            match self.prefill_one(&mut seq) {
+                Ok((token, computed)) => {
+                    stats.prefilled_tokens += computed;
+                    if seq.mode == Mode::PrefillOnly {
+                        let b = self.model.shape().block_tokens() as usize;
+                        let output = PrefillOutput {
+                            first_token: token,
+                            hashes: seq.hashes.clone(),
+                            draws: seq.draws as u32,
+                            seed: seq.seed,
+                            prompt_tokens: seq.prompt_len,
+                            cached_blocks: (seq.prompt_len - computed) / b,
+                            blocks: std::mem::replace(
+                                &mut seq.blocks,
+                                Blocks::new(self.pool.clone(), Vec::new()),
+                            ),
+                        };
+                        events.push(Event::Prefilled {
+                            seq: seq.id,
+                            output,
+                        });
+                        continue;
+                    }
+                    events.push(Event::Token {
+                        seq: seq.id,
+                        token,
+                        index: 0,
+                    });
+                    match self.finish_reason(&seq) {
+                        Some(reason) => events.push(Event::Finished {
+                            seq: seq.id,
+                            reason,
+                        }),
+                        None => self.running.push(seq),
+                    }
+                }
+                Err(error) => events.push(Event::Failed { seq: seq.id, error }),
+            }
+        }
+        (events, stats)
+    }
+
+    /// The simulated time of a step with these figures.
+    #[must_use]
+    pub fn simulated_cost(&self, stats: StepStats) -> Duration {
+        self.cost.prefill_per_token * stats.prefilled_tokens as u32
+            + self.cost.decode_per_seq * stats.decoded as u32
+    }
+
+    fn finish_reason(&self, seq: &Seq) -> Option<FinishReason> {
+        if seq.generated() >= seq.max_tokens {
+            Some(FinishReason::Length)
+        } else if seq.tokens.len() > self.model.max_context() as usize {
+            // The next input would sit past the context.
+            Some(FinishReason::Context)
+        } else {
+            None
+        }
+    }
+
+    /// Prefills `seq`: reuses the longest cached prefix, allocates the rest, runs the model,
+    /// registers the full blocks, samples the first token. Returns it and the tokens computed.
+    fn prefill_one(&mut self, seq: &mut Seq) -> Result<(u32, usize), SeqError> {
+        let b = self.model.shape().block_tokens() as usize;
+        let prompt = &seq.tokens[..seq.prompt_len];
+        let hashes = prompt_hashes(prompt, b);
+        let n_blocks = prompt.len().div_ceil(b);
+        let mut pool = self.pool.lock();
+        let mut held = Held::new(&mut pool);
+        for &h in &hashes {
+            match held.pool.lookup_ref(h) {
+                Some(id) => held.ids.push(id),
+                None => break,
+            }
+        }
+        let reused = held.ids.len();
+        let fresh = held.pool.allocate(n_blocks - reused)?;
+        held.ids.extend(fresh);
+        let start = reused * b;
+        let logits = self.model.prefill(held.pool, prompt, start, &held.ids)?;
+        for (i, &h) in hashes.iter().enumerate().skip(reused) {
+            // False when another sequence registered the same block first: ours stays private.
+            held.pool.register(held.ids[i], h);
+        }
+        let ids = held.commit();
+        drop(pool);
+        seq.blocks = Blocks::new(self.pool.clone(), ids);
+        seq.hashes = hashes;
+        seq.n_cached = seq.prompt_len;
+        let (token, draws) = seq.sampling.sample(&logits, &mut seq.rng);
+        seq.draws += u64::from(draws);
+        seq.tokens.push(token);
+        Ok((token, seq.prompt_len - start))
+    }
+
+    /// Feeds the last token of `seq` and samples the next.
+    fn decode_one(&mut self, seq: &mut Seq) -> Result<u32, SeqError> {
+        let b = self.model.shape().block_tokens() as usize;
+        let pos = seq.n_cached;
+        let input = seq.tokens[pos];
+        let mut pool = self.pool.lock();
+        if pos / b >= seq.blocks.len() {
+            let id = pool.allocate(1)?[0];
+            seq.blocks.push(id);
+        }
+        let logits = self.model.decode(&mut pool, input, pos, seq.blocks.ids())?;
+        seq.n_cached += 1;
+        if seq.n_cached.is_multiple_of(b) {
+            let i = seq.n_cached / b - 1;
+            let parent = if i == 0 { 0 } else { seq.hashes[i - 1] };
+            let h = block_hash(parent, &seq.tokens[i * b..(i + 1) * b]);
+            pool.register(seq.blocks.ids()[i], h);
+            seq.hashes.push(h);
+        }
+        drop(pool);
+        let (token, draws) = seq.sampling.sample(&logits, &mut seq.rng);
+        seq.draws += u64::from(draws);
+        seq.tokens.push(token);
+        Ok(token)
+    }
+
+    /// Runs one request to completion by itself (no other sequence is stepped differently) and
+    /// returns its completion. For the CLI and tests.
+    ///
+    /// # Errors
+    /// The request's refusal or the sequence's failure.
+    pub fn generate(&mut self, req: Request) -> Result<Vec<u32>, GenerateError> {
+        let id = self.submit(Request {
+            mode: Mode::Generate,
+            ..req
+        })?;
+        let mut out = Vec::new();
+        loop {
+            let (events, _) = self.step();
+            for e in events {
+                match e {
+                    Event::Token { seq, token, .. } if seq == id => out.push(token),
+                    Event::Finished { seq, .. } if seq == id => return Ok(out),
+                    Event::Failed { seq, error } if seq == id => return Err(error.into()),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Like [`generate`](Self::generate) for a sequence already started with [`resume`](Self::resume):
+    /// steps until it ends and returns the tokens it sampled after the first.
+    ///
+    /// # Errors
+    /// The sequence's failure.
+    pub fn run_to_end(&mut self, id: SeqId) -> Result<Vec<u32>, GenerateError> {
+        let mut out = Vec::new();
+        if !self.running.iter().any(|s| s.id == id) {
+            return Ok(out);
+        }
+        loop {
+            let (events, _) = self.step();
+            for e in events {
+                match e {
+                    Event::Token { seq, token, .. } if seq == id => out.push(token),
+                    Event::Finished { seq, .. } if seq == id => return Ok(out),
+                    Event::Failed { seq, error } if seq == id => return Err(error.into()),
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+/// A request refused or a sequence failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GenerateError {
+    /// Refused before any work.
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    /// Failed while running.
+    #[error(transparent)]
+    Seq(#[from] SeqError),
+}
+
+/// References taken while the pool is locked, released (inside the same lock) unless committed:
+/// the in-lock twin of [`Blocks`], whose drop takes the lock itself.
+struct Held<'p> {
+    pool: &'p mut KvPool,
+    ids: Vec<BlockId>,
+}
+
+impl<'p> Held<'p> {
+    fn new(pool: &'p mut KvPool) -> Self {
+        Self {
+            pool,
+            ids: Vec::new(),
+        }
+    }
+
+    fn commit(mut self) -> Vec<BlockId> {
+        std::mem::take(&mut self.ids)
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        for &id in &self.ids {
+            // Plain release: reused prefix blocks go back to the cache, fresh ones (not yet
+            // registered) to the free list.
+            let res = self.pool.release(id);
+            debug_assert!(res.is_ok(), "held block {id}: {res:?}");
+        }
+    }
+}

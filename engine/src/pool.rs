@@ -1,0 +1,601 @@
+//! The paged KV block pool: fixed-size blocks laid out exactly like the wire payload, reference
+//! counts, a prefix index from chained hash to block, and an LRU of cached blocks.
+//!
+//! The life of a block:
+//!
+//! 1. **free**: on the free list, refcount 0, no hash.
+//! 2. **used**: [`KvPool::allocate`] or [`KvPool::import`] hands it out with refcount 1; the
+//!    model writes its slab; [`KvPool::register`] names it by its chained hash once it is full, so
+//!    later prompts with the same prefix find it ([`KvPool::lookup_ref`]).
+//! 3. **cached**: when the last reference goes ([`KvPool::release`]), a registered block keeps
+//!    its contents and its index entry and joins the LRU; an unregistered one goes back to free.
+//! 4. A cached block is either revived by a lookup that takes a reference, or evicted (its index
+//!    entry removed) when an allocation finds no free block.
+//!
+//! `used + cached + free == total` always holds; [`KvPool::check`] verifies that and the index.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvwire::Shape;
+
+/// A block's index in the pool.
+pub type BlockId = u32;
+
+const NIL: u32 = u32::MAX;
+
+/// Pool errors. Each leaves the pool exactly as it was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolError {
+    /// Not enough free or evictable blocks.
+    #[error("KV pool exhausted: {requested} blocks requested, {available} free or evictable")]
+    Exhausted {
+        /// Blocks asked for.
+        requested: usize,
+        /// Free plus cached blocks.
+        available: usize,
+    },
+    /// The id is not a block of this pool.
+    #[error("block {0} is not in the pool")]
+    NoSuchBlock(BlockId),
+    /// The block holds no reference to release or to take another on.
+    #[error("block {0} is not referenced")]
+    NotReferenced(BlockId),
+    /// The payload is not one block's size, or the fill is not in 1..=B.
+    #[error(
+        "import of {len} bytes with fill {fill}: a block is {payload} bytes and fill is in 1..=B"
+    )]
+    BadImport {
+        /// Given payload length.
+        len: usize,
+        /// Given fill.
+        fill: u32,
+        /// P.
+        payload: usize,
+    },
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Meta {
+    refs: u32,
+    fill: u32,
+    /// 0 when unregistered.
+    hash: u64,
+    prev: u32,
+    next: u32,
+}
+
+/// Counts of the pool's blocks by state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct PoolCounts {
+    /// All blocks.
+    pub total: usize,
+    /// On the free list.
+    pub free: usize,
+    /// Refcount > 0.
+    pub used: usize,
+    /// Refcount 0 but registered (evictable, revivable).
+    pub cached: usize,
+    /// Entries in the prefix index.
+    pub indexed: usize,
+}
+
+/// A fixed pool of KV blocks of one [`Shape`].
+#[derive(Debug)]
+pub struct KvPool {
+    shape: Shape,
+    payload: usize,
+    slab: Vec<u8>,
+    meta: Vec<Meta>,
+    index: HashMap<u64, BlockId>,
+    free: Vec<BlockId>,
+    /// LRU of cached blocks: `lru_head` is the least recently used.
+    lru_head: u32,
+    lru_tail: u32,
+    used: usize,
+    cached: usize,
+    evictions: u64,
+}
+
+impl KvPool {
+    /// A pool of `n_blocks` zeroed blocks.
+    ///
+    /// # Panics
+    /// If the shape is invalid, its payload overflows, or `n_blocks` does not fit in a `u32`.
+    #[must_use]
+    pub fn new(shape: Shape, n_blocks: usize) -> Self {
+        assert!(shape.is_valid(), "every dimension must be >= 1");
+        assert!(n_blocks < NIL as usize, "too many blocks");
+        let payload = shape.payload_bytes().expect("block size overflows");
+        let bytes = payload.checked_mul(n_blocks).expect("pool size overflows");
+        Self {
+            shape,
+            payload,
+            slab: vec![0; bytes],
+            meta: vec![
+                Meta {
+                    refs: 0,
+                    fill: 0,
+                    hash: 0,
+                    prev: NIL,
+                    next: NIL
+                };
+                n_blocks
+            ],
+            index: HashMap::with_capacity(n_blocks),
+            // Popped from the end: lower ids are handed out first.
+            free: (0..n_blocks as u32).rev().collect(),
+            lru_head: NIL,
+            lru_tail: NIL,
+            used: 0,
+            cached: 0,
+            evictions: 0,
+        }
+    }
+
+    /// The block shape.
+    #[must_use]
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+
+    /// P, bytes per block.
+    #[must_use]
+    pub fn payload_bytes(&self) -> usize {
+        self.payload
+    }
+
+    /// Counts by state.
+    #[must_use]
+    pub fn counts(&self) -> PoolCounts {
+        PoolCounts {
+            total: self.meta.len(),
+            free: self.free.len(),
+            used: self.used,
+            cached: self.cached,
+            indexed: self.index.len(),
+        }
+    }
+
+    /// Cached blocks evicted so far.
+    #[must_use]
+    pub fn evictions(&self) -> u64 {
+        self.evictions
+    }
+
+    /// Blocks an allocation could get now: free plus cached.
+    #[must_use]
+    pub fn available(&self) -> usize {
+        self.free.len() + self.cached
+    }
+
+    fn meta(&self, id: BlockId) -> Result<&Meta, PoolError> {
+        self.meta.get(id as usize).ok_or(PoolError::NoSuchBlock(id))
+    }
+
+    /// Takes `n` blocks with refcount 1, fill 0 and no hash: free blocks first, then the least
+    /// recently used cached blocks (which lose their index entries). All or nothing.
+    ///
+    /// # Errors
+    /// [`PoolError::Exhausted`] when fewer than `n` blocks are free or cached; nothing changes.
+    pub fn allocate(&mut self, n: usize) -> Result<Vec<BlockId>, PoolError> {
+        if n > self.available() {
+            return Err(PoolError::Exhausted {
+                requested: n,
+                available: self.available(),
+            });
+        }
+        Ok((0..n).map(|_| self.take_one()).collect())
+    }
+
+    /// One block; the caller checked that one is available.
+    fn take_one(&mut self) -> BlockId {
+        let id = match self.free.pop() {
+            Some(id) => id,
+            None => {
+                let id = self.lru_head;
+                debug_assert!(id != NIL, "take_one without an available block");
+                self.lru_unlink(id);
+                self.cached -= 1;
+                let hash = std::mem::take(&mut self.meta[id as usize].hash);
+                self.index.remove(&hash);
+                self.evictions += 1;
+                id
+            }
+        };
+        let m = &mut self.meta[id as usize];
+        debug_assert_eq!(m.refs, 0);
+        *m = Meta {
+            refs: 1,
+            fill: 0,
+            hash: 0,
+            prev: NIL,
+            next: NIL,
+        };
+        self.used += 1;
+        id
+    }
+
+    /// Takes one more reference on a used or cached block (a cached block becomes used).
+    ///
+    /// # Errors
+    /// When the block does not exist or is free.
+    pub fn retain(&mut self, id: BlockId) -> Result<(), PoolError> {
+        let m = *self.meta(id)?;
+        if m.refs == 0 {
+            if m.hash == 0 {
+                return Err(PoolError::NotReferenced(id));
+            }
+            self.lru_unlink(id);
+            self.cached -= 1;
+            self.used += 1;
+        }
+        self.meta[id as usize].refs += 1;
+        Ok(())
+    }
+
+    /// Drops one reference. At zero a registered block becomes cached (most recently used), an
+    /// unregistered one free.
+    ///
+    /// # Errors
+    /// When the block does not exist or holds no reference.
+    pub fn release(&mut self, id: BlockId) -> Result<(), PoolError> {
+        self.drop_ref(id, false)
+    }
+
+    /// Drops one reference like [`release`](Self::release), but a block that reaches zero is
+    /// unregistered and freed rather than cached: for blocks whose contents must not outlive a
+    /// failed operation (a refused push's imports).
+    ///
+    /// # Errors
+    /// As [`release`](Self::release).
+    pub fn release_forget(&mut self, id: BlockId) -> Result<(), PoolError> {
+        self.drop_ref(id, true)
+    }
+
+    fn drop_ref(&mut self, id: BlockId, forget: bool) -> Result<(), PoolError> {
+        let m = *self.meta(id)?;
+        if m.refs == 0 {
+            return Err(PoolError::NotReferenced(id));
+        }
+        self.meta[id as usize].refs -= 1;
+        if m.refs > 1 {
+            return Ok(());
+        }
+        self.used -= 1;
+        if m.hash != 0 && !forget {
+            self.cached += 1;
+            self.lru_push_back(id);
+        } else {
+            if m.hash != 0 {
+                self.index.remove(&m.hash);
+            }
+            let meta = &mut self.meta[id as usize];
+            meta.hash = 0;
+            meta.fill = 0;
+            self.free.push(id);
+        }
+        Ok(())
+    }
+
+    /// Names a used block by `hash` in the prefix index. `false`, and no change, when the hash is
+    /// 0, another block already holds it, this block already has another name, or the block is
+    /// not referenced.
+    pub fn register(&mut self, id: BlockId, hash: u64) -> bool {
+        let Ok(m) = self.meta(id) else { return false };
+        if hash == 0 || m.refs == 0 || (m.hash != 0 && m.hash != hash) {
+            return false;
+        }
+        match self.index.get(&hash) {
+            Some(&holder) => holder == id,
+            None => {
+                self.index.insert(hash, id);
+                self.meta[id as usize].hash = hash;
+                true
+            }
+        }
+    }
+
+    /// The block holding `hash`, if any. Takes no reference and changes nothing, not even the
+    /// LRU order: asking is free.
+    #[must_use]
+    pub fn lookup(&self, hash: u64) -> Option<BlockId> {
+        if hash == 0 {
+            return None;
+        }
+        self.index.get(&hash).copied()
+    }
+
+    /// The block holding `hash` with one reference taken on it.
+    pub fn lookup_ref(&mut self, hash: u64) -> Option<BlockId> {
+        let id = self.lookup(hash)?;
+        self.retain(id).ok()?;
+        Some(id)
+    }
+
+    /// A block's hash (0 when unregistered), fill and refcount.
+    ///
+    /// # Errors
+    /// When the block does not exist.
+    pub fn info(&self, id: BlockId) -> Result<(u64, u32, u32), PoolError> {
+        self.meta(id).map(|m| (m.hash, m.fill, m.refs))
+    }
+
+    /// A block's payload bytes and fill.
+    ///
+    /// # Errors
+    /// When the block does not exist.
+    pub fn export(&self, id: BlockId) -> Result<(&[u8], u32), PoolError> {
+        let fill = self.meta(id)?.fill;
+        let at = id as usize * self.payload;
+        Ok((&self.slab[at..at + self.payload], fill))
+    }
+
+    /// A used block's payload, for the model to write.
+    ///
+    /// # Errors
+    /// When the block does not exist or is not referenced.
+    pub fn payload_mut(&mut self, id: BlockId) -> Result<&mut [u8], PoolError> {
+        if self.meta(id)?.refs == 0 {
+            return Err(PoolError::NotReferenced(id));
+        }
+        let at = id as usize * self.payload;
+        Ok(&mut self.slab[at..at + self.payload])
+    }
+
+    /// Sets a used block's fill.
+    ///
+    /// # Errors
+    /// When the block does not exist or is not referenced.
+    pub fn set_fill(&mut self, id: BlockId, fill: u32) -> Result<(), PoolError> {
+        if self.meta(id)?.refs == 0 {
+            return Err(PoolError::NotReferenced(id));
+        }
+        self.meta[id as usize].fill = fill;
+        Ok(())
+    }
+
+    /// A new block holding `payload` (P bytes) with `fill` tokens, refcount 1. Registered under
+    /// `hash` when it is non-zero and no other block holds it. One copy into the slab.
+    ///
+    /// # Errors
+    /// [`PoolError::BadImport`] for a wrong size or fill, [`PoolError::Exhausted`] with no free
+    /// or evictable block; the pool is unchanged.
+    pub fn import(&mut self, hash: u64, fill: u32, payload: &[u8]) -> Result<BlockId, PoolError> {
+        if payload.len() != self.payload || fill == 0 || fill > self.shape.block_tokens() {
+            return Err(PoolError::BadImport {
+                len: payload.len(),
+                fill,
+                payload: self.payload,
+            });
+        }
+        let id = self.allocate(1)?[0];
+        let at = id as usize * self.payload;
+        self.slab[at..at + self.payload].copy_from_slice(payload);
+        self.meta[id as usize].fill = fill;
+        if hash != 0 && !self.index.contains_key(&hash) {
+            self.index.insert(hash, id);
+            self.meta[id as usize].hash = hash;
+        }
+        Ok(id)
+    }
+
+    fn lru_unlink(&mut self, id: BlockId) {
+        let Meta { prev, next, .. } = self.meta[id as usize];
+        if prev == NIL {
+            self.lru_head = next;
+        } else {
+            self.meta[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.lru_tail = prev;
+        } else {
+            self.meta[next as usize].prev = prev;
+        }
+        let m = &mut self.meta[id as usize];
+        m.prev = NIL;
+        m.next = NIL;
+    }
+
+    fn lru_push_back(&mut self, id: BlockId) {
+        let tail = self.lru_tail;
+        {
+            let m = &mut self.meta[id as usize];
+            m.prev = tail;
+            m.next = NIL;
+        }
+        if tail == NIL {
+            self.lru_head = id;
+        } else {
+            self.meta[tail as usize].next = id;
+        }
+        self.lru_tail = id;
+    }
+
+    /// Verifies every invariant; `Err` says which one broke. Used by tests and debug builds.
+    ///
+    /// # Errors
+    /// A description of the first broken invariant.
+    pub fn check(&self) -> Result<(), String> {
+        let total = self.meta.len();
+        let used = self.meta.iter().filter(|m| m.refs > 0).count();
+        let cached = self
+            .meta
+            .iter()
+            .filter(|m| m.refs == 0 && m.hash != 0)
+            .count();
+        if used != self.used || cached != self.cached {
+            return Err(format!(
+                "counters used {}/{} cached {}/{}",
+                self.used, used, self.cached, cached
+            ));
+        }
+        if used + cached + self.free.len() != total {
+            return Err(format!(
+                "used {used} + cached {cached} + free {} != total {total}",
+                self.free.len()
+            ));
+        }
+        for &id in &self.free {
+            let m = &self.meta[id as usize];
+            if m.refs != 0 || m.hash != 0 {
+                return Err(format!(
+                    "free block {id} has refs {} hash {:#x}",
+                    m.refs, m.hash
+                ));
+            }
+        }
+        for (&hash, &id) in &self.index {
+            if self.meta.get(id as usize).map(|m| m.hash) != Some(hash) {
+                return Err(format!(
+                    "index {hash:#x} -> {id} but the block says otherwise"
+                ));
+            }
+        }
+        let named = self.meta.iter().filter(|m| m.hash != 0).count();
+        if named != self.index.len() {
+            return Err(format!(
+                "{named} named blocks but {} index entries",
+                self.index.len()
+            ));
+        }
+        let (mut n, mut at, mut prev) = (0, self.lru_head, NIL);
+        while at != NIL {
+            let m = &self.meta[at as usize];
+            if m.refs != 0 || m.hash == 0 || m.prev != prev {
+                return Err(format!(
+                    "LRU holds block {at} with refs {} hash {:#x}",
+                    m.refs, m.hash
+                ));
+            }
+            n += 1;
+            if n > total {
+                return Err("LRU has a cycle".into());
+            }
+            prev = at;
+            at = m.next;
+        }
+        if n != cached || self.lru_tail != prev {
+            return Err(format!("LRU has {n} blocks, {cached} cached"));
+        }
+        Ok(())
+    }
+}
+
+/// The pool shared by a server's tasks.
+///
+/// The lock is held only for metadata updates and at most one block's memcpy (an import, an
+/// export into an envelope, the model writing one step); never across I/O or an `.await`, so a
+/// slow peer cannot stall the step loop. `std::sync::Mutex` fits: critical sections are short and
+/// never yield.
+#[derive(Clone, Debug)]
+pub struct SharedKv(Arc<Mutex<KvPool>>);
+
+impl SharedKv {
+    /// Shares `pool`.
+    #[must_use]
+    pub fn new(pool: KvPool) -> Self {
+        Self(Arc::new(Mutex::new(pool)))
+    }
+
+    /// Locks the pool. A panic while holding the lock leaves the pool's counts consistent (each
+    /// method updates them last), so a poisoned lock is taken over rather than propagated.
+    pub fn lock(&self) -> MutexGuard<'_, KvPool> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// References on blocks that are released when the guard drops, so an error path cannot forget
+/// them. [`Blocks::into_ids`] hands the references on to a new owner instead.
+#[derive(Debug)]
+pub struct Blocks {
+    pool: SharedKv,
+    ids: Vec<BlockId>,
+    forget: bool,
+}
+
+impl Blocks {
+    /// Owns one reference on each of `ids` (already taken), releasing them on drop.
+    #[must_use]
+    pub fn new(pool: SharedKv, ids: Vec<BlockId>) -> Self {
+        Self {
+            pool,
+            ids,
+            forget: false,
+        }
+    }
+
+    /// Like [`new`](Self::new), but on drop blocks that reach zero are unregistered and freed,
+    /// not cached (see [`KvPool::release_forget`]).
+    #[must_use]
+    pub fn forgetting(pool: SharedKv, ids: Vec<BlockId>) -> Self {
+        Self {
+            pool,
+            ids,
+            forget: true,
+        }
+    }
+
+    /// The blocks, in order.
+    #[must_use]
+    pub fn ids(&self) -> &[BlockId] {
+        &self.ids
+    }
+
+    /// Adds one more owned reference.
+    pub fn push(&mut self, id: BlockId) {
+        self.ids.push(id);
+    }
+
+    /// Number of blocks.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// No blocks.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// Keeps the references and hands them to the caller, who must release them.
+    #[must_use]
+    pub fn into_ids(mut self) -> Vec<BlockId> {
+        std::mem::take(&mut self.ids)
+    }
+
+    /// From now on, drop releases normally (blocks stay cached when registered).
+    pub fn keep_on_drop(&mut self) {
+        self.forget = false;
+    }
+
+    /// The pool these references are in.
+    #[must_use]
+    pub fn pool(&self) -> &SharedKv {
+        &self.pool
+    }
+}
+
+impl Drop for Blocks {
+    fn drop(&mut self) {
+        if self.ids.is_empty() {
+            return;
+        }
+        let mut pool = self.pool.lock();
+        for &id in &self.ids {
+            let res = if self.forget {
+                pool.release_forget(id)
+            } else {
+                pool.release(id)
+            };
+            debug_assert!(
+                res.is_ok(),
+                "guard released block {id} it did not hold: {res:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,301 @@
+//! The fake model and the colocated engine: sensitivity, prefix sharing, reproducibility, and
+//! resuming from prefill blocks (in the same pool and in another one).
+
+use std::sync::Arc;
+
+use kvwire::Shape;
+use tl_engine::engine::{Engine, Event, Mode, PrefillOutput, Request};
+use tl_engine::model::{BYTE_VOCAB, FakeModel};
+use tl_engine::pool::{Blocks, KvPool, SharedKv};
+use tl_engine::sampler::{Sampling, SamplingRequest};
+
+const TEST: Shape = Shape::v1(4, 2, 1, 4);
+
+fn engine(blocks: usize) -> Engine {
+    let model = Arc::new(FakeModel::new("fake", TEST, BYTE_VOCAB, 256));
+    Engine::new(model, SharedKv::new(KvPool::new(TEST, blocks)))
+}
+
+fn sampling(t: f32, p: f32, k: u32) -> Sampling {
+    Sampling::new(
+        SamplingRequest {
+            temperature: t,
+            top_p: p,
+            top_k: k,
+        },
+        BYTE_VOCAB,
+    )
+    .unwrap()
+}
+
+fn req(prompt: &[u32], sampling: Sampling, seed: u64, max_tokens: u32, mode: Mode) -> Request {
+    Request {
+        prompt: prompt.to_vec(),
+        sampling,
+        seed,
+        max_tokens,
+        mode,
+    }
+}
+
+fn prefill(e: &mut Engine, prompt: &[u32], s: Sampling, seed: u64) -> PrefillOutput {
+    e.submit(req(prompt, s, seed, 1, Mode::PrefillOnly))
+        .unwrap();
+    let (events, _) = e.step();
+    for ev in events {
+        if let Event::Prefilled { output, .. } = ev {
+            return output;
+        }
+    }
+    panic!("no Prefilled event");
+}
+
+#[test]
+fn fake_model_is_sensitive_to_every_cached_kv_byte() {
+    let mut e = engine(16);
+    let prompt: Vec<u32> = (0..10).map(|i| 40 + i).collect();
+    let out = prefill(&mut e, &prompt, Sampling::GREEDY, 0);
+    let ids = out.blocks.ids().to_vec();
+    assert_eq!(ids.len(), 3);
+    let model = e.model().clone();
+    let mut pool = e.pool().lock();
+    let base = model.decode(&mut pool, 7, 10, &ids).unwrap();
+    assert_eq!(
+        model.decode(&mut pool, 7, 10, &ids).unwrap(),
+        base,
+        "not deterministic"
+    );
+    let row = TEST.row_bytes().unwrap();
+    let plane = row * 4;
+    let mut checked = 0;
+    for (bi, &id) in ids.iter().enumerate() {
+        // Positions 0..10 are the prompt's; position 10 is rewritten by every decode call.
+        let rows = (10 - bi * 4).min(4);
+        for p in 0..TEST.planes() {
+            for byte in p * plane..p * plane + rows * row {
+                pool.payload_mut(id).unwrap()[byte] ^= 0x01;
+                let changed = model.decode(&mut pool, 7, 10, &ids).unwrap();
+                pool.payload_mut(id).unwrap()[byte] ^= 0x01;
+                assert_ne!(
+                    changed, base,
+                    "block {bi} byte {byte} did not change the logits"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 10 * TEST.planes() * row);
+    assert_eq!(model.decode(&mut pool, 7, 10, &ids).unwrap(), base);
+    drop(pool);
+    drop(out);
+}
+
+#[test]
+fn prompts_sharing_a_prefix_share_its_blocks() {
+    let mut e = engine(32);
+    let a: Vec<u32> = [1, 2, 3, 4, 5, 6, 7, 8, 9, 9].to_vec();
+    let b: Vec<u32> = [1, 2, 3, 4, 5, 6, 7, 8, 100, 101, 102].to_vec();
+    let oa = prefill(&mut e, &a, Sampling::GREEDY, 1);
+    let ob = prefill(&mut e, &b, Sampling::GREEDY, 1);
+    assert_eq!(oa.cached_blocks, 0);
+    assert_eq!(ob.cached_blocks, 2);
+    assert_eq!(oa.blocks.ids()[..2], ob.blocks.ids()[..2]);
+    assert_ne!(oa.blocks.ids()[2], ob.blocks.ids()[2]);
+    assert_eq!(oa.hashes, ob.hashes[..2]);
+    {
+        let pool = e.pool().lock();
+        assert_eq!(
+            pool.info(oa.blocks.ids()[0]).unwrap().2,
+            2,
+            "shared block holds both references"
+        );
+        assert_eq!(pool.counts().used, 4);
+    }
+    drop(oa);
+    drop(ob);
+    let c = e.pool().lock().counts();
+    assert_eq!(
+        (c.used, c.cached),
+        (0, 2),
+        "full blocks stay cached, tails go free"
+    );
+    e.pool().lock().check().unwrap();
+}
+
+#[test]
+fn same_seed_same_tokens() {
+    let prompt: Vec<u32> = b"hello, world".iter().map(|&b| u32::from(b)).collect();
+    let s = sampling(0.9, 0.95, 50);
+    let run = |seed| {
+        engine(64)
+            .generate(req(&prompt, s, seed, 12, Mode::Generate))
+            .unwrap()
+    };
+    let a = run(7);
+    assert_eq!(a.len(), 12);
+    assert_eq!(a, run(7));
+    assert_ne!(a, run(8));
+    // Greedy does not depend on the seed.
+    let g = |seed| {
+        engine(64)
+            .generate(req(&prompt, Sampling::GREEDY, seed, 12, Mode::Generate))
+            .unwrap()
+    };
+    assert_eq!(g(1), g(2));
+}
+
+/// Runs `prompt` uninterrupted, then as prefill + resume, (a) in the same engine and (b) with the
+/// blocks exported into another engine's pool, and compares.
+fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
+    let full = engine(64)
+        .generate(req(prompt, s, seed, 12, Mode::Generate))
+        .unwrap();
+
+    // (a) same pool.
+    let mut e = engine(64);
+    let out = prefill(&mut e, prompt, s, seed);
+    assert_eq!(out.first_token, full[0]);
+    assert_eq!(out.draws, u32::from(!s.is_greedy()));
+    let id = e
+        .resume(
+            prompt.to_vec(),
+            out.blocks,
+            out.first_token,
+            u64::from(out.draws),
+            s,
+            seed,
+            12,
+        )
+        .unwrap();
+    let rest = e.run_to_end(id).unwrap();
+    assert_eq!([&[out.first_token][..], &rest].concat(), full);
+
+    // (b) another pool: export every block, import it on the other side, resume there.
+    let mut p = engine(64);
+    let mut d = engine(64);
+    let out = prefill(&mut p, prompt, s, seed);
+    let mut imported = Vec::new();
+    {
+        let src = p.pool().lock();
+        let mut dst = d.pool().lock();
+        for (i, &bid) in out.blocks.ids().iter().enumerate() {
+            let (bytes, fill) = src.export(bid).unwrap();
+            let hash = out.hashes.get(i).copied().unwrap_or(0);
+            imported.push(dst.import(hash, fill, bytes).unwrap());
+        }
+    }
+    let blocks = Blocks::new(d.pool().clone(), imported);
+    let id = d
+        .resume(
+            prompt.to_vec(),
+            blocks,
+            out.first_token,
+            u64::from(out.draws),
+            s,
+            seed,
+            12,
+        )
+        .unwrap();
+    let rest = d.run_to_end(id).unwrap();
+    assert_eq!(
+        [&[out.first_token][..], &rest].concat(),
+        full,
+        "seed {seed}"
+    );
+    drop(out);
+    for eng in [&p, &d] {
+        let c = eng.pool().lock().counts();
+        assert_eq!(c.used, 0, "blocks leaked");
+        eng.pool().lock().check().unwrap();
+    }
+}
+
+#[test]
+fn resumed_prefill_equals_uninterrupted_run() {
+    let prompts: [Vec<u32>; 3] = [vec![5, 6, 7], (0..8).collect(), (10..21).collect()];
+    for prompt in &prompts {
+        resume_matches(prompt, Sampling::GREEDY, 0);
+        resume_matches(prompt, sampling(0.8, 0.9, 0), 42);
+        resume_matches(prompt, sampling(1.3, 1.0, 20), 0xdead_beef);
+    }
+}
+
+#[test]
+fn continuous_batching_interleaves_and_frees() {
+    let mut e = engine(64);
+    let s = sampling(0.7, 1.0, 0);
+    let a = e
+        .submit(req(&[1, 2, 3, 4, 5], s, 1, 6, Mode::Generate))
+        .unwrap();
+    e.step();
+    // b joins while a is decoding; both progress in the same steps.
+    let b = e.submit(req(&[9, 9, 9], s, 2, 4, Mode::Generate)).unwrap();
+    let (events, stats) = e.step();
+    assert_eq!(stats.decoded, 1);
+    assert!(
+        events
+            .iter()
+            .any(|ev| matches!(ev, Event::Token { seq, .. } if *seq == b))
+    );
+    let (events, stats) = e.step();
+    assert_eq!(stats.decoded, 2);
+    assert_eq!(
+        events
+            .iter()
+            .filter(|ev| matches!(ev, Event::Token { .. }))
+            .count(),
+        2
+    );
+    assert!(e.cancel(a));
+    assert!(!e.cancel(a));
+    while !e.is_idle() {
+        e.step();
+    }
+    let c = e.pool().lock().counts();
+    assert_eq!(c.used, 0);
+    // Each solo run gives the same tokens as the batched one (sequences do not disturb each other).
+    let solo = engine(64)
+        .generate(req(&[9, 9, 9], s, 2, 4, Mode::Generate))
+        .unwrap();
+    let mut e2 = engine(64);
+    e2.submit(req(&[1, 2, 3, 4, 5], s, 1, 6, Mode::Generate))
+        .unwrap();
+    let bid = e2.submit(req(&[9, 9, 9], s, 2, 4, Mode::Generate)).unwrap();
+    let mut got = Vec::new();
+    while !e2.is_idle() {
+        for ev in e2.step().0 {
+            if let Event::Token { seq, token, .. } = ev
+                && seq == bid
+            {
+                got.push(token);
+            }
+        }
+    }
+    assert_eq!(got, solo);
+}
+
+#[test]
+fn exhausted_pool_fails_the_request_and_frees() {
+    let mut e = engine(2);
+    let before = e.pool().lock().counts();
+    let r = e.generate(req(
+        &(0..12).collect::<Vec<_>>(),
+        Sampling::GREEDY,
+        0,
+        2,
+        Mode::Generate,
+    ));
+    assert!(r.is_err());
+    assert_eq!(e.pool().lock().counts(), before);
+    // A request that fits, but whose decode needs one block too many, fails mid-way and frees.
+    let r = e.generate(req(
+        &(0..8).collect::<Vec<_>>(),
+        Sampling::GREEDY,
+        0,
+        3,
+        Mode::Generate,
+    ));
+    assert!(r.is_err());
+    assert_eq!(e.pool().lock().counts().used, 0);
+    e.pool().lock().check().unwrap();
+}
