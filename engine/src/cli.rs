@@ -89,3 +89,77 @@ pub fn inspect(args: &InspectArgs) -> ExitCode {
         }
     }
 }
+
+/// Arguments of `tl generate`.
+#[derive(clap::Args, Debug)]
+pub struct GenerateArgs {
+    /// Engine configuration (TOML); the defaults when omitted.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Prompt token ids, comma-separated.
+    #[arg(long, value_delimiter = ',', required = true, num_args = 1..)]
+    pub prompt_tokens: Vec<u32>,
+    /// Tokens to generate.
+    #[arg(long)]
+    pub max_tokens: u32,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1].
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Generator seed; the engine picks one (and prints it) when omitted.
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+/// A seed from the process's randomness, for requests that do not give one.
+#[must_use]
+pub fn pick_seed() -> u64 {
+    use std::hash::BuildHasher;
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    std::collections::hash_map::RandomState::new().hash_one(nanos)
+}
+
+/// Runs `tl generate`: one colocated generation, one JSON line `{"tokens":[...],"seed":S}`.
+#[must_use]
+pub fn generate(args: &GenerateArgs) -> ExitCode {
+    use crate::config::Config;
+    use crate::engine::{Engine, Mode, Request};
+    use crate::sampler::{Sampling, SamplingRequest};
+
+    let cfg = match Config::load_or_default(args.config.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let model = cfg.build_model();
+    let req = SamplingRequest { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k };
+    let sampling = match Sampling::new(req, cfg.model.vocab) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let seed = args.seed.unwrap_or_else(pick_seed);
+    let mut engine = Engine::new(model, cfg.build_pool());
+    let req = Request { prompt: args.prompt_tokens.clone(), sampling, seed, max_tokens: args.max_tokens, mode: Mode::Generate };
+    match engine.generate(req) {
+        Ok(tokens) => {
+            // Keys in the documented order: tokens, then seed.
+            let tokens = serde_json::to_string(&tokens).unwrap_or_default();
+            println!("{{\"tokens\":{tokens},\"seed\":{seed}}}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}

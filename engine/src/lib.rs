@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod config;
 pub mod engine;
 pub mod model;
 pub mod pool;

@@ -21,6 +21,8 @@ enum Cmd {
     ///
     /// Exit status: 0 valid; 3 format refusal; 4 version refusal; 5 shape refusal; 2 usage or I/O.
     Inspect(tl_engine::cli::InspectArgs),
+    /// Colocated generation on one engine; prints `{"tokens":[...],"seed":S}`.
+    Generate(tl_engine::cli::GenerateArgs),
     /// Benchmarks that print one JSON line.
     Bench {
         #[command(subcommand)]
@@ -45,6 +47,7 @@ fn main() -> ExitCode {
     };
     match cli.cmd {
         Cmd::Inspect(args) => tl_engine::cli::inspect(&args),
+        Cmd::Generate(args) => tl_engine::cli::generate(&args),
         Cmd::Bench {
             which: BenchCmd::Wire(args),
         } => tl_engine::bench::wire(&args),

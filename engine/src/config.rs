@@ -1,0 +1,311 @@
+//! The engine's TOML configuration. Every key is optional and documented with its default;
+//! unknown keys are refused, so a typo is an error rather than a silently ignored setting.
+//!
+//! ```toml
+//! [engine]
+//! id = "engine"                 # worker id, unique per registry; part of every handle id
+//! role = "both"                 # prefill | decode | both
+//! grpc_listen = "127.0.0.1:0"   # EngineControl (tl.engine.v1); port 0 picks a free port
+//! kv_listen = "127.0.0.1:0"     # KvTransfer (tl.kv.v1), served by decode engines
+//! http_listen = "127.0.0.1:0"   # POST /v1/completions, served by decode engines
+//! gateway_registry = ""         # host:port of the gateway's WorkerRegistry; empty: no heartbeat
+//! heartbeat_ms = 2000           # heartbeat interval
+//!
+//! [model]
+//! kind = "fake"                 # the only kind: the deterministic fake model, named "fake"
+//! vocab = 260                   # byte-level tokenizer: 256 bytes + 4 specials
+//! n_layers = 2                  # L
+//! n_kv_heads = 1                # H
+//! head_dim = 4                  # D
+//! max_context = 4096            # prompt plus completion, in tokens
+//! prefill_us_per_token = 0      # simulated compute (sleep) per prompt token prefilled; 0: off
+//! decode_us_per_seq = 0         # simulated compute (sleep) per sequence per decode step; 0: off
+//!
+//! [pool]
+//! block_tokens = 4              # B
+//! n_blocks = 1024               # blocks in the KV pool
+//! ```
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvwire::Shape;
+use serde::Deserialize;
+
+use crate::engine::CostModel;
+use crate::model::{BYTE_VOCAB, FakeModel};
+use crate::pool::{KvPool, SharedKv};
+
+/// What an engine does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Runs prompts and ships their KV.
+    Prefill,
+    /// Receives KV and generates.
+    Decode,
+    /// Both, in one process (also serves colocated requests).
+    #[default]
+    Both,
+}
+
+impl Role {
+    /// True for prefill and both.
+    #[must_use]
+    pub fn prefills(self) -> bool {
+        matches!(self, Role::Prefill | Role::Both)
+    }
+
+    /// True for decode and both.
+    #[must_use]
+    pub fn decodes(self) -> bool {
+        matches!(self, Role::Decode | Role::Both)
+    }
+
+    /// The contract's role strings: `prefill`, `decode`, or both of them.
+    #[must_use]
+    pub fn names(self) -> Vec<String> {
+        let mut v = Vec::new();
+        if self.prefills() {
+            v.push("prefill".to_owned());
+        }
+        if self.decodes() {
+            v.push("decode".to_owned());
+        }
+        v
+    }
+}
+
+/// The whole configuration file.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// `[engine]`.
+    pub engine: EngineSection,
+    /// `[model]`.
+    pub model: ModelSection,
+    /// `[pool]`.
+    pub pool: PoolSection,
+}
+
+/// `[engine]`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineSection {
+    /// Worker id.
+    pub id: String,
+    /// Role.
+    pub role: Role,
+    /// EngineControl listen address.
+    pub grpc_listen: String,
+    /// KvTransfer listen address.
+    pub kv_listen: String,
+    /// HTTP listen address.
+    pub http_listen: String,
+    /// The gateway's registry, or empty.
+    pub gateway_registry: String,
+    /// Heartbeat interval in milliseconds.
+    pub heartbeat_ms: u32,
+}
+
+impl Default for EngineSection {
+    fn default() -> Self {
+        Self {
+            id: "engine".into(),
+            role: Role::Both,
+            grpc_listen: "127.0.0.1:0".into(),
+            kv_listen: "127.0.0.1:0".into(),
+            http_listen: "127.0.0.1:0".into(),
+            gateway_registry: String::new(),
+            heartbeat_ms: 2000,
+        }
+    }
+}
+
+/// `[model]`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelSection {
+    /// Model kind; only `fake`.
+    pub kind: String,
+    /// Vocabulary size.
+    pub vocab: u32,
+    /// L.
+    pub n_layers: u32,
+    /// H.
+    pub n_kv_heads: u32,
+    /// D.
+    pub head_dim: u32,
+    /// Context length.
+    pub max_context: u32,
+    /// Simulated microseconds per prompt token prefilled.
+    pub prefill_us_per_token: u64,
+    /// Simulated microseconds per sequence per decode step.
+    pub decode_us_per_seq: u64,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self {
+            kind: "fake".into(),
+            vocab: BYTE_VOCAB,
+            n_layers: 2,
+            n_kv_heads: 1,
+            head_dim: 4,
+            max_context: 4096,
+            prefill_us_per_token: 0,
+            decode_us_per_seq: 0,
+        }
+    }
+}
+
+/// `[pool]`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PoolSection {
+    /// B.
+    pub block_tokens: u32,
+    /// Blocks in the pool.
+    pub n_blocks: u32,
+}
+
+impl Default for PoolSection {
+    fn default() -> Self {
+        Self { block_tokens: 4, n_blocks: 1024 }
+    }
+}
+
+/// A configuration that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The TOML is malformed or has unknown keys.
+    #[error("{path}: {source}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// Why.
+        source: Box<toml::de::Error>,
+    },
+    /// A value is out of range.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+impl Config {
+    /// Reads and validates a file.
+    ///
+    /// # Errors
+    /// I/O, parse, or validation errors.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Io { path: path.display().to_string(), source })?;
+        let cfg: Config = toml::from_str(&text)
+            .map_err(|e| ConfigError::Parse { path: path.display().to_string(), source: Box::new(e) })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads `path` if given, else the defaults.
+    ///
+    /// # Errors
+    /// As [`load`](Self::load).
+    pub fn load_or_default(path: Option<&Path>) -> Result<Self, ConfigError> {
+        match path {
+            Some(p) => Self::load(p),
+            None => Ok(Self::default()),
+        }
+    }
+
+    /// Checks ranges.
+    ///
+    /// # Errors
+    /// The first value out of range.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let m = &self.model;
+        if m.kind != "fake" {
+            return Err(ConfigError::Invalid(format!("model.kind {:?}: only \"fake\" exists", m.kind)));
+        }
+        if m.vocab == 0 || m.max_context == 0 {
+            return Err(ConfigError::Invalid("model.vocab and model.max_context must be >= 1".into()));
+        }
+        if !self.shape().is_valid() || self.shape().payload_bytes().is_none() {
+            return Err(ConfigError::Invalid("pool.block_tokens and the model's dimensions must be >= 1".into()));
+        }
+        if self.pool.n_blocks == 0 {
+            return Err(ConfigError::Invalid("pool.n_blocks must be >= 1".into()));
+        }
+        let bytes = self.shape().payload_bytes().and_then(|p| p.checked_mul(self.pool.n_blocks as usize));
+        if bytes.is_none_or(|b| b > (1 << 40)) {
+            return Err(ConfigError::Invalid("the pool would exceed 1 TiB".into()));
+        }
+        if self.engine.heartbeat_ms == 0 {
+            return Err(ConfigError::Invalid("engine.heartbeat_ms must be >= 1".into()));
+        }
+        if self.engine.id.is_empty() {
+            return Err(ConfigError::Invalid("engine.id must not be empty".into()));
+        }
+        Ok(())
+    }
+
+    /// The KV block shape.
+    #[must_use]
+    pub fn shape(&self) -> Shape {
+        let m = &self.model;
+        Shape::v1(self.pool.block_tokens, m.n_layers, m.n_kv_heads, m.head_dim)
+    }
+
+    /// The model this configuration describes.
+    #[must_use]
+    pub fn build_model(&self) -> Arc<FakeModel> {
+        Arc::new(FakeModel::new(self.model.kind.clone(), self.shape(), self.model.vocab, self.model.max_context))
+    }
+
+    /// The pool this configuration describes.
+    #[must_use]
+    pub fn build_pool(&self) -> SharedKv {
+        SharedKv::new(KvPool::new(self.shape(), self.pool.n_blocks as usize))
+    }
+
+    /// The simulated compute cost.
+    #[must_use]
+    pub fn cost(&self) -> CostModel {
+        CostModel {
+            prefill_per_token: Duration::from_micros(self.model.prefill_us_per_token),
+            decode_per_seq: Duration::from_micros(self.model.decode_us_per_seq),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_test_shape_and_unknown_keys_are_refused() {
+        let c = Config::default();
+        assert_eq!(c.shape(), Shape::v1(4, 2, 1, 4));
+        assert_eq!(c.pool.n_blocks, 1024);
+        assert_eq!(c.model.vocab, BYTE_VOCAB);
+        c.validate().unwrap();
+        let parsed: Config = toml::from_str("[engine]\nrole = \"decode\"\n[pool]\nn_blocks = 8\n").unwrap();
+        assert_eq!(parsed.engine.role, Role::Decode);
+        assert_eq!(parsed.pool.n_blocks, 8);
+        assert_eq!(parsed.pool.block_tokens, 4);
+        assert!(toml::from_str::<Config>("[pool]\nn_block = 8\n").is_err());
+        assert!(toml::from_str::<Config>("[nope]\n").is_err());
+        assert!(toml::from_str::<Config>("[engine]\nrole = \"sideways\"\n").is_err());
+        let bad: Config = toml::from_str("[pool]\nblock_tokens = 0\n").unwrap();
+        assert!(bad.validate().is_err());
+        assert_eq!(Role::Both.names(), ["prefill", "decode"]);
+    }
+}
