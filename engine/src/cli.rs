@@ -120,7 +120,9 @@ pub struct GenerateArgs {
 #[must_use]
 pub fn pick_seed() -> u64 {
     use std::hash::BuildHasher;
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
     std::collections::hash_map::RandomState::new().hash_one(nanos)
 }
 
@@ -139,7 +141,11 @@ pub fn generate(args: &GenerateArgs) -> ExitCode {
         }
     };
     let model = cfg.build_model();
-    let req = SamplingRequest { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k };
+    let req = SamplingRequest {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+    };
     let sampling = match Sampling::new(req, cfg.model.vocab) {
         Ok(s) => s,
         Err(e) => {
@@ -149,7 +155,13 @@ pub fn generate(args: &GenerateArgs) -> ExitCode {
     };
     let seed = args.seed.unwrap_or_else(pick_seed);
     let mut engine = Engine::new(model, cfg.build_pool());
-    let req = Request { prompt: args.prompt_tokens.clone(), sampling, seed, max_tokens: args.max_tokens, mode: Mode::Generate };
+    let req = Request {
+        prompt: args.prompt_tokens.clone(),
+        sampling,
+        seed,
+        max_tokens: args.max_tokens,
+        mode: Mode::Generate,
+    };
     match engine.generate(req) {
         Ok(tokens) => {
             // Keys in the documented order: tokens, then seed.

@@ -172,7 +172,10 @@ pub struct PoolSection {
 
 impl Default for PoolSection {
     fn default() -> Self {
-        Self { block_tokens: 4, n_blocks: 1024 }
+        Self {
+            block_tokens: 4,
+            n_blocks: 1024,
+        }
     }
 }
 
@@ -207,10 +210,14 @@ impl Config {
     /// # Errors
     /// I/O, parse, or validation errors.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Io { path: path.display().to_string(), source })?;
-        let cfg: Config = toml::from_str(&text)
-            .map_err(|e| ConfigError::Parse { path: path.display().to_string(), source: Box::new(e) })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let cfg: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.display().to_string(),
+            source: Box::new(e),
+        })?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -233,23 +240,35 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let m = &self.model;
         if m.kind != "fake" {
-            return Err(ConfigError::Invalid(format!("model.kind {:?}: only \"fake\" exists", m.kind)));
+            return Err(ConfigError::Invalid(format!(
+                "model.kind {:?}: only \"fake\" exists",
+                m.kind
+            )));
         }
         if m.vocab == 0 || m.max_context == 0 {
-            return Err(ConfigError::Invalid("model.vocab and model.max_context must be >= 1".into()));
+            return Err(ConfigError::Invalid(
+                "model.vocab and model.max_context must be >= 1".into(),
+            ));
         }
         if !self.shape().is_valid() || self.shape().payload_bytes().is_none() {
-            return Err(ConfigError::Invalid("pool.block_tokens and the model's dimensions must be >= 1".into()));
+            return Err(ConfigError::Invalid(
+                "pool.block_tokens and the model's dimensions must be >= 1".into(),
+            ));
         }
         if self.pool.n_blocks == 0 {
             return Err(ConfigError::Invalid("pool.n_blocks must be >= 1".into()));
         }
-        let bytes = self.shape().payload_bytes().and_then(|p| p.checked_mul(self.pool.n_blocks as usize));
+        let bytes = self
+            .shape()
+            .payload_bytes()
+            .and_then(|p| p.checked_mul(self.pool.n_blocks as usize));
         if bytes.is_none_or(|b| b > (1 << 40)) {
             return Err(ConfigError::Invalid("the pool would exceed 1 TiB".into()));
         }
         if self.engine.heartbeat_ms == 0 {
-            return Err(ConfigError::Invalid("engine.heartbeat_ms must be >= 1".into()));
+            return Err(ConfigError::Invalid(
+                "engine.heartbeat_ms must be >= 1".into(),
+            ));
         }
         if self.engine.id.is_empty() {
             return Err(ConfigError::Invalid("engine.id must not be empty".into()));
@@ -267,7 +286,12 @@ impl Config {
     /// The model this configuration describes.
     #[must_use]
     pub fn build_model(&self) -> Arc<FakeModel> {
-        Arc::new(FakeModel::new(self.model.kind.clone(), self.shape(), self.model.vocab, self.model.max_context))
+        Arc::new(FakeModel::new(
+            self.model.kind.clone(),
+            self.shape(),
+            self.model.vocab,
+            self.model.max_context,
+        ))
     }
 
     /// The pool this configuration describes.
@@ -297,7 +321,8 @@ mod tests {
         assert_eq!(c.pool.n_blocks, 1024);
         assert_eq!(c.model.vocab, BYTE_VOCAB);
         c.validate().unwrap();
-        let parsed: Config = toml::from_str("[engine]\nrole = \"decode\"\n[pool]\nn_blocks = 8\n").unwrap();
+        let parsed: Config =
+            toml::from_str("[engine]\nrole = \"decode\"\n[pool]\nn_blocks = 8\n").unwrap();
         assert_eq!(parsed.engine.role, Role::Decode);
         assert_eq!(parsed.pool.n_blocks, 8);
         assert_eq!(parsed.pool.block_tokens, 4);

@@ -79,15 +79,40 @@ fn inspect_exit_codes_follow_the_refusal_kind() {
 
 #[test]
 fn generate_prints_tokens_and_seed() {
-    let (code, out, err) = tl(&["generate", "--prompt-tokens", "1,2,3", "--max-tokens", "12", "--temperature", "0.8", "--seed", "42"]);
+    let (code, out, err) = tl(&[
+        "generate",
+        "--prompt-tokens",
+        "1,2,3",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "42",
+    ]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v["seed"], 42);
-    let tokens: Vec<u64> = v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    let tokens: Vec<u64> = v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
     assert_eq!(tokens.len(), 12);
     assert!(out.starts_with("{\"tokens\":["), "{out}");
     // The same request again gives the same tokens; without a seed the engine picks and reports one.
-    let (_, again, _) = tl(&["generate", "--prompt-tokens", "1,2,3", "--max-tokens", "12", "--temperature", "0.8", "--seed", "42"]);
+    let (_, again, _) = tl(&[
+        "generate",
+        "--prompt-tokens",
+        "1,2,3",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "42",
+    ]);
     assert_eq!(again, out);
     let (code, picked, _) = tl(&["generate", "--prompt-tokens", "1,2,3", "--max-tokens", "2"]);
     assert_eq!(code, 0);
@@ -101,15 +126,48 @@ fn generate_refuses_bad_config_and_parameters() {
     std::fs::create_dir_all(&dir).unwrap();
     let bad = dir.join("bad.toml");
     std::fs::write(&bad, "[pool]\nn_blocks = 8\nbogus = 1\n").unwrap();
-    let (code, _, err) = tl(&["generate", "--config", bad.to_str().unwrap(), "--prompt-tokens", "1", "--max-tokens", "1"]);
+    let (code, _, err) = tl(&[
+        "generate",
+        "--config",
+        bad.to_str().unwrap(),
+        "--prompt-tokens",
+        "1",
+        "--max-tokens",
+        "1",
+    ]);
     assert_eq!(code, 2);
     assert!(err.contains("bogus"), "{err}");
     let good = dir.join("good.toml");
     std::fs::write(&good, "[pool]\nn_blocks = 8\nblock_tokens = 2\n").unwrap();
-    let (code, out, err) = tl(&["generate", "--config", good.to_str().unwrap(), "--prompt-tokens", "1,2,3", "--max-tokens", "3", "--seed", "1"]);
+    let (code, out, err) = tl(&[
+        "generate",
+        "--config",
+        good.to_str().unwrap(),
+        "--prompt-tokens",
+        "1,2,3",
+        "--max-tokens",
+        "3",
+        "--seed",
+        "1",
+    ]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("\"seed\":1"));
-    assert_eq!(tl(&["generate", "--prompt-tokens", "1", "--max-tokens", "1", "--temperature", "-1"]).0, 2);
-    assert_eq!(tl(&["generate", "--prompt-tokens", "999", "--max-tokens", "1"]).0, 1);
+    assert_eq!(
+        tl(&[
+            "generate",
+            "--prompt-tokens",
+            "1",
+            "--max-tokens",
+            "1",
+            "--temperature",
+            "-1"
+        ])
+        .0,
+        2
+    );
+    assert_eq!(
+        tl(&["generate", "--prompt-tokens", "999", "--max-tokens", "1"]).0,
+        1
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,0 +1,126 @@
+//! Pool and engine costs: import/export of a 2 MiB block against memcpy, lookup of 1,000 hashes
+//! in a pool of 100,000 blocks, and the fake model's decode step per sequence.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use kvwire::Shape;
+use tl_engine::engine::{Engine, Mode, Request};
+use tl_engine::model::{BYTE_VOCAB, FakeModel};
+use tl_engine::pool::{KvPool, SharedKv};
+use tl_engine::sampler::{Sampling, SamplingRequest};
+
+const REAL: Shape = Shape::v1(16, 32, 8, 128);
+const TEST: Shape = Shape::v1(4, 2, 1, 4);
+
+fn import_export(c: &mut Criterion) {
+    let p = REAL.payload_bytes().expect("fixed shape");
+    let src: Vec<u8> = (0..p).map(|i| (i * 7 % 253) as u8).collect();
+    let mut dst = vec![0u8; p];
+    let mut pool = KvPool::new(REAL, 4);
+    let mut g = c.benchmark_group("pool_2MiB");
+    g.throughput(Throughput::Bytes(p as u64));
+    g.bench_function("memcpy", |b| {
+        b.iter(|| dst.copy_from_slice(black_box(&src)))
+    });
+    g.bench_function("import", |b| {
+        b.iter(|| {
+            let id = pool.import(0, 16, black_box(&src)).expect("room");
+            pool.release(id).expect("held");
+        })
+    });
+    let id = pool.import(0, 16, &src).expect("room");
+    g.bench_function("export_copy", |b| {
+        b.iter(|| {
+            let (bytes, _) = pool.export(black_box(id)).expect("exists");
+            dst.copy_from_slice(bytes);
+        })
+    });
+    g.finish();
+}
+
+fn lookup(c: &mut Criterion) {
+    const N: usize = 100_000;
+    let mut pool = KvPool::new(TEST, N);
+    let ids = pool.allocate(N).expect("room");
+    for (i, &id) in ids.iter().enumerate() {
+        pool.register(id, kvwire::block_hash(0, &[i as u32]));
+    }
+    for id in ids {
+        pool.release(id).expect("held");
+    }
+    // Half present, half absent, spread over the table.
+    let probes: Vec<u64> = (0..1000u32)
+        .map(|i| {
+            if i % 2 == 0 {
+                kvwire::block_hash(0, &[i * 97])
+            } else {
+                kvwire::block_hash(1, &[i])
+            }
+        })
+        .collect();
+    let mut g = c.benchmark_group("lookup");
+    g.throughput(Throughput::Elements(probes.len() as u64));
+    g.bench_function("1000_hashes_in_100k_blocks", |b| {
+        b.iter(|| {
+            probes
+                .iter()
+                .filter(|&&h| pool.lookup(black_box(h)).is_some())
+                .count()
+        })
+    });
+    g.finish();
+}
+
+fn decode_step(c: &mut Criterion) {
+    const SEQS: u32 = 16;
+    let s = Sampling::new(
+        SamplingRequest {
+            temperature: 0.8,
+            top_p: 0.95,
+            top_k: 0,
+        },
+        BYTE_VOCAB,
+    )
+    .expect("valid");
+    let mut g = c.benchmark_group("decode_step");
+    g.throughput(Throughput::Elements(u64::from(SEQS)));
+    // Each iteration: 16 sequences of a 64-token prompt, one decode step for all of them.
+    g.bench_function("fake_model_test_shape_16_seqs", |b| {
+        b.iter_batched(
+            || {
+                let model = Arc::new(FakeModel::new("fake", TEST, BYTE_VOCAB, 4096));
+                let mut e = Engine::new(model, SharedKv::new(KvPool::new(TEST, 1024)));
+                for i in 0..SEQS {
+                    let prompt: Vec<u32> = (0..64).map(|t| (t * 7 + i) % 256).collect();
+                    e.submit(Request {
+                        prompt,
+                        sampling: s,
+                        seed: u64::from(i),
+                        max_tokens: 100,
+                        mode: Mode::Generate,
+                    })
+                    .expect("valid");
+                }
+                e.step(); // prefill
+                e
+            },
+            |mut e| {
+                let (events, stats) = e.step();
+                assert_eq!(stats.decoded, SEQS as usize);
+                (e, events)
+            },
+            BatchSize::SmallInput,
+        )
+    });
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    targets = import_export, lookup, decode_step
+}
+criterion_main!(benches);
