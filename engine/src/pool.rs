@@ -158,6 +158,14 @@ impl KvPool {
         }
     }
 
+    /// The prefix index as sorted `(hash, block)` pairs, for comparing states in tests.
+    #[must_use]
+    pub fn index_snapshot(&self) -> Vec<(u64, BlockId)> {
+        let mut v: Vec<(u64, BlockId)> = self.index.iter().map(|(&h, &id)| (h, id)).collect();
+        v.sort_unstable();
+        v
+    }
+
     /// Cached blocks evicted so far.
     #[must_use]
     pub fn evictions(&self) -> u64 {
@@ -597,5 +605,82 @@ impl Drop for Blocks {
                 "guard released block {id} it did not hold: {res:?}"
             );
         }
+    }
+}
+
+/// The transfer's view of the pool. Each method locks once, briefly; `write_envelope` holds the
+/// lock for one block's copy and CRC, never across I/O.
+impl kvwire_grpc::KvStore for SharedKv {
+    fn shape(&self) -> Shape {
+        self.lock().shape()
+    }
+
+    fn contains(&self, hashes: &[u64]) -> Vec<bool> {
+        let pool = self.lock();
+        hashes.iter().map(|&h| pool.lookup(h).is_some()).collect()
+    }
+
+    fn take_ref(&self, hash: u64) -> Option<BlockId> {
+        self.lock().lookup_ref(hash)
+    }
+
+    fn import(
+        &self,
+        hash: u64,
+        fill: u32,
+        payload: &[u8],
+    ) -> Result<BlockId, kvwire_grpc::StoreError> {
+        self.lock()
+            .import(hash, fill, payload)
+            .map_err(|e| match e {
+                PoolError::Exhausted { .. } => kvwire_grpc::StoreError::Exhausted,
+                other => kvwire_grpc::StoreError::Other(other.to_string()),
+            })
+    }
+
+    fn release(&self, ids: &[BlockId]) {
+        let mut pool = self.lock();
+        for &id in ids {
+            let res = pool.release(id);
+            debug_assert!(res.is_ok(), "release of block {id}: {res:?}");
+        }
+    }
+
+    fn release_forget(&self, ids: &[BlockId]) {
+        let mut pool = self.lock();
+        for &id in ids {
+            let res = pool.release_forget(id);
+            debug_assert!(res.is_ok(), "release_forget of block {id}: {res:?}");
+        }
+    }
+
+    fn write_envelope(
+        &self,
+        id: BlockId,
+        out: &mut bytes::BytesMut,
+    ) -> Result<u64, kvwire_grpc::StoreError> {
+        let pool = self.lock();
+        let (hash, _, refs) = pool
+            .info(id)
+            .map_err(|_| kvwire_grpc::StoreError::NotHeld(id))?;
+        if refs == 0 {
+            return Err(kvwire_grpc::StoreError::NotHeld(id));
+        }
+        let (payload, fill) = pool
+            .export(id)
+            .map_err(|_| kvwire_grpc::StoreError::NotHeld(id))?;
+        let shape = pool.shape();
+        out.reserve(shape.envelope_len(1).unwrap_or(0));
+        kvwire::write_envelope(
+            &shape,
+            &[kvwire::RecordIn {
+                hash,
+                fill,
+                payload,
+            }],
+            out,
+        )
+        .map_err(|e| kvwire_grpc::StoreError::Other(format!("block {id}: {e}")))?;
+        Ok(hash)
     }
 }

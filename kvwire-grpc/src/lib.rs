@@ -1,8 +1,27 @@
-//! `kvwire-grpc`: the tl.kv.v1 transfer between a prefill and a decode engine.
+//! `kvwire-grpc`: the deduplicating `tl.kv.v1` transfer between a prefill and a decode engine.
 //!
-//! Not built yet: this crate is a placeholder so the workspace has its final layout.
+//! - [`pb`]: hand-written prost messages of all three packages (no codegen).
+//! - [`glue`]: the few lines of tonic plumbing a service or client needs, shared by every service.
+//! - [`store`]: the pool interface the transfer needs ([`KvStore`]); the engine's pool implements it.
+//! - [`receiver`]: the decode side's per-chunk rules, as plain logic ([`KvReceiver`]).
+//! - [`sender`]: the prefill side: [`KvTransport`], its gRPC implementation, and [`transfer`].
+//! - [`server`]: the `KvTransfer` service and [`serve_kv`].
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
-/// The only KV format this transfer speaks today (`kv.wire.v1`).
-pub const KV_FORMAT_V1: u32 = kvwire::WireFormat::V1_F16.version as u32;
+pub mod glue;
+pub mod pb;
+pub mod receiver;
+pub mod sender;
+pub mod server;
+pub mod store;
+
+pub use receiver::{Claimed, KvReceiver, PushState, RecvError};
+pub use sender::{
+    GrpcTransport, KvTransport, TransferError, TransferStats, TransportConfig, transfer,
+};
+pub use server::{KvServerHandle, KvTransferService, serve_kv};
+pub use store::{BlockId, KvStore, StoreError};
+
+/// The `kv_format` of `kv.wire.v1`.
+pub const KV_FORMAT_V1: u32 = 1;

@@ -1,0 +1,98 @@
+//! Helpers shared by the integration tests: pools, prefills, decode servers, snapshots.
+#![allow(dead_code)] // each test file uses a different subset
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvwire::Shape;
+use kvwire_grpc::{GrpcTransport, KvReceiver, KvServerHandle, KvStore, TransportConfig, serve_kv};
+use tl_engine::engine::{Engine, Event, Mode, PrefillOutput, Request};
+use tl_engine::model::{BYTE_VOCAB, FakeModel};
+use tl_engine::pool::{BlockId, KvPool, PoolCounts, SharedKv};
+use tl_engine::sampler::Sampling;
+
+pub const TEST: Shape = Shape::v1(4, 2, 1, 4);
+
+pub fn engine(shape: Shape, blocks: usize) -> Engine {
+    let model = Arc::new(FakeModel::new("fake", shape, BYTE_VOCAB, 4096));
+    Engine::new(model, SharedKv::new(KvPool::new(shape, blocks)))
+}
+
+/// Prefills `prompt` and returns its blocks (references held by the output).
+pub fn prefill(e: &mut Engine, prompt: &[u32]) -> PrefillOutput {
+    e.submit(Request {
+        prompt: prompt.to_vec(),
+        sampling: Sampling::GREEDY,
+        seed: 0,
+        max_tokens: 1,
+        mode: Mode::PrefillOnly,
+    })
+    .unwrap();
+    for ev in e.step().0 {
+        if let Event::Prefilled { output, .. } = ev {
+            return output;
+        }
+    }
+    panic!("no Prefilled event");
+}
+
+/// Everything a test compares before and after: counts and the prefix index.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Snapshot {
+    pub counts: PoolCounts,
+    pub index: Vec<(u64, BlockId)>,
+}
+
+pub fn snapshot(pool: &SharedKv) -> Snapshot {
+    let p = pool.lock();
+    p.check().unwrap();
+    Snapshot {
+        counts: p.counts(),
+        index: p.index_snapshot(),
+    }
+}
+
+/// A decode side: a pool, its receiver, and a KvTransfer server on 127.0.0.1:0.
+pub struct Decode {
+    pub pool: SharedKv,
+    pub rx: Arc<KvReceiver>,
+    pub server: KvServerHandle,
+    pub addr: String,
+}
+
+pub async fn decode_side(shape: Shape, blocks: usize, lease: Duration) -> Decode {
+    let pool = SharedKv::new(KvPool::new(shape, blocks));
+    let store: Arc<dyn KvStore> = Arc::new(pool.clone());
+    let rx = Arc::new(KvReceiver::new(store, "fake").with_lease(lease));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let server = serve_kv(listener, Arc::clone(&rx)).unwrap();
+    let addr = server.local_addr().to_string();
+    Decode {
+        pool,
+        rx,
+        server,
+        addr,
+    }
+}
+
+pub fn transport(shape: Shape) -> GrpcTransport {
+    GrpcTransport::new(TransportConfig::for_envelope(
+        shape.envelope_len(1).unwrap(),
+    ))
+}
+
+pub fn store(pool: &SharedKv) -> Arc<dyn KvStore> {
+    Arc::new(pool.clone())
+}
+
+/// Polls `cond` until it holds or `limit` passes.
+pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    cond()
+}

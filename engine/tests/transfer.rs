@@ -1,0 +1,877 @@
+//! The deduplicating transfer end to end over loopback gRPC: what moves, what is refused, and
+//! that every path, happy or not, leaves both pools as they were.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use kvwire::{CRC32C_RESIDUE, RecordIn, Shape, block_hash, crc32c, write_to_vec};
+use kvwire_grpc::pb::kv::{HasBlocksRequest, KvAck, KvChunk};
+use kvwire_grpc::sender::ChunkStream;
+use kvwire_grpc::{GrpcTransport, KvTransport, transfer};
+use tl_engine::pool::Blocks;
+use tokio_stream::StreamExt;
+use tonic::{Code, Status};
+
+const LEASE: Duration = Duration::from_secs(30);
+
+fn prompt(seed: u32, len: u32) -> Vec<u32> {
+    (0..len).map(|i| (seed * 31 + i * 7) % 256).collect()
+}
+
+/// A one-block envelope of the test shape with a recognisable payload.
+fn envelope(shape: Shape, hash: u64, fill: u32, byte: u8) -> Bytes {
+    let payload = vec![byte; shape.payload_bytes().unwrap()];
+    let mut out = Vec::new();
+    write_to_vec(
+        &shape,
+        &[RecordIn {
+            hash,
+            fill,
+            payload: &payload,
+        }],
+        &mut out,
+    )
+    .unwrap();
+    Bytes::from(out)
+}
+
+fn chunk(handle: &str, index: u32, total: u32, hash: u64, payload: Bytes) -> KvChunk {
+    let payload_crc32c = if payload.is_empty() {
+        0
+    } else {
+        crc32c(&payload)
+    };
+    KvChunk {
+        handle_id: handle.into(),
+        index,
+        total,
+        hash,
+        kv_format: 1,
+        payload,
+        payload_crc32c,
+        model: String::new(),
+    }
+}
+
+async fn push_raw(t: &GrpcTransport, addr: &str, chunks: Vec<KvChunk>) -> Result<KvAck, Status> {
+    t.push(addr, Box::pin(tokio_stream::iter(chunks))).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_accepts_dedups_and_refuses() {
+    let d = decode_side(TEST, 16, LEASE).await;
+    let t = transport(TEST);
+    let mut p = engine(TEST, 64);
+    let prompt10 = prompt(1, 10); // two full blocks and a tail of 2
+
+    // Import: nothing cached yet.
+    let out = prefill(&mut p, &prompt10);
+    let st = transfer(
+        &t,
+        &d.addr,
+        store(p.pool()),
+        "h1",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap();
+    assert_eq!((st.sent, st.deduped, st.resent), (3, 0, 0));
+    let claimed = d.rx.claim("h1").unwrap();
+    assert_eq!(claimed.tokens(), 10);
+    assert_eq!(claimed.hashes(), [out.hashes[0], out.hashes[1], 0]);
+    {
+        let (src, dst) = (p.pool().lock(), d.pool.lock());
+        for (&a, &b) in out.blocks.ids().iter().zip(claimed.ids()) {
+            assert_eq!(
+                src.export(a).unwrap(),
+                dst.export(b).unwrap(),
+                "block bytes differ"
+            );
+        }
+        assert_eq!(dst.lookup(out.hashes[0]), Some(claimed.ids()[0]));
+    }
+    drop(claimed);
+
+    // Dedup: the two full blocks are cached on the decode side now; only the tail moves.
+    let st = transfer(
+        &t,
+        &d.addr,
+        store(p.pool()),
+        "h2",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap();
+    assert_eq!((st.sent, st.deduped), (1, 2));
+    assert!(d.rx.release("h2"));
+    drop(out);
+
+    // A full block the prefill pool never registered travels with envelope hash 0 and is
+    // registered on arrival under the chunk hash.
+    let lone = Blocks::new(p.pool().clone(), p.pool().lock().allocate(1).unwrap());
+    {
+        let mut pool = p.pool().lock();
+        pool.payload_mut(lone.ids()[0]).unwrap().fill(7);
+        pool.set_fill(lone.ids()[0], 4).unwrap();
+    }
+    let h = block_hash(0, &[9, 9, 9, 9]);
+    let st = transfer(&t, &d.addr, store(p.pool()), "h3", "fake", lone.ids(), &[h])
+        .await
+        .unwrap();
+    assert_eq!(st.sent, 1);
+    let c = d.rx.claim("h3").unwrap();
+    assert_eq!(d.pool.lock().lookup(h), Some(c.ids()[0]));
+    drop(c);
+    drop(lone);
+
+    // Every refusal leaves the decode pool exactly as before (counts and index), even when an
+    // earlier chunk of the same push was already imported.
+    let good_hash = block_hash(77, &[1, 2, 3, 4]);
+    let good = || chunk("bad", 0, 2, good_hash, envelope(TEST, good_hash, 4, 1));
+    let mut v2 = envelope(TEST, 0, 1, 3).to_vec();
+    v2[4] = 2;
+    let n = v2.len() - 4;
+    let c2 = crc32c(&v2[..n]);
+    v2[n..].copy_from_slice(&c2.to_le_bytes());
+    let mut two = Vec::new();
+    let pl = vec![0u8; 128];
+    write_to_vec(
+        &TEST,
+        &[
+            RecordIn {
+                hash: 0,
+                fill: 1,
+                payload: &pl,
+            },
+            RecordIn {
+                hash: 0,
+                fill: 1,
+                payload: &pl,
+            },
+        ],
+        &mut two,
+    )
+    .unwrap();
+    let other_shape = envelope(Shape::v1(4, 2, 1, 8), 0, 1, 4);
+    let mut bad_magic = envelope(TEST, 0, 1, 5).to_vec();
+    bad_magic[0] = b'X';
+    let wrong_crc = {
+        let mut c = chunk("bad", 1, 2, 0, envelope(TEST, 0, 1, 6));
+        c.payload_crc32c ^= 1;
+        c
+    };
+    let with = |f: &dyn Fn(&mut KvChunk)| {
+        let mut c = chunk("bad", 1, 2, 0, envelope(TEST, 0, 1, 2));
+        f(&mut c);
+        c
+    };
+    let cases: Vec<(&str, Vec<KvChunk>, Code)> = vec![
+        (
+            "kv_format 2",
+            vec![good(), with(&|c| c.kv_format = 2)],
+            Code::FailedPrecondition,
+        ),
+        (
+            "kv_format 0",
+            vec![good(), with(&|c| c.kv_format = 0)],
+            Code::FailedPrecondition,
+        ),
+        (
+            "other model",
+            vec![good(), with(&|c| c.model = "llama".into())],
+            Code::FailedPrecondition,
+        ),
+        (
+            "empty handle",
+            vec![with(&|c| {
+                c.handle_id.clear();
+                c.index = 0;
+            })],
+            Code::InvalidArgument,
+        ),
+        (
+            "handle changes",
+            vec![good(), with(&|c| c.handle_id = "other".into())],
+            Code::InvalidArgument,
+        ),
+        (
+            "index skips",
+            vec![good(), with(&|c| c.index = 2)],
+            Code::InvalidArgument,
+        ),
+        (
+            "index repeats",
+            vec![good(), with(&|c| c.index = 0)],
+            Code::InvalidArgument,
+        ),
+        (
+            "total 0",
+            vec![with(&|c| {
+                c.total = 0;
+                c.index = 0;
+            })],
+            Code::InvalidArgument,
+        ),
+        (
+            "total changes",
+            vec![good(), with(&|c| c.total = 3)],
+            Code::InvalidArgument,
+        ),
+        ("chunk crc", vec![good(), wrong_crc], Code::DataLoss),
+        (
+            "bad magic",
+            vec![
+                good(),
+                with(&|c| {
+                    c.payload = Bytes::from(bad_magic.clone());
+                    c.payload_crc32c = crc32c(&bad_magic);
+                }),
+            ],
+            Code::DataLoss,
+        ),
+        (
+            "version 2",
+            vec![
+                good(),
+                with(&|c| {
+                    c.payload = Bytes::from(v2.clone());
+                    c.payload_crc32c = CRC32C_RESIDUE;
+                }),
+            ],
+            Code::FailedPrecondition,
+        ),
+        (
+            "shape",
+            vec![
+                good(),
+                with(&|c| {
+                    c.payload = other_shape.clone();
+                    c.payload_crc32c = CRC32C_RESIDUE;
+                }),
+            ],
+            Code::FailedPrecondition,
+        ),
+        (
+            "two blocks",
+            vec![
+                good(),
+                with(&|c| {
+                    c.payload = Bytes::from(two.clone());
+                    c.payload_crc32c = CRC32C_RESIDUE;
+                }),
+            ],
+            Code::InvalidArgument,
+        ),
+        (
+            "hash disagrees",
+            vec![good(), chunk("bad", 1, 2, 5, envelope(TEST, 6, 4, 1))],
+            Code::InvalidArgument,
+        ),
+        (
+            "hash on partial",
+            vec![good(), chunk("bad", 1, 2, 5, envelope(TEST, 0, 3, 1))],
+            Code::InvalidArgument,
+        ),
+        (
+            "empty with hash 0",
+            vec![good(), chunk("bad", 1, 2, 0, Bytes::new())],
+            Code::InvalidArgument,
+        ),
+        (
+            "empty, not held",
+            vec![good(), chunk("bad", 1, 2, 12345, Bytes::new())],
+            Code::NotFound,
+        ),
+        ("stream ends early", vec![good()], Code::InvalidArgument),
+    ];
+    // A pending handle to collide with.
+    let st = push_raw(
+        &t,
+        &d.addr,
+        vec![chunk("taken", 0, 1, 0, envelope(TEST, 0, 2, 9))],
+    )
+    .await
+    .unwrap();
+    assert_eq!(st.blocks_received, 1);
+    let before = snapshot(&d.pool);
+    for (name, chunks, code) in cases {
+        let err = push_raw(&t, &d.addr, chunks).await.unwrap_err();
+        assert_eq!(err.code(), code, "{name}: {err}");
+        assert_eq!(snapshot(&d.pool), before, "{name} changed the pool");
+        assert_eq!(d.rx.pending(), 1, "{name}");
+        assert_eq!(
+            d.pool.lock().lookup(good_hash),
+            None,
+            "{name} left the imported block registered"
+        );
+    }
+    let err = push_raw(
+        &t,
+        &d.addr,
+        vec![chunk("taken", 0, 1, 0, envelope(TEST, 0, 2, 9))],
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert_eq!(snapshot(&d.pool), before);
+
+    // Exhaustion: a pool with no room left refuses the import.
+    let room = d.pool.lock().available();
+    let hog = d.pool.lock().allocate(room).unwrap();
+    let before = snapshot(&d.pool);
+    let err = push_raw(
+        &t,
+        &d.addr,
+        vec![chunk("full", 0, 1, 0, envelope(TEST, 0, 1, 1))],
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    assert_eq!(snapshot(&d.pool), before);
+    for id in hog {
+        d.pool.lock().release(id).unwrap();
+    }
+    assert!(d.rx.release("taken"));
+    assert_eq!(snapshot(&d.pool).counts.used, 0);
+    assert_eq!(snapshot(p.pool()).counts.used, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_frees_the_handle() {
+    let d = decode_side(TEST, 32, LEASE).await;
+    let t = transport(TEST);
+    let mut p = engine(TEST, 32);
+    let baseline = snapshot(&d.pool);
+    let out = prefill(&mut p, &prompt(2, 11));
+    transfer(
+        &t,
+        &d.addr,
+        store(p.pool()),
+        "r1",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap();
+    // The transfer took no reference of its own on the prefill side: only the prefill output's.
+    assert_eq!(snapshot(p.pool()).counts.used, 3);
+    drop(out);
+    assert_eq!(
+        snapshot(p.pool()).counts.used,
+        0,
+        "the prefill pool holds references after a push"
+    );
+    assert_eq!(d.rx.pending(), 1);
+    assert_eq!(snapshot(&d.pool).counts.used, 3);
+    assert!(t.release(&d.addr, "r1").await.unwrap());
+    assert_eq!(d.rx.pending(), 0);
+    let after = snapshot(&d.pool);
+    assert_eq!(after.counts.used, 0);
+    assert_eq!(after.counts.cached, 2, "full blocks stay cached for dedup");
+    assert!(!t.release(&d.addr, "r1").await.unwrap(), "second release");
+    assert!(
+        !t.release(&d.addr, "never-seen").await.unwrap(),
+        "unknown handle"
+    );
+    assert_eq!(snapshot(&d.pool), after);
+    assert_eq!(baseline.counts.used, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_moved_are_missing_blocks_plus_tail() {
+    let d = decode_side(TEST, 64, LEASE).await;
+    let t = transport(TEST);
+    let mut p = engine(TEST, 64);
+    let per_block = (44 + TEST.payload_bytes().unwrap()) as u64;
+    let long = prompt(3, 22); // F = 5 full blocks, tail t = 1
+    // Nothing cached: k = 0.
+    let out = prefill(&mut p, &long);
+    let st = transfer(
+        &t,
+        &d.addr,
+        store(p.pool()),
+        "b0",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        (st.sent, st.deduped, st.payload_bytes),
+        (6, 0, 6 * per_block)
+    );
+    d.rx.release("b0");
+    drop(out);
+    // A prefix cached: a prompt sharing the first 3 blocks, then 2 new full blocks and a tail.
+    let mut shared = long[..12].to_vec();
+    shared.extend(prompt(4, 10));
+    let out = prefill(&mut p, &shared);
+    assert_eq!(out.hashes.len(), 5);
+    let st = transfer(
+        &t,
+        &d.addr,
+        store(p.pool()),
+        "b1",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        (st.sent, st.deduped, st.payload_bytes),
+        (3, 3, 3 * per_block)
+    );
+    d.rx.release("b1");
+    drop(out);
+    // All cached: an exact multiple of B (no tail) whose blocks are all held.
+    let out = prefill(&mut p, &long[..20]);
+    let st = transfer(
+        &t,
+        &d.addr,
+        store(p.pool()),
+        "b2",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap();
+    assert_eq!((st.sent, st.deduped, st.payload_bytes), (0, 5, 0));
+    d.rx.release("b2");
+    drop(out);
+    assert_eq!(snapshot(&d.pool).counts.used, 0);
+    assert_eq!(snapshot(p.pool()).counts.used, 0);
+}
+
+/// Forwards one connection to `upstream`, cutting both directions once `limit` bytes went up.
+async fn cutting_proxy(upstream: String, limit: usize) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let Ok((client, _)) = listener.accept().await else {
+            return;
+        };
+        let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+            return;
+        };
+        let (mut cr, mut cw) = client.into_split();
+        let (mut sr, mut sw) = server.into_split();
+        let down = tokio::spawn(async move {
+            let _ = tokio::io::copy(&mut sr, &mut cw).await;
+        });
+        let mut sent = 0;
+        let mut buf = vec![0u8; 16 * 1024];
+        while sent < limit {
+            let n = match cr.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let n = n.min(limit - sent);
+            if sw.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+            sent += n;
+        }
+        // Cut: drop both halves of both connections (RST/FIN mid-stream).
+        down.abort();
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_reset_frees_both_sides() {
+    // 16 KiB blocks so the cut lands in the middle of the payloads.
+    let shape = Shape::v1(4, 8, 4, 32);
+    let d = decode_side(shape, 64, LEASE).await;
+    let mut p = engine(shape, 64);
+    let d_base = snapshot(&d.pool);
+    let p_base = snapshot(p.pool());
+    let long = prompt(5, 40); // 10 blocks, 160 KiB
+    let proxy = cutting_proxy(d.addr.clone(), 60 * 1024).await;
+    let t = transport(shape);
+    let out = prefill(&mut p, &long);
+    let err = transfer(
+        &t,
+        &proxy,
+        store(p.pool()),
+        "cut",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap_err();
+    drop(out);
+    // A connection lost mid-push is UNAVAILABLE (the gateway may retry elsewhere).
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    // The server notices the broken stream and undoes the push.
+    assert!(
+        eventually(Duration::from_secs(5), || d.rx.stats().inflight == 0).await,
+        "push still in flight"
+    );
+    let after = snapshot(&d.pool);
+    assert_eq!(
+        after.counts, d_base.counts,
+        "decode pool not back to baseline: {err}"
+    );
+    assert_eq!(after.index, d_base.index);
+    assert_eq!(d.rx.pending(), 0);
+    assert_eq!(snapshot(p.pool()).counts.used, p_base.counts.used);
+    // Both sides keep serving: the same prompt goes through directly.
+    let out = prefill(&mut p, &long);
+    let st = transfer(
+        &t,
+        &d.addr,
+        store(p.pool()),
+        "after-cut",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap();
+    assert_eq!(st.sent, 10);
+    assert!(d.rx.release("after-cut"));
+    drop(out);
+    assert_eq!(snapshot(&d.pool).counts.used, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_push_frees_decode_blocks() {
+    let d = decode_side(TEST, 32, LEASE).await;
+    let t = transport(TEST);
+    let base = snapshot(&d.pool);
+    let ten: Vec<KvChunk> = (0..10u32)
+        .map(|i| chunk("gone", i, 10, 0, envelope(TEST, 0, 1, i as u8)))
+        .collect();
+
+    // Sends 5 of 10 chunks, then never ends the stream; the client gives up and drops the call.
+    let five = tokio_stream::iter(ten[..5].to_vec()).chain(tokio_stream::pending());
+    let call = t.push(&d.addr, Box::pin(five) as ChunkStream);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), call)
+            .await
+            .is_err()
+    );
+    assert!(eventually(Duration::from_secs(5), || d.rx.stats().inflight == 0).await);
+    assert_eq!(snapshot(&d.pool), base);
+
+    // Half-closes after 5 of 10: INVALID_ARGUMENT, and the pool is clean.
+    let err = push_raw(&t, &d.addr, ten[..5].to_vec()).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(snapshot(&d.pool), base);
+    assert_eq!(d.rx.pending(), 0);
+}
+
+/// Wraps a transport: evicts the decode side's cached blocks right after HasBlocks, and counts
+/// pushes and payload chunks.
+struct EvictingTransport {
+    inner: GrpcTransport,
+    decode_pool: tl_engine::pool::SharedKv,
+    pushes: AtomicU32,
+    payloads: Arc<AtomicU32>,
+}
+
+impl KvTransport for EvictingTransport {
+    async fn has_blocks(&self, target: &str, req: HasBlocksRequest) -> Result<Vec<bool>, Status> {
+        let r = self.inner.has_blocks(target, req).await;
+        // Evict every cached block: take all available blocks, then give them back (free).
+        let mut pool = self.decode_pool.lock();
+        let n = pool.available();
+        let ids = pool.allocate(n).unwrap();
+        for id in ids {
+            pool.release(id).unwrap();
+        }
+        r
+    }
+
+    async fn push(&self, target: &str, chunks: ChunkStream) -> Result<KvAck, Status> {
+        self.pushes.fetch_add(1, Ordering::SeqCst);
+        let payloads = Arc::clone(&self.payloads);
+        let counted = chunks.map(move |c: KvChunk| {
+            if !c.payload.is_empty() {
+                payloads.fetch_add(1, Ordering::SeqCst);
+            }
+            c
+        });
+        self.inner.push(target, Box::pin(counted)).await
+    }
+
+    async fn release(&self, target: &str, handle_id: &str) -> Result<bool, Status> {
+        self.inner.release(target, handle_id).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evicted_block_is_resent() {
+    let d = decode_side(TEST, 32, LEASE).await;
+    let plain = transport(TEST);
+    let mut p = engine(TEST, 32);
+    let pr = prompt(6, 14); // 3 full blocks and a tail
+    let out = prefill(&mut p, &pr);
+    // Warm the decode side so HasBlocks says "present" for all three full blocks.
+    transfer(
+        &plain,
+        &d.addr,
+        store(p.pool()),
+        "warm",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap();
+    assert!(d.rx.release("warm"));
+    assert_eq!(snapshot(&d.pool).counts.cached, 3);
+
+    let t = EvictingTransport {
+        inner: transport(TEST),
+        decode_pool: d.pool.clone(),
+        pushes: AtomicU32::new(0),
+        payloads: Arc::new(AtomicU32::new(0)),
+    };
+    let st = transfer(
+        &t,
+        &d.addr,
+        store(p.pool()),
+        "evicted",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap();
+    assert_eq!(t.pushes.load(Ordering::SeqCst), 2);
+    assert_eq!(st.resent, 4);
+    assert_eq!((st.sent, st.deduped), (4, 0));
+    // First push: the tail only (its first empty chunk hit NOT_FOUND, possibly before the tail
+    // was produced); second push: every payload exactly once.
+    let payloads = t.payloads.load(Ordering::SeqCst);
+    assert!(
+        (4..=5).contains(&payloads),
+        "{payloads} payload chunks produced"
+    );
+    let c = d.rx.claim("evicted").unwrap();
+    {
+        let (src, dst) = (p.pool().lock(), d.pool.lock());
+        for (&a, &b) in out.blocks.ids().iter().zip(c.ids()) {
+            assert_eq!(src.export(a).unwrap(), dst.export(b).unwrap());
+        }
+    }
+    drop(c);
+    drop(out);
+    assert_eq!(snapshot(&d.pool).counts.used, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handle_lease_expires() {
+    let d = decode_side(TEST, 32, Duration::from_millis(200)).await;
+    let t = transport(TEST);
+    let mut p = engine(TEST, 32);
+    let base = snapshot(&d.pool);
+    let out = prefill(&mut p, &prompt(7, 6));
+    transfer(
+        &t,
+        &d.addr,
+        store(p.pool()),
+        "lease-a",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap();
+    transfer(
+        &t,
+        &d.addr,
+        store(p.pool()),
+        "lease-b",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap();
+    drop(out);
+    let claimed = d.rx.claim("lease-b").unwrap();
+    assert!(eventually(Duration::from_secs(3), || d.rx.pending() == 0).await);
+    assert_eq!(d.rx.stats().leases_expired, 1);
+    // The claimed handle's blocks are untouched by the lease.
+    {
+        let pool = d.pool.lock();
+        for &id in claimed.ids() {
+            assert!(pool.info(id).unwrap().2 >= 1);
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(
+        claimed
+            .ids()
+            .iter()
+            .all(|&id| d.pool.lock().info(id).unwrap().2 >= 1)
+    );
+    drop(claimed);
+    let after = snapshot(&d.pool);
+    assert_eq!(after.counts.used, base.counts.used);
+    assert_eq!(d.rx.stats().leases_expired, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn has_blocks_takes_no_reference_over_rpc() {
+    let d = decode_side(TEST, 32, LEASE).await;
+    let t = transport(TEST);
+    let mut p = engine(TEST, 32);
+    let out = prefill(&mut p, &prompt(8, 9));
+    transfer(
+        &t,
+        &d.addr,
+        store(p.pool()),
+        "hb",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap();
+    d.rx.release("hb");
+    let before = snapshot(&d.pool);
+    let mut hashes = out.hashes.clone();
+    hashes.push(424_242);
+    for _ in 0..3 {
+        let req = HasBlocksRequest {
+            hashes: hashes.clone(),
+            kv_format: 1,
+            model: "fake".into(),
+        };
+        assert_eq!(
+            t.has_blocks(&d.addr, req).await.unwrap(),
+            [true, true, false]
+        );
+    }
+    assert_eq!(snapshot(&d.pool), before);
+    for (fmt, model, code) in [
+        (2, "fake", Code::FailedPrecondition),
+        (0, "", Code::FailedPrecondition),
+        (1, "other", Code::FailedPrecondition),
+    ] {
+        let req = HasBlocksRequest {
+            hashes: hashes.clone(),
+            kv_format: fmt,
+            model: model.into(),
+        };
+        assert_eq!(t.has_blocks(&d.addr, req).await.unwrap_err().code(), code);
+    }
+    assert_eq!(snapshot(&d.pool), before);
+    drop(out);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_concurrent_transfers_with_shared_prefixes() {
+    let d = decode_side(TEST, 512, LEASE).await;
+    let t = Arc::new(transport(TEST));
+    let mut p = engine(TEST, 512);
+    let base = snapshot(&d.pool);
+    let system: Vec<u32> = prompt(9, 16); // 4 shared blocks
+    let mut outs = Vec::new();
+    for i in 0..16u32 {
+        let mut pr = system.clone();
+        pr.extend(prompt(100 + i, 5 + i % 7));
+        outs.push(prefill(&mut p, &pr));
+    }
+    let mut tasks = Vec::new();
+    for (i, out) in outs.iter().enumerate() {
+        let (t, addr, st) = (Arc::clone(&t), d.addr.clone(), store(p.pool()));
+        let (ids, hashes) = (out.blocks.ids().to_vec(), out.hashes.clone());
+        tasks.push(tokio::spawn(async move {
+            transfer(
+                t.as_ref(),
+                &addr,
+                st,
+                &format!("c{i}"),
+                "fake",
+                &ids,
+                &hashes,
+            )
+            .await
+        }));
+    }
+    let mut deduped = 0;
+    for task in tasks {
+        let st = task.await.unwrap().unwrap();
+        deduped += st.deduped;
+    }
+    assert_eq!(d.rx.pending(), 16);
+    {
+        let pool = d.pool.lock();
+        pool.check().unwrap();
+        // The shared prefix blocks are registered once; every handle holds a reference on them
+        // (imported, or deduped against a block another push registered).
+        for &h in &outs[0].hashes[..4] {
+            let id = pool.lookup(h).unwrap();
+            assert!(pool.info(id).unwrap().2 >= 1);
+        }
+    }
+    for i in 0..16 {
+        assert!(d.rx.release(&format!("c{i}")));
+    }
+    drop(outs);
+    let after = snapshot(&d.pool);
+    assert_eq!(after.counts.used, base.counts.used);
+    assert_eq!(
+        after.counts.used + after.counts.cached + after.counts.free,
+        after.counts.total
+    );
+    assert_eq!(snapshot(p.pool()).counts.used, 0);
+    // Concurrent pushes may all import the prefix (HasBlocks raced), but a later transfer dedups.
+    let _ = deduped;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_target_is_unavailable() {
+    let closed = {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let t = transport(TEST);
+    let mut p = engine(TEST, 16);
+    let out = prefill(&mut p, &prompt(10, 9));
+    let err = transfer(
+        &t,
+        &closed,
+        store(p.pool()),
+        "u",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    let err = transfer(
+        &t,
+        "not a target",
+        store(p.pool()),
+        "u",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    drop(out);
+    assert_eq!(snapshot(p.pool()).counts.used, 0);
+}

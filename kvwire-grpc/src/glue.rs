@@ -1,0 +1,189 @@
+//! The tonic plumbing that generated code would otherwise contain, written once: a server
+//! dispatches on the request path and hands the HTTP request to one of these helpers with a
+//! closure; a client calls [`unary`] or [`client_streaming`] with the method path.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+
+use http::uri::PathAndQuery;
+use tokio_stream::Stream;
+use tonic::body::Body;
+use tonic::server::{ClientStreamingService, Grpc, UnaryService};
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status, Streaming};
+use tonic_prost::ProstCodec;
+
+/// The future a hand-written service returns for one HTTP request.
+pub type ResponseFuture =
+    Pin<Box<dyn Future<Output = Result<http::Response<Body>, Infallible>> + Send>>;
+
+/// Message size limits of one method, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest message decoded.
+    pub max_decode: usize,
+    /// Largest message encoded.
+    pub max_encode: usize,
+}
+
+impl Default for Limits {
+    /// tonic's own defaults: 4 MiB decoded, unbounded encoded.
+    fn default() -> Self {
+        Self {
+            max_decode: 4 << 20,
+            max_encode: usize::MAX,
+        }
+    }
+}
+
+struct UnaryFn<F>(F);
+
+impl<Req, Resp, F, Fut> UnaryService<Req> for UnaryFn<F>
+where
+    F: FnMut(Request<Req>) -> Fut,
+    Fut: Future<Output = Result<Response<Resp>, Status>>,
+{
+    type Response = Resp;
+    type Future = Fut;
+
+    fn call(&mut self, request: Request<Req>) -> Fut {
+        (self.0)(request)
+    }
+}
+
+struct ClientStreamingFn<F>(F);
+
+impl<Req, Resp, F, Fut> ClientStreamingService<Req> for ClientStreamingFn<F>
+where
+    F: FnMut(Request<Streaming<Req>>) -> Fut,
+    Fut: Future<Output = Result<Response<Resp>, Status>>,
+{
+    type Response = Resp;
+    type Future = Fut;
+
+    fn call(&mut self, request: Request<Streaming<Req>>) -> Fut {
+        (self.0)(request)
+    }
+}
+
+/// Answers one unary call with `handler`.
+pub fn serve_unary<Req, Resp, F, Fut>(
+    req: http::Request<Body>,
+    limits: Limits,
+    handler: F,
+) -> ResponseFuture
+where
+    Req: prost::Message + Default + Send + 'static,
+    Resp: prost::Message + Send + 'static,
+    F: FnOnce(Req) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<Resp, Status>> + Send + 'static,
+{
+    Box::pin(async move {
+        let mut grpc = Grpc::new(ProstCodec::<Resp, Req>::default())
+            .max_decoding_message_size(limits.max_decode)
+            .max_encoding_message_size(limits.max_encode);
+        let mut handler = Some(handler);
+        let svc = UnaryFn(move |r: Request<Req>| {
+            let h = handler.take();
+            async move {
+                match h {
+                    Some(h) => h(r.into_inner()).await.map(Response::new),
+                    None => Err(Status::internal("handler called twice")),
+                }
+            }
+        });
+        Ok(grpc.unary(svc, req).await)
+    })
+}
+
+/// Answers one client-streaming call with `handler`, which reads the request stream.
+pub fn serve_client_streaming<Req, Resp, F, Fut>(
+    req: http::Request<Body>,
+    limits: Limits,
+    handler: F,
+) -> ResponseFuture
+where
+    Req: prost::Message + Default + Send + 'static,
+    Resp: prost::Message + Send + 'static,
+    F: FnOnce(Streaming<Req>) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<Resp, Status>> + Send + 'static,
+{
+    Box::pin(async move {
+        let mut grpc = Grpc::new(ProstCodec::<Resp, Req>::default())
+            .max_decoding_message_size(limits.max_decode)
+            .max_encoding_message_size(limits.max_encode);
+        let mut handler = Some(handler);
+        let svc = ClientStreamingFn(move |r: Request<Streaming<Req>>| {
+            let h = handler.take();
+            async move {
+                match h {
+                    Some(h) => h(r.into_inner()).await.map(Response::new),
+                    None => Err(Status::internal("handler called twice")),
+                }
+            }
+        });
+        Ok(grpc.client_streaming(svc, req).await)
+    })
+}
+
+/// The answer to a path no method matches.
+pub fn unimplemented(path: &str) -> ResponseFuture {
+    let resp = Status::unimplemented(format!("no method {path}")).into_http();
+    Box::pin(async move { Ok(resp) })
+}
+
+fn client(channel: Channel, limits: Limits) -> tonic::client::Grpc<Channel> {
+    tonic::client::Grpc::new(channel)
+        .max_decoding_message_size(limits.max_decode)
+        .max_encoding_message_size(limits.max_encode)
+}
+
+/// Calls a unary method.
+///
+/// # Errors
+/// The server's status, or UNAVAILABLE when the channel cannot be used.
+pub async fn unary<Req, Resp>(
+    channel: Channel,
+    path: &'static str,
+    limits: Limits,
+    req: Request<Req>,
+) -> Result<Resp, Status>
+where
+    Req: prost::Message + Send + Sync + 'static,
+    Resp: prost::Message + Default + Send + Sync + 'static,
+{
+    let mut grpc = client(channel, limits);
+    grpc.ready()
+        .await
+        .map_err(|e| Status::unavailable(format!("channel not ready: {e}")))?;
+    let codec = ProstCodec::<Req, Resp>::default();
+    grpc.unary(req, PathAndQuery::from_static(path), codec)
+        .await
+        .map(Response::into_inner)
+}
+
+/// Calls a client-streaming method with the messages of `stream`.
+///
+/// # Errors
+/// As [`unary`].
+pub async fn client_streaming<S, Req, Resp>(
+    channel: Channel,
+    path: &'static str,
+    limits: Limits,
+    req: Request<S>,
+) -> Result<Resp, Status>
+where
+    S: Stream<Item = Req> + Send + 'static,
+    Req: prost::Message + Send + Sync + 'static,
+    Resp: prost::Message + Default + Send + Sync + 'static,
+{
+    let mut grpc = client(channel, limits);
+    grpc.ready()
+        .await
+        .map_err(|e| Status::unavailable(format!("channel not ready: {e}")))?;
+    let codec = ProstCodec::<Req, Resp>::default();
+    grpc.client_streaming(req, PathAndQuery::from_static(path), codec)
+        .await
+        .map(Response::into_inner)
+}

@@ -1,0 +1,287 @@
+//! Hand-written prost messages for the three packages of `proto/tl/**`. No build script and no
+//! protoc: `tests/proto_conformance.rs` parses the `.proto` files and checks every field's name,
+//! number and type against these structs, so the two cannot drift apart.
+#![allow(missing_docs)] // The .proto files document every field.
+
+/// `tl.kv.v1`: the KV transfer.
+pub mod kv {
+    use bytes::Bytes;
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct HasBlocksRequest {
+        #[prost(uint64, repeated, tag = "1")]
+        pub hashes: Vec<u64>,
+        #[prost(uint32, tag = "2")]
+        pub kv_format: u32,
+        #[prost(string, tag = "3")]
+        pub model: String,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct HasBlocksResponse {
+        #[prost(bool, repeated, tag = "1")]
+        pub present: Vec<bool>,
+    }
+
+    /// One block of a push. `payload` decodes as a [`Bytes`] slice of tonic's receive buffer:
+    /// no copy until the receiver imports it into its pool.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct KvChunk {
+        #[prost(string, tag = "1")]
+        pub handle_id: String,
+        #[prost(uint32, tag = "2")]
+        pub index: u32,
+        #[prost(uint32, tag = "3")]
+        pub total: u32,
+        #[prost(uint64, tag = "4")]
+        pub hash: u64,
+        #[prost(uint32, tag = "5")]
+        pub kv_format: u32,
+        #[prost(bytes = "bytes", tag = "6")]
+        pub payload: Bytes,
+        #[prost(fixed32, tag = "7")]
+        pub payload_crc32c: u32,
+        #[prost(string, tag = "8")]
+        pub model: String,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct KvAck {
+        #[prost(string, tag = "1")]
+        pub handle_id: String,
+        #[prost(uint32, tag = "2")]
+        pub blocks_received: u32,
+        #[prost(uint32, tag = "3")]
+        pub blocks_deduped: u32,
+        #[prost(uint64, tag = "4")]
+        pub payload_bytes: u64,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ReleaseRequest {
+        #[prost(string, tag = "1")]
+        pub handle_id: String,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ReleaseResponse {
+        #[prost(bool, tag = "1")]
+        pub released: bool,
+    }
+
+    /// Method paths of `tl.kv.v1.KvTransfer`.
+    pub mod path {
+        pub const SERVICE: &str = "tl.kv.v1.KvTransfer";
+        pub const HAS_BLOCKS: &str = "/tl.kv.v1.KvTransfer/HasBlocks";
+        pub const PUSH_KV: &str = "/tl.kv.v1.KvTransfer/PushKv";
+        pub const RELEASE: &str = "/tl.kv.v1.KvTransfer/Release";
+    }
+}
+
+/// `tl.engine.v1`: driving an engine.
+pub mod engine {
+    #[derive(Clone, Copy, PartialEq, prost::Message)]
+    pub struct SamplingParams {
+        #[prost(float, tag = "1")]
+        pub temperature: f32,
+        #[prost(float, tag = "2")]
+        pub top_p: f32,
+        #[prost(uint32, tag = "3")]
+        pub top_k: u32,
+        #[prost(uint64, optional, tag = "4")]
+        pub seed: Option<u64>,
+        #[prost(uint32, tag = "5")]
+        pub max_tokens: u32,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct PrefillRequest {
+        #[prost(string, tag = "1")]
+        pub request_id: String,
+        #[prost(uint32, repeated, tag = "2")]
+        pub prompt_tokens: Vec<u32>,
+        #[prost(message, optional, tag = "3")]
+        pub sampling: Option<SamplingParams>,
+        #[prost(string, tag = "4")]
+        pub decode_target: String,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct KvHandle {
+        #[prost(string, tag = "1")]
+        pub handle_id: String,
+        #[prost(uint32, tag = "2")]
+        pub first_token: u32,
+        #[prost(uint64, repeated, tag = "3")]
+        pub block_hashes: Vec<u64>,
+        #[prost(uint32, tag = "4")]
+        pub rng_draws_consumed: u32,
+        #[prost(uint64, tag = "5")]
+        pub seed: u64,
+        #[prost(uint32, tag = "6")]
+        pub prompt_tokens: u32,
+        #[prost(string, tag = "7")]
+        pub decode_target: String,
+        #[prost(uint32, tag = "8")]
+        pub blocks_sent: u32,
+        #[prost(uint32, tag = "9")]
+        pub blocks_deduped: u32,
+        #[prost(uint64, tag = "10")]
+        pub payload_bytes: u64,
+        #[prost(uint32, tag = "11")]
+        pub kv_format: u32,
+    }
+
+    #[derive(Clone, Copy, PartialEq, prost::Message)]
+    pub struct InfoRequest {}
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct InfoResponse {
+        #[prost(string, tag = "1")]
+        pub worker_id: String,
+        #[prost(string, repeated, tag = "2")]
+        pub roles: Vec<String>,
+        #[prost(string, tag = "3")]
+        pub model: String,
+        #[prost(uint32, tag = "4")]
+        pub kv_format: u32,
+        #[prost(uint32, tag = "5")]
+        pub block_tokens: u32,
+        #[prost(uint32, tag = "6")]
+        pub n_layers: u32,
+        #[prost(uint32, tag = "7")]
+        pub n_kv_heads: u32,
+        #[prost(uint32, tag = "8")]
+        pub head_dim: u32,
+        #[prost(uint32, tag = "9")]
+        pub free_blocks: u32,
+        #[prost(uint32, tag = "10")]
+        pub total_blocks: u32,
+        #[prost(uint32, tag = "11")]
+        pub queue_depth: u32,
+        #[prost(uint32, tag = "12")]
+        pub running: u32,
+        #[prost(bool, tag = "13")]
+        pub draining: bool,
+        #[prost(uint32, tag = "14")]
+        pub pending_handles: u32,
+        #[prost(uint32, tag = "15")]
+        pub used_blocks: u32,
+        #[prost(uint32, tag = "16")]
+        pub cached_blocks: u32,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct CancelRequest {
+        #[prost(string, tag = "1")]
+        pub request_id: String,
+    }
+
+    #[derive(Clone, Copy, PartialEq, prost::Message)]
+    pub struct CancelResponse {
+        #[prost(bool, tag = "1")]
+        pub cancelled: bool,
+    }
+
+    #[derive(Clone, Copy, PartialEq, prost::Message)]
+    pub struct DrainRequest {
+        #[prost(int64, tag = "1")]
+        pub deadline_ms: i64,
+    }
+
+    #[derive(Clone, Copy, PartialEq, prost::Message)]
+    pub struct DrainResponse {
+        #[prost(int32, tag = "1")]
+        pub remaining: i32,
+    }
+
+    /// Method paths of `tl.engine.v1.EngineControl`.
+    pub mod path {
+        pub const SERVICE: &str = "tl.engine.v1.EngineControl";
+        pub const PREFILL: &str = "/tl.engine.v1.EngineControl/Prefill";
+        pub const INFO: &str = "/tl.engine.v1.EngineControl/Info";
+        pub const CANCEL: &str = "/tl.engine.v1.EngineControl/Cancel";
+        pub const DRAIN: &str = "/tl.engine.v1.EngineControl/Drain";
+    }
+}
+
+/// `tl.control.v1`: the worker registry.
+pub mod control {
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
+    #[repr(i32)]
+    pub enum Role {
+        Unspecified = 0,
+        Prefill = 1,
+        Decode = 2,
+        Both = 3,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct WorkerStatus {
+        #[prost(string, tag = "1")]
+        pub worker_id: String,
+        #[prost(string, tag = "2")]
+        pub http_address: String,
+        #[prost(string, tag = "3")]
+        pub grpc_address: String,
+        #[prost(string, tag = "4")]
+        pub kv_address: String,
+        #[prost(enumeration = "Role", tag = "5")]
+        pub role: i32,
+        #[prost(string, tag = "6")]
+        pub model: String,
+        #[prost(uint32, tag = "7")]
+        pub kv_format: u32,
+        #[prost(uint32, tag = "8")]
+        pub queue_depth: u32,
+        #[prost(uint32, tag = "9")]
+        pub running: u32,
+        #[prost(uint32, tag = "10")]
+        pub free_blocks: u32,
+        #[prost(uint32, tag = "11")]
+        pub total_blocks: u32,
+        #[prost(bool, tag = "12")]
+        pub draining: bool,
+        #[prost(uint32, tag = "13")]
+        pub block_tokens: u32,
+        #[prost(uint32, tag = "14")]
+        pub heartbeat_ms: u32,
+    }
+
+    #[derive(Clone, Copy, PartialEq, prost::Message)]
+    pub struct HeartbeatAck {
+        #[prost(bool, tag = "1")]
+        pub drain: bool,
+    }
+
+    #[derive(Clone, Copy, PartialEq, prost::Message)]
+    pub struct ListWorkersRequest {}
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ListWorkersResponse {
+        #[prost(message, repeated, tag = "1")]
+        pub workers: Vec<WorkerStatus>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct SetDrainRequest {
+        #[prost(string, tag = "1")]
+        pub worker_id: String,
+        #[prost(bool, tag = "2")]
+        pub drain: bool,
+    }
+
+    #[derive(Clone, Copy, PartialEq, prost::Message)]
+    pub struct SetDrainResponse {
+        #[prost(bool, tag = "1")]
+        pub found: bool,
+    }
+
+    /// Method paths of `tl.control.v1.WorkerRegistry`.
+    pub mod path {
+        pub const SERVICE: &str = "tl.control.v1.WorkerRegistry";
+        pub const HEARTBEAT: &str = "/tl.control.v1.WorkerRegistry/Heartbeat";
+        pub const LIST_WORKERS: &str = "/tl.control.v1.WorkerRegistry/ListWorkers";
+        pub const SET_DRAIN: &str = "/tl.control.v1.WorkerRegistry/SetDrain";
+    }
+}

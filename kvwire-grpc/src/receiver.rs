@@ -1,0 +1,552 @@
+//! The decode side of a transfer, as plain logic: [`KvReceiver`] answers HasBlocks, applies the
+//! per-chunk rules of a push in the contract's order, and holds each completed push's blocks
+//! under its handle until the engine claims them or someone releases them.
+//!
+//! The life of a push:
+//!
+//! 1. [`KvReceiver::begin_push`] returns a [`PushState`]; the server feeds it every chunk as it
+//!    arrives ([`PushState::accept`]), so a push is never buffered whole: each payload is
+//!    checked (one CRC pass covers the chunk CRC and the envelope trailer) and copied into a
+//!    pool block at once.
+//! 2. [`PushState::finish`] at the end of the stream moves the blocks under the handle, with a
+//!    lease ([`KvReceiver::expire_leases`] releases handles nobody claimed in time).
+//! 3. If the push is refused, cut, or abandoned, the [`PushState`] is dropped unfinished and its
+//!    drop undoes it: blocks it imported go back free and unregistered (not cached), references
+//!    it took on blocks it already held are dropped. The receiver is then as before the push,
+//!    apart from cached blocks evicted to make room.
+//! 4. [`KvReceiver::claim`] hands the blocks to the engine as a [`Claimed`] guard;
+//!    [`KvReceiver::release`] drops them.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kvwire::{ErrorKind, Formats, ReadError, Reader, crc32c};
+use tonic::{Code, Status};
+
+use crate::KV_FORMAT_V1;
+use crate::pb::kv::{KvAck, KvChunk};
+use crate::store::{BlockId, KvStore, StoreError};
+
+/// Why a HasBlocks call or a chunk was refused; [`Status`] gets the contract's code.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RecvError {
+    /// Rule 1: a kv_format or model this receiver does not serve (FAILED_PRECONDITION).
+    #[error("{0}")]
+    Unserved(String),
+    /// Rule 2 and the stream's shape: handle, index, total, count (INVALID_ARGUMENT).
+    #[error("{0}")]
+    Invalid(String),
+    /// Rule 3: the chunk checksum does not match its payload (DATA_LOSS).
+    #[error(
+        "chunk {index}: payload_crc32c {stated:#010x} but the payload's CRC-32C is {actual:#010x}"
+    )]
+    Checksum {
+        /// Chunk index.
+        index: u32,
+        /// As sent.
+        stated: u32,
+        /// As computed.
+        actual: u32,
+    },
+    /// Rule 3: the envelope reader refused the payload (its kind decides the code).
+    #[error("chunk {index}: {error}")]
+    Envelope {
+        /// Chunk index.
+        index: u32,
+        /// The reader's refusal.
+        error: ReadError,
+    },
+    /// Rule 4: an empty payload names a hash this receiver no longer holds (NOT_FOUND).
+    #[error("chunk {index}: block {hash:#018x} is no longer held; resend its payload")]
+    Gone {
+        /// Chunk index.
+        index: u32,
+        /// The hash.
+        hash: u64,
+    },
+    /// Rule 5: no free or evictable block (RESOURCE_EXHAUSTED).
+    #[error("chunk {index}: the KV pool is exhausted")]
+    Exhausted {
+        /// Chunk index.
+        index: u32,
+    },
+    /// The store failed otherwise (INTERNAL).
+    #[error("chunk {index}: {error}")]
+    Store {
+        /// Chunk index.
+        index: u32,
+        /// The store's error.
+        error: StoreError,
+    },
+}
+
+impl RecvError {
+    /// The gRPC code the contract gives this refusal.
+    #[must_use]
+    pub fn code(&self) -> Code {
+        match self {
+            RecvError::Unserved(_) => Code::FailedPrecondition,
+            RecvError::Invalid(_) => Code::InvalidArgument,
+            RecvError::Checksum { .. } => Code::DataLoss,
+            RecvError::Envelope { error, .. } => match error.kind() {
+                ErrorKind::Format => Code::DataLoss,
+                _ => Code::FailedPrecondition,
+            },
+            RecvError::Gone { .. } => Code::NotFound,
+            RecvError::Exhausted { .. } => Code::ResourceExhausted,
+            RecvError::Store { .. } => Code::Internal,
+        }
+    }
+}
+
+impl From<RecvError> for Status {
+    fn from(e: RecvError) -> Status {
+        Status::new(e.code(), e.to_string())
+    }
+}
+
+/// Blocks held under a completed push's handle.
+#[derive(Debug)]
+struct Held {
+    ids: Vec<BlockId>,
+    hashes: Vec<u64>,
+    tokens: u64,
+    deadline: Instant,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    pending: HashMap<String, Held>,
+    /// Handles of pushes in progress.
+    inflight: HashSet<String>,
+    leases_expired: u64,
+}
+
+/// Counters a receiver keeps for operators and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReceiverStats {
+    /// Handles held now.
+    pub pending: usize,
+    /// Pushes in progress.
+    pub inflight: usize,
+    /// Handles released because their lease ran out.
+    pub leases_expired: u64,
+}
+
+/// The decode side of the transfer.
+pub struct KvReceiver {
+    store: Arc<dyn KvStore>,
+    model: String,
+    reader: Reader,
+    block_tokens: u32,
+    lease: Duration,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for KvReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvReceiver")
+            .field("model", &self.model)
+            .field("lease", &self.lease)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvReceiver {
+    /// The default lease of a held handle.
+    pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+    /// A receiver importing into `store`, serving `model`, with the default lease.
+    #[must_use]
+    pub fn new(store: Arc<dyn KvStore>, model: impl Into<String>) -> Self {
+        let shape = store.shape();
+        Self {
+            block_tokens: shape.block_tokens(),
+            reader: Reader::new().formats(Formats::V1).expect_shape(shape),
+            store,
+            model: model.into(),
+            lease: Self::DEFAULT_LEASE,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    /// Sets how long a completed push's blocks wait for a claim.
+    #[must_use]
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The lease.
+    #[must_use]
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The store.
+    #[must_use]
+    pub fn store(&self) -> &Arc<dyn KvStore> {
+        &self.store
+    }
+
+    /// The model served.
+    #[must_use]
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Every critical section leaves the state consistent, so a poisoned lock is usable.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn check_format(&self, kv_format: u32, model: &str) -> Result<(), RecvError> {
+        // Rule 1: kv_format other than 1 (0 included), or a non-empty model that differs.
+        if kv_format != KV_FORMAT_V1 {
+            return Err(RecvError::Unserved(format!(
+                "kv_format {kv_format} is not served here (only {KV_FORMAT_V1})"
+            )));
+        }
+        if !model.is_empty() && model != self.model {
+            return Err(RecvError::Unserved(format!(
+                "model {model:?} is not served here ({:?})",
+                self.model
+            )));
+        }
+        Ok(())
+    }
+
+    /// Which of `hashes` this receiver holds. Takes no reference and changes no count.
+    ///
+    /// # Errors
+    /// FAILED_PRECONDITION for a format or model this receiver does not serve.
+    pub fn has_blocks(
+        &self,
+        hashes: &[u64],
+        kv_format: u32,
+        model: &str,
+    ) -> Result<Vec<bool>, RecvError> {
+        self.check_format(kv_format, model)?;
+        Ok(self.store.contains(hashes))
+    }
+
+    /// Starts receiving one push.
+    #[must_use]
+    pub fn begin_push(self: &Arc<Self>) -> PushState {
+        PushState {
+            rx: Arc::clone(self),
+            handle: None,
+            total: 0,
+            next: 0,
+            ids: Vec::new(),
+            imported: Vec::new(),
+            hashes: Vec::new(),
+            tokens: 0,
+            ack: KvAck::default(),
+        }
+    }
+
+    /// Takes the blocks held under `handle` (their references move to the caller).
+    #[must_use]
+    pub fn claim(&self, handle: &str) -> Option<Claimed> {
+        let held = self.state().pending.remove(handle)?;
+        Some(Claimed {
+            store: Arc::clone(&self.store),
+            ids: held.ids,
+            hashes: held.hashes,
+            tokens: held.tokens,
+        })
+    }
+
+    /// Drops the blocks held under `handle`. `false` for an unknown (or already released or
+    /// claimed) handle, which is not an error.
+    pub fn release(&self, handle: &str) -> bool {
+        let held = self.state().pending.remove(handle);
+        match held {
+            Some(h) => {
+                self.store.release(&h.ids);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Handles held now.
+    #[must_use]
+    pub fn pending(&self) -> usize {
+        self.state().pending.len()
+    }
+
+    /// Counters.
+    #[must_use]
+    pub fn stats(&self) -> ReceiverStats {
+        let s = self.state();
+        ReceiverStats {
+            pending: s.pending.len(),
+            inflight: s.inflight.len(),
+            leases_expired: s.leases_expired,
+        }
+    }
+
+    /// Releases every handle whose lease ended before `now`; returns how many.
+    pub fn expire_leases(&self, now: Instant) -> usize {
+        let expired: Vec<Held> = {
+            let mut s = self.state();
+            let gone: Vec<String> = s
+                .pending
+                .iter()
+                .filter(|(_, h)| h.deadline <= now)
+                .map(|(k, _)| k.clone())
+                .collect();
+            let held: Vec<Held> = gone.iter().filter_map(|k| s.pending.remove(k)).collect();
+            s.leases_expired += held.len() as u64;
+            held
+        };
+        for h in &expired {
+            self.store.release(&h.ids);
+        }
+        expired.len()
+    }
+}
+
+/// The blocks of a claimed handle: one reference on each, released on drop unless taken.
+#[derive(Debug)]
+pub struct Claimed {
+    store: Arc<dyn KvStore>,
+    ids: Vec<BlockId>,
+    hashes: Vec<u64>,
+    tokens: u64,
+}
+
+impl Claimed {
+    /// The blocks, in chunk order.
+    #[must_use]
+    pub fn ids(&self) -> &[BlockId] {
+        &self.ids
+    }
+
+    /// The chunk hashes, in order (0 for the tail).
+    #[must_use]
+    pub fn hashes(&self) -> &[u64] {
+        &self.hashes
+    }
+
+    /// Tokens the blocks hold (the sum of their fills).
+    #[must_use]
+    pub fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    /// Takes the references; the caller must release them.
+    #[must_use]
+    pub fn into_ids(mut self) -> Vec<BlockId> {
+        std::mem::take(&mut self.ids)
+    }
+}
+
+impl Drop for Claimed {
+    fn drop(&mut self) {
+        if !self.ids.is_empty() {
+            self.store.release(&self.ids);
+        }
+    }
+}
+
+/// One push in progress. Dropping it unfinished undoes everything it did.
+#[derive(Debug)]
+pub struct PushState {
+    rx: Arc<KvReceiver>,
+    handle: Option<String>,
+    total: u32,
+    next: u32,
+    ids: Vec<BlockId>,
+    /// Per id: imported by this push (undo frees and unregisters) or a reference it took.
+    imported: Vec<bool>,
+    hashes: Vec<u64>,
+    tokens: u64,
+    ack: KvAck,
+}
+
+impl PushState {
+    /// Applies the receiver rules to one chunk, in the contract's order, and imports or
+    /// references its block.
+    ///
+    /// # Errors
+    /// The first rule the chunk breaks. The push is then over: drop this state.
+    pub fn accept(&mut self, chunk: KvChunk) -> Result<(), RecvError> {
+        let rx = Arc::clone(&self.rx);
+        // Rule 1: format and model.
+        rx.check_format(chunk.kv_format, &chunk.model)?;
+
+        // Rule 2: handle, order, total.
+        match &self.handle {
+            None => {
+                if chunk.handle_id.is_empty() {
+                    return Err(RecvError::Invalid("empty handle_id".into()));
+                }
+                let mut s = rx.state();
+                if s.pending.contains_key(&chunk.handle_id) || s.inflight.contains(&chunk.handle_id)
+                {
+                    return Err(RecvError::Invalid(format!(
+                        "handle {} is already pending here",
+                        chunk.handle_id
+                    )));
+                }
+                if chunk.total == 0 {
+                    return Err(RecvError::Invalid("total is 0".into()));
+                }
+                s.inflight.insert(chunk.handle_id.clone());
+                drop(s);
+                self.total = chunk.total;
+                self.ack.handle_id.clone_from(&chunk.handle_id);
+                self.handle = Some(chunk.handle_id.clone());
+            }
+            Some(h) if *h != chunk.handle_id => {
+                return Err(RecvError::Invalid(format!(
+                    "handle_id changed from {h} to {}",
+                    chunk.handle_id
+                )));
+            }
+            Some(_) => {}
+        }
+        if chunk.total != self.total {
+            return Err(RecvError::Invalid(format!(
+                "total changed from {} to {}",
+                self.total, chunk.total
+            )));
+        }
+        if chunk.index != self.next || chunk.index >= self.total {
+            return Err(RecvError::Invalid(format!(
+                "chunk index {} but {} expected of {}",
+                chunk.index, self.next, self.total
+            )));
+        }
+        let index = chunk.index;
+
+        if chunk.payload.is_empty() {
+            // Rule 4: an empty payload names a block the receiver said it holds.
+            if chunk.hash == 0 {
+                return Err(RecvError::Invalid(format!(
+                    "chunk {index}: empty payload with hash 0"
+                )));
+            }
+            let id = rx.store.take_ref(chunk.hash).ok_or(RecvError::Gone {
+                index,
+                hash: chunk.hash,
+            })?;
+            self.ids.push(id);
+            self.imported.push(false);
+            self.tokens += u64::from(rx.block_tokens);
+            self.ack.blocks_deduped += 1;
+        } else {
+            // Rule 3: the payload in full, always. One CRC pass: it must equal the chunk's CRC,
+            // and (being over a whole envelope) the residue, which proves the trailer.
+            let actual = crc32c(&chunk.payload);
+            if actual != chunk.payload_crc32c {
+                return Err(RecvError::Checksum {
+                    index,
+                    stated: chunk.payload_crc32c,
+                    actual,
+                });
+            }
+            let env = rx
+                .reader
+                .read_with_crc(&chunk.payload, actual)
+                .map_err(|error| RecvError::Envelope { index, error })?;
+            if env.n_blocks() != 1 {
+                return Err(RecvError::Invalid(format!(
+                    "chunk {index}: {} blocks in the envelope, not 1",
+                    env.n_blocks()
+                )));
+            }
+            let Some(rec) = env.records().next() else {
+                return Err(RecvError::Invalid(format!("chunk {index}: no record")));
+            };
+            if rec.hash != 0 && rec.hash != chunk.hash {
+                return Err(RecvError::Invalid(format!(
+                    "chunk {index}: envelope hash {:#018x} differs from chunk hash {:#018x}",
+                    rec.hash, chunk.hash
+                )));
+            }
+            if chunk.hash != 0 && rec.n_tokens < rx.block_tokens {
+                return Err(RecvError::Invalid(format!(
+                    "chunk {index}: hash on a partial block (fill {})",
+                    rec.n_tokens
+                )));
+            }
+            // Rule 5: import. A full block sent with envelope hash 0 is registered under the
+            // chunk's hash.
+            let name = if rec.hash != 0 { rec.hash } else { chunk.hash };
+            let id =
+                rx.store
+                    .import(name, rec.n_tokens, rec.payload)
+                    .map_err(|error| match error {
+                        StoreError::Exhausted => RecvError::Exhausted { index },
+                        error => RecvError::Store { index, error },
+                    })?;
+            self.ids.push(id);
+            self.imported.push(true);
+            self.tokens += u64::from(rec.n_tokens);
+            self.ack.blocks_received += 1;
+            self.ack.payload_bytes += chunk.payload.len() as u64;
+        }
+        self.hashes.push(chunk.hash);
+        self.next += 1;
+        Ok(())
+    }
+
+    /// Ends the push: the blocks are now held under the handle, leased.
+    ///
+    /// # Errors
+    /// INVALID_ARGUMENT when fewer than `total` chunks arrived (or none); the push is undone.
+    pub fn finish(mut self) -> Result<KvAck, RecvError> {
+        let Some(handle) = self.handle.clone() else {
+            return Err(RecvError::Invalid("the push carried no chunk".into()));
+        };
+        if self.next < self.total {
+            return Err(RecvError::Invalid(format!(
+                "stream ended after {} of {} chunks",
+                self.next, self.total
+            )));
+        }
+        let held = Held {
+            ids: std::mem::take(&mut self.ids),
+            hashes: std::mem::take(&mut self.hashes),
+            tokens: self.tokens,
+            deadline: Instant::now() + self.rx.lease,
+        };
+        self.imported.clear();
+        let mut s = self.rx.state();
+        s.inflight.remove(&handle);
+        s.pending.insert(handle, held);
+        drop(s);
+        self.handle = None;
+        Ok(std::mem::take(&mut self.ack))
+    }
+}
+
+impl Drop for PushState {
+    fn drop(&mut self) {
+        let (mut fresh, mut referenced) = (Vec::new(), Vec::new());
+        for (&id, &imported) in self.ids.iter().zip(&self.imported) {
+            if imported {
+                fresh.push(id)
+            } else {
+                referenced.push(id)
+            }
+        }
+        if !fresh.is_empty() {
+            self.rx.store.release_forget(&fresh);
+        }
+        if !referenced.is_empty() {
+            self.rx.store.release(&referenced);
+        }
+        if let Some(h) = self.handle.take() {
+            self.rx.state().inflight.remove(&h);
+        }
+    }
+}

@@ -1,0 +1,397 @@
+//! The prefill side of a transfer: [`KvTransport`] (HasBlocks, PushKv, Release to a target),
+//! its gRPC implementation [`GrpcTransport`], and [`transfer`], which sends a prompt's blocks
+//! minus the ones the target already holds.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use kvwire::CRC32C_RESIDUE;
+use tokio_stream::{Stream, StreamExt};
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Request, Status};
+
+use crate::KV_FORMAT_V1;
+use crate::glue::{self, Limits};
+use crate::pb::kv::{HasBlocksRequest, KvAck, KvChunk, ReleaseRequest, ReleaseResponse, path};
+use crate::store::{BlockId, KvStore, StoreError};
+
+/// The chunks of one push, produced lazily as the transport drains them.
+pub type ChunkStream = Pin<Box<dyn Stream<Item = KvChunk> + Send>>;
+
+/// How the prefill side reaches decode engines.
+pub trait KvTransport: Send + Sync {
+    /// Asks `target` which hashes it holds.
+    fn has_blocks(
+        &self,
+        target: &str,
+        req: HasBlocksRequest,
+    ) -> impl Future<Output = Result<Vec<bool>, Status>> + Send;
+    /// Streams `chunks` to `target`.
+    fn push(
+        &self,
+        target: &str,
+        chunks: ChunkStream,
+    ) -> impl Future<Output = Result<KvAck, Status>> + Send;
+    /// Releases a handle on `target`.
+    fn release(
+        &self,
+        target: &str,
+        handle_id: &str,
+    ) -> impl Future<Output = Result<bool, Status>> + Send;
+}
+
+/// Settings of [`GrpcTransport`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransportConfig {
+    /// Bound on HasBlocks and Release calls.
+    pub call_timeout: Duration,
+    /// Bound on a whole push.
+    pub push_timeout: Duration,
+    /// Bound on establishing a connection.
+    pub connect_timeout: Duration,
+    /// HTTP/2 stream flow-control window.
+    pub stream_window: u32,
+    /// HTTP/2 connection flow-control window.
+    pub connection_window: u32,
+    /// Largest message either way (set from the block size).
+    pub max_message: usize,
+}
+
+impl TransportConfig {
+    /// Windows sized for multi-MiB messages (tonic's 64 KiB defaults cap a loopback push at a
+    /// fraction of raw TCP) and a message limit that fits one envelope of `block_envelope` bytes.
+    #[must_use]
+    pub fn for_envelope(block_envelope: usize) -> Self {
+        Self {
+            call_timeout: Duration::from_secs(5),
+            push_timeout: Duration::from_secs(120),
+            connect_timeout: Duration::from_secs(2),
+            stream_window: 32 << 20,
+            connection_window: 64 << 20,
+            max_message: block_envelope + 1024,
+        }
+    }
+}
+
+/// [`KvTransport`] over gRPC: one lazily connected channel per target, reused by every call.
+#[derive(Debug)]
+pub struct GrpcTransport {
+    cfg: TransportConfig,
+    channels: Mutex<HashMap<String, Channel>>,
+}
+
+impl GrpcTransport {
+    /// A transport with these settings.
+    #[must_use]
+    pub fn new(cfg: TransportConfig) -> Self {
+        Self {
+            cfg,
+            channels: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The settings.
+    #[must_use]
+    pub fn config(&self) -> TransportConfig {
+        self.cfg
+    }
+
+    /// The channel to `target` (`host:port`), created on first use.
+    ///
+    /// # Errors
+    /// INVALID_ARGUMENT when `target` is not a `host:port`.
+    pub fn channel(&self, target: &str) -> Result<Channel, Status> {
+        let mut map = self
+            .channels
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(c) = map.get(target) {
+            return Ok(c.clone());
+        }
+        let c = Endpoint::from_shared(format!("http://{target}"))
+            .map_err(|e| Status::invalid_argument(format!("target {target:?}: {e}")))?
+            .connect_timeout(self.cfg.connect_timeout)
+            .tcp_nodelay(true)
+            .initial_stream_window_size(self.cfg.stream_window)
+            .initial_connection_window_size(self.cfg.connection_window)
+            .http2_adaptive_window(false)
+            .connect_lazy();
+        map.insert(target.to_owned(), c.clone());
+        Ok(c)
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            max_decode: self.cfg.max_message,
+            max_encode: self.cfg.max_message,
+        }
+    }
+}
+
+/// Runs `fut` within `limit`, answering DEADLINE_EXCEEDED after it. A connection that failed
+/// (refused, reset, broken pipe) surfaces from tonic as UNKNOWN "transport error"; it is reported
+/// as UNAVAILABLE, the code that tells a caller to try another target.
+async fn bounded<T>(
+    limit: Duration,
+    what: &str,
+    fut: impl Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(Err(s)) if is_transport_failure(&s) => {
+            let detail = std::error::Error::source(&s)
+                .map(ToString::to_string)
+                .unwrap_or_default();
+            Err(Status::unavailable(format!(
+                "{what}: connection failed: {detail}"
+            )))
+        }
+        Ok(r) => r,
+        Err(_) => Err(Status::deadline_exceeded(format!(
+            "{what} took longer than {limit:?}"
+        ))),
+    }
+}
+
+fn is_transport_failure(s: &Status) -> bool {
+    s.code() == Code::Unknown
+        && std::error::Error::source(s)
+            .is_some_and(|e| e.downcast_ref::<tonic::transport::Error>().is_some())
+}
+
+impl KvTransport for GrpcTransport {
+    async fn has_blocks(&self, target: &str, req: HasBlocksRequest) -> Result<Vec<bool>, Status> {
+        let ch = self.channel(target)?;
+        let call = glue::unary::<_, crate::pb::kv::HasBlocksResponse>(
+            ch,
+            path::HAS_BLOCKS,
+            self.limits(),
+            Request::new(req),
+        );
+        Ok(bounded(self.cfg.call_timeout, "HasBlocks", call)
+            .await?
+            .present)
+    }
+
+    async fn push(&self, target: &str, chunks: ChunkStream) -> Result<KvAck, Status> {
+        let ch = self.channel(target)?;
+        let call = glue::client_streaming::<_, KvChunk, KvAck>(
+            ch,
+            path::PUSH_KV,
+            self.limits(),
+            Request::new(chunks),
+        );
+        bounded(self.cfg.push_timeout, "PushKv", call).await
+    }
+
+    async fn release(&self, target: &str, handle_id: &str) -> Result<bool, Status> {
+        let ch = self.channel(target)?;
+        let req = Request::new(ReleaseRequest {
+            handle_id: handle_id.to_owned(),
+        });
+        let call = glue::unary::<_, ReleaseResponse>(ch, path::RELEASE, self.limits(), req);
+        Ok(bounded(self.cfg.call_timeout, "Release", call)
+            .await?
+            .released)
+    }
+}
+
+/// What a transfer moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransferStats {
+    /// Blocks sent with a payload.
+    pub sent: u32,
+    /// Blocks sent as empty payloads (the target held them).
+    pub deduped: u32,
+    /// Payload bytes (whole envelopes) of the push that succeeded.
+    pub payload_bytes: u64,
+    /// Payloads resent after the target answered NOT_FOUND (0 when no retry was needed).
+    pub resent: u32,
+}
+
+/// Why a transfer failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransferError {
+    /// The target refused or could not be reached; the status passes through unchanged.
+    #[error("{0}")]
+    Rpc(#[from] Status),
+    /// A block could not be read from the local pool.
+    #[error("local pool: {0}")]
+    Store(StoreError),
+    /// The caller's arguments do not describe a prompt.
+    #[error("{0}")]
+    BadRequest(String),
+}
+
+impl TransferError {
+    /// The gRPC code to answer with.
+    #[must_use]
+    pub fn code(&self) -> Code {
+        match self {
+            TransferError::Rpc(s) => s.code(),
+            TransferError::Store(_) => Code::Internal,
+            TransferError::BadRequest(_) => Code::InvalidArgument,
+        }
+    }
+}
+
+impl From<TransferError> for Status {
+    fn from(e: TransferError) -> Status {
+        match e {
+            TransferError::Rpc(s) => s,
+            other => Status::new(other.code(), other.to_string()),
+        }
+    }
+}
+
+/// What one push sends.
+#[derive(Clone, Debug)]
+struct PushPlan {
+    store: Arc<dyn KvStore>,
+    handle_id: String,
+    model: String,
+    ids: Arc<[BlockId]>,
+    hashes: Arc<[u64]>,
+    /// Per chunk: send it empty (the target holds the block).
+    skip: Arc<[bool]>,
+    /// Set when a block could not be exported (the stream then ends early).
+    failed: Arc<Mutex<Option<StoreError>>>,
+}
+
+impl PushPlan {
+    /// The chunks, built one at a time as the transport asks for them: at most the chunks the
+    /// HTTP/2 windows admit are ever materialised, however long the prompt.
+    fn stream(&self) -> ChunkStream {
+        let plan = self.clone();
+        let total = self.ids.len() as u32;
+        Box::pin(tokio_stream::iter(0..total).map_while(move |i| plan.chunk(i, total)))
+    }
+
+    fn chunk(&self, index: u32, total: u32) -> Option<KvChunk> {
+        let i = index as usize;
+        let hash = self.hashes.get(i).copied().unwrap_or(0);
+        let mut chunk = KvChunk {
+            handle_id: self.handle_id.clone(),
+            index,
+            total,
+            hash,
+            kv_format: KV_FORMAT_V1,
+            payload: bytes::Bytes::new(),
+            payload_crc32c: 0,
+            model: self.model.clone(),
+        };
+        if self.skip[i] {
+            return Some(chunk);
+        }
+        let mut buf = BytesMut::new();
+        match self.store.write_envelope(self.ids[i], &mut buf) {
+            Ok(_) => {
+                chunk.payload = buf.freeze();
+                // The CRC-32C of a whole valid envelope is the residue: no second pass needed.
+                chunk.payload_crc32c = CRC32C_RESIDUE;
+                Some(chunk)
+            }
+            Err(e) => {
+                *self
+                    .failed
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
+                None
+            }
+        }
+    }
+
+    fn take_failure(&self) -> Option<StoreError> {
+        self.failed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+}
+
+/// Moves a prompt's KV blocks to `target` under `handle_id`.
+///
+/// `ids` are the prompt's blocks in order (the partial tail last, if any); `hashes` the chained
+/// hashes of its full blocks. Asks HasBlocks, then pushes the blocks the target holds as empty
+/// payloads and the rest as one-block envelopes (a full block this pool never registered travels
+/// with envelope hash 0 and the chunk hash set). On NOT_FOUND (a block evicted between the two
+/// calls) every payload is resent once. The caller keeps its references throughout and drops them
+/// afterwards, whatever the outcome.
+///
+/// # Errors
+/// The target's status passed through, a local export failure, or bad arguments.
+pub async fn transfer<T: KvTransport + ?Sized>(
+    transport: &T,
+    target: &str,
+    store: Arc<dyn KvStore>,
+    handle_id: &str,
+    model: &str,
+    ids: &[BlockId],
+    hashes: &[u64],
+) -> Result<TransferStats, TransferError> {
+    let b = store.shape().block_tokens();
+    if ids.is_empty() || hashes.len() > ids.len() || ids.len() > hashes.len() + 1 {
+        return Err(TransferError::BadRequest(format!(
+            "{} blocks and {} full-block hashes do not describe a prompt (B = {b})",
+            ids.len(),
+            hashes.len()
+        )));
+    }
+    let present = if hashes.is_empty() {
+        Vec::new()
+    } else {
+        let req = HasBlocksRequest {
+            hashes: hashes.to_vec(),
+            kv_format: KV_FORMAT_V1,
+            model: model.to_owned(),
+        };
+        let p = transport.has_blocks(target, req).await?;
+        if p.len() != hashes.len() {
+            return Err(TransferError::Rpc(Status::internal(format!(
+                "HasBlocks answered {} flags for {} hashes",
+                p.len(),
+                hashes.len()
+            ))));
+        }
+        p
+    };
+    let skip: Vec<bool> = (0..ids.len())
+        .map(|i| present.get(i).copied().unwrap_or(false))
+        .collect();
+    let mut plan = PushPlan {
+        store,
+        handle_id: handle_id.to_owned(),
+        model: model.to_owned(),
+        ids: ids.into(),
+        hashes: hashes.into(),
+        skip: skip.into(),
+        failed: Arc::new(Mutex::new(None)),
+    };
+    let mut resent = 0;
+    let ack = match transport.push(target, plan.stream()).await {
+        Ok(ack) => ack,
+        Err(s) if s.code() == Code::NotFound && plan.take_failure().is_none() => {
+            plan.skip = vec![false; ids.len()].into();
+            resent = ids.len() as u32;
+            transport.push(target, plan.stream()).await?
+        }
+        Err(s) => {
+            return Err(plan
+                .take_failure()
+                .map_or(TransferError::Rpc(s), TransferError::Store));
+        }
+    };
+    if let Some(e) = plan.take_failure() {
+        return Err(TransferError::Store(e));
+    }
+    Ok(TransferStats {
+        sent: ack.blocks_received,
+        deduped: ack.blocks_deduped,
+        payload_bytes: ack.payload_bytes,
+        resent,
+    })
+}

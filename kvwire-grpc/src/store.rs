@@ -1,0 +1,58 @@
+//! What the transfer needs of a KV pool. The engine's pool implements [`KvStore`]; the
+//! dependency points kvwire <- kvwire-grpc <- engine, so this crate never names the engine.
+//!
+//! Every method takes `&self` and locks internally for a short critical section (metadata, or
+//! one block's memcpy); none is called across an `.await`.
+
+use bytes::BytesMut;
+use kvwire::Shape;
+
+/// A block's index in the pool.
+pub type BlockId = u32;
+
+/// Why the store refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// No free or evictable block.
+    #[error("KV pool exhausted")]
+    Exhausted,
+    /// The block does not exist or is not referenced.
+    #[error("block {0} is not held")]
+    NotHeld(BlockId),
+    /// Anything else (a bad payload size, ...).
+    #[error("{0}")]
+    Other(String),
+}
+
+/// A KV pool as the transfer sees it.
+pub trait KvStore: Send + Sync + std::fmt::Debug + 'static {
+    /// The pool's block shape (the receiver's expected envelope shape).
+    fn shape(&self) -> Shape;
+
+    /// For each hash, whether a block holds it. Takes no reference and changes no count.
+    fn contains(&self, hashes: &[u64]) -> Vec<bool>;
+
+    /// The block holding `hash`, with one reference taken on it.
+    fn take_ref(&self, hash: u64) -> Option<BlockId>;
+
+    /// A new block holding `payload` (P bytes) with `fill` tokens, refcount 1, registered under
+    /// `hash` when non-zero and not already held.
+    ///
+    /// # Errors
+    /// [`StoreError::Exhausted`] when no block is free or evictable.
+    fn import(&self, hash: u64, fill: u32, payload: &[u8]) -> Result<BlockId, StoreError>;
+
+    /// Drops one reference on each block; a registered block reaching zero stays cached.
+    fn release(&self, ids: &[BlockId]);
+
+    /// Drops one reference on each block; a block reaching zero is unregistered and freed.
+    fn release_forget(&self, ids: &[BlockId]);
+
+    /// Appends a one-block envelope of block `id` (with its registered hash, or 0) to `out`, in
+    /// one copy plus the CRC, and returns that hash.
+    ///
+    /// # Errors
+    /// When the block is not held.
+    fn write_envelope(&self, id: BlockId, out: &mut BytesMut) -> Result<u64, StoreError>;
+}

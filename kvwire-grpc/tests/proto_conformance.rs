@@ -1,0 +1,500 @@
+//! The hand-written prost messages against `proto/tl/**.proto`, parsed with protox: every
+//! message's field names, numbers and types, and every service's methods, so they cannot drift.
+
+use std::collections::BTreeSet;
+use std::fmt::Debug;
+use std::path::PathBuf;
+
+use kvwire_grpc::pb::{control, engine, kv};
+use prost::Message;
+use prost_reflect::{DescriptorPool, DynamicMessage, ReflectMessage, Value};
+
+fn pool() -> DescriptorPool {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../proto");
+    let mut c = protox::Compiler::new([&root]).unwrap();
+    c.include_imports(true);
+    c.open_files([
+        "tl/kv/v1/kv.proto",
+        "tl/engine/v1/engine.proto",
+        "tl/control/v1/control.proto",
+    ])
+    .unwrap();
+    c.descriptor_pool()
+}
+
+/// A dynamic message of type `name` with these fields set.
+fn dynamic(pool: &DescriptorPool, name: &str, fields: &[(&str, Value)]) -> DynamicMessage {
+    let desc = pool
+        .get_message_by_name(name)
+        .unwrap_or_else(|| panic!("{name} is not in the .proto files"));
+    let mut m = DynamicMessage::new(desc);
+    for (f, v) in fields {
+        assert!(
+            m.descriptor().get_field_by_name(f).is_some(),
+            "{name} has no field {f}"
+        );
+        m.set_field_by_name(f, v.clone());
+    }
+    m
+}
+
+/// `msg` sets every field to a non-default value; `expected` lists each proto field name with
+/// the value it must decode to. Checks both directions of the wire.
+fn conform<M: Message + Default + PartialEq + Debug>(
+    pool: &DescriptorPool,
+    name: &str,
+    msg: &M,
+    expected: &[(&str, Value)],
+) {
+    let desc = pool
+        .get_message_by_name(name)
+        .unwrap_or_else(|| panic!("{name} is not in the .proto files"));
+    let proto: BTreeSet<String> = desc.fields().map(|f| f.name().to_owned()).collect();
+    let rust: BTreeSet<String> = expected.iter().map(|(n, _)| (*n).to_owned()).collect();
+    assert_eq!(
+        rust, proto,
+        "{name}: the Rust struct's fields are not the .proto's"
+    );
+
+    // Rust bytes read by the .proto's descriptor: every field lands where the contract says.
+    let decoded = DynamicMessage::decode(desc.clone(), msg.encode_to_vec().as_slice()).unwrap();
+    assert_eq!(
+        decoded.unknown_fields().count(),
+        0,
+        "{name}: fields the .proto does not know"
+    );
+    for (field, value) in expected {
+        let got = decoded.get_field_by_name(field).unwrap();
+        assert_eq!(got.as_ref(), value, "{name}.{field}");
+    }
+    // Bytes written from the descriptor read back by the Rust struct.
+    let built = dynamic(pool, name, expected);
+    let back = M::decode(built.encode_to_vec().as_slice()).unwrap();
+    assert_eq!(&back, msg, "{name}: decoding the .proto's encoding");
+}
+
+#[test]
+fn proto_matches_hand_written_messages() {
+    let p = pool();
+    use Value::*;
+    let u64s = |v: &[u64]| List(v.iter().map(|&x| U64(x)).collect());
+
+    // tl.kv.v1
+    conform(
+        &p,
+        "tl.kv.v1.HasBlocksRequest",
+        &kv::HasBlocksRequest {
+            hashes: vec![1, u64::MAX],
+            kv_format: 1,
+            model: "m".into(),
+        },
+        &[
+            ("hashes", u64s(&[1, u64::MAX])),
+            ("kv_format", U32(1)),
+            ("model", String("m".into())),
+        ],
+    );
+    conform(
+        &p,
+        "tl.kv.v1.HasBlocksResponse",
+        &kv::HasBlocksResponse {
+            present: vec![true, false],
+        },
+        &[("present", List(vec![Bool(true), Bool(false)]))],
+    );
+    conform(
+        &p,
+        "tl.kv.v1.KvChunk",
+        &kv::KvChunk {
+            handle_id: "h".into(),
+            index: 2,
+            total: 3,
+            hash: 4,
+            kv_format: 5,
+            payload: bytes::Bytes::from_static(b"xyz"),
+            payload_crc32c: 0xFFFF_FFFE,
+            model: "m".into(),
+        },
+        &[
+            ("handle_id", String("h".into())),
+            ("index", U32(2)),
+            ("total", U32(3)),
+            ("hash", U64(4)),
+            ("kv_format", U32(5)),
+            ("payload", Value::Bytes(bytes::Bytes::from_static(b"xyz"))),
+            ("payload_crc32c", U32(0xFFFF_FFFE)),
+            ("model", String("m".into())),
+        ],
+    );
+    conform(
+        &p,
+        "tl.kv.v1.KvAck",
+        &kv::KvAck {
+            handle_id: "h".into(),
+            blocks_received: 1,
+            blocks_deduped: 2,
+            payload_bytes: 1 << 40,
+        },
+        &[
+            ("handle_id", String("h".into())),
+            ("blocks_received", U32(1)),
+            ("blocks_deduped", U32(2)),
+            ("payload_bytes", U64(1 << 40)),
+        ],
+    );
+    conform(
+        &p,
+        "tl.kv.v1.ReleaseRequest",
+        &kv::ReleaseRequest {
+            handle_id: "h".into(),
+        },
+        &[("handle_id", String("h".into()))],
+    );
+    conform(
+        &p,
+        "tl.kv.v1.ReleaseResponse",
+        &kv::ReleaseResponse { released: true },
+        &[("released", Bool(true))],
+    );
+
+    // tl.engine.v1
+    let sp = engine::SamplingParams {
+        temperature: 0.5,
+        top_p: 0.25,
+        top_k: 7,
+        seed: Some(9),
+        max_tokens: 12,
+    };
+    let sp_fields = [
+        ("temperature", F32(0.5)),
+        ("top_p", F32(0.25)),
+        ("top_k", U32(7)),
+        ("seed", U64(9)),
+        ("max_tokens", U32(12)),
+    ];
+    conform(&p, "tl.engine.v1.SamplingParams", &sp, &sp_fields);
+    conform(
+        &p,
+        "tl.engine.v1.PrefillRequest",
+        &engine::PrefillRequest {
+            request_id: "r".into(),
+            prompt_tokens: vec![1, 2],
+            sampling: Some(sp),
+            decode_target: "d:1".into(),
+        },
+        &[
+            ("request_id", String("r".into())),
+            ("prompt_tokens", List(vec![U32(1), U32(2)])),
+            (
+                "sampling",
+                Message(dynamic(&p, "tl.engine.v1.SamplingParams", &sp_fields)),
+            ),
+            ("decode_target", String("d:1".into())),
+        ],
+    );
+    conform(
+        &p,
+        "tl.engine.v1.KvHandle",
+        &engine::KvHandle {
+            handle_id: "h".into(),
+            first_token: 1,
+            block_hashes: vec![2, 3],
+            rng_draws_consumed: 4,
+            seed: 5,
+            prompt_tokens: 6,
+            decode_target: "d".into(),
+            blocks_sent: 7,
+            blocks_deduped: 8,
+            payload_bytes: 9,
+            kv_format: 10,
+        },
+        &[
+            ("handle_id", String("h".into())),
+            ("first_token", U32(1)),
+            ("block_hashes", u64s(&[2, 3])),
+            ("rng_draws_consumed", U32(4)),
+            ("seed", U64(5)),
+            ("prompt_tokens", U32(6)),
+            ("decode_target", String("d".into())),
+            ("blocks_sent", U32(7)),
+            ("blocks_deduped", U32(8)),
+            ("payload_bytes", U64(9)),
+            ("kv_format", U32(10)),
+        ],
+    );
+    conform(&p, "tl.engine.v1.InfoRequest", &engine::InfoRequest {}, &[]);
+    conform(
+        &p,
+        "tl.engine.v1.InfoResponse",
+        &engine::InfoResponse {
+            worker_id: "w".into(),
+            roles: vec!["prefill".into(), "decode".into()],
+            model: "m".into(),
+            kv_format: 1,
+            block_tokens: 2,
+            n_layers: 3,
+            n_kv_heads: 4,
+            head_dim: 5,
+            free_blocks: 6,
+            total_blocks: 7,
+            queue_depth: 8,
+            running: 9,
+            draining: true,
+            pending_handles: 10,
+            used_blocks: 11,
+            cached_blocks: 12,
+        },
+        &[
+            ("worker_id", String("w".into())),
+            (
+                "roles",
+                List(vec![String("prefill".into()), String("decode".into())]),
+            ),
+            ("model", String("m".into())),
+            ("kv_format", U32(1)),
+            ("block_tokens", U32(2)),
+            ("n_layers", U32(3)),
+            ("n_kv_heads", U32(4)),
+            ("head_dim", U32(5)),
+            ("free_blocks", U32(6)),
+            ("total_blocks", U32(7)),
+            ("queue_depth", U32(8)),
+            ("running", U32(9)),
+            ("draining", Bool(true)),
+            ("pending_handles", U32(10)),
+            ("used_blocks", U32(11)),
+            ("cached_blocks", U32(12)),
+        ],
+    );
+    conform(
+        &p,
+        "tl.engine.v1.CancelRequest",
+        &engine::CancelRequest {
+            request_id: "r".into(),
+        },
+        &[("request_id", String("r".into()))],
+    );
+    conform(
+        &p,
+        "tl.engine.v1.CancelResponse",
+        &engine::CancelResponse { cancelled: true },
+        &[("cancelled", Bool(true))],
+    );
+    conform(
+        &p,
+        "tl.engine.v1.DrainRequest",
+        &engine::DrainRequest { deadline_ms: -5 },
+        &[("deadline_ms", I64(-5))],
+    );
+    conform(
+        &p,
+        "tl.engine.v1.DrainResponse",
+        &engine::DrainResponse { remaining: -3 },
+        &[("remaining", I32(-3))],
+    );
+
+    // tl.control.v1
+    let roles = p.get_enum_by_name("tl.control.v1.Role").unwrap();
+    let named: Vec<(std::string::String, i32)> = roles
+        .values()
+        .map(|v| (v.name().to_owned(), v.number()))
+        .collect();
+    assert_eq!(
+        named,
+        [
+            ("ROLE_UNSPECIFIED".into(), 0),
+            ("ROLE_PREFILL".into(), 1),
+            ("ROLE_DECODE".into(), 2),
+            ("ROLE_BOTH".into(), 3)
+        ]
+    );
+    assert_eq!(
+        [
+            control::Role::Unspecified,
+            control::Role::Prefill,
+            control::Role::Decode,
+            control::Role::Both
+        ]
+        .map(|r| r as i32),
+        [0, 1, 2, 3]
+    );
+    let ws = control::WorkerStatus {
+        worker_id: "w".into(),
+        http_address: "h".into(),
+        grpc_address: "g".into(),
+        kv_address: "k".into(),
+        role: control::Role::Both as i32,
+        model: "m".into(),
+        kv_format: 1,
+        queue_depth: 2,
+        running: 3,
+        free_blocks: 4,
+        total_blocks: 5,
+        draining: true,
+        block_tokens: 6,
+        heartbeat_ms: 7,
+    };
+    let ws_fields = [
+        ("worker_id", String("w".into())),
+        ("http_address", String("h".into())),
+        ("grpc_address", String("g".into())),
+        ("kv_address", String("k".into())),
+        ("role", EnumNumber(3)),
+        ("model", String("m".into())),
+        ("kv_format", U32(1)),
+        ("queue_depth", U32(2)),
+        ("running", U32(3)),
+        ("free_blocks", U32(4)),
+        ("total_blocks", U32(5)),
+        ("draining", Bool(true)),
+        ("block_tokens", U32(6)),
+        ("heartbeat_ms", U32(7)),
+    ];
+    conform(&p, "tl.control.v1.WorkerStatus", &ws, &ws_fields);
+    conform(
+        &p,
+        "tl.control.v1.HeartbeatAck",
+        &control::HeartbeatAck { drain: true },
+        &[("drain", Bool(true))],
+    );
+    conform(
+        &p,
+        "tl.control.v1.ListWorkersRequest",
+        &control::ListWorkersRequest {},
+        &[],
+    );
+    conform(
+        &p,
+        "tl.control.v1.ListWorkersResponse",
+        &control::ListWorkersResponse { workers: vec![ws] },
+        &[(
+            "workers",
+            List(vec![Message(dynamic(
+                &p,
+                "tl.control.v1.WorkerStatus",
+                &ws_fields,
+            ))]),
+        )],
+    );
+    conform(
+        &p,
+        "tl.control.v1.SetDrainRequest",
+        &control::SetDrainRequest {
+            worker_id: "w".into(),
+            drain: true,
+        },
+        &[("worker_id", String("w".into())), ("drain", Bool(true))],
+    );
+    conform(
+        &p,
+        "tl.control.v1.SetDrainResponse",
+        &control::SetDrainResponse { found: true },
+        &[("found", Bool(true))],
+    );
+
+    // Every message of the three packages was checked above.
+    let checked = 6 + 9 + 6;
+    assert_eq!(
+        p.all_messages().count(),
+        checked,
+        "a message was added to the .proto files without a conformance check"
+    );
+}
+
+#[test]
+fn method_paths_match_the_services() {
+    let p = pool();
+    // (service, method path constant, input, output, client streaming)
+    let methods = [
+        (
+            kv::path::SERVICE,
+            kv::path::HAS_BLOCKS,
+            "tl.kv.v1.HasBlocksRequest",
+            "tl.kv.v1.HasBlocksResponse",
+            false,
+        ),
+        (
+            kv::path::SERVICE,
+            kv::path::PUSH_KV,
+            "tl.kv.v1.KvChunk",
+            "tl.kv.v1.KvAck",
+            true,
+        ),
+        (
+            kv::path::SERVICE,
+            kv::path::RELEASE,
+            "tl.kv.v1.ReleaseRequest",
+            "tl.kv.v1.ReleaseResponse",
+            false,
+        ),
+        (
+            engine::path::SERVICE,
+            engine::path::PREFILL,
+            "tl.engine.v1.PrefillRequest",
+            "tl.engine.v1.KvHandle",
+            false,
+        ),
+        (
+            engine::path::SERVICE,
+            engine::path::INFO,
+            "tl.engine.v1.InfoRequest",
+            "tl.engine.v1.InfoResponse",
+            false,
+        ),
+        (
+            engine::path::SERVICE,
+            engine::path::CANCEL,
+            "tl.engine.v1.CancelRequest",
+            "tl.engine.v1.CancelResponse",
+            false,
+        ),
+        (
+            engine::path::SERVICE,
+            engine::path::DRAIN,
+            "tl.engine.v1.DrainRequest",
+            "tl.engine.v1.DrainResponse",
+            false,
+        ),
+        (
+            control::path::SERVICE,
+            control::path::HEARTBEAT,
+            "tl.control.v1.WorkerStatus",
+            "tl.control.v1.HeartbeatAck",
+            false,
+        ),
+        (
+            control::path::SERVICE,
+            control::path::LIST_WORKERS,
+            "tl.control.v1.ListWorkersRequest",
+            "tl.control.v1.ListWorkersResponse",
+            false,
+        ),
+        (
+            control::path::SERVICE,
+            control::path::SET_DRAIN,
+            "tl.control.v1.SetDrainRequest",
+            "tl.control.v1.SetDrainResponse",
+            false,
+        ),
+    ];
+    let mut seen = 0;
+    for svc in p.services() {
+        for m in svc.methods() {
+            let path = format!("/{}/{}", svc.full_name(), m.name());
+            let row = methods
+                .iter()
+                .find(|r| r.1 == path)
+                .unwrap_or_else(|| panic!("{path} has no hand-written path"));
+            assert_eq!(row.0, svc.full_name());
+            assert_eq!(
+                (m.input().full_name(), m.output().full_name()),
+                (row.2, row.3),
+                "{path}"
+            );
+            assert_eq!(m.is_client_streaming(), row.4, "{path}");
+            assert!(!m.is_server_streaming(), "{path}");
+            seen += 1;
+        }
+    }
+    assert_eq!(seen, methods.len());
+}
