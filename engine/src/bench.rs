@@ -348,7 +348,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, String
         push(format!("rss-{count}"), count).await?;
         let after = rss().map(|r| r.0);
         if let (true, Some(b), Some(a)) = (reset, before, after) {
-            let key = format!("push_{}_mib", count * p_bytes >> 20);
+            let key = format!("push_{}_mib", (count * p_bytes) >> 20);
             rss_growth.insert(
                 key,
                 serde_json::json!(round3(a.saturating_sub(b) as f64 / (1 << 20) as f64)),
@@ -358,10 +358,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, String
 
     // Dedup saving: the decode side already holds the first 75% of the prompt.
     let cached = n * 3 / 4;
-    push("seed-75".into(), cached).await.ok();
-    let (_, secs_seed) = (0, 0.0);
-    let _ = secs_seed;
-    // Re-push the prefix under a handle and release it normally so it stays cached.
+    // Push the prefix and release it normally, so its blocks stay cached on the decode side.
     let st_prefix = kvwire_grpc::transfer(
         &transport,
         &target,
