@@ -4,9 +4,15 @@
 
 pub mod bench;
 pub mod cli;
+pub mod client;
 pub mod config;
+pub mod control;
 pub mod engine;
+pub mod http;
 pub mod model;
+pub mod node;
 pub mod pool;
+pub mod registry;
 pub mod rng;
+pub mod runner;
 pub mod sampler;

@@ -250,6 +250,15 @@ impl KvReceiver {
         }
     }
 
+    /// The chunk hashes and token count held under `handle`, without claiming it.
+    #[must_use]
+    pub fn peek(&self, handle: &str) -> Option<(Vec<u64>, u64)> {
+        self.state()
+            .pending
+            .get(handle)
+            .map(|h| (h.hashes.clone(), h.tokens))
+    }
+
     /// Takes the blocks held under `handle` (their references move to the caller).
     #[must_use]
     pub fn claim(&self, handle: &str) -> Option<Claimed> {

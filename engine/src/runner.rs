@@ -1,0 +1,274 @@
+//! The engine's step loop on a thread of its own, and the handle servers use to reach it.
+//!
+//! The [`Engine`] is pure and synchronous; a step can take long (a long prefill at a realistic
+//! shape), so it never runs on an async worker. Servers send commands over a channel; the engine
+//! thread applies them between steps and sends each sequence's events to that sequence's
+//! subscriber. A subscriber that has gone away (an HTTP client that disconnected, a cancelled
+//! RPC) makes the next send fail, and the thread cancels the sequence, releasing its blocks.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
+
+use tokio::sync::mpsc as tmpsc;
+
+use crate::engine::{
+    Engine, Event, FinishReason, PrefillOutput, Request, RequestError, SeqError, SeqId,
+};
+use crate::model::Model;
+use crate::pool::{Blocks, SharedKv};
+use crate::sampler::Sampling;
+
+/// What a subscriber hears about its sequence.
+#[derive(Debug)]
+pub enum SeqEvent {
+    /// A token; index 0 is the completion's first.
+    Token {
+        /// The token.
+        token: u32,
+        /// Its index in the completion.
+        index: u32,
+    },
+    /// Ended normally.
+    Finished(FinishReason),
+    /// Failed; its blocks are released.
+    Failed(SeqError),
+    /// Refused before any work.
+    Refused(RequestError),
+    /// A prefill-only request is done.
+    Prefilled(PrefillOutput),
+}
+
+/// Requests and sequences the engine holds, published after every command and step.
+#[derive(Debug, Default)]
+pub struct Load {
+    queue: AtomicU32,
+    running: AtomicU32,
+}
+
+/// A request started from already-filled blocks (the decode side of a transfer).
+#[derive(Debug)]
+pub struct Resume {
+    /// The prompt the blocks hold.
+    pub prompt: Vec<u32>,
+    /// One reference on each block, in order.
+    pub blocks: Blocks,
+    /// The first token, sampled by the prefill engine.
+    pub first_token: u32,
+    /// Draws the prefill engine consumed.
+    pub draws: u64,
+    /// Validated sampling.
+    pub sampling: Sampling,
+    /// The seed.
+    pub seed: u64,
+    /// Completion length, first token included.
+    pub max_tokens: u32,
+}
+
+enum Cmd {
+    Submit(u64, Box<Request>, tmpsc::UnboundedSender<SeqEvent>),
+    Resume(u64, Box<Resume>, tmpsc::UnboundedSender<SeqEvent>),
+    Cancel(u64),
+    Stop,
+}
+
+/// The handle to a running engine thread. Cloning shares it.
+#[derive(Clone, Debug)]
+pub struct Runner {
+    tx: mpsc::Sender<CmdBox>,
+    next: Arc<AtomicU64>,
+    load: Arc<Load>,
+    pool: SharedKv,
+    model: Arc<dyn Model>,
+}
+
+/// Commands wrapped so the channel's type is nameable in `Runner`'s Debug.
+struct CmdBox(Cmd);
+
+impl std::fmt::Debug for CmdBox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Cmd")
+    }
+}
+
+/// A key for a request given to the runner; cancel with it.
+pub type Key = u64;
+
+impl Runner {
+    /// Starts the engine thread.
+    ///
+    /// # Panics
+    /// If the OS cannot start a thread.
+    #[must_use]
+    pub fn start(engine: Engine) -> (Self, JoinHandle<()>) {
+        let (tx, rx) = mpsc::channel::<CmdBox>();
+        let load = Arc::new(Load::default());
+        let runner = Runner {
+            tx,
+            next: Arc::new(AtomicU64::new(1)),
+            load: Arc::clone(&load),
+            pool: engine.pool().clone(),
+            model: Arc::clone(engine.model()),
+        };
+        let join = std::thread::Builder::new()
+            .name("tl-engine-step".into())
+            .spawn(move || run(engine, rx, &load))
+            .expect("spawn the engine thread");
+        (runner, join)
+    }
+
+    /// The pool.
+    #[must_use]
+    pub fn pool(&self) -> &SharedKv {
+        &self.pool
+    }
+
+    /// The model.
+    #[must_use]
+    pub fn model(&self) -> &Arc<dyn Model> {
+        &self.model
+    }
+
+    /// Requests waiting for prefill.
+    #[must_use]
+    pub fn queue_depth(&self) -> u32 {
+        self.load.queue.load(Ordering::Relaxed)
+    }
+
+    /// Sequences decoding.
+    #[must_use]
+    pub fn running(&self) -> u32 {
+        self.load.running.load(Ordering::Relaxed)
+    }
+
+    fn key(&self) -> Key {
+        self.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Queues a request; its events arrive on the returned receiver. Dropping the receiver
+    /// cancels the request.
+    #[must_use]
+    pub fn submit(&self, req: Request) -> (Key, tmpsc::UnboundedReceiver<SeqEvent>) {
+        let (etx, erx) = tmpsc::unbounded_channel();
+        let key = self.key();
+        // A send error means the engine thread is gone; the receiver then reports nothing and
+        // the caller sees a closed stream.
+        let _ = self.tx.send(CmdBox(Cmd::Submit(key, Box::new(req), etx)));
+        (key, erx)
+    }
+
+    /// Starts a sequence from transferred blocks.
+    #[must_use]
+    pub fn resume(&self, r: Resume) -> (Key, tmpsc::UnboundedReceiver<SeqEvent>) {
+        let (etx, erx) = tmpsc::unbounded_channel();
+        let key = self.key();
+        let _ = self.tx.send(CmdBox(Cmd::Resume(key, Box::new(r), etx)));
+        (key, erx)
+    }
+
+    /// Cancels a queued or running request.
+    pub fn cancel(&self, key: Key) {
+        let _ = self.tx.send(CmdBox(Cmd::Cancel(key)));
+    }
+
+    /// Stops the engine thread (sequences still running are dropped, releasing their blocks).
+    pub fn stop(&self) {
+        let _ = self.tx.send(CmdBox(Cmd::Stop));
+    }
+}
+
+fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
+    let mut subs: HashMap<SeqId, (Key, tmpsc::UnboundedSender<SeqEvent>)> = HashMap::new();
+    let mut seq_of: HashMap<Key, SeqId> = HashMap::new();
+    loop {
+        // Block for work when idle; otherwise take whatever commands are waiting.
+        let first = if engine.is_idle() {
+            match rx.recv() {
+                Ok(c) => Some(c),
+                Err(_) => return,
+            }
+        } else {
+            rx.try_recv().ok()
+        };
+        let mut next = first;
+        while let Some(CmdBox(cmd)) = next {
+            match cmd {
+                Cmd::Submit(key, req, tx) => match engine.submit(*req) {
+                    Ok(seq) => {
+                        subs.insert(seq, (key, tx));
+                        seq_of.insert(key, seq);
+                    }
+                    Err(e) => {
+                        let _ = tx.send(SeqEvent::Refused(e));
+                    }
+                },
+                Cmd::Resume(key, r, tx) => {
+                    let r = *r;
+                    match engine.resume(
+                        r.prompt,
+                        r.blocks,
+                        r.first_token,
+                        r.draws,
+                        r.sampling,
+                        r.seed,
+                        r.max_tokens,
+                    ) {
+                        Ok(seq) => {
+                            subs.insert(seq, (key, tx));
+                            seq_of.insert(key, seq);
+                        }
+                        Err(e) => {
+                            let _ = tx.send(SeqEvent::Refused(e));
+                        }
+                    }
+                }
+                Cmd::Cancel(key) => {
+                    if let Some(seq) = seq_of.remove(&key) {
+                        engine.cancel(seq);
+                        subs.remove(&seq);
+                    }
+                }
+                Cmd::Stop => return,
+            }
+            next = rx.try_recv().ok();
+        }
+        publish(&engine, load);
+        if engine.is_idle() {
+            continue;
+        }
+        let (events, stats) = engine.step();
+        let cost = engine.simulated_cost(stats);
+        for ev in events {
+            let (seq, msg, last) = match ev {
+                Event::Token { seq, token, index } => {
+                    (seq, SeqEvent::Token { token, index }, false)
+                }
+                Event::Finished { seq, reason } => (seq, SeqEvent::Finished(reason), true),
+                Event::Failed { seq, error } => (seq, SeqEvent::Failed(error), true),
+                Event::Prefilled { seq, output } => (seq, SeqEvent::Prefilled(output), true),
+            };
+            let delivered = subs.get(&seq).is_some_and(|(_, tx)| tx.send(msg).is_ok());
+            if last || !delivered {
+                if !last {
+                    // Nobody listens any more: stop the work and free its blocks.
+                    engine.cancel(seq);
+                }
+                if let Some((key, _)) = subs.remove(&seq) {
+                    seq_of.remove(&key);
+                }
+            }
+        }
+        publish(&engine, load);
+        if !cost.is_zero() {
+            std::thread::sleep(cost);
+        }
+    }
+}
+
+fn publish(engine: &Engine, load: &Load) {
+    load.queue
+        .store(engine.queue_depth() as u32, Ordering::Relaxed);
+    load.running
+        .store(engine.running() as u32, Ordering::Relaxed);
+}

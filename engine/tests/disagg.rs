@@ -1,0 +1,530 @@
+//! EngineControl and the decode side's resume, across real servers on 127.0.0.1:0: a prompt
+//! prefilled on one engine and decoded on another emits exactly the tokens of one engine.
+
+mod common;
+
+use std::time::Duration;
+
+use common::eventually;
+use kvwire_grpc::pb::engine::{KvHandle, PrefillRequest, SamplingParams};
+use serde_json::json;
+use tl_engine::client::{ControlClient, HttpClient};
+use tl_engine::config::{Config, Role};
+use tl_engine::engine::{Engine, Mode, Request};
+use tl_engine::node::EngineNode;
+use tl_engine::sampler::{Sampling, SamplingRequest};
+use tonic::Code;
+
+fn config(id: &str, role: Role) -> Config {
+    let mut c = Config::default();
+    c.engine.id = id.into();
+    c.engine.role = role;
+    c.pool.n_blocks = 256;
+    c
+}
+
+fn colocated(prompt: &[u32], t: f32, p: f32, k: u32, seed: u64, n: u32) -> Vec<u32> {
+    let cfg = Config::default();
+    let mut e = Engine::new(cfg.build_model(), cfg.build_pool());
+    let sampling = Sampling::new(
+        SamplingRequest {
+            temperature: t,
+            top_p: p,
+            top_k: k,
+        },
+        cfg.model.vocab,
+    )
+    .unwrap();
+    e.generate(Request {
+        prompt: prompt.to_vec(),
+        sampling,
+        seed,
+        max_tokens: n,
+        mode: Mode::Generate,
+    })
+    .unwrap()
+}
+
+fn sampling(t: f32, p: f32, k: u32, seed: Option<u64>, n: u32) -> Option<SamplingParams> {
+    Some(SamplingParams {
+        temperature: t,
+        top_p: p,
+        top_k: k,
+        seed,
+        max_tokens: n,
+    })
+}
+
+fn resume_body(
+    prompt: &[u32],
+    h: &KvHandle,
+    t: f32,
+    p: f32,
+    k: u32,
+    n: u32,
+    stream: bool,
+) -> String {
+    json!({
+        "prompt": prompt, "max_tokens": n, "temperature": t, "top_p": p, "top_k": k, "seed": h.seed, "stream": stream,
+        "tl_resume": { "first_token": h.first_token, "rng_draws_consumed": h.rng_draws_consumed },
+    })
+    .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_equals_colocated() {
+    let p = EngineNode::start(&config("P", Role::Prefill))
+        .await
+        .unwrap();
+    let d = EngineNode::start(&config("D", Role::Decode)).await.unwrap();
+    let (pa, da) = (p.addresses(), d.addresses());
+    let ctl = ControlClient::new(&pa.grpc).unwrap();
+    let http = HttpClient::default();
+    let prompts: [Vec<u32>; 3] = [vec![72, 105, 33], (10..18).collect(), (100..110).collect()];
+    let settings: [(f32, f32, u32, Option<u64>); 3] = [
+        (0.0, 1.0, 0, None),
+        (0.8, 0.9, 0, Some(7)),
+        (1.2, 1.0, 40, Some(0xfeed)),
+    ];
+    let mut n = 0;
+    for prompt in &prompts {
+        for &(t, tp, k, seed) in &settings {
+            let h = ctl
+                .prefill(PrefillRequest {
+                    request_id: format!("r{n}"),
+                    prompt_tokens: prompt.clone(),
+                    sampling: sampling(t, tp, k, seed, 12),
+                    decode_target: da.kv.clone(),
+                })
+                .await
+                .unwrap();
+            assert_eq!(h.prompt_tokens as usize, prompt.len());
+            assert_eq!(h.block_hashes.len(), prompt.len() / 4);
+            assert_eq!(h.rng_draws_consumed, u32::from(t != 0.0));
+            assert!(
+                h.handle_id.starts_with(&format!("P-r{n}-")),
+                "{}",
+                h.handle_id
+            );
+            if let Some(s) = seed {
+                assert_eq!(h.seed, s);
+            }
+            let want = colocated(prompt, t, tp, k, h.seed, 12);
+            assert_eq!(h.first_token, want[0]);
+            let stream = n % 2 == 1;
+            let r = http
+                .post(
+                    &da.http,
+                    "/v1/completions",
+                    &[("x-tl-kv-handle", &h.handle_id)],
+                    resume_body(prompt, &h, t, tp, k, 12, stream),
+                )
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            let got: Vec<u32> = if stream {
+                let data = r.sse_data();
+                assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+                data.iter()
+                    .filter(|d| *d != "[DONE]")
+                    .flat_map(|d| {
+                        let v: serde_json::Value = serde_json::from_str(d).unwrap();
+                        v["choices"][0]["tokens"]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|t| t.as_u64().unwrap() as u32)
+                            .collect::<Vec<_>>()
+                    })
+                    .collect()
+            } else {
+                let v = r.json();
+                assert_eq!(v["choices"][0]["finish_reason"], "length");
+                assert_eq!(v["usage"]["completion_tokens"], 12);
+                v["choices"][0]["tokens"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_u64().unwrap() as u32)
+                    .collect()
+            };
+            assert_eq!(got, want, "prompt {prompt:?} t={t} seed={seed:?}");
+            n += 1;
+        }
+    }
+    // Everything was claimed and finished: nothing pending, nothing used, on either side.
+    assert!(
+        eventually(Duration::from_secs(2), || d.worker().runner().running()
+            == 0)
+        .await
+    );
+    assert_eq!(d.worker().receiver().unwrap().pending(), 0);
+    assert_eq!(d.worker().runner().pool().lock().counts().used, 0);
+    assert_eq!(p.worker().runner().pool().lock().counts().used, 0);
+    p.shutdown(Duration::from_secs(1)).await;
+    d.shutdown(Duration::from_secs(1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_rpc_validation_and_info() {
+    let p = EngineNode::start(&config("P", Role::Prefill))
+        .await
+        .unwrap();
+    let d = EngineNode::start(&config("D", Role::Decode)).await.unwrap();
+    let (pa, da) = (p.addresses(), d.addresses());
+    let ctl = ControlClient::new(&pa.grpc).unwrap();
+    let good = || PrefillRequest {
+        request_id: "ok".into(),
+        prompt_tokens: vec![1, 2, 3, 4, 5],
+        sampling: sampling(0.0, 1.0, 0, Some(1), 4),
+        decode_target: da.kv.clone(),
+    };
+    let before = p.worker().runner().pool().lock().counts();
+    let cases: Vec<(&str, PrefillRequest, Code)> = vec![
+        (
+            "empty request_id",
+            PrefillRequest {
+                request_id: String::new(),
+                ..good()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "empty prompt",
+            PrefillRequest {
+                prompt_tokens: vec![],
+                ..good()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "empty target",
+            PrefillRequest {
+                decode_target: String::new(),
+                ..good()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "token outside vocab",
+            PrefillRequest {
+                prompt_tokens: vec![1, 260],
+                ..good()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "prompt longer than context",
+            PrefillRequest {
+                prompt_tokens: vec![1; 4097],
+                ..good()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "negative temperature",
+            PrefillRequest {
+                sampling: sampling(-1.0, 1.0, 0, None, 4),
+                ..good()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "NaN temperature",
+            PrefillRequest {
+                sampling: sampling(f32::NAN, 1.0, 0, None, 4),
+                ..good()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "top_p above 1",
+            PrefillRequest {
+                sampling: sampling(1.0, 1.5, 0, None, 4),
+                ..good()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "top_p negative",
+            PrefillRequest {
+                sampling: sampling(1.0, -0.5, 0, None, 4),
+                ..good()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "top_k above vocab",
+            PrefillRequest {
+                sampling: sampling(1.0, 1.0, 261, None, 4),
+                ..good()
+            },
+            Code::InvalidArgument,
+        ),
+    ];
+    for (name, req, code) in cases {
+        let err = ctl.prefill(req).await.unwrap_err();
+        assert_eq!(err.code(), code, "{name}: {err}");
+        assert_eq!(
+            p.worker().runner().pool().lock().counts(),
+            before,
+            "{name} touched the pool"
+        );
+    }
+    // top_p 0 on the wire means 1: accepted.
+    let h = ctl
+        .prefill(PrefillRequest {
+            sampling: sampling(0.5, 0.0, 0, Some(3), 4),
+            ..good()
+        })
+        .await
+        .unwrap();
+    assert!(d.worker().receiver().unwrap().release(&h.handle_id));
+    // A decode-only engine refuses Prefill.
+    let dctl = ControlClient::new(&da.grpc).unwrap();
+    assert_eq!(
+        dctl.prefill(good()).await.unwrap_err().code(),
+        Code::FailedPrecondition
+    );
+    // An unreachable decode target: UNAVAILABLE, and the prefill pool holds no reference.
+    let closed = {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let err = ctl
+        .prefill(PrefillRequest {
+            decode_target: closed,
+            ..good()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert_eq!(p.worker().runner().pool().lock().counts().used, 0);
+
+    // Info.
+    let info = ctl.info().await.unwrap();
+    assert_eq!(info.worker_id, "P");
+    assert_eq!(info.roles, ["prefill"]);
+    assert_eq!(
+        (
+            info.model.as_str(),
+            info.kv_format,
+            info.block_tokens,
+            info.n_layers,
+            info.n_kv_heads,
+            info.head_dim
+        ),
+        ("fake", 1, 4, 2, 1, 4)
+    );
+    assert_eq!(info.total_blocks, 256);
+    assert_eq!(info.used_blocks, 0);
+    assert_eq!(
+        info.cached_blocks, 1,
+        "the full block of the accepted prompt stays cached"
+    );
+    assert_eq!(
+        info.free_blocks + info.cached_blocks + info.used_blocks,
+        info.total_blocks
+    );
+    assert!(!info.draining);
+    let dinfo = dctl.info().await.unwrap();
+    assert_eq!(dinfo.roles, ["decode"]);
+    assert_eq!(dinfo.pending_handles, 0);
+
+    // Cancel: a prefill stuck on a decode target that never answers is cancelled.
+    let black_hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hole = black_hole.local_addr().unwrap().to_string();
+    let ctl2 = ctl.clone();
+    let stuck_req = PrefillRequest {
+        request_id: "stuck".into(),
+        decode_target: hole,
+        ..good()
+    };
+    let stuck = tokio::spawn(async move { ctl2.prefill(stuck_req).await });
+    assert!(
+        eventually(Duration::from_secs(2), || p.worker().inflight_prefills()
+            == 1)
+        .await
+    );
+    // The same request id again while it runs: ALREADY_EXISTS.
+    let dup = ctl
+        .prefill(PrefillRequest {
+            request_id: "stuck".into(),
+            ..good()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(dup.code(), Code::AlreadyExists);
+    assert!(ctl.cancel("stuck").await.unwrap());
+    assert!(!ctl.cancel("stuck").await.unwrap());
+    let err = stuck.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), Code::Cancelled);
+    assert!(
+        eventually(Duration::from_secs(2), || p
+            .worker()
+            .runner()
+            .pool()
+            .lock()
+            .counts()
+            .used
+            == 0)
+        .await
+    );
+    drop(black_hole);
+
+    // Drain: new work is refused, nothing remains, and it sticks.
+    assert_eq!(ctl.drain(500).await.unwrap(), 0);
+    assert_eq!(
+        ctl.prefill(good()).await.unwrap_err().code(),
+        Code::Unavailable
+    );
+    assert!(ctl.info().await.unwrap().draining);
+    p.shutdown(Duration::from_secs(1)).await;
+    d.shutdown(Duration::from_secs(1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_refusals_and_client_abort() {
+    let p = EngineNode::start(&config("P", Role::Prefill))
+        .await
+        .unwrap();
+    let d = EngineNode::start(&config("D", Role::Decode)).await.unwrap();
+    let (pa, da) = (p.addresses(), d.addresses());
+    let ctl = ControlClient::new(&pa.grpc).unwrap();
+    let http = HttpClient::default();
+    let prompt: Vec<u32> = (1..=10).collect();
+    let pre = |id: &str| PrefillRequest {
+        request_id: id.into(),
+        prompt_tokens: prompt.clone(),
+        sampling: sampling(0.0, 1.0, 0, Some(5), 8),
+        decode_target: da.kv.clone(),
+    };
+    let h = ctl.prefill(pre("a")).await.unwrap();
+    // Unknown handle: 404. Another prompt: 409 and the handle is still there.
+    let r = http
+        .post(
+            &da.http,
+            "/v1/completions",
+            &[("x-tl-kv-handle", "nope")],
+            resume_body(&prompt, &h, 0.0, 1.0, 0, 8, false),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 404);
+    assert!(r.json()["error"]["message"].is_string());
+    let other: Vec<u32> = (2..=11).collect();
+    let r = http
+        .post(
+            &da.http,
+            "/v1/completions",
+            &[("x-tl-kv-handle", &h.handle_id)],
+            resume_body(&other, &h, 0.0, 1.0, 0, 8, false),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 409);
+    assert_eq!(d.worker().receiver().unwrap().pending(), 1);
+    // The right prompt works once; a second claim is 404.
+    let r = http
+        .post(
+            &da.http,
+            "/v1/completions",
+            &[("x-tl-kv-handle", &h.handle_id)],
+            resume_body(&prompt, &h, 0.0, 1.0, 0, 8, false),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let r = http
+        .post(
+            &da.http,
+            "/v1/completions",
+            &[("x-tl-kv-handle", &h.handle_id)],
+            resume_body(&prompt, &h, 0.0, 1.0, 0, 8, false),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 404);
+    // Another model: 404; bad bodies: 400.
+    let r = http
+        .post(
+            &da.http,
+            "/v1/completions",
+            &[],
+            json!({"prompt": "hi", "model": "gpt-x"}).to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 404);
+    for body in [
+        "{",
+        r#"{"prompt": []}"#,
+        r#"{"prompt": "x", "max_tokens": 0}"#,
+        r#"{"prompt": "x", "temperature": -1}"#,
+    ] {
+        let r = http
+            .post(&da.http, "/v1/completions", &[], body)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 400, "{body}");
+        assert!(r.json()["error"]["message"].is_string(), "{body}");
+    }
+    // A colocated request on the decode engine, text prompt.
+    let r = http
+        .post(
+            &da.http,
+            "/v1/completions",
+            &[],
+            json!({"prompt": "hello", "max_tokens": 5, "seed": 1}).to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let want = colocated(b"hello".map(u32::from).as_ref(), 0.0, 1.0, 0, 1, 5);
+    let got: Vec<u64> = r.json()["choices"][0]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert_eq!(got, want.iter().map(|&t| u64::from(t)).collect::<Vec<_>>());
+
+    // Client abort mid-stream: the decode sequence is cancelled and its blocks released.
+    let h = ctl.prefill(pre("b")).await.unwrap();
+    let body = resume_body(&prompt, &h, 0.0, 1.0, 0, 100_000, true);
+    let (status, mut stream) = http
+        .post_streaming(
+            &da.http,
+            "/v1/completions",
+            &[("x-tl-kv-handle", &h.handle_id)],
+            body,
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    use http_body_util::BodyExt;
+    let first = stream.frame().await.unwrap().unwrap();
+    assert!(first.is_data());
+    assert!(d.worker().runner().running() <= 1);
+    drop(stream);
+    assert!(
+        eventually(Duration::from_secs(3), || d.worker().runner().running()
+            == 0)
+        .await,
+        "sequence not cancelled"
+    );
+    assert!(
+        eventually(Duration::from_secs(3), || d
+            .worker()
+            .runner()
+            .pool()
+            .lock()
+            .counts()
+            .used
+            == 0)
+        .await
+    );
+    assert_eq!(d.worker().receiver().unwrap().pending(), 0);
+    p.shutdown(Duration::from_secs(1)).await;
+    d.shutdown(Duration::from_secs(1)).await;
+}
