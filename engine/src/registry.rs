@@ -170,6 +170,12 @@ pub trait Registry: Send + Sync + 'static {
     ) -> impl Future<Output = Result<HeartbeatAck, Status>> + Send;
 }
 
+impl<R: Registry> Registry for Arc<R> {
+    fn heartbeat(&self, status: WorkerStatus) -> impl Future<Output = Result<HeartbeatAck, Status>> + Send {
+        R::heartbeat(self, status)
+    }
+}
+
 /// A registry reached over gRPC, each call bounded by a timeout.
 #[derive(Clone, Debug)]
 pub struct GrpcRegistry {
