@@ -16,3 +16,4 @@ pub mod registry;
 pub mod rng;
 pub mod runner;
 pub mod sampler;
+pub mod serve;

@@ -23,6 +23,10 @@ enum Cmd {
     Inspect(tl_engine::cli::InspectArgs),
     /// Colocated generation on one engine; prints `{"tokens":[...],"seed":S}`.
     Generate(tl_engine::cli::GenerateArgs),
+    /// Run an engine (prefill, decode or both) until SIGTERM.
+    Engine(tl_engine::serve::EngineArgs),
+    /// Run a worker registry until SIGTERM.
+    Registry(tl_engine::serve::RegistryArgs),
     /// Benchmarks that print one JSON line.
     Bench {
         #[command(subcommand)]
@@ -72,6 +76,8 @@ fn main() -> ExitCode {
     match cli.cmd {
         Cmd::Inspect(args) => tl_engine::cli::inspect(&args),
         Cmd::Generate(args) => tl_engine::cli::generate(&args),
+        Cmd::Engine(args) => tl_engine::serve::engine(&args),
+        Cmd::Registry(args) => tl_engine::serve::registry(&args),
         Cmd::Bench { which } => match which {
             BenchCmd::Wire(args) => tl_engine::bench::wire(&args),
             BenchCmd::Transfer(args) => tl_engine::bench::transfer(&args),

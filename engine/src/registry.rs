@@ -171,7 +171,10 @@ pub trait Registry: Send + Sync + 'static {
 }
 
 impl<R: Registry> Registry for Arc<R> {
-    fn heartbeat(&self, status: WorkerStatus) -> impl Future<Output = Result<HeartbeatAck, Status>> + Send {
+    fn heartbeat(
+        &self,
+        status: WorkerStatus,
+    ) -> impl Future<Output = Result<HeartbeatAck, Status>> + Send {
         R::heartbeat(self, status)
     }
 }

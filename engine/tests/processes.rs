@@ -1,0 +1,190 @@
+//! The real binaries as child processes: `tl registry`, a prefill and a decode `tl engine`,
+//! registration seen through ListWorkers, one disaggregated request, then SIGTERM for all.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvwire_grpc::pb::control::Role;
+use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
+use serde_json::{Value, json};
+use tl_engine::client::{ControlClient, HttpClient};
+use tl_engine::config::Config;
+use tl_engine::engine::{Engine, Mode, Request};
+use tl_engine::registry::GrpcRegistry;
+use tl_engine::sampler::{Sampling, SamplingRequest};
+
+/// A child process killed on drop, so a failing test leaves nothing running.
+struct Proc {
+    child: Child,
+    listening: Value,
+}
+
+impl Proc {
+    fn start(args: &[&str]) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tl"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let listening: Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("{args:?} printed {line:?}: {e}"));
+        assert_eq!(listening["event"], "listening");
+        Proc { child, listening }
+    }
+
+    fn addr(&self, key: &str) -> String {
+        self.listening[key]
+            .as_str()
+            .unwrap_or_else(|| panic!("no {key} in {}", self.listening))
+            .to_owned()
+    }
+
+    /// SIGTERM, then the exit status (within `limit`).
+    fn terminate(mut self, limit: Duration) -> Option<i32> {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status();
+        let end = Instant::now() + limit;
+        while Instant::now() < end {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return st.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registry_and_engines_as_processes() {
+    let reg = Proc::start(&["registry", "--listen", "127.0.0.1:0"]);
+    let reg_addr = reg.addr("registry");
+    let p = Proc::start(&[
+        "engine",
+        "--role",
+        "prefill",
+        "--id",
+        "P",
+        "--gateway-registry",
+        &reg_addr,
+    ]);
+    let d = Proc::start(&[
+        "engine",
+        "--role",
+        "decode",
+        "--id",
+        "D",
+        "--gateway-registry",
+        &reg_addr,
+    ]);
+    assert!(
+        p.listening.get("kv").is_none() && p.listening.get("http").is_none(),
+        "{}",
+        p.listening
+    );
+
+    // Both register (their first beat is immediate).
+    let client = GrpcRegistry::new(&reg_addr, Duration::from_secs(1)).unwrap();
+    let end = Instant::now() + Duration::from_secs(10);
+    let workers = loop {
+        let w = client.list_workers().await.unwrap_or_default();
+        if w.len() == 2 || Instant::now() > end {
+            break w;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    let dec = workers
+        .iter()
+        .find(|w| w.role == Role::Decode as i32)
+        .unwrap();
+    assert_eq!(dec.kv_address, d.addr("kv"));
+    assert_eq!(dec.http_address, d.addr("http"));
+    let pre = workers
+        .iter()
+        .find(|w| w.role == Role::Prefill as i32)
+        .unwrap();
+    assert_eq!(pre.grpc_address, p.addr("grpc"));
+    assert!(pre.kv_address.is_empty());
+
+    // One disaggregated request, equal to a colocated run.
+    let prompt: Vec<u32> = b"the quick brown fox"
+        .iter()
+        .map(|&b| u32::from(b))
+        .collect();
+    let ctl = ControlClient::new(&pre.grpc_address).unwrap();
+    let h = ctl
+        .prefill(PrefillRequest {
+            request_id: "proc-1".into(),
+            prompt_tokens: prompt.clone(),
+            sampling: Some(SamplingParams {
+                temperature: 0.7,
+                top_p: 0.95,
+                top_k: 0,
+                seed: Some(99),
+                max_tokens: 12,
+            }),
+            decode_target: dec.kv_address.clone(),
+        })
+        .await
+        .unwrap();
+    let body = json!({
+        "prompt": prompt, "max_tokens": 12, "temperature": 0.7, "top_p": 0.95, "seed": h.seed,
+        "tl_resume": { "first_token": h.first_token, "rng_draws_consumed": h.rng_draws_consumed },
+    });
+    let r = HttpClient::default()
+        .post(
+            &dec.http_address,
+            "/v1/completions",
+            &[("x-tl-kv-handle", &h.handle_id)],
+            body.to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let got: Vec<u32> = r.json()["choices"][0]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let cfg = Config::default();
+    let sampling = Sampling::new(
+        SamplingRequest {
+            temperature: 0.7,
+            top_p: 0.95,
+            top_k: 0,
+        },
+        cfg.model.vocab,
+    )
+    .unwrap();
+    let want = Engine::new(cfg.build_model(), cfg.build_pool())
+        .generate(Request {
+            prompt,
+            sampling,
+            seed: 99,
+            max_tokens: 12,
+            mode: Mode::Generate,
+        })
+        .unwrap();
+    assert_eq!(got, want);
+
+    // SIGTERM: each drains and exits 0, promptly when idle.
+    for proc in [p, d, reg] {
+        assert_eq!(proc.terminate(Duration::from_secs(5)), Some(0));
+    }
+}
