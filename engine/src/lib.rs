@@ -7,6 +7,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod control;
+pub mod demo;
 pub mod engine;
 pub mod http;
 pub mod model;

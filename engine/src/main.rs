@@ -23,6 +23,9 @@ enum Cmd {
     Inspect(tl_engine::cli::InspectArgs),
     /// Colocated generation on one engine; prints `{"tokens":[...],"seed":S}`.
     Generate(tl_engine::cli::GenerateArgs),
+    /// Registry, one prefill and two decode engines on loopback; requests sharing a system prompt,
+    /// each checked against a colocated run. Exit 0 only if every request matched.
+    Demo(tl_engine::demo::DemoArgs),
     /// Run an engine (prefill, decode or both) until SIGTERM.
     Engine(tl_engine::serve::EngineArgs),
     /// Run a worker registry until SIGTERM.
@@ -76,6 +79,7 @@ fn main() -> ExitCode {
     match cli.cmd {
         Cmd::Inspect(args) => tl_engine::cli::inspect(&args),
         Cmd::Generate(args) => tl_engine::cli::generate(&args),
+        Cmd::Demo(args) => tl_engine::demo::demo(&args),
         Cmd::Engine(args) => tl_engine::serve::engine(&args),
         Cmd::Registry(args) => tl_engine::serve::registry(&args),
         Cmd::Bench { which } => match which {
