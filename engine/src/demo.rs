@@ -232,8 +232,8 @@ async fn run(args: &DemoArgs) -> Result<bool, String> {
     }
 
     println!(
-        "{:>2}  {:>6}  {:<9}  {:<28}  {:>4} / {:<7}  {:>7}  {:>8}  {}",
-        "#", "prompt", "decode", "why", "sent", "deduped", "bytes", "TTFT ms", "equal to colocated"
+        "{:>2}  {:>6}  {:<9}  {:<28}  {:>4} / {:<7}  {:>7}  {:>8}  equal to colocated",
+        "#", "prompt", "decode", "why", "sent", "deduped", "bytes", "TTFT ms"
     );
     for r in &rows {
         println!(

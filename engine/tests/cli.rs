@@ -171,3 +171,16 @@ fn generate_refuses_bad_config_and_parameters() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn demo_runs_and_every_request_matches() {
+    let (code, out, err) = tl(&["demo"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("3 workers registered"), "{out}");
+    assert!(
+        out.contains("totals: 6 requests, 6 equal to colocated"),
+        "{out}"
+    );
+    assert!(!out.contains(" NO"), "{out}");
+    assert!(out.contains("prefix hit"), "{out}");
+}
