@@ -43,6 +43,8 @@ enum BenchCmd {
     Wire(tl_engine::bench::WireArgs),
     /// KV transfer throughput over loopback gRPC against raw TCP, interleaved.
     Transfer(tl_engine::bench::TransferArgs),
+    /// Time to first token, disaggregated (prefill, HasBlocks, push, resume) against colocated.
+    Ttft(tl_engine::bench::TtftArgs),
 }
 
 /// Keeps glibc from handing multi-MiB buffers back to the kernel on every free.
@@ -85,6 +87,7 @@ fn main() -> ExitCode {
         Cmd::Bench { which } => match which {
             BenchCmd::Wire(args) => tl_engine::bench::wire(&args),
             BenchCmd::Transfer(args) => tl_engine::bench::transfer(&args),
+            BenchCmd::Ttft(args) => tl_engine::bench::ttft(&args),
         },
     }
 }
