@@ -9,6 +9,7 @@ pub mod config;
 pub mod control;
 pub mod demo;
 pub mod engine;
+pub mod gateway;
 pub mod http;
 pub mod model;
 pub mod node;

@@ -1,0 +1,401 @@
+//! The gateway end to end: tokens through its HTTP equal a colocated run, routing by cached
+//! prefix and load, client aborts, failover, eviction, and bad requests.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::eventually;
+use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
+use serde_json::{Value, json};
+use tl_engine::client::{ControlClient, HttpClient};
+use tl_engine::config::{Config, Role};
+use tl_engine::engine::{Engine, Mode, Request};
+use tl_engine::gateway::{GatewayNode, GatewaySection};
+use tl_engine::node::EngineNode;
+use tl_engine::registry::worker_status;
+use tl_engine::sampler::{Sampling, SamplingRequest};
+
+fn engine_cfg(id: &str, role: Role, registry: &str) -> Config {
+    let mut c = Config::default();
+    c.engine.id = id.into();
+    c.engine.role = role;
+    c.engine.gateway_registry = registry.into();
+    c.engine.heartbeat_ms = 100;
+    c.pool.n_blocks = 256;
+    c
+}
+
+async fn wait_workers(gw: &GatewayNode, n: usize) {
+    assert!(
+        eventually(Duration::from_secs(10), || gw
+            .registry()
+            .list(Instant::now())
+            .len()
+            == n)
+        .await,
+        "workers never registered"
+    );
+}
+
+fn colocated(prompt: &[u32], t: f32, seed: u64, n: u32) -> Vec<u32> {
+    let cfg = Config::default();
+    let sampling = Sampling::new(
+        SamplingRequest {
+            temperature: t,
+            top_p: 1.0,
+            top_k: 0,
+        },
+        cfg.model.vocab,
+    )
+    .unwrap();
+    Engine::new(cfg.build_model(), cfg.build_pool())
+        .generate(Request {
+            prompt: prompt.to_vec(),
+            sampling,
+            seed,
+            max_tokens: n,
+            mode: Mode::Generate,
+        })
+        .unwrap()
+}
+
+fn tokens_of(v: &Value) -> Vec<u32> {
+    v["choices"][0]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn sse_tokens(data: &[String]) -> Vec<u32> {
+    data.iter()
+        .filter(|d| *d != "[DONE]")
+        .flat_map(|d| tokens_of(&serde_json::from_str::<Value>(d).unwrap()))
+        .collect()
+}
+
+struct Cluster {
+    gw: GatewayNode,
+    p: EngineNode,
+    d: Vec<EngineNode>,
+}
+
+async fn cluster(decoders: usize) -> Cluster {
+    let gw = GatewayNode::start(&GatewaySection::default())
+        .await
+        .unwrap();
+    let reg = gw.registry_addr().to_string();
+    let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
+        .await
+        .unwrap();
+    let mut d = Vec::new();
+    for i in 1..=decoders {
+        d.push(
+            EngineNode::start(&engine_cfg(&format!("D{i}"), Role::Decode, &reg))
+                .await
+                .unwrap(),
+        );
+    }
+    wait_workers(&gw, 1 + decoders).await;
+    Cluster { gw, p, d }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_tokens_equal_colocated() {
+    let c = cluster(2).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let prompt: Vec<u32> = (30..50).collect();
+    for (t, seed) in [(0.0f32, 11u64), (0.9, 12)] {
+        let want = colocated(&prompt, t, seed, 10);
+        let body = json!({ "prompt": prompt, "max_tokens": 10, "temperature": t, "seed": seed });
+        let r = http
+            .post(&addr, "/v1/completions", &[], body.to_string())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v = r.json();
+        assert_eq!(tokens_of(&v), want);
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+        assert_eq!(v["usage"]["completion_tokens"], 10);
+        assert_eq!(v["usage"]["prompt_tokens"], 20);
+        assert_eq!(v["tl_route"]["prefill"], "P");
+        // Streaming: the same tokens, first chunk first, then [DONE].
+        let body = json!({ "prompt": prompt, "max_tokens": 10, "temperature": t, "seed": seed, "stream": true });
+        let r = http
+            .post(&addr, "/v1/completions", &[], body.to_string())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+        let data = r.sse_data();
+        assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+        assert_eq!(sse_tokens(&data), want);
+    }
+    // Chat: rendered with the documented template, equal to a colocated run of that text.
+    let msgs =
+        json!([{ "role": "system", "content": "be brief" }, { "role": "user", "content": "hi" }]);
+    let r = http
+        .post(
+            &addr,
+            "/v1/chat/completions",
+            &[],
+            json!({ "messages": msgs, "max_tokens": 6, "seed": 3 }).to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    let text = tl_engine::gateway::render_chat(&[
+        ("system".into(), "be brief".into()),
+        ("user".into(), "hi".into()),
+    ]);
+    let prompt: Vec<u32> = text.bytes().map(u32::from).collect();
+    assert_eq!(tokens_of(&v), colocated(&prompt, 0.0, 3, 6));
+    assert!(v["choices"][0]["message"]["content"].is_string());
+    // Models, health, workers.
+    let m = http.get(&addr, "/v1/models").await.unwrap().json();
+    assert_eq!(m["data"][0]["id"], "fake");
+    assert_eq!(http.get(&addr, "/health").await.unwrap().status, 200);
+    let w = http.get(&addr, "/workers").await.unwrap().json();
+    assert_eq!(w["workers"].as_array().unwrap().len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routing_prefers_the_cached_prefix_unless_far_more_loaded() {
+    // Engines without heartbeats: the test writes their statuses into the registry itself, so
+    // the loads are exactly what it says.
+    let gw = GatewayNode::start(&GatewaySection::default())
+        .await
+        .unwrap();
+    let p = EngineNode::start(&engine_cfg("P", Role::Prefill, ""))
+        .await
+        .unwrap();
+    let d1 = EngineNode::start(&engine_cfg("D1", Role::Decode, ""))
+        .await
+        .unwrap();
+    let d2 = EngineNode::start(&engine_cfg("D2", Role::Decode, ""))
+        .await
+        .unwrap();
+    let register = |node: &EngineNode, running: u32| {
+        let mut s = worker_status(node.worker(), &node.addresses(), 60_000);
+        s.running = running;
+        gw.registry().heartbeat(s, Instant::now());
+    };
+    register(&p, 0);
+    register(&d1, 0);
+    register(&d2, 0);
+    // D2 (the higher id, so a tie would not pick it) holds the prompt's first 32 blocks.
+    let prompt: Vec<u32> = (0..130).map(|i| (i * 3 % 256) as u32).collect();
+    let ctl = ControlClient::new(&p.addresses().grpc).unwrap();
+    let h = ctl
+        .prefill(PrefillRequest {
+            request_id: "warm".into(),
+            prompt_tokens: prompt[..128].to_vec(),
+            sampling: Some(SamplingParams::default()),
+            decode_target: d2.addresses().kv,
+        })
+        .await
+        .unwrap();
+    assert!(d2.worker().receiver().unwrap().release(&h.handle_id));
+    let http = HttpClient::default();
+    let addr = gw.http_addr().to_string();
+    let body = json!({ "prompt": prompt, "max_tokens": 3 }).to_string();
+    let r = http
+        .post(&addr, "/v1/completions", &[], body.clone())
+        .await
+        .unwrap()
+        .json();
+    assert_eq!(r["tl_route"]["decode"], "D2", "{r}");
+    assert_eq!(r["tl_route"]["cached_blocks"], 32);
+    assert!(
+        r["tl_route"]["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("prefix hit")
+    );
+    // A little more load on D2 does not move the request...
+    register(&d2, 1);
+    let r = http
+        .post(&addr, "/v1/completions", &[], body.clone())
+        .await
+        .unwrap()
+        .json();
+    assert_eq!(r["tl_route"]["decode"], "D2", "{r}");
+    // ...far more does.
+    register(&d2, 40);
+    let r = http
+        .post(&addr, "/v1/completions", &[], body)
+        .await
+        .unwrap()
+        .json();
+    assert_eq!(r["tl_route"]["decode"], "D1", "{r}");
+    assert_eq!(r["tl_route"]["cached_blocks"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_abort_after_first_token_frees_everything() {
+    let c = cluster(1).await;
+    let d = &c.d[0];
+    let d_base = d.worker().runner().pool().lock().counts().used;
+    let http = HttpClient::default();
+    let prompt: Vec<u32> = (0..37).collect();
+    let body = json!({ "prompt": prompt, "max_tokens": 1_000_000, "stream": true, "seed": 1 });
+    let (status, mut stream) = http
+        .post_streaming(
+            &c.gw.http_addr().to_string(),
+            "/v1/completions",
+            &[],
+            body.to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    use http_body_util::BodyExt;
+    let first = stream.frame().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(first.data_ref().unwrap()).contains("\"tokens\""));
+    drop(stream);
+    assert!(
+        eventually(Duration::from_secs(5), || d.worker().runner().running()
+            == 0)
+        .await,
+        "decode sequence still running"
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || d
+            .worker()
+            .runner()
+            .pool()
+            .lock()
+            .counts()
+            .used
+            == d_base)
+        .await
+    );
+    assert_eq!(d.worker().receiver().unwrap().pending(), 0);
+    assert_eq!(c.p.worker().runner().pool().lock().counts().used, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusing_or_stopped_decode_engine_is_routed_around() {
+    let gw = GatewayNode::start(&GatewaySection::default())
+        .await
+        .unwrap();
+    let reg = gw.registry_addr().to_string();
+    let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
+        .await
+        .unwrap();
+    // D0 sorts first but its pool has another head_dim: its receiver refuses every push
+    // (FAILED_PRECONDITION, rule 6), which the gateway answers by trying the next engine.
+    let mut odd = engine_cfg("D0", Role::Decode, &reg);
+    odd.model.head_dim = 8;
+    let d0 = EngineNode::start(&odd).await.unwrap();
+    let d1 = EngineNode::start(&engine_cfg("D1", Role::Decode, &reg))
+        .await
+        .unwrap();
+    wait_workers(&gw, 3).await;
+    let http = HttpClient::default();
+    let addr = gw.http_addr().to_string();
+    let prompt: Vec<u32> = (5..25).collect();
+    let body = json!({ "prompt": prompt, "max_tokens": 5, "seed": 4 }).to_string();
+    let r = http
+        .post(&addr, "/v1/completions", &[], body.clone())
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v = r.json();
+    assert_eq!(v["tl_route"]["decode"], "D1", "{v}");
+    assert_eq!(v["tl_route"]["retries"], 1);
+    assert_eq!(tokens_of(&v), colocated(&prompt, 0.0, 4, 5));
+    assert_eq!(d0.worker().runner().pool().lock().counts().used, 0);
+
+    // D1 stops (and so stops beating): requests fail over to... nothing but D0, which refuses;
+    // with a both-role engine present, the gateway falls back to it.
+    let b = EngineNode::start(&engine_cfg("B", Role::Both, &reg))
+        .await
+        .unwrap();
+    d1.shutdown(Duration::from_millis(100)).await;
+    // The registry forgets D1 after 3 missed beats of 100 ms.
+    assert!(
+        eventually(Duration::from_secs(3), || !gw
+            .registry()
+            .list(Instant::now())
+            .iter()
+            .any(|w| w.worker_id == "D1"))
+        .await
+    );
+    let r = http
+        .post(&addr, "/v1/completions", &[], body)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v = r.json();
+    assert_eq!(v["tl_route"]["decode"], "B", "{v}");
+    assert_eq!(tokens_of(&v), colocated(&prompt, 0.0, 4, 5));
+    // Without any engine able to serve: 503 with a JSON error.
+    b.shutdown(Duration::from_millis(100)).await;
+    d0.shutdown(Duration::from_millis(100)).await;
+    assert!(
+        eventually(Duration::from_secs(3), || gw
+            .registry()
+            .list(Instant::now())
+            .len()
+            == 1)
+        .await
+    );
+    let r = http
+        .post(
+            &addr,
+            "/v1/completions",
+            &[],
+            json!({ "prompt": "x", "max_tokens": 2 }).to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 503);
+    assert!(r.json()["error"]["message"].is_string());
+    p.shutdown(Duration::from_millis(100)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_400_and_touch_no_engine() {
+    let c = cluster(1).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let pool_p = c.p.worker().runner().pool().lock().counts();
+    let pool_d = c.d[0].worker().runner().pool().lock().counts();
+    let cases = [
+        ("/v1/completions", r#"{"prompt": "", "max_tokens": 4}"#),
+        ("/v1/completions", r#"{"prompt": [], "max_tokens": 4}"#),
+        ("/v1/completions", r#"{"prompt": "hi", "max_tokens": 0}"#),
+        ("/v1/completions", r#"{"prompt": "hi", "temperature": -1}"#),
+        ("/v1/completions", r#"{"prompt": "hi", "top_p": 2}"#),
+        ("/v1/completions", r#"{"prompt": "hi""#),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "model": "gpt-unknown"}"#,
+        ),
+        ("/v1/chat/completions", r#"{"messages": []}"#),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}"#,
+        ),
+    ];
+    for (path, body) in cases {
+        let r = http.post(&addr, path, &[], body).await.unwrap();
+        assert_eq!(
+            r.status,
+            400,
+            "{path} {body}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        let v = r.json();
+        assert!(v["error"]["message"].is_string(), "{body}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    assert_eq!(c.p.worker().runner().pool().lock().counts(), pool_p);
+    assert_eq!(c.d[0].worker().runner().pool().lock().counts(), pool_d);
+    assert_eq!(c.p.worker().inflight_prefills(), 0);
+}
