@@ -1,21 +1,20 @@
-//! `tl demo`: a registry, one prefill engine and two decode engines on loopback, in one process.
-//! Requests sharing a system prompt go through Prefill and a decode engine's resume; each is
-//! checked against a colocated run of the same request.
+//! `tl demo`: a gateway (with its worker registry), one prefill engine and two decode engines on
+//! loopback, in one process. Requests go to the gateway's OpenAI-compatible endpoint; the table
+//! shows where each was decoded and why, what the transfer moved, the time to the first streamed
+//! token, and whether the tokens equal a colocated run of the same request.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use kvwire::prompt_hashes;
-use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
-use kvwire_grpc::pb::kv::HasBlocksRequest;
-use kvwire_grpc::{GrpcTransport, KvTransport, TransportConfig};
-use serde_json::json;
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
 
-use crate::client::{ControlClient, HttpClient};
+use crate::client::HttpClient;
 use crate::config::{Config, Role};
 use crate::engine::{Engine, Mode, Request};
+use crate::gateway::{GatewayNode, GatewaySection};
 use crate::model::encode_text;
-use crate::node::{EngineNode, RegistryNode};
+use crate::node::EngineNode;
 use crate::sampler::{Sampling, SamplingRequest};
 
 /// Arguments of `tl demo`.
@@ -26,14 +25,17 @@ pub struct DemoArgs {
     pub max_tokens: u32,
 }
 
-const SYSTEM: &str = "You are the kvwire demo assistant. Answer in one short sentence, plainly.\n";
-const QUESTIONS: [&str; 6] = [
-    "What is a KV cache?",
-    "Why split prefill from decode?",
-    "What does deduplication save?",
-    "Which engine holds my prefix?",
-    "How is a block checked?",
-    "What if the stream is cut?",
+const TENANT_A: &str =
+    "You are the kvwire demo assistant. Answer in one short sentence, plainly.\n";
+const TENANT_B: &str = "Release-notes bot for a storage team. Reply in terse bullet points only.\n";
+const REQUESTS: [(&str, &str); 7] = [
+    (TENANT_A, "What is a KV cache?"),
+    (TENANT_A, "Why split prefill from decode?"),
+    (TENANT_B, "Summarise the 1.4 release."),
+    (TENANT_A, "What does deduplication save?"),
+    (TENANT_B, "What broke in 1.3?"),
+    (TENANT_A, "How is a block checked?"),
+    (TENANT_A, "What if the stream is cut?"),
 ];
 
 fn config(id: &str, role: Role, registry: &str) -> Config {
@@ -41,7 +43,7 @@ fn config(id: &str, role: Role, registry: &str) -> Config {
     c.engine.id = id.into();
     c.engine.role = role;
     c.engine.gateway_registry = registry.into();
-    c.engine.heartbeat_ms = 200;
+    c.engine.heartbeat_ms = 50;
     c.pool.n_blocks = 512;
     c
 }
@@ -67,35 +69,77 @@ pub fn demo(args: &DemoArgs) -> ExitCode {
 }
 
 struct Row {
-    n: usize,
     prompt_tokens: usize,
-    engine: String,
-    why: String,
-    sent: u32,
-    deduped: u32,
-    bytes: u64,
+    route: Value,
     ttft_ms: f64,
     equal: bool,
 }
 
-async fn run(args: &DemoArgs) -> Result<bool, String> {
-    let reg = RegistryNode::start("127.0.0.1:0")
-        .await
-        .map_err(|e| e.to_string())?;
-    let reg_addr = reg.addr().to_string();
-    let p = EngineNode::start(&config("prefill-0", Role::Prefill, &reg_addr))
-        .await
-        .map_err(|e| e.to_string())?;
-    let d1 = EngineNode::start(&config("decode-1", Role::Decode, &reg_addr))
-        .await
-        .map_err(|e| e.to_string())?;
-    let d2 = EngineNode::start(&config("decode-2", Role::Decode, &reg_addr))
-        .await
-        .map_err(|e| e.to_string())?;
+/// Sends one streaming request; returns the tokens, the route, and the time to the first chunk.
+async fn stream_once(
+    http: &HttpClient,
+    addr: &str,
+    body: String,
+) -> Result<(Vec<u32>, Value, Duration), String> {
+    let start = Instant::now();
+    let (status, mut body) = http
+        .post_streaming(addr, "/v1/completions", &[], body)
+        .await?;
+    if status != 200 {
+        return Err(format!("gateway answered {status}"));
+    }
+    let (mut tokens, mut route, mut ttft, mut buf) = (Vec::new(), Value::Null, None, String::new());
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| e.to_string())?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        ttft.get_or_insert_with(|| start.elapsed());
+        buf.push_str(&String::from_utf8_lossy(&data));
+    }
+    for d in buf
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:").map(str::trim))
+    {
+        if d == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(d).map_err(|e| e.to_string())?;
+        if let Some(e) = v.get("error") {
+            return Err(e.to_string());
+        }
+        route = v["tl_route"].clone();
+        tokens.extend(
+            v["choices"][0]["tokens"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_u64)
+                .map(|t| t as u32),
+        );
+    }
+    Ok((tokens, route, ttft.unwrap_or_default()))
+}
 
+async fn run(args: &DemoArgs) -> Result<bool, String> {
+    let gw = GatewayNode::start(&GatewaySection::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    let reg = gw.registry_addr().to_string();
+    let nodes = [
+        EngineNode::start(&config("prefill-0", Role::Prefill, &reg))
+            .await
+            .map_err(|e| e.to_string())?,
+        EngineNode::start(&config("decode-1", Role::Decode, &reg))
+            .await
+            .map_err(|e| e.to_string())?,
+        EngineNode::start(&config("decode-2", Role::Decode, &reg))
+            .await
+            .map_err(|e| e.to_string())?,
+    ];
     let end = Instant::now() + Duration::from_secs(10);
     let workers = loop {
-        let w = reg.state().list(Instant::now());
+        let w = gw.registry().list(Instant::now());
         if w.len() == 3 || Instant::now() > end {
             break w;
         }
@@ -104,7 +148,11 @@ async fn run(args: &DemoArgs) -> Result<bool, String> {
     if workers.len() != 3 {
         return Err(format!("only {} of 3 engines registered", workers.len()));
     }
-    println!("registry {reg_addr}: {} workers registered", workers.len());
+    let addr = gw.http_addr().to_string();
+    println!(
+        "gateway http {addr}, registry {reg}: {} workers registered",
+        workers.len()
+    );
     for w in &workers {
         let kv = if w.kv_address.is_empty() {
             "-".to_owned()
@@ -118,88 +166,18 @@ async fn run(args: &DemoArgs) -> Result<bool, String> {
     }
     println!();
 
-    let decoders = [&d1, &d2];
-    let ctl = ControlClient::new(&p.addresses().grpc).map_err(|e| e.to_string())?;
     let http = HttpClient::default();
-    let probe = GrpcTransport::new(TransportConfig::for_envelope(172));
     let cfg = Config::default();
-    let b = cfg.pool.block_tokens as usize;
-    let p_bytes = (cfg.shape().envelope_len(1).unwrap_or(0)) as u64;
     let mut rows = Vec::new();
-    for (n, q) in QUESTIONS.iter().enumerate() {
-        let prompt = encode_text(&format!("{SYSTEM}Q: {q}\nA:"));
+    for (n, (system, q)) in REQUESTS.iter().enumerate() {
+        let prompt = encode_text(&format!("{system}Q: {q}\nA:"));
         let (t, seed) = if n % 2 == 0 {
-            (0.0f32, None)
+            (0.0f32, 500 + n as u64)
         } else {
-            (0.8f32, Some(1000 + n as u64))
+            (0.8f32, 1000 + n as u64)
         };
-        // Route: the decode engine holding the longest cached prefix; on a tie, the less loaded,
-        // then the next in turn.
-        let hashes = prompt_hashes(&prompt, b);
-        let mut best = (0usize, 0usize, u32::MAX);
-        for (i, d) in decoders.iter().enumerate() {
-            let req = HasBlocksRequest {
-                hashes: hashes.clone(),
-                kv_format: 1,
-                model: "fake".into(),
-            };
-            let present = probe
-                .has_blocks(&d.addresses().kv, req)
-                .await
-                .unwrap_or_default();
-            let prefix = present.iter().take_while(|&&x| x).count();
-            let load = d.worker().runner().running() + d.worker().runner().queue_depth();
-            let turn = (i + n) % 2 == 0;
-            if prefix > best.1 || (prefix == best.1 && (load < best.2 || (load == best.2 && turn)))
-            {
-                best = (i, prefix, load);
-            }
-        }
-        let d = decoders[best.0];
-        let why = if best.1 > 0 {
-            format!("prefix hit: {} blocks cached", best.1)
-        } else {
-            "no cached prefix: by load".to_owned()
-        };
-        let start = Instant::now();
-        let h = ctl
-            .prefill(PrefillRequest {
-                request_id: format!("demo-{n}"),
-                prompt_tokens: prompt.clone(),
-                sampling: Some(SamplingParams {
-                    temperature: t,
-                    top_p: 1.0,
-                    top_k: 0,
-                    seed,
-                    max_tokens: args.max_tokens,
-                }),
-                decode_target: d.addresses().kv,
-            })
-            .await
-            .map_err(|e| format!("prefill: {e}"))?;
-        let ttft = start.elapsed();
-        let body = json!({
-            "prompt": prompt, "max_tokens": args.max_tokens, "temperature": t, "seed": h.seed,
-            "tl_resume": { "first_token": h.first_token, "rng_draws_consumed": h.rng_draws_consumed },
-        });
-        let r = http
-            .post(
-                &d.addresses().http,
-                "/v1/completions",
-                &[("x-tl-kv-handle", &h.handle_id)],
-                body.to_string(),
-            )
-            .await
-            .map_err(|e| format!("resume: {e}"))?;
-        let got: Vec<u32> = r.json()["choices"][0]["tokens"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(serde_json::Value::as_u64)
-                    .map(|x| x as u32)
-                    .collect()
-            })
-            .unwrap_or_default();
+        let body = json!({ "prompt": prompt, "max_tokens": args.max_tokens, "temperature": t, "seed": seed, "stream": true });
+        let (got, route, ttft) = stream_once(&http, &addr, body.to_string()).await?;
         let sampling = Sampling::new(
             SamplingRequest {
                 temperature: t,
@@ -213,57 +191,56 @@ async fn run(args: &DemoArgs) -> Result<bool, String> {
             .generate(Request {
                 prompt: prompt.clone(),
                 sampling,
-                seed: h.seed,
+                seed,
                 max_tokens: args.max_tokens,
                 mode: Mode::Generate,
             })
             .map_err(|e| e.to_string())?;
         rows.push(Row {
-            n,
             prompt_tokens: prompt.len(),
-            engine: d.worker().id().to_owned(),
-            why,
-            sent: h.blocks_sent,
-            deduped: h.blocks_deduped,
-            bytes: h.payload_bytes,
+            route,
             ttft_ms: ttft.as_secs_f64() * 1e3,
-            equal: r.status == 200 && got == want,
+            equal: got == want,
         });
+        // Let a heartbeat carry the engines' new pool figures to the gateway before the next one.
+        tokio::time::sleep(Duration::from_millis(120)).await;
     }
 
     println!(
         "{:>2}  {:>6}  {:<9}  {:<28}  {:>4} / {:<7}  {:>7}  {:>8}  equal to colocated",
         "#", "prompt", "decode", "why", "sent", "deduped", "bytes", "TTFT ms"
     );
-    for r in &rows {
+    let num = |r: &Row, k: &str| r.route[k].as_u64().unwrap_or(0);
+    for (n, r) in rows.iter().enumerate() {
         println!(
             "{:>2}  {:>6}  {:<9}  {:<28}  {:>4} / {:<7}  {:>7}  {:>8.2}  {}",
-            r.n,
+            n,
             r.prompt_tokens,
-            r.engine,
-            r.why,
-            r.sent,
-            r.deduped,
-            r.bytes,
+            r.route["decode"].as_str().unwrap_or("?"),
+            r.route["reason"].as_str().unwrap_or("?"),
+            num(r, "blocks_sent"),
+            num(r, "blocks_deduped"),
+            num(r, "payload_bytes"),
             r.ttft_ms,
             if r.equal { "yes" } else { "NO" }
         );
     }
-    let sent: u64 = rows.iter().map(|r| u64::from(r.sent)).sum();
-    let deduped: u64 = rows.iter().map(|r| u64::from(r.deduped)).sum();
-    let bytes: u64 = rows.iter().map(|r| r.bytes).sum();
+    let sent: u64 = rows.iter().map(|r| num(r, "blocks_sent")).sum();
+    let deduped: u64 = rows.iter().map(|r| num(r, "blocks_deduped")).sum();
+    let bytes: u64 = rows.iter().map(|r| num(r, "payload_bytes")).sum();
+    let per_block = cfg.shape().envelope_len(1).unwrap_or(0) as u64;
     let matched = rows.iter().filter(|r| r.equal).count();
     println!();
     println!(
         "totals: {} requests, {matched} equal to colocated; blocks sent {sent}, deduped {deduped}; {bytes} bytes moved of {} without dedup ({:.0}% saved); mean TTFT {:.2} ms",
         rows.len(),
-        (sent + deduped) * p_bytes,
-        100.0 * (1.0 - bytes as f64 / ((sent + deduped) * p_bytes).max(1) as f64),
+        (sent + deduped) * per_block,
+        100.0 * (1.0 - bytes as f64 / ((sent + deduped) * per_block).max(1) as f64),
         rows.iter().map(|r| r.ttft_ms).sum::<f64>() / rows.len().max(1) as f64,
     );
-    for node in [p, d1, d2] {
+    for node in nodes {
         node.shutdown(Duration::from_secs(1)).await;
     }
-    reg.stop().await;
+    gw.stop().await;
     Ok(matched == rows.len())
 }

@@ -108,7 +108,8 @@ impl GatewayConfig {
 
 /// The routing score of a decode engine: cached prefix tokens minus `load_penalty_tokens` per
 /// sequence it is running or has queued (as its last heartbeat said, plus the requests this
-/// gateway has sent it since). The highest score wins; ties go to the lower worker id.
+/// gateway has sent it since). The highest score wins; ties go to the engine with more free
+/// blocks, then to the lower worker id.
 ///
 /// With the default penalty of 64, a 32-block prefix at B=4 (128 tokens) outweighs a load
 /// difference of one sequence, and is given up once the holder runs two more sequences than
@@ -291,8 +292,11 @@ impl Gateway {
                 Some((w.clone(), k, s))
             })
             .collect();
+        // Best score first; on a tie the engine with more free blocks (which spreads new
+        // prefixes over the pools), then the lower id.
         ranked.sort_by(|a, b| {
             b.2.total_cmp(&a.2)
+                .then(b.0.free_blocks.cmp(&a.0.free_blocks))
                 .then_with(|| a.0.worker_id.cmp(&b.0.worker_id))
         });
         ranked

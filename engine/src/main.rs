@@ -28,6 +28,8 @@ enum Cmd {
     Demo(tl_engine::demo::DemoArgs),
     /// Run an engine (prefill, decode or both) until SIGTERM.
     Engine(tl_engine::serve::EngineArgs),
+    /// Run the gateway (OpenAI-compatible HTTP front and the worker registry) until SIGTERM.
+    Gateway(tl_engine::serve::GatewayArgs),
     /// Run a worker registry until SIGTERM.
     Registry(tl_engine::serve::RegistryArgs),
     /// Benchmarks that print one JSON line.
@@ -84,6 +86,7 @@ fn main() -> ExitCode {
         Cmd::Demo(args) => tl_engine::demo::demo(&args),
         Cmd::Engine(args) => tl_engine::serve::engine(&args),
         Cmd::Registry(args) => tl_engine::serve::registry(&args),
+        Cmd::Gateway(args) => tl_engine::serve::gateway(&args),
         Cmd::Bench { which } => match which {
             BenchCmd::Wire(args) => tl_engine::bench::wire(&args),
             BenchCmd::Transfer(args) => tl_engine::bench::transfer(&args),

@@ -98,6 +98,12 @@ where
 pub fn serve_http(listener: TcpListener, app: axum::Router) -> std::io::Result<Served> {
     let addr = listener.local_addr()?;
     let (stop, stopped) = oneshot::channel::<()>();
+    // Server-sent events are many small writes: without TCP_NODELAY, Nagle's algorithm and the
+    // peer's delayed ACK hold each one back for ~40 ms.
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let join = tokio::spawn(async move {
         let res = axum::serve(listener, app)
             .with_graceful_shutdown(async {

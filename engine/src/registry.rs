@@ -293,7 +293,8 @@ pub fn worker_status(worker: &Worker, addrs: &Addresses, heartbeat_ms: u32) -> W
         kv_format: kvwire_grpc::KV_FORMAT_V1,
         queue_depth: worker.runner().queue_depth() + worker.inflight_prefills() as u32,
         running: worker.runner().running(),
-        free_blocks: (counts.free + counts.cached) as u32,
+        // Blocks on the free list; cached blocks are evictable but still hold someone's prefix.
+        free_blocks: counts.free as u32,
         total_blocks: counts.total as u32,
         draining: worker.is_draining(),
         block_tokens: model.shape().block_tokens(),

@@ -72,6 +72,59 @@ pub struct RegistryArgs {
     pub listen: String,
 }
 
+/// Arguments of `tl gateway`; flags override the file's keys.
+#[derive(clap::Args, Debug)]
+pub struct GatewayArgs {
+    /// Gateway configuration (TOML, section `[gateway]`); the defaults when omitted.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// HTTP listen address.
+    #[arg(long)]
+    pub http_listen: Option<String>,
+    /// WorkerRegistry listen address.
+    #[arg(long)]
+    pub registry_listen: Option<String>,
+}
+
+/// Runs `tl gateway`.
+#[must_use]
+pub fn gateway(args: &GatewayArgs) -> ExitCode {
+    let mut cfg = match crate::gateway::GatewayConfig::load_or_default(args.config.as_deref()) {
+        Ok(c) => c.gateway,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(h) = &args.http_listen {
+        cfg.http_listen.clone_from(h);
+    }
+    if let Some(r) = &args.registry_listen {
+        cfg.registry_listen.clone_from(r);
+    }
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    rt.block_on(async {
+        let node = match crate::gateway::GatewayNode::start(&cfg).await {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        announce(&node.listening_line());
+        eprintln!("gateway serving; SIGTERM stops it");
+        terminated().await;
+        node.stop().await;
+        ExitCode::SUCCESS
+    })
+}
+
 /// A multi-threaded runtime for the servers (the engine steps on its own thread).
 ///
 /// # Errors

@@ -178,7 +178,7 @@ fn demo_runs_and_every_request_matches() {
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("3 workers registered"), "{out}");
     assert!(
-        out.contains("totals: 6 requests, 6 equal to colocated"),
+        out.contains("totals: 7 requests, 7 equal to colocated"),
         "{out}"
     );
     assert!(!out.contains(" NO"), "{out}");
