@@ -587,3 +587,266 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, String> {
         "rows": rows,
     }))
 }
+
+/// Arguments of `tl bench serve`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Print the result as one JSON line (the only output format).
+    #[arg(long)]
+    pub json: bool,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 8)]
+    pub clients: usize,
+    /// Requests in all.
+    #[arg(long, default_value_t = 64)]
+    pub requests: usize,
+    /// Fraction of requests with a long prompt.
+    #[arg(long, default_value_t = 0.1)]
+    pub long_fraction: f64,
+    /// Tokens of a long prompt.
+    #[arg(long, default_value_t = 1024)]
+    pub long_tokens: usize,
+    /// Tokens of a short prompt.
+    #[arg(long, default_value_t = 64)]
+    pub short_tokens: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 32)]
+    pub max_tokens: u32,
+    /// Simulated prefill cost per prompt token, microseconds.
+    #[arg(long, default_value_t = 50)]
+    pub prefill_us_per_token: u64,
+    /// Simulated decode cost per running sequence per step, microseconds.
+    #[arg(long, default_value_t = 300)]
+    pub decode_us_per_seq: u64,
+}
+
+/// One request's timings.
+#[derive(Clone, Copy, Debug, Default)]
+struct Timing {
+    ttft: f64,
+    tpot: Option<f64>,
+    tokens: usize,
+}
+
+async fn one_streamed(
+    http: &crate::client::HttpClient,
+    addr: &str,
+    body: String,
+) -> Result<Timing, String> {
+    use http_body_util::BodyExt;
+    let start = Instant::now();
+    let (status, mut body) = http
+        .post_streaming(addr, "/v1/completions", &[], body)
+        .await?;
+    if status != 200 {
+        let text = body
+            .collect()
+            .await
+            .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+            .unwrap_or_default();
+        return Err(format!("answered {status}: {text}"));
+    }
+    let (mut first, mut last, mut tokens, mut buf) = (None, None, 0usize, String::new());
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(|e| e.to_string())?.into_data() else {
+            continue;
+        };
+        buf.push_str(&String::from_utf8_lossy(&data));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            for d in event
+                .lines()
+                .filter_map(|l| l.strip_prefix("data:").map(str::trim))
+            {
+                if d == "[DONE]" {
+                    continue;
+                }
+                let v: serde_json::Value = serde_json::from_str(d).map_err(|e| e.to_string())?;
+                if v.get("error").is_some() {
+                    return Err(v.to_string());
+                }
+                let n = v["choices"][0]["tokens"].as_array().map_or(0, Vec::len);
+                if n > 0 {
+                    let now = start.elapsed().as_secs_f64();
+                    first.get_or_insert(now);
+                    last = Some(now);
+                    tokens += n;
+                }
+            }
+        }
+    }
+    let ttft = first.ok_or("no token")?;
+    let tpot = match (last, tokens) {
+        (Some(l), n) if n > 1 => Some((l - ttft) / (n - 1) as f64),
+        _ => None,
+    };
+    Ok(Timing { ttft, tpot, tokens })
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+/// Runs the load against `addr` and summarises it.
+async fn load(addr: &str, a: &ServeArgs) -> Result<serde_json::Value, String> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..a.clients.max(1) {
+        let (next, addr, a) = (Arc::clone(&next), addr.to_owned(), a.clone());
+        tasks.push(tokio::spawn(async move {
+            let http = crate::client::HttpClient::default();
+            let mut out = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= a.requests {
+                    break;
+                }
+                // Every 1/fraction-th request is long, spread evenly over the run.
+                let every = (1.0 / a.long_fraction.max(1e-9)).round().max(1.0) as usize;
+                let long = a.long_fraction > 0.0 && i % every == every / 2;
+                let n = if long { a.long_tokens } else { a.short_tokens };
+                let prompt: Vec<u32> = (0..n).map(|t| ((t * 31 + i * 7) % 256) as u32).collect();
+                let body = serde_json::json!({ "prompt": prompt, "max_tokens": a.max_tokens, "stream": true, "seed": i });
+                out.push((long, one_streamed(&http, &addr, body.to_string()).await));
+            }
+            out
+        }));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.extend(t.await.map_err(|e| e.to_string())?);
+    }
+    let wall = start.elapsed().as_secs_f64();
+    let mut ttft = Vec::new();
+    let mut tpot = Vec::new();
+    let (mut tokens, mut errors) = (0usize, 0usize);
+    let mut first_error = None;
+    for (_, r) in &results {
+        match r {
+            Ok(t) => {
+                ttft.push(t.ttft * 1e3);
+                if let Some(p) = t.tpot {
+                    tpot.push(p * 1e3);
+                }
+                tokens += t.tokens;
+            }
+            Err(e) => {
+                errors += 1;
+                first_error.get_or_insert_with(|| e.clone());
+            }
+        }
+    }
+    Ok(serde_json::json!({
+        "requests": results.len(),
+        "errors": errors,
+        "first_error": first_error,
+        "ttft_ms_p50": round3(pct(&mut ttft, 50.0)),
+        "ttft_ms_p99": round3(pct(&mut ttft, 99.0)),
+        "tpot_ms_p50": round3(pct(&mut tpot, 50.0)),
+        "tpot_ms_p99": round3(pct(&mut tpot, 99.0)),
+        "tokens_per_s": round3(tokens as f64 / wall),
+        "wall_s": round3(wall),
+    }))
+}
+
+/// Runs `tl bench serve`.
+#[must_use]
+pub fn serve(args: &ServeArgs) -> ExitCode {
+    let rt = match crate::serve::runtime() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(serve_bench(args)) {
+        Ok(v) => {
+            println!("{v}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn serve_bench(a: &ServeArgs) -> Result<serde_json::Value, String> {
+    use crate::config::{Config, Role};
+    use crate::gateway::{GatewayNode, GatewaySection};
+    use crate::node::EngineNode;
+
+    let cfg = |id: &str, role: Role, reg: &str| {
+        let mut c = Config::default();
+        c.engine.id = id.into();
+        c.engine.role = role;
+        c.engine.gateway_registry = reg.into();
+        c.engine.heartbeat_ms = 100;
+        c.model.prefill_us_per_token = a.prefill_us_per_token;
+        c.model.decode_us_per_seq = a.decode_us_per_seq;
+        c.pool.n_blocks = 8192;
+        c
+    };
+    // (a) The gateway over one prefill and two decode engines.
+    let gw = GatewayNode::start(&GatewaySection {
+        max_inflight: 4096,
+        ..GatewaySection::default()
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    let reg = gw.registry_addr().to_string();
+    let nodes = [
+        EngineNode::start(&cfg("P", Role::Prefill, &reg))
+            .await
+            .map_err(|e| e.to_string())?,
+        EngineNode::start(&cfg("D1", Role::Decode, &reg))
+            .await
+            .map_err(|e| e.to_string())?,
+        EngineNode::start(&cfg("D2", Role::Decode, &reg))
+            .await
+            .map_err(|e| e.to_string())?,
+    ];
+    let end = Instant::now() + Duration::from_secs(10);
+    while gw.registry().list(Instant::now()).len() < 3 && Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let disagg = load(&gw.http_addr().to_string(), a).await?;
+    for n in nodes {
+        n.shutdown(Duration::from_secs(1)).await;
+    }
+    gw.stop().await;
+    // (b) One engine with role both, alone.
+    let single = EngineNode::start(&cfg("B", Role::Both, ""))
+        .await
+        .map_err(|e| e.to_string())?;
+    let colocated = load(&single.addresses().http, a).await?;
+    single.shutdown(Duration::from_secs(1)).await;
+    let ratio = |k: &str| {
+        round3(disagg[k].as_f64().unwrap_or(f64::NAN) / colocated[k].as_f64().unwrap_or(f64::NAN))
+    };
+    Ok(serde_json::json!({
+        "bench": "serve",
+        "settings": {
+            "clients": a.clients, "requests": a.requests, "long_fraction": a.long_fraction, "long_tokens": a.long_tokens,
+            "short_tokens": a.short_tokens, "max_tokens": a.max_tokens,
+            "prefill_us_per_token": a.prefill_us_per_token, "decode_us_per_seq": a.decode_us_per_seq,
+            "shape": "test shape B=4 L=2 H=1 D=4, fake model, cost model by sleeping in the step loop",
+        },
+        "disaggregated_gateway_1p_2d": disagg,
+        "single_engine_both": colocated,
+        "disagg_over_single": {
+            "tpot_ms_p99": ratio("tpot_ms_p99"),
+            "tpot_ms_p50": ratio("tpot_ms_p50"),
+            "ttft_ms_p99": ratio("ttft_ms_p99"),
+            "tokens_per_s": ratio("tokens_per_s"),
+        },
+    }))
+}

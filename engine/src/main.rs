@@ -47,6 +47,8 @@ enum BenchCmd {
     Transfer(tl_engine::bench::TransferArgs),
     /// Time to first token, disaggregated (prefill, HasBlocks, push, resume) against colocated.
     Ttft(tl_engine::bench::TtftArgs),
+    /// Load over loopback HTTP: the gateway over 1 prefill + 2 decode against one engine alone.
+    Serve(tl_engine::bench::ServeArgs),
 }
 
 /// Keeps glibc from handing multi-MiB buffers back to the kernel on every free.
@@ -91,6 +93,7 @@ fn main() -> ExitCode {
             BenchCmd::Wire(args) => tl_engine::bench::wire(&args),
             BenchCmd::Transfer(args) => tl_engine::bench::transfer(&args),
             BenchCmd::Ttft(args) => tl_engine::bench::ttft(&args),
+            BenchCmd::Serve(args) => tl_engine::bench::serve(&args),
         },
     }
 }

@@ -238,7 +238,11 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
             continue;
         }
         let (events, stats) = engine.step();
+        // Simulated compute happens before its results exist: sleep, then deliver.
         let cost = engine.simulated_cost(stats);
+        if !cost.is_zero() {
+            std::thread::sleep(cost);
+        }
         for ev in events {
             let (seq, msg, last) = match ev {
                 Event::Token { seq, token, index } => {
@@ -260,9 +264,6 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
             }
         }
         publish(&engine, load);
-        if !cost.is_zero() {
-            std::thread::sleep(cost);
-        }
     }
 }
 

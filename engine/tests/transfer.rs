@@ -875,3 +875,41 @@ async fn unreachable_target_is_unavailable() {
     drop(out);
     assert_eq!(snapshot(p.pool()).counts.used, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_prompt_at_a_small_block_shape() {
+    // 1,000 blocks of 172 bytes: the HasBlocks request (1,000 hashes, about 10 KB) is far larger
+    // than one envelope, which once made the message limit refuse it.
+    let d = decode_side(TEST, 4096, LEASE).await;
+    let t = transport(TEST);
+    let mut p = engine(TEST, 4096);
+    let out = prefill(&mut p, &prompt(11, 4000));
+    assert_eq!(out.hashes.len(), 1000);
+    let st = transfer(
+        &t,
+        &d.addr,
+        store(p.pool()),
+        "long",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap();
+    assert_eq!((st.sent, st.deduped), (1000, 0));
+    let st = transfer(
+        &t,
+        &d.addr,
+        store(p.pool()),
+        "long-again",
+        "fake",
+        out.blocks.ids(),
+        &out.hashes,
+    )
+    .await
+    .unwrap();
+    assert_eq!((st.sent, st.deduped), (0, 1000));
+    assert!(d.rx.release("long") && d.rx.release("long-again"));
+    drop(out);
+    assert_eq!(snapshot(&d.pool).counts.used, 0);
+}

@@ -63,7 +63,8 @@ pub struct TransportConfig {
 
 impl TransportConfig {
     /// Windows sized for multi-MiB messages (tonic's 64 KiB defaults cap a loopback push at a
-    /// fraction of raw TCP) and a message limit that fits one envelope of `block_envelope` bytes.
+    /// fraction of raw TCP) and a message limit that fits one envelope of `block_envelope` bytes
+    /// (and at least 4 MiB).
     #[must_use]
     pub fn for_envelope(block_envelope: usize) -> Self {
         Self {
@@ -72,7 +73,9 @@ impl TransportConfig {
             connect_timeout: Duration::from_secs(2),
             stream_window: 32 << 20,
             connection_window: 64 << 20,
-            max_message: block_envelope + 1024,
+            // One envelope plus the chunk's fields, but never below tonic's 4 MiB default: a
+            // HasBlocks request for a long prompt at a small block shape is larger than a block.
+            max_message: (block_envelope + 1024).max(4 << 20),
         }
     }
 }

@@ -29,7 +29,8 @@ pub struct KvTransferService {
 }
 
 impl KvTransferService {
-    /// Serves `rx`; messages up to one envelope of the receiver's block shape are accepted.
+    /// Serves `rx`; messages up to one envelope of the receiver's block shape (at least 4 MiB)
+    /// are accepted.
     #[must_use]
     pub fn new(rx: Arc<KvReceiver>) -> Self {
         let envelope = rx
@@ -39,7 +40,9 @@ impl KvTransferService {
             .unwrap_or(usize::MAX - 4096);
         Self {
             limits: Limits {
-                max_decode: envelope + 4096,
+                // One envelope plus the chunk's fields; HasBlocks for a long prompt can be
+                // larger than a small block, so never below tonic's 4 MiB default.
+                max_decode: (envelope + 4096).max(4 << 20),
                 max_encode: 4 << 20,
             },
             rx,
