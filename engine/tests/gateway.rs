@@ -399,3 +399,67 @@ async fn bad_requests_are_400_and_touch_no_engine() {
     assert_eq!(c.d[0].worker().runner().pool().lock().counts(), pool_d);
     assert_eq!(c.p.worker().inflight_prefills(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounded_in_flight_429_and_timeout_504() {
+    let section = GatewaySection {
+        max_inflight: 1,
+        request_timeout_ms: 400,
+        ..GatewaySection::default()
+    };
+    let gw = GatewayNode::start(&section).await.unwrap();
+    let reg = gw.registry_addr().to_string();
+    // Slow decode: 20 ms per sequence per step (simulated, sleeping).
+    let slow = |id: &str, role| {
+        let mut c = engine_cfg(id, role, &reg);
+        c.model.decode_us_per_seq = 20_000;
+        c
+    };
+    let p = EngineNode::start(&slow("P", Role::Prefill)).await.unwrap();
+    let d = EngineNode::start(&slow("D1", Role::Decode)).await.unwrap();
+    wait_workers(&gw, 2).await;
+    let addr = gw.http_addr().to_string();
+    let http = HttpClient::default();
+    // About 1 s of decoding: longer than the 400 ms timeout.
+    let long = json!({ "prompt": "slow one", "max_tokens": 50 }).to_string();
+    let first = {
+        let (http, addr, long) = (http.clone(), addr.clone(), long.clone());
+        tokio::spawn(async move {
+            http.post(&addr, "/v1/completions", &[], long)
+                .await
+                .unwrap()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let r = http
+        .post(
+            &addr,
+            "/v1/completions",
+            &[],
+            json!({ "prompt": "second", "max_tokens": 2 }).to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 429, "{}", String::from_utf8_lossy(&r.body));
+    assert!(r.json()["error"]["message"].is_string());
+    let r = first.await.unwrap();
+    assert_eq!(r.status, 504, "{}", String::from_utf8_lossy(&r.body));
+    // The timed-out request's decode sequence is cancelled, its blocks freed.
+    assert!(
+        eventually(Duration::from_secs(3), || d.worker().runner().running()
+            == 0)
+        .await
+    );
+    assert!(
+        eventually(Duration::from_secs(3), || d
+            .worker()
+            .runner()
+            .pool()
+            .lock()
+            .counts()
+            .used
+            == 0)
+        .await
+    );
+    assert_eq!(p.worker().runner().pool().lock().counts().used, 0);
+}
