@@ -363,16 +363,24 @@ impl Gateway {
                     retries,
                 };
                 self.routed(&d.worker_id, 1);
+                let call = ctl.prefill(req.clone());
+                tokio::pin!(call);
                 let res = tokio::select! {
-                    r = ctl.prefill(req.clone()) => Some(r),
+                    r = &mut call => Some(r),
                     () = out.closed() => None,
                 };
                 let res = match res {
                     Some(r) => r,
                     None => {
-                        // The client left during Prefill: cancel it, and release a handle that
-                        // still arrives.
+                        // The client left during Prefill: cancel it, and keep waiting for the
+                        // call, so that a handle that still arrives (the push had finished) is
+                        // released rather than left to its lease.
                         let _ = ctl.cancel(&req.request_id).await;
+                        if let Ok(Ok(h)) =
+                            tokio::time::timeout(Duration::from_secs(5), &mut call).await
+                        {
+                            let _ = self.transport.release(&d.kv_address, &h.handle_id).await;
+                        }
                         self.routed(&d.worker_id, -1);
                         return;
                     }

@@ -463,3 +463,56 @@ async fn bounded_in_flight_429_and_timeout_504() {
     );
     assert_eq!(p.worker().runner().pool().lock().counts().used, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_abort_during_prefill_cancels_it() {
+    let gw = GatewayNode::start(&GatewaySection::default())
+        .await
+        .unwrap();
+    let reg = gw.registry_addr().to_string();
+    // A slow prefill: 10 ms per prompt token (simulated).
+    let mut pc = engine_cfg("P", Role::Prefill, &reg);
+    pc.model.prefill_us_per_token = 10_000;
+    let p = EngineNode::start(&pc).await.unwrap();
+    let d = EngineNode::start(&engine_cfg("D1", Role::Decode, &reg))
+        .await
+        .unwrap();
+    wait_workers(&gw, 2).await;
+    let http = HttpClient::default();
+    let body = json!({ "prompt": (0..40).collect::<Vec<u32>>(), "max_tokens": 4 }).to_string();
+    let addr = gw.http_addr().to_string();
+    let call = http.post(&addr, "/v1/completions", &[], body);
+    // Give up while the prefill (about 400 ms) is still running.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(150), call)
+            .await
+            .is_err()
+    );
+    assert!(
+        eventually(Duration::from_secs(3), || p.worker().inflight_prefills()
+            == 0)
+        .await,
+        "prefill not cancelled"
+    );
+    assert!(
+        eventually(Duration::from_secs(3), || p
+            .worker()
+            .runner()
+            .pool()
+            .lock()
+            .counts()
+            .used
+            == 0)
+        .await
+    );
+    assert!(
+        eventually(Duration::from_secs(3), || d
+            .worker()
+            .receiver()
+            .unwrap()
+            .pending()
+            == 0)
+        .await
+    );
+    assert_eq!(d.worker().runner().pool().lock().counts().used, 0);
+}
