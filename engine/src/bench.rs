@@ -251,27 +251,7 @@ async fn tcp_run(bytes_total: usize, chunk: &[u8]) -> std::io::Result<f64> {
 /// Runs `tl bench transfer`.
 #[must_use]
 pub fn transfer(args: &TransferArgs) -> ExitCode {
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    match rt.block_on(transfer_bench(args)) {
-        Ok(v) => {
-            println!("{v}");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(1)
-        }
-    }
+    crate::serve::block_on(async { crate::serve::print_json(transfer_bench(args).await) })
 }
 
 async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, String> {
@@ -429,23 +409,7 @@ pub struct TtftArgs {
 /// Runs `tl bench ttft`.
 #[must_use]
 pub fn ttft(args: &TtftArgs) -> ExitCode {
-    let rt = match crate::serve::runtime() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    match rt.block_on(ttft_bench(args)) {
-        Ok(v) => {
-            println!("{v}");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(1)
-        }
-    }
+    crate::serve::block_on(async { crate::serve::print_json(ttft_bench(args).await) })
 }
 
 fn ms(d: Duration) -> f64 {
@@ -760,23 +724,7 @@ async fn load(addr: &str, a: &ServeArgs) -> Result<serde_json::Value, String> {
 /// Runs `tl bench serve`.
 #[must_use]
 pub fn serve(args: &ServeArgs) -> ExitCode {
-    let rt = match crate::serve::runtime() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    match rt.block_on(serve_bench(args)) {
-        Ok(v) => {
-            println!("{v}");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(1)
-        }
-    }
+    crate::serve::block_on(async { crate::serve::print_json(serve_bench(args).await) })
 }
 
 async fn serve_bench(a: &ServeArgs) -> Result<serde_json::Value, String> {

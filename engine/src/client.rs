@@ -140,6 +140,38 @@ impl HttpResponse {
 }
 
 impl HttpClient {
+    async fn send(
+        &self,
+        method: http::Method,
+        addr: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+    ) -> Result<http::Response<hyper::body::Incoming>, String> {
+        let mut req = http::Request::builder()
+            .method(method)
+            .uri(format!("http://{addr}{path}"));
+        if !body.is_empty() {
+            req = req.header("content-type", "application/json");
+        }
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;
+        self.inner.request(req).await.map_err(|e| e.to_string())
+    }
+
+    async fn whole(resp: http::Response<hyper::body::Incoming>) -> Result<HttpResponse, String> {
+        let status = resp.status().as_u16();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        Ok(HttpResponse { status, body })
+    }
+
     /// POSTs `body` to `http://{addr}{path}` with extra headers and reads the whole response.
     ///
     /// # Errors
@@ -151,23 +183,11 @@ impl HttpClient {
         headers: &[(&str, &str)],
         body: impl Into<Bytes>,
     ) -> Result<HttpResponse, String> {
-        let mut req = http::Request::post(format!("http://{addr}{path}"))
-            .header("content-type", "application/json");
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        let req = req
-            .body(Full::new(body.into()))
-            .map_err(|e| e.to_string())?;
-        let resp = self.inner.request(req).await.map_err(|e| e.to_string())?;
-        let status = resp.status().as_u16();
-        let body = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| e.to_string())?
-            .to_bytes();
-        Ok(HttpResponse { status, body })
+        Self::whole(
+            self.send(http::Method::POST, addr, path, headers, body.into())
+                .await?,
+        )
+        .await
     }
 
     /// GETs `http://{addr}{path}`.
@@ -175,22 +195,15 @@ impl HttpClient {
     /// # Errors
     /// Connection or protocol errors, as text.
     pub async fn get(&self, addr: &str, path: &str) -> Result<HttpResponse, String> {
-        let req = http::Request::get(format!("http://{addr}{path}"))
-            .body(Full::new(Bytes::new()))
-            .map_err(|e| e.to_string())?;
-        let resp = self.inner.request(req).await.map_err(|e| e.to_string())?;
-        let status = resp.status().as_u16();
-        let body = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| e.to_string())?
-            .to_bytes();
-        Ok(HttpResponse { status, body })
+        Self::whole(
+            self.send(http::Method::GET, addr, path, &[], Bytes::new())
+                .await?,
+        )
+        .await
     }
 
-    /// POSTs and returns the response head and its body as a stream of frames, for callers that
-    /// read server-sent events as they come (and may drop the stream to disconnect).
+    /// POSTs and returns the status and the body as a stream of frames, for callers that read
+    /// server-sent events as they come (and may drop the stream to disconnect).
     ///
     /// # Errors
     /// Connection or protocol errors, as text.
@@ -201,15 +214,9 @@ impl HttpClient {
         headers: &[(&str, &str)],
         body: impl Into<Bytes>,
     ) -> Result<(u16, hyper::body::Incoming), String> {
-        let mut req = http::Request::post(format!("http://{addr}{path}"))
-            .header("content-type", "application/json");
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        let req = req
-            .body(Full::new(body.into()))
-            .map_err(|e| e.to_string())?;
-        let resp = self.inner.request(req).await.map_err(|e| e.to_string())?;
+        let resp = self
+            .send(http::Method::POST, addr, path, headers, body.into())
+            .await?;
         Ok((resp.status().as_u16(), resp.into_body()))
     }
 }

@@ -51,21 +51,16 @@ fn config(id: &str, role: Role, registry: &str) -> Config {
 /// Runs `tl demo`.
 #[must_use]
 pub fn demo(args: &DemoArgs) -> ExitCode {
-    let rt = match crate::serve::runtime() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
+    crate::serve::block_on(async {
+        match run(args).await {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::from(1),
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(1)
+            }
         }
-    };
-    match rt.block_on(run(args)) {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::from(1),
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(1)
-        }
-    }
+    })
 }
 
 struct Row {

@@ -581,18 +581,7 @@ impl Engine {
             mode: Mode::Generate,
             ..req
         })?;
-        let mut out = Vec::new();
-        loop {
-            let (events, _) = self.step();
-            for e in events {
-                match e {
-                    Event::Token { seq, token, .. } if seq == id => out.push(token),
-                    Event::Finished { seq, .. } if seq == id => return Ok(out),
-                    Event::Failed { seq, error } if seq == id => return Err(error.into()),
-                    _ => {}
-                }
-            }
-        }
+        self.collect(id)
     }
 
     /// Like [`generate`](Self::generate) for a sequence already started with [`resume`](Self::resume):
@@ -601,10 +590,15 @@ impl Engine {
     /// # Errors
     /// The sequence's failure.
     pub fn run_to_end(&mut self, id: SeqId) -> Result<Vec<u32>, GenerateError> {
-        let mut out = Vec::new();
         if !self.running.iter().any(|s| s.id == id) {
-            return Ok(out);
+            return Ok(Vec::new());
         }
+        self.collect(id)
+    }
+
+    /// Steps until sequence `id` ends; returns the tokens it emitted meanwhile.
+    fn collect(&mut self, id: SeqId) -> Result<Vec<u32>, GenerateError> {
+        let mut out = Vec::new();
         loop {
             let (events, _) = self.step();
             for e in events {

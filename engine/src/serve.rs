@@ -102,14 +102,7 @@ pub fn gateway(args: &GatewayArgs) -> ExitCode {
     if let Some(r) = &args.registry_listen {
         cfg.registry_listen.clone_from(r);
     }
-    let rt = match runtime() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    rt.block_on(async {
+    block_on(async {
         let node = match crate::gateway::GatewayNode::start(&cfg).await {
             Ok(n) => n,
             Err(e) => {
@@ -134,6 +127,32 @@ pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
         .worker_threads(2)
         .enable_all()
         .build()
+}
+
+/// Runs `fut` to completion on a fresh runtime; a runtime that cannot start is exit status 1.
+pub fn block_on(fut: impl std::future::Future<Output = ExitCode>) -> ExitCode {
+    match runtime() {
+        Ok(rt) => rt.block_on(fut),
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Prints a bench's JSON line, or its error to stderr (exit status 1).
+#[must_use]
+pub fn print_json(result: Result<serde_json::Value, String>) -> ExitCode {
+    match result {
+        Ok(v) => {
+            println!("{v}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 /// Waits for SIGTERM or SIGINT.
@@ -179,14 +198,7 @@ pub fn engine(args: &EngineArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let rt = match runtime() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    rt.block_on(async {
+    block_on(async {
         let node = match EngineNode::start(&cfg).await {
             Ok(n) => n,
             Err(e) => {
@@ -212,14 +224,7 @@ pub fn engine(args: &EngineArgs) -> ExitCode {
 /// Runs `tl registry`.
 #[must_use]
 pub fn registry(args: &RegistryArgs) -> ExitCode {
-    let rt = match runtime() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    rt.block_on(async {
+    block_on(async {
         let node = match RegistryNode::start(&args.listen).await {
             Ok(n) => n,
             Err(e) => {
