@@ -362,7 +362,7 @@ impl Gateway {
                     cached_blocks: *cached,
                     retries,
                 };
-                self.routed(&d.worker_id, 1);
+                let _routed = RoutedGuard::new(&self, &d.worker_id);
                 let call = ctl.prefill(req.clone());
                 tokio::pin!(call);
                 let res = tokio::select! {
@@ -381,14 +381,12 @@ impl Gateway {
                         {
                             let _ = self.transport.release(&d.kv_address, &h.handle_id).await;
                         }
-                        self.routed(&d.worker_id, -1);
                         return;
                     }
                 };
                 match res {
                     Ok(h) => {
                         self.finish_disaggregated(&job, h, d, route, &out).await;
-                        self.routed(&d.worker_id, -1);
                         return;
                     }
                     Err(s)
@@ -397,11 +395,9 @@ impl Gateway {
                             Code::DataLoss | Code::FailedPrecondition | Code::Unavailable
                         ) =>
                     {
-                        self.routed(&d.worker_id, -1);
                         retries += 1;
                     }
                     Err(s) => {
-                        self.routed(&d.worker_id, -1);
                         let status = match s.code() {
                             Code::InvalidArgument => StatusCode::BAD_REQUEST,
                             Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
@@ -443,13 +439,19 @@ impl Gateway {
     }
 
     async fn finish_disaggregated(
-        &self,
+        self: &Arc<Self>,
         job: &Job,
         h: KvHandle,
         d: &WorkerStatus,
         route: Route,
         out: &mpsc::Sender<Out>,
     ) {
+        let unclaimed = Unclaimed {
+            g: Arc::clone(self),
+            kv: d.kv_address.clone(),
+            handle: h.handle_id.clone(),
+            armed: true,
+        };
         let first = Out::First {
             token: h.first_token,
             seed: h.seed,
@@ -458,7 +460,7 @@ impl Gateway {
         };
         if out.send(first).await.is_err() || job.max_tokens <= 1 {
             // Gone before the decode engine claimed the handle (or nothing left to decode).
-            let _ = self.transport.release(&d.kv_address, &h.handle_id).await;
+            unclaimed.release().await;
             if job.max_tokens <= 1 {
                 let _ = out
                     .send(Out::Done {
@@ -485,19 +487,22 @@ impl Gateway {
         let (status, body) = match resp {
             Ok(x) => x,
             Err(e) => {
-                let _ = self.transport.release(&d.kv_address, &h.handle_id).await;
+                unclaimed.release().await;
                 let _ = out.send(Out::Broken(format!("decode engine: {e}"))).await;
                 return;
             }
         };
         if status != 200 {
-            let _ = self.transport.release(&d.kv_address, &h.handle_id).await;
+            unclaimed.release().await;
             let _ = out
                 .send(Out::Broken(format!("decode engine answered {status}")))
                 .await;
             return;
         }
         // The first chunk repeats first_token, which the client already has.
+        // A 200 means the decode engine claimed the handle; from here, dropping the stream is
+        // what frees its blocks.
+        unclaimed.claimed();
         relay_sse(body, out, |_, _| First::Drop).await;
     }
 
@@ -549,6 +554,69 @@ impl Gateway {
             }))
         })
         .await;
+    }
+}
+
+/// Counts a request as in flight on a decode worker for as long as it lives, whichever way the
+/// request ends (a timeout drops it mid-way).
+struct RoutedGuard<'g> {
+    g: &'g Gateway,
+    worker: String,
+}
+
+impl<'g> RoutedGuard<'g> {
+    fn new(g: &'g Gateway, worker: &str) -> Self {
+        g.routed(worker, 1);
+        Self {
+            g,
+            worker: worker.to_owned(),
+        }
+    }
+}
+
+impl Drop for RoutedGuard<'_> {
+    fn drop(&mut self) {
+        self.g.routed(&self.worker, -1);
+    }
+}
+
+/// A handle the decode engine has not claimed yet: released if the request ends first (a
+/// client gone, a refused resume, a timeout that drops the request mid-way).
+struct Unclaimed {
+    g: Arc<Gateway>,
+    kv: String,
+    handle: String,
+    armed: bool,
+}
+
+impl Unclaimed {
+    /// The decode engine took the handle.
+    fn claimed(mut self) {
+        self.armed = false;
+    }
+
+    /// Releases it now.
+    async fn release(mut self) {
+        self.armed = false;
+        let _ = self.g.transport.release(&self.kv, &self.handle).await;
+    }
+}
+
+impl Drop for Unclaimed {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (g, kv, handle) = (
+            Arc::clone(&self.g),
+            std::mem::take(&mut self.kv),
+            std::mem::take(&mut self.handle),
+        );
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = g.transport.release(&kv, &handle).await;
+            });
+        }
     }
 }
 

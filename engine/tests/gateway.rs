@@ -462,6 +462,16 @@ async fn bounded_in_flight_429_and_timeout_504() {
         .await
     );
     assert_eq!(p.worker().runner().pool().lock().counts().used, 0);
+    // The timed-out request no longer counts as load on D1.
+    let w = http.get(&addr, "/workers").await.unwrap().json();
+    let d1 = w["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["worker_id"] == "D1")
+        .unwrap()
+        .clone();
+    assert_eq!(d1["routed_in_flight"], 0, "{d1}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
