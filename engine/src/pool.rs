@@ -657,7 +657,7 @@ impl kvwire_grpc::KvStore for SharedKv {
     fn write_envelope(
         &self,
         id: BlockId,
-        out: &mut bytes::BytesMut,
+        mut out: &mut dyn bytes::BufMut,
     ) -> Result<u64, kvwire_grpc::StoreError> {
         let pool = self.lock();
         let (hash, _, refs) = pool
@@ -669,16 +669,14 @@ impl kvwire_grpc::KvStore for SharedKv {
         let (payload, fill) = pool
             .export(id)
             .map_err(|_| kvwire_grpc::StoreError::NotHeld(id))?;
-        let shape = pool.shape();
-        out.reserve(shape.envelope_len(1).unwrap_or(0));
         kvwire::write_envelope(
-            &shape,
+            &pool.shape(),
             &[kvwire::RecordIn {
                 hash,
                 fill,
                 payload,
             }],
-            out,
+            &mut out,
         )
         .map_err(|e| kvwire_grpc::StoreError::Other(format!("block {id}: {e}")))?;
         Ok(hash)

@@ -12,7 +12,7 @@ use common::*;
 use kvwire::{CRC32C_RESIDUE, RecordIn, Shape, block_hash, crc32c, write_to_vec};
 use kvwire_grpc::pb::kv::{HasBlocksRequest, KvAck, KvChunk};
 use kvwire_grpc::sender::ChunkStream;
-use kvwire_grpc::{GrpcTransport, KvTransport, transfer};
+use kvwire_grpc::{GrpcTransport, KvTransport, OutChunk, transfer};
 use tl_engine::pool::Blocks;
 use tokio_stream::StreamExt;
 use tonic::{Code, Status};
@@ -59,7 +59,11 @@ fn chunk(handle: &str, index: u32, total: u32, hash: u64, payload: Bytes) -> KvC
 }
 
 async fn push_raw(t: &GrpcTransport, addr: &str, chunks: Vec<KvChunk>) -> Result<KvAck, Status> {
-    t.push(addr, Box::pin(tokio_stream::iter(chunks))).await
+    t.push(
+        addr,
+        Box::pin(tokio_stream::iter(chunks.into_iter().map(OutChunk::from))),
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -559,7 +563,9 @@ async fn abandoned_push_frees_decode_blocks() {
         .collect();
 
     // Sends 5 of 10 chunks, then never ends the stream; the client gives up and drops the call.
-    let five = tokio_stream::iter(ten[..5].to_vec()).chain(tokio_stream::pending());
+    let five = tokio_stream::iter(ten[..5].to_vec())
+        .map(OutChunk::from)
+        .chain(tokio_stream::pending());
     let call = t.push(&d.addr, Box::pin(five) as ChunkStream);
     assert!(
         tokio::time::timeout(Duration::from_millis(300), call)
@@ -601,8 +607,8 @@ impl KvTransport for EvictingTransport {
     async fn push(&self, target: &str, chunks: ChunkStream) -> Result<KvAck, Status> {
         self.pushes.fetch_add(1, Ordering::SeqCst);
         let payloads = Arc::clone(&self.payloads);
-        let counted = chunks.map(move |c: KvChunk| {
-            if !c.payload.is_empty() {
+        let counted = chunks.map(move |c: OutChunk| {
+            if c.has_payload() {
                 payloads.fetch_add(1, Ordering::SeqCst);
             }
             c

@@ -178,11 +178,38 @@ where
     Req: prost::Message + Send + Sync + 'static,
     Resp: prost::Message + Default + Send + Sync + 'static,
 {
+    client_streaming_with(
+        channel,
+        path,
+        limits,
+        req,
+        ProstCodec::<Req, Resp>::default(),
+    )
+    .await
+}
+
+/// Calls a client-streaming method with a codec of the caller's (one that encodes a message
+/// without first building it, say).
+///
+/// # Errors
+/// As [`unary`].
+pub async fn client_streaming_with<S, C>(
+    channel: Channel,
+    path: &'static str,
+    limits: Limits,
+    req: Request<S>,
+    codec: C,
+) -> Result<C::Decode, Status>
+where
+    S: Stream<Item = C::Encode> + Send + 'static,
+    C: tonic::codec::Codec,
+    C::Encode: Send + Sync + 'static,
+    C::Decode: Send + Sync + 'static,
+{
     let mut grpc = client(channel, limits);
     grpc.ready()
         .await
         .map_err(|e| Status::unavailable(format!("channel not ready: {e}")))?;
-    let codec = ProstCodec::<Req, Resp>::default();
     grpc.client_streaming(req, PathAndQuery::from_static(path), codec)
         .await
         .map(Response::into_inner)

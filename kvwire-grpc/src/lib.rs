@@ -18,7 +18,7 @@ pub mod store;
 
 pub use receiver::{Claimed, KvReceiver, PushState, RecvError};
 pub use sender::{
-    GrpcTransport, KvTransport, TransferError, TransferStats, TransportConfig, transfer,
+    GrpcTransport, KvTransport, OutChunk, TransferError, TransferStats, TransportConfig, transfer,
 };
 pub use server::{KvServerHandle, KvTransferService, serve_kv};
 pub use store::{BlockId, KvStore, StoreError};

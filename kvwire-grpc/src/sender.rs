@@ -8,9 +8,12 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::BufMut;
 use kvwire::CRC32C_RESIDUE;
+use prost::Message;
+use prost::encoding::{WireType, encode_key, encode_varint};
 use tokio_stream::{Stream, StreamExt};
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Status};
 
@@ -20,7 +23,128 @@ use crate::pb::kv::{HasBlocksRequest, KvAck, KvChunk, ReleaseRequest, ReleaseRes
 use crate::store::{BlockId, KvStore, StoreError};
 
 /// The chunks of one push, produced lazily as the transport drains them.
-pub type ChunkStream = Pin<Box<dyn Stream<Item = KvChunk> + Send>>;
+pub type ChunkStream = Pin<Box<dyn Stream<Item = OutChunk> + Send>>;
+
+/// A chunk on its way out. Its payload is either in the message already, or still a block in
+/// the sender's pool, copied straight into the gRPC encode buffer when the chunk is encoded: one
+/// copy from the slab to the wire buffer, with the envelope's CRC computed on the way.
+#[derive(Clone, Debug)]
+pub struct OutChunk {
+    /// The chunk; its `payload` is empty while the block is still in the pool.
+    pub chunk: KvChunk,
+    block: Option<LazyBlock>,
+}
+
+#[derive(Clone, Debug)]
+struct LazyBlock {
+    store: Arc<dyn KvStore>,
+    id: BlockId,
+    envelope_len: usize,
+    failed: Arc<Mutex<Option<StoreError>>>,
+}
+
+impl From<KvChunk> for OutChunk {
+    fn from(chunk: KvChunk) -> Self {
+        Self { chunk, block: None }
+    }
+}
+
+impl OutChunk {
+    /// True when the chunk carries a payload (in the message or still in the pool).
+    #[must_use]
+    pub fn has_payload(&self) -> bool {
+        self.block.is_some() || !self.chunk.payload.is_empty()
+    }
+}
+
+/// Encodes [`OutChunk`]s as `tl.kv.v1.KvChunk` (writing a lazy payload from the pool) and
+/// decodes [`KvAck`]s.
+#[derive(Debug, Default)]
+struct PushCodec;
+
+#[derive(Debug, Default)]
+struct PushEncoder;
+
+#[derive(Debug, Default)]
+struct AckDecoder;
+
+impl Codec for PushCodec {
+    type Encode = OutChunk;
+    type Decode = KvAck;
+    type Encoder = PushEncoder;
+    type Decoder = AckDecoder;
+
+    fn encoder(&mut self) -> PushEncoder {
+        PushEncoder
+    }
+
+    fn decoder(&mut self) -> AckDecoder {
+        AckDecoder
+    }
+}
+
+impl Encoder for PushEncoder {
+    type Item = OutChunk;
+    type Error = Status;
+
+    fn encode(&mut self, item: OutChunk, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        let Some(block) = item.block else {
+            return item
+                .chunk
+                .encode(buf)
+                .map_err(|e| Status::internal(format!("encoding a chunk: {e}")));
+        };
+        // The same fields, in tag order, as prost would write them; the payload (tag 6) is the
+        // envelope written from the pool.
+        let c = &item.chunk;
+        use prost::encoding::{fixed32, string, uint32, uint64};
+        buf.reserve(block.envelope_len + c.handle_id.len() + c.model.len() + 64);
+        if !c.handle_id.is_empty() {
+            string::encode(1, &c.handle_id, buf);
+        }
+        if c.index != 0 {
+            uint32::encode(2, &c.index, buf);
+        }
+        if c.total != 0 {
+            uint32::encode(3, &c.total, buf);
+        }
+        if c.hash != 0 {
+            uint64::encode(4, &c.hash, buf);
+        }
+        if c.kv_format != 0 {
+            uint32::encode(5, &c.kv_format, buf);
+        }
+        encode_key(6, WireType::LengthDelimited, buf);
+        encode_varint(block.envelope_len as u64, buf);
+        let before = buf.remaining_mut();
+        if let Err(e) = block.store.write_envelope(block.id, buf) {
+            let msg = e.to_string();
+            *block
+                .failed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
+            return Err(Status::internal(msg));
+        }
+        debug_assert_eq!(before - buf.remaining_mut(), block.envelope_len);
+        // The CRC-32C of a whole valid envelope is the residue: no second pass needed.
+        fixed32::encode(7, &CRC32C_RESIDUE, buf);
+        if !c.model.is_empty() {
+            string::encode(8, &c.model, buf);
+        }
+        Ok(())
+    }
+}
+
+impl Decoder for AckDecoder {
+    type Item = KvAck;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<KvAck>, Status> {
+        KvAck::decode(buf)
+            .map(Some)
+            .map_err(|e| Status::internal(format!("decoding KvAck: {e}")))
+    }
+}
 
 /// How the prefill side reaches decode engines.
 pub trait KvTransport: Send + Sync {
@@ -181,11 +305,12 @@ impl KvTransport for GrpcTransport {
 
     async fn push(&self, target: &str, chunks: ChunkStream) -> Result<KvAck, Status> {
         let ch = self.channel(target)?;
-        let call = glue::client_streaming::<_, KvChunk, KvAck>(
+        let call = glue::client_streaming_with(
             ch,
             path::PUSH_KV,
             self.limits(),
             Request::new(chunks),
+            PushCodec,
         );
         bounded(self.cfg.push_timeout, "PushKv", call).await
     }
@@ -261,8 +386,9 @@ struct PushPlan {
     hashes: Arc<[u64]>,
     /// Per chunk: send it empty (the target holds the block).
     skip: Arc<[bool]>,
-    /// Set when a block could not be exported (the stream then ends early).
+    /// Set when a block could not be exported (the push then fails).
     failed: Arc<Mutex<Option<StoreError>>>,
+    envelope_len: usize,
 }
 
 impl PushPlan {
@@ -271,41 +397,28 @@ impl PushPlan {
     fn stream(&self) -> ChunkStream {
         let plan = self.clone();
         let total = self.ids.len() as u32;
-        Box::pin(tokio_stream::iter(0..total).map_while(move |i| plan.chunk(i, total)))
+        Box::pin(tokio_stream::iter(0..total).map(move |i| plan.chunk(i, total)))
     }
 
-    fn chunk(&self, index: u32, total: u32) -> Option<KvChunk> {
+    fn chunk(&self, index: u32, total: u32) -> OutChunk {
         let i = index as usize;
-        let hash = self.hashes.get(i).copied().unwrap_or(0);
-        let mut chunk = KvChunk {
+        let chunk = KvChunk {
             handle_id: self.handle_id.clone(),
             index,
             total,
-            hash,
+            hash: self.hashes.get(i).copied().unwrap_or(0),
             kv_format: KV_FORMAT_V1,
             payload: bytes::Bytes::new(),
             payload_crc32c: 0,
             model: self.model.clone(),
         };
-        if self.skip[i] {
-            return Some(chunk);
-        }
-        let mut buf = BytesMut::new();
-        match self.store.write_envelope(self.ids[i], &mut buf) {
-            Ok(_) => {
-                chunk.payload = buf.freeze();
-                // The CRC-32C of a whole valid envelope is the residue: no second pass needed.
-                chunk.payload_crc32c = CRC32C_RESIDUE;
-                Some(chunk)
-            }
-            Err(e) => {
-                *self
-                    .failed
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
-                None
-            }
-        }
+        let block = (!self.skip[i]).then(|| LazyBlock {
+            store: Arc::clone(&self.store),
+            id: self.ids[i],
+            envelope_len: self.envelope_len,
+            failed: Arc::clone(&self.failed),
+        });
+        OutChunk { chunk, block }
     }
 
     fn take_failure(&self) -> Option<StoreError> {
@@ -336,7 +449,8 @@ pub async fn transfer<T: KvTransport + ?Sized>(
     ids: &[BlockId],
     hashes: &[u64],
 ) -> Result<TransferStats, TransferError> {
-    let b = store.shape().block_tokens();
+    let shape = store.shape();
+    let b = shape.block_tokens();
     if ids.is_empty() || hashes.len() > ids.len() || ids.len() > hashes.len() + 1 {
         return Err(TransferError::BadRequest(format!(
             "{} blocks and {} full-block hashes do not describe a prompt (B = {b})",
@@ -373,6 +487,9 @@ pub async fn transfer<T: KvTransport + ?Sized>(
         hashes: hashes.into(),
         skip: skip.into(),
         failed: Arc::new(Mutex::new(None)),
+        envelope_len: shape
+            .envelope_len(1)
+            .ok_or_else(|| TransferError::BadRequest("the block shape overflows".into()))?,
     };
     let mut resent = 0;
     let ack = match transport.push(target, plan.stream()).await {

@@ -4,7 +4,7 @@
 //! Every method takes `&self` and locks internally for a short critical section (metadata, or
 //! one block's memcpy); none is called across an `.await`.
 
-use bytes::BytesMut;
+use bytes::BufMut;
 use kvwire::Shape;
 
 /// A block's index in the pool.
@@ -50,9 +50,11 @@ pub trait KvStore: Send + Sync + std::fmt::Debug + 'static {
     fn release_forget(&self, ids: &[BlockId]);
 
     /// Appends a one-block envelope of block `id` (with its registered hash, or 0) to `out`, in
-    /// one copy plus the CRC, and returns that hash.
+    /// one copy plus the CRC, and returns that hash. The caller reserves room (the envelope is
+    /// `shape().envelope_len(1)` bytes): the transfer writes it straight into the gRPC encode
+    /// buffer.
     ///
     /// # Errors
-    /// When the block is not held.
-    fn write_envelope(&self, id: BlockId, out: &mut BytesMut) -> Result<u64, StoreError>;
+    /// When the block is not held; then nothing was written.
+    fn write_envelope(&self, id: BlockId, out: &mut dyn BufMut) -> Result<u64, StoreError>;
 }
