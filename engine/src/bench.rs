@@ -449,11 +449,13 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, String> {
         };
 
         // Colocated: prefill and first token on one engine.
+        let mut solo = Engine::new(cfg.build_model(), cfg.build_pool());
         let t = Instant::now();
-        let colocated_first = Engine::new(cfg.build_model(), cfg.build_pool())
+        let colocated_first = solo
             .generate(req(Mode::Generate))
             .map_err(|e| e.to_string())?;
         let colocated = t.elapsed();
+        drop(solo);
 
         // Disaggregated, step by step: prefill here, transfer to a decode engine, resume there.
         let d = EngineNode::start(&cfg).await.map_err(|e| e.to_string())?;

@@ -294,10 +294,12 @@ impl Config {
         ))
     }
 
-    /// The pool this configuration describes.
+    /// The pool this configuration describes, its memory mapped up front.
     #[must_use]
     pub fn build_pool(&self) -> SharedKv {
-        SharedKv::new(KvPool::new(self.shape(), self.pool.n_blocks as usize))
+        let mut pool = KvPool::new(self.shape(), self.pool.n_blocks as usize);
+        pool.prefault();
+        SharedKv::new(pool)
     }
 
     /// The simulated compute cost.
