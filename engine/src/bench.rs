@@ -735,10 +735,7 @@ async fn serve_bench(a: &ServeArgs) -> Result<serde_json::Value, String> {
     use crate::node::EngineNode;
 
     let cfg = |id: &str, role: Role, reg: &str| {
-        let mut c = Config::default();
-        c.engine.id = id.into();
-        c.engine.role = role;
-        c.engine.gateway_registry = reg.into();
+        let mut c = Config::for_worker(id, role, reg);
         c.engine.heartbeat_ms = 100;
         c.model.prefill_us_per_token = a.prefill_us_per_token;
         c.model.decode_us_per_seq = a.decode_us_per_seq;

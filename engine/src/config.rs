@@ -205,6 +205,17 @@ pub enum ConfigError {
 }
 
 impl Config {
+    /// The defaults for a worker named `id` with `role`, beating to the registry at `registry`
+    /// (empty: no heartbeat).
+    #[must_use]
+    pub fn for_worker(id: &str, role: Role, registry: &str) -> Self {
+        let mut c = Self::default();
+        c.engine.id = id.into();
+        c.engine.role = role;
+        c.engine.gateway_registry = registry.into();
+        c
+    }
+
     /// Reads and validates a file.
     ///
     /// # Errors

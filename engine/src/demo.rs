@@ -39,10 +39,7 @@ const REQUESTS: [(&str, &str); 7] = [
 ];
 
 fn config(id: &str, role: Role, registry: &str) -> Config {
-    let mut c = Config::default();
-    c.engine.id = id.into();
-    c.engine.role = role;
-    c.engine.gateway_registry = registry.into();
+    let mut c = Config::for_worker(id, role, registry);
     c.engine.heartbeat_ms = 50;
     c.pool.n_blocks = 512;
     c

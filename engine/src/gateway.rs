@@ -739,39 +739,12 @@ async fn relay_sse(
     }
 }
 
-/// `POST /v1/completions` body (OpenAI's, unknown fields ignored).
-#[derive(Debug, Deserialize)]
-struct CompletionBody {
+/// The sampling and output fields both endpoints share (OpenAI's names; unknown fields are
+/// ignored). temperature and top_p are parsed as f32, as on every other path.
+#[derive(Debug, Default, Deserialize)]
+struct Params {
     #[serde(default)]
     model: Option<String>,
-    prompt: Prompt,
-    #[serde(default)]
-    max_tokens: Option<u32>,
-    #[serde(default)]
-    temperature: Option<f32>,
-    #[serde(default)]
-    top_p: Option<f32>,
-    #[serde(default)]
-    top_k: Option<u32>,
-    #[serde(default)]
-    seed: Option<u64>,
-    #[serde(default)]
-    stream: Option<bool>,
-}
-
-/// One chat message.
-#[derive(Debug, Deserialize)]
-struct Message {
-    role: String,
-    content: String,
-}
-
-/// `POST /v1/chat/completions` body.
-#[derive(Debug, Deserialize)]
-struct ChatBody {
-    #[serde(default)]
-    model: Option<String>,
-    messages: Vec<Message>,
     #[serde(default, alias = "max_completion_tokens")]
     max_tokens: Option<u32>,
     #[serde(default)]
@@ -786,6 +759,29 @@ struct ChatBody {
     stream: Option<bool>,
 }
 
+/// `POST /v1/completions` body.
+#[derive(Debug, Deserialize)]
+struct CompletionBody {
+    prompt: Prompt,
+    #[serde(flatten)]
+    params: Params,
+}
+
+/// One chat message.
+#[derive(Debug, Deserialize)]
+struct Message {
+    role: String,
+    content: String,
+}
+
+/// `POST /v1/chat/completions` body.
+#[derive(Debug, Deserialize)]
+struct ChatBody {
+    messages: Vec<Message>,
+    #[serde(flatten)]
+    params: Params,
+}
+
 /// The chat template: each message as `<|role|>\n{content}\n`, then `<|assistant|>\n`, tokenized
 /// byte by byte.
 #[must_use]
@@ -798,45 +794,33 @@ pub fn render_chat(messages: &[(String, String)]) -> String {
     s
 }
 
-fn validate(
-    prompt: Vec<u32>,
-    model: Option<String>,
-    max_tokens: Option<u32>,
-    t: Option<f32>,
-    p: Option<f32>,
-    k: Option<u32>,
-    seed: Option<u64>,
-) -> Result<Job, String> {
-    let bad = |m: String| m;
+fn validate(prompt: Vec<u32>, p: Params) -> Result<Job, String> {
     if prompt.is_empty() {
-        return Err(bad("empty prompt".into()));
+        return Err("empty prompt".into());
     }
-    let max_tokens = max_tokens.unwrap_or(16);
+    let max_tokens = p.max_tokens.unwrap_or(16);
     if max_tokens == 0 {
-        return Err(bad("max_tokens must be >= 1".into()));
+        return Err("max_tokens must be >= 1".into());
     }
-    let temperature = t.unwrap_or(0.0);
+    let temperature = p.temperature.unwrap_or(0.0);
     if !temperature.is_finite() || temperature < 0.0 {
-        return Err(bad(format!(
-            "temperature {temperature} must be finite and >= 0"
-        )));
+        return Err(format!("temperature {temperature} must be finite and >= 0"));
     }
-    let top_p = p.unwrap_or(1.0);
+    let top_p = p.top_p.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(bad(format!("top_p {top_p} must be in (0, 1]")));
+        return Err(format!("top_p {top_p} must be in (0, 1]"));
     }
-    let top_k = k.unwrap_or(0);
     if let Some(t) = prompt.iter().find(|t| **t >= BYTE_VOCAB) {
-        return Err(bad(format!("token {t} is outside the vocabulary")));
+        return Err(format!("token {t} is outside the vocabulary"));
     }
     Ok(Job {
         prompt,
         max_tokens,
         temperature,
         top_p,
-        top_k,
-        seed,
-        model: model.filter(|m| !m.is_empty()),
+        top_k: p.top_k.unwrap_or(0),
+        seed: p.seed,
+        model: p.model.filter(|m| !m.is_empty()),
     })
 }
 
@@ -847,28 +831,13 @@ enum Flavor {
 }
 
 async fn completions(State(g): State<Arc<Gateway>>, body: axum::body::Bytes) -> Response {
-    let b: CompletionBody = match serde_json::from_slice(&body) {
-        Ok(b) => b,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                format!("malformed request: {e}"),
-            );
-        }
-    };
-    let stream = b.stream.unwrap_or(false);
-    match validate(
-        b.prompt.tokens(),
-        b.model,
-        b.max_tokens,
-        b.temperature,
-        b.top_p,
-        b.top_k,
-        b.seed,
-    ) {
-        Ok(job) => serve(g, job, stream, Flavor::Completion).await,
-        Err(m) => error(StatusCode::BAD_REQUEST, "invalid_request_error", m),
+    match serde_json::from_slice::<CompletionBody>(&body) {
+        Ok(b) => start(g, b.prompt.tokens(), b.params, Flavor::Completion).await,
+        Err(e) => error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            format!("malformed request: {e}"),
+        ),
     }
 }
 
@@ -895,18 +864,14 @@ async fn chat(State(g): State<Arc<Gateway>>, body: axum::body::Bytes) -> Respons
         .into_iter()
         .map(|m| (m.role, m.content))
         .collect();
-    let prompt = encode_text(&render_chat(&msgs));
-    let stream = b.stream.unwrap_or(false);
-    match validate(
-        prompt,
-        b.model,
-        b.max_tokens,
-        b.temperature,
-        b.top_p,
-        b.top_k,
-        b.seed,
-    ) {
-        Ok(job) => serve(g, job, stream, Flavor::Chat).await,
+    start(g, encode_text(&render_chat(&msgs)), b.params, Flavor::Chat).await
+}
+
+/// Validates, then serves: nothing reaches an engine before the request is known to be valid.
+async fn start(g: Arc<Gateway>, prompt: Vec<u32>, params: Params, flavor: Flavor) -> Response {
+    let stream = params.stream.unwrap_or(false);
+    match validate(prompt, params) {
+        Ok(job) => serve(g, job, stream, flavor).await,
         Err(m) => error(StatusCode::BAD_REQUEST, "invalid_request_error", m),
     }
 }

@@ -16,9 +16,7 @@ use tl_engine::sampler::{Sampling, SamplingRequest};
 use tonic::Code;
 
 fn config(id: &str, role: Role) -> Config {
-    let mut c = Config::default();
-    c.engine.id = id.into();
-    c.engine.role = role;
+    let mut c = Config::for_worker(id, role, "");
     c.pool.n_blocks = 256;
     c
 }

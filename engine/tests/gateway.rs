@@ -17,10 +17,7 @@ use tl_engine::registry::worker_status;
 use tl_engine::sampler::{Sampling, SamplingRequest};
 
 fn engine_cfg(id: &str, role: Role, registry: &str) -> Config {
-    let mut c = Config::default();
-    c.engine.id = id.into();
-    c.engine.role = role;
-    c.engine.gateway_registry = registry.into();
+    let mut c = Config::for_worker(id, role, registry);
     c.engine.heartbeat_ms = 100;
     c.pool.n_blocks = 256;
     c
