@@ -517,26 +517,43 @@ impl Engine {
         let prompt = &seq.tokens[..seq.prompt_len];
         let hashes = prompt_hashes(prompt, b);
         let n_blocks = prompt.len().div_ceil(b);
-        let mut pool = self.pool.lock();
-        let mut held = Held::new(&mut pool);
-        for &h in &hashes {
-            match held.pool.lookup_ref(h) {
-                Some(id) => held.ids.push(id),
-                None => break,
+        // Under the lock: references on the cached prefix and the rest allocated, all or nothing.
+        let (ids, reused) = {
+            let mut pool = self.pool.lock();
+            let mut held = Held::new(&mut pool);
+            for &h in &hashes {
+                match held.pool.lookup_ref(h) {
+                    Some(id) => held.ids.push(id),
+                    None => break,
+                }
             }
-        }
-        let reused = held.ids.len();
-        let fresh = held.pool.allocate(n_blocks - reused)?;
-        held.ids.extend(fresh);
+            let reused = held.ids.len();
+            let fresh = held.pool.allocate(n_blocks - reused)?;
+            held.ids.extend(fresh);
+            (held.commit(), reused)
+        };
+        // From here the guard frees them on any error (it locks the pool itself, so it is
+        // only ever dropped with the lock released).
+        let blocks = Blocks::new(self.pool.clone(), ids);
+        // The model writes block by block, taking the lock for each, so a long prefill lets
+        // imports and lookups (a KvTransfer server on the same pool) in between.
         let start = reused * b;
-        let logits = self.model.prefill(held.pool, prompt, start, &held.ids)?;
-        for (i, &h) in hashes.iter().enumerate().skip(reused) {
-            // False when another sequence registered the same block first: ours stays private.
-            held.pool.register(held.ids[i], h);
+        for from in (start..prompt.len()).step_by(b) {
+            let to = (from + b).min(prompt.len());
+            let mut pool = self.pool.lock();
+            self.model
+                .write(&mut pool, &prompt[from..to], from, blocks.ids())?;
         }
-        let ids = held.commit();
-        drop(pool);
-        seq.blocks = Blocks::new(self.pool.clone(), ids);
+        let logits = {
+            let mut pool = self.pool.lock();
+            let logits = self.model.logits(&pool, prompt.len(), blocks.ids())?;
+            for (i, &h) in hashes.iter().enumerate().skip(reused) {
+                // False when another sequence registered the same block first: ours stays private.
+                pool.register(blocks.ids()[i], h);
+            }
+            logits
+        };
+        seq.blocks = blocks;
         seq.hashes = hashes;
         seq.n_cached = seq.prompt_len;
         let (token, draws) = seq.sampling.sample(&logits, &mut seq.rng);

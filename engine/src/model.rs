@@ -49,30 +49,54 @@ pub trait Model: Send + Sync + fmt::Debug {
     fn vocab(&self) -> u32;
     /// Longest sequence, prompt and completion together.
     fn max_context(&self) -> u32;
-    /// Writes the KV of `tokens[start..]` at positions `start..` into `blocks` (the KV of
-    /// positions before `start` is already there, from cached prefix blocks) and returns the
-    /// logits for the token after the last.
+    /// Writes the KV of `tokens` at positions `first_pos..first_pos + tokens.len()` into
+    /// `blocks`, the sequence's block table. An engine may call it block by block, releasing the
+    /// pool between calls, so a long prefill does not hold the pool the whole time.
     ///
     /// # Errors
     /// A [`ModelError`] when the table or the pool cannot hold the positions.
+    fn write(
+        &self,
+        pool: &mut KvPool,
+        tokens: &[u32],
+        first_pos: usize,
+        blocks: &[BlockId],
+    ) -> Result<(), ModelError>;
+    /// The logits for the token after the first `n` positions, read from the KV in `blocks`.
+    ///
+    /// # Errors
+    /// As [`write`](Self::write).
+    fn logits(&self, pool: &KvPool, n: usize, blocks: &[BlockId]) -> Result<Vec<f32>, ModelError>;
+    /// Writes the KV of `tokens[start..]` at positions `start..` (the KV of positions before
+    /// `start` is already there, from cached prefix blocks) and returns the logits for the token
+    /// after the last.
+    ///
+    /// # Errors
+    /// As [`write`](Self::write).
     fn prefill(
         &self,
         pool: &mut KvPool,
         tokens: &[u32],
         start: usize,
         blocks: &[BlockId],
-    ) -> Result<Vec<f32>, ModelError>;
+    ) -> Result<Vec<f32>, ModelError> {
+        self.write(pool, tokens.get(start..).unwrap_or_default(), start, blocks)?;
+        self.logits(pool, tokens.len(), blocks)
+    }
     /// Writes the KV of `token` at `pos` and returns the logits for position `pos + 1`.
     ///
     /// # Errors
-    /// As [`prefill`](Self::prefill).
+    /// As [`write`](Self::write).
     fn decode(
         &self,
         pool: &mut KvPool,
         token: u32,
         pos: usize,
         blocks: &[BlockId],
-    ) -> Result<Vec<f32>, ModelError>;
+    ) -> Result<Vec<f32>, ModelError> {
+        self.write(pool, &[token], pos, blocks)?;
+        self.logits(pool, pos + 1, blocks)
+    }
 }
 
 /// The fake model: cheap, deterministic, and sensitive to every cached KV byte.
@@ -152,7 +176,12 @@ impl FakeModel {
     /// The logits after `n` positions: a PCG stream seeded by CRC-32C over every cached KV byte
     /// of positions `0..n` (block by block, plane by plane, the filled rows of each plane) and by
     /// `n`, one value per vocabulary entry, `u32 * 8 / 2^32`, in [0, 8).
-    fn logits(&self, pool: &KvPool, n: usize, blocks: &[BlockId]) -> Result<Vec<f32>, ModelError> {
+    fn logits_at(
+        &self,
+        pool: &KvPool,
+        n: usize,
+        blocks: &[BlockId],
+    ) -> Result<Vec<f32>, ModelError> {
         let b = self.shape.block_tokens() as usize;
         let row = self.shape.row_bytes().unwrap_or(0);
         let plane = row * b;
@@ -196,28 +225,21 @@ impl Model for FakeModel {
         self.max_context
     }
 
-    fn prefill(
+    fn write(
         &self,
         pool: &mut KvPool,
         tokens: &[u32],
-        start: usize,
+        first_pos: usize,
         blocks: &[BlockId],
-    ) -> Result<Vec<f32>, ModelError> {
-        for (pos, &t) in tokens.iter().enumerate().skip(start) {
-            self.write_kv(pool, t, pos, blocks)?;
+    ) -> Result<(), ModelError> {
+        for (i, &t) in tokens.iter().enumerate() {
+            self.write_kv(pool, t, first_pos + i, blocks)?;
         }
-        self.logits(pool, tokens.len(), blocks)
+        Ok(())
     }
 
-    fn decode(
-        &self,
-        pool: &mut KvPool,
-        token: u32,
-        pos: usize,
-        blocks: &[BlockId],
-    ) -> Result<Vec<f32>, ModelError> {
-        self.write_kv(pool, token, pos, blocks)?;
-        self.logits(pool, pos + 1, blocks)
+    fn logits(&self, pool: &KvPool, n: usize, blocks: &[BlockId]) -> Result<Vec<f32>, ModelError> {
+        self.logits_at(pool, n, blocks)
     }
 }
 

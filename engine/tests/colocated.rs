@@ -299,3 +299,68 @@ fn exhausted_pool_fails_the_request_and_frees() {
     assert_eq!(e.pool().lock().counts().used, 0);
     e.pool().lock().check().unwrap();
 }
+
+/// Wraps the fake model and records the size of every `write` call.
+#[derive(Debug)]
+struct Recording {
+    inner: FakeModel,
+    writes: std::sync::Mutex<Vec<usize>>,
+}
+
+impl tl_engine::model::Model for Recording {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn shape(&self) -> Shape {
+        self.inner.shape()
+    }
+    fn vocab(&self) -> u32 {
+        self.inner.vocab()
+    }
+    fn max_context(&self) -> u32 {
+        self.inner.max_context()
+    }
+    fn write(
+        &self,
+        pool: &mut tl_engine::pool::KvPool,
+        tokens: &[u32],
+        first_pos: usize,
+        blocks: &[tl_engine::pool::BlockId],
+    ) -> Result<(), tl_engine::model::ModelError> {
+        self.writes.lock().unwrap().push(tokens.len());
+        self.inner.write(pool, tokens, first_pos, blocks)
+    }
+    fn logits(
+        &self,
+        pool: &tl_engine::pool::KvPool,
+        n: usize,
+        blocks: &[tl_engine::pool::BlockId],
+    ) -> Result<Vec<f32>, tl_engine::model::ModelError> {
+        self.inner.logits(pool, n, blocks)
+    }
+}
+
+#[test]
+fn prefill_writes_block_by_block_and_still_matches() {
+    use tl_engine::model::Model;
+    let rec = Arc::new(Recording {
+        inner: FakeModel::new("fake", TEST, BYTE_VOCAB, 256),
+        writes: Default::default(),
+    });
+    let mut e = Engine::new(rec.clone(), SharedKv::new(KvPool::new(TEST, 64)));
+    let prompt: Vec<u32> = (0..10).collect();
+    let s = sampling(0.9, 1.0, 0);
+    let got = e.generate(req(&prompt, s, 3, 6, Mode::Generate)).unwrap();
+    // Prefill: one write per block (4, 4, 2), then one per decode step.
+    let writes = rec.writes.lock().unwrap().clone();
+    assert_eq!(writes[..3], [4, 4, 2]);
+    assert!(writes[3..].iter().all(|&n| n == 1));
+    assert_eq!(writes.len(), 3 + 5);
+    assert_eq!(
+        got,
+        engine(64)
+            .generate(req(&prompt, s, 3, 6, Mode::Generate))
+            .unwrap()
+    );
+    assert_eq!(rec.vocab(), BYTE_VOCAB);
+}
