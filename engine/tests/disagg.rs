@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::eventually;
+use common::{eventually, settled};
 use kvwire_grpc::pb::engine::{KvHandle, PrefillRequest, SamplingParams};
 use serde_json::json;
 use tl_engine::client::{ControlClient, HttpClient};
@@ -51,6 +51,18 @@ fn sampling(t: f32, p: f32, k: u32, seed: Option<u64>, n: u32) -> Option<Samplin
         seed,
         max_tokens: n,
     })
+}
+
+/// POSTs a resume of `handle` to a decode engine's HTTP front.
+async fn resume(
+    http: &HttpClient,
+    addr: &str,
+    handle: &str,
+    body: String,
+) -> tl_engine::client::HttpResponse {
+    http.post(addr, "/v1/completions", &[("x-tl-kv-handle", handle)], body)
+        .await
+        .unwrap()
 }
 
 fn resume_body(
@@ -399,49 +411,41 @@ async fn resume_refusals_and_client_abort() {
     };
     let h = ctl.prefill(pre("a")).await.unwrap();
     // Unknown handle: 404. Another prompt: 409 and the handle is still there.
-    let r = http
-        .post(
-            &da.http,
-            "/v1/completions",
-            &[("x-tl-kv-handle", "nope")],
-            resume_body(&prompt, &h, 0.0, 1.0, 0, 8, false),
-        )
-        .await
-        .unwrap();
+    let r = resume(
+        &http,
+        &da.http,
+        "nope",
+        resume_body(&prompt, &h, 0.0, 1.0, 0, 8, false),
+    )
+    .await;
     assert_eq!(r.status, 404);
     assert!(r.json()["error"]["message"].is_string());
     let other: Vec<u32> = (2..=11).collect();
-    let r = http
-        .post(
-            &da.http,
-            "/v1/completions",
-            &[("x-tl-kv-handle", &h.handle_id)],
-            resume_body(&other, &h, 0.0, 1.0, 0, 8, false),
-        )
-        .await
-        .unwrap();
+    let r = resume(
+        &http,
+        &da.http,
+        &h.handle_id,
+        resume_body(&other, &h, 0.0, 1.0, 0, 8, false),
+    )
+    .await;
     assert_eq!(r.status, 409);
     assert_eq!(d.worker().receiver().unwrap().pending(), 1);
     // The right prompt works once; a second claim is 404.
-    let r = http
-        .post(
-            &da.http,
-            "/v1/completions",
-            &[("x-tl-kv-handle", &h.handle_id)],
-            resume_body(&prompt, &h, 0.0, 1.0, 0, 8, false),
-        )
-        .await
-        .unwrap();
+    let r = resume(
+        &http,
+        &da.http,
+        &h.handle_id,
+        resume_body(&prompt, &h, 0.0, 1.0, 0, 8, false),
+    )
+    .await;
     assert_eq!(r.status, 200);
-    let r = http
-        .post(
-            &da.http,
-            "/v1/completions",
-            &[("x-tl-kv-handle", &h.handle_id)],
-            resume_body(&prompt, &h, 0.0, 1.0, 0, 8, false),
-        )
-        .await
-        .unwrap();
+    let r = resume(
+        &http,
+        &da.http,
+        &h.handle_id,
+        resume_body(&prompt, &h, 0.0, 1.0, 0, 8, false),
+    )
+    .await;
     assert_eq!(r.status, 404);
     // Another model: 404; bad bodies: 400.
     let r = http
@@ -506,21 +510,8 @@ async fn resume_refusals_and_client_abort() {
     assert!(d.worker().runner().running() <= 1);
     drop(stream);
     assert!(
-        eventually(Duration::from_secs(3), || d.worker().runner().running()
-            == 0)
-        .await,
-        "sequence not cancelled"
-    );
-    assert!(
-        eventually(Duration::from_secs(3), || d
-            .worker()
-            .runner()
-            .pool()
-            .lock()
-            .counts()
-            .used
-            == 0)
-        .await
+        settled(&d, 0).await,
+        "sequence not cancelled or blocks not freed"
     );
     assert_eq!(d.worker().receiver().unwrap().pending(), 0);
     p.shutdown(Duration::from_secs(1)).await;

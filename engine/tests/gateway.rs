@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::eventually;
+use common::{eventually, settled};
 use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
 use serde_json::{Value, json};
 use tl_engine::client::{ControlClient, HttpClient};
@@ -255,21 +255,8 @@ async fn client_abort_after_first_token_frees_everything() {
     assert!(String::from_utf8_lossy(first.data_ref().unwrap()).contains("\"tokens\""));
     drop(stream);
     assert!(
-        eventually(Duration::from_secs(5), || d.worker().runner().running()
-            == 0)
-        .await,
-        "decode sequence still running"
-    );
-    assert!(
-        eventually(Duration::from_secs(5), || d
-            .worker()
-            .runner()
-            .pool()
-            .lock()
-            .counts()
-            .used
-            == d_base)
-        .await
+        settled(d, d_base).await,
+        "sequence not cancelled or blocks not freed"
     );
     assert_eq!(d.worker().receiver().unwrap().pending(), 0);
     assert_eq!(c.p.worker().runner().pool().lock().counts().used, 0);
@@ -443,20 +430,8 @@ async fn bounded_in_flight_429_and_timeout_504() {
     assert_eq!(r.status, 504, "{}", String::from_utf8_lossy(&r.body));
     // The timed-out request's decode sequence is cancelled, its blocks freed.
     assert!(
-        eventually(Duration::from_secs(3), || d.worker().runner().running()
-            == 0)
-        .await
-    );
-    assert!(
-        eventually(Duration::from_secs(3), || d
-            .worker()
-            .runner()
-            .pool()
-            .lock()
-            .counts()
-            .used
-            == 0)
-        .await
+        settled(&d, 0).await,
+        "sequence not cancelled or blocks not freed"
     );
     assert_eq!(p.worker().runner().pool().lock().counts().used, 0);
     // The timed-out request no longer counts as load on D1.

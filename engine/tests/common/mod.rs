@@ -8,6 +8,7 @@ use kvwire::Shape;
 use kvwire_grpc::{GrpcTransport, KvReceiver, KvServerHandle, KvStore, TransportConfig, serve_kv};
 use tl_engine::engine::{Engine, Event, Mode, PrefillOutput, Request};
 use tl_engine::model::{BYTE_VOCAB, FakeModel};
+use tl_engine::node::EngineNode;
 use tl_engine::pool::{BlockId, KvPool, PoolCounts, SharedKv};
 use tl_engine::sampler::Sampling;
 
@@ -95,4 +96,14 @@ pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     cond()
+}
+
+/// Waits until `node` runs no sequence and its pool has exactly `used` blocks in use (the
+/// end state of every cancel and abort test); false when that has not happened in 5 s.
+pub async fn settled(node: &EngineNode, used: usize) -> bool {
+    let runner = node.worker().runner();
+    eventually(Duration::from_secs(5), || {
+        runner.running() == 0 && runner.pool().lock().counts().used == used
+    })
+    .await
 }
