@@ -34,7 +34,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
 
 use crate::client::{ControlClient, HttpClient};
-use crate::http::{KV_HANDLE_HEADER, Prompt, error};
+use crate::http::{KV_HANDLE_HEADER, Prompt, error, now_secs};
 use crate::model::{BYTE_VOCAB, decode_text, encode_text};
 use crate::node::{Served, serve_grpc, serve_http};
 use crate::registry::{RegistryService, RegistryState};
@@ -983,23 +983,17 @@ async fn serve(g: Arc<Gateway>, job: Job, stream: bool, flavor: Flavor) -> Respo
     let usage = json!({ "prompt_tokens": prompt_tokens, "completion_tokens": tokens.len(), "total_tokens": prompt_tokens + tokens.len() });
     let body = match flavor {
         Flavor::Completion => json!({
-            "id": id, "object": "text_completion", "created": now(), "model": model, "seed": seed,
+            "id": id, "object": "text_completion", "created": now_secs(), "model": model, "seed": seed,
             "choices": [{ "index": 0, "text": text, "tokens": tokens, "logprobs": Value::Null, "finish_reason": finish }],
             "usage": usage, "tl_route": route_v,
         }),
         Flavor::Chat => json!({
-            "id": id, "object": "chat.completion", "created": now(), "model": model, "seed": seed,
+            "id": id, "object": "chat.completion", "created": now_secs(), "model": model, "seed": seed,
             "choices": [{ "index": 0, "message": { "role": "assistant", "content": text }, "tokens": tokens, "logprobs": Value::Null, "finish_reason": finish }],
             "usage": usage, "tl_route": route_v,
         }),
     };
     Json(body).into_response()
-}
-
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 fn sse_chunk(
@@ -1013,12 +1007,12 @@ fn sse_chunk(
 ) -> String {
     match flavor {
         Flavor::Completion => json!({
-            "id": id, "object": "text_completion", "created": now(), "model": model, "seed": seed,
+            "id": id, "object": "text_completion", "created": now_secs(), "model": model, "seed": seed,
             "choices": [{ "index": 0, "text": decode_text(toks), "tokens": toks, "logprobs": Value::Null, "finish_reason": finish }],
             "tl_route": route,
         }),
         Flavor::Chat => json!({
-            "id": id, "object": "chat.completion.chunk", "created": now(), "model": model, "seed": seed,
+            "id": id, "object": "chat.completion.chunk", "created": now_secs(), "model": model, "seed": seed,
             "choices": [{ "index": 0, "delta": { "role": "assistant", "content": decode_text(toks) }, "tokens": toks, "finish_reason": finish }],
             "tl_route": route,
         }),

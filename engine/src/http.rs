@@ -108,7 +108,9 @@ pub fn completion_id() -> String {
     format!("cmpl-{:016x}", crate::cli::pick_seed())
 }
 
-fn now_secs() -> u64 {
+/// Seconds since the Unix epoch, for OpenAI's `created`.
+#[must_use]
+pub fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
