@@ -211,13 +211,7 @@ impl GrpcRegistry {
             Limits::default(),
             Request::new(req),
         );
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(r) => r,
-            Err(_) => Err(Status::deadline_exceeded(format!(
-                "{path} took longer than {:?}",
-                self.timeout
-            ))),
-        }
+        glue::bounded(self.timeout, path, call).await
     }
 
     /// The live workers.

@@ -5,6 +5,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::time::Duration;
 
 use http::uri::PathAndQuery;
 use tokio_stream::Stream;
@@ -213,4 +214,38 @@ where
     grpc.client_streaming(req, PathAndQuery::from_static(path), codec)
         .await
         .map(Response::into_inner)
+}
+
+/// Runs a call within `limit`, answering DEADLINE_EXCEEDED after it. A connection that failed
+/// (refused, reset, closed under the call) surfaces from tonic as UNKNOWN or CANCELLED with a
+/// transport error as its source; it is reported as UNAVAILABLE, the code that tells a caller
+/// to try again or elsewhere. A CANCELLED that a server sent stays CANCELLED.
+///
+/// # Errors
+/// The call's status, so mapped, or DEADLINE_EXCEEDED.
+pub async fn bounded<T>(
+    limit: Duration,
+    what: &str,
+    fut: impl Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(Err(s)) if is_transport_failure(&s) => {
+            let detail = std::error::Error::source(&s)
+                .map(ToString::to_string)
+                .unwrap_or_default();
+            Err(Status::unavailable(format!(
+                "{what}: connection failed: {detail}"
+            )))
+        }
+        Ok(r) => r,
+        Err(_) => Err(Status::deadline_exceeded(format!(
+            "{what} took longer than {limit:?}"
+        ))),
+    }
+}
+
+fn is_transport_failure(s: &Status) -> bool {
+    matches!(s.code(), tonic::Code::Unknown | tonic::Code::Cancelled)
+        && std::error::Error::source(s)
+            .is_some_and(|e| e.downcast_ref::<tonic::transport::Error>().is_some())
 }

@@ -259,36 +259,6 @@ impl GrpcTransport {
     }
 }
 
-/// Runs `fut` within `limit`, answering DEADLINE_EXCEEDED after it. A connection that failed
-/// (refused, reset, broken pipe) surfaces from tonic as UNKNOWN "transport error"; it is reported
-/// as UNAVAILABLE, the code that tells a caller to try another target.
-async fn bounded<T>(
-    limit: Duration,
-    what: &str,
-    fut: impl Future<Output = Result<T, Status>>,
-) -> Result<T, Status> {
-    match tokio::time::timeout(limit, fut).await {
-        Ok(Err(s)) if is_transport_failure(&s) => {
-            let detail = std::error::Error::source(&s)
-                .map(ToString::to_string)
-                .unwrap_or_default();
-            Err(Status::unavailable(format!(
-                "{what}: connection failed: {detail}"
-            )))
-        }
-        Ok(r) => r,
-        Err(_) => Err(Status::deadline_exceeded(format!(
-            "{what} took longer than {limit:?}"
-        ))),
-    }
-}
-
-fn is_transport_failure(s: &Status) -> bool {
-    s.code() == Code::Unknown
-        && std::error::Error::source(s)
-            .is_some_and(|e| e.downcast_ref::<tonic::transport::Error>().is_some())
-}
-
 impl KvTransport for GrpcTransport {
     async fn has_blocks(&self, target: &str, req: HasBlocksRequest) -> Result<Vec<bool>, Status> {
         let ch = self.channel(target)?;
@@ -298,7 +268,7 @@ impl KvTransport for GrpcTransport {
             self.limits(),
             Request::new(req),
         );
-        Ok(bounded(self.cfg.call_timeout, "HasBlocks", call)
+        Ok(glue::bounded(self.cfg.call_timeout, "HasBlocks", call)
             .await?
             .present)
     }
@@ -312,7 +282,7 @@ impl KvTransport for GrpcTransport {
             Request::new(chunks),
             PushCodec,
         );
-        bounded(self.cfg.push_timeout, "PushKv", call).await
+        glue::bounded(self.cfg.push_timeout, "PushKv", call).await
     }
 
     async fn release(&self, target: &str, handle_id: &str) -> Result<bool, Status> {
@@ -321,7 +291,7 @@ impl KvTransport for GrpcTransport {
             handle_id: handle_id.to_owned(),
         });
         let call = glue::unary::<_, ReleaseResponse>(ch, path::RELEASE, self.limits(), req);
-        Ok(bounded(self.cfg.call_timeout, "Release", call)
+        Ok(glue::bounded(self.cfg.call_timeout, "Release", call)
             .await?
             .released)
     }
