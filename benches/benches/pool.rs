@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use kvwire::Shape;
-use tl_engine::engine::{Engine, Mode, Request};
-use tl_engine::model::{BYTE_VOCAB, FakeModel};
-use tl_engine::pool::{KvPool, SharedKv};
-use tl_engine::sampler::{Sampling, SamplingRequest};
+use tl_engine_core::engine::{Engine, Mode, Request};
+use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
+use tl_engine_core::pool::{KvPool, SharedKv};
+use tl_engine_core::sampler::{Sampling, SamplingRequest};
 
 const REAL: Shape = Shape::v1(16, 32, 8, 128);
 const TEST: Shape = Shape::v1(4, 2, 1, 4);

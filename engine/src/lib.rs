@@ -1,21 +1,17 @@
-//! `tl-engine`: the engine behind the `tl` binary.
+//! `tl-engine`: the processes around the sans-IO core (`tl-engine-core`), in layers:
+//!
+//! - [`node`]: one engine process (step thread, EngineControl, KV receiver, decode front,
+//!   heartbeat, drain);
+//! - [`gateway`]: the registry server, route planning, in-flight accounting, upstream clients,
+//!   the request state machine and the OpenAI handlers;
+//! - [`api`]: the typed OpenAI HTTP API and its one SSE codec, shared by both;
+//! - [`net`]: servers and their one shutdown mechanism, and the clients of other processes.
+//!
+//! The `tl` binary (`src/bin/tl/`) is built on these; it is not library API.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
-pub mod bench;
-pub mod cli;
-pub mod client;
-pub mod config;
-pub mod control;
-pub mod demo;
-pub mod engine;
+pub mod api;
 pub mod gateway;
-pub mod http;
-pub mod model;
+pub mod net;
 pub mod node;
-pub mod pool;
-pub mod registry;
-pub mod rng;
-pub mod runner;
-pub mod sampler;
-pub mod serve;

@@ -5,14 +5,14 @@ mod common;
 
 use std::time::Duration;
 
-use common::{eventually, settled};
+use common::{eventually, settled, stream_tokens};
 use kvwire_grpc::pb::engine::{KvHandle, PrefillRequest, SamplingParams};
 use serde_json::json;
-use tl_engine::client::{ControlClient, HttpClient};
-use tl_engine::config::{Config, Role};
-use tl_engine::engine::{Engine, Mode, Request};
+use tl_engine::net::clients::{ControlClient, HttpClient};
 use tl_engine::node::EngineNode;
-use tl_engine::sampler::{Sampling, SamplingRequest};
+use tl_engine::node::config::{Config, Role};
+use tl_engine_core::engine::{Engine, Mode, Request};
+use tl_engine_core::sampler::{Sampling, SamplingRequest};
 use tonic::Code;
 
 fn config(id: &str, role: Role) -> Config {
@@ -59,7 +59,7 @@ async fn resume(
     addr: &str,
     handle: &str,
     body: String,
-) -> tl_engine::client::HttpResponse {
+) -> tl_engine::net::clients::HttpResponse {
     http.post(addr, "/v1/completions", &[("x-tl-kv-handle", handle)], body)
         .await
         .unwrap()
@@ -133,20 +133,7 @@ async fn disaggregated_equals_colocated() {
                 .unwrap();
             assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
             let got: Vec<u32> = if stream {
-                let data = r.sse_data();
-                assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-                data.iter()
-                    .filter(|d| *d != "[DONE]")
-                    .flat_map(|d| {
-                        let v: serde_json::Value = serde_json::from_str(d).unwrap();
-                        v["choices"][0]["tokens"]
-                            .as_array()
-                            .unwrap()
-                            .iter()
-                            .map(|t| t.as_u64().unwrap() as u32)
-                            .collect::<Vec<_>>()
-                    })
-                    .collect()
+                stream_tokens(&r)
             } else {
                 let v = r.json();
                 assert_eq!(v["choices"][0]["finish_reason"], "length");
@@ -163,14 +150,10 @@ async fn disaggregated_equals_colocated() {
         }
     }
     // Everything was claimed and finished: nothing pending, nothing used, on either side.
-    assert!(
-        eventually(Duration::from_secs(2), || d.worker().runner().running()
-            == 0)
-        .await
-    );
-    assert_eq!(d.worker().receiver().unwrap().pending(), 0);
-    assert_eq!(d.worker().runner().pool().lock().counts().used, 0);
-    assert_eq!(p.worker().runner().pool().lock().counts().used, 0);
+    assert!(eventually(Duration::from_secs(2), || d.runner().running() == 0).await);
+    assert_eq!(d.receiver().unwrap().pending(), 0);
+    assert_eq!(d.runner().pool().lock().counts().used, 0);
+    assert_eq!(p.runner().pool().lock().counts().used, 0);
     p.shutdown(Duration::from_secs(1)).await;
     d.shutdown(Duration::from_secs(1)).await;
 }
@@ -189,7 +172,7 @@ async fn prefill_rpc_validation_and_info() {
         sampling: sampling(0.0, 1.0, 0, Some(1), 4),
         decode_target: da.kv.clone(),
     };
-    let before = p.worker().runner().pool().lock().counts();
+    let before = p.runner().pool().lock().counts();
     let cases: Vec<(&str, PrefillRequest, Code)> = vec![
         (
             "empty request_id",
@@ -276,7 +259,7 @@ async fn prefill_rpc_validation_and_info() {
         let err = ctl.prefill(req).await.unwrap_err();
         assert_eq!(err.code(), code, "{name}: {err}");
         assert_eq!(
-            p.worker().runner().pool().lock().counts(),
+            p.runner().pool().lock().counts(),
             before,
             "{name} touched the pool"
         );
@@ -289,7 +272,7 @@ async fn prefill_rpc_validation_and_info() {
         })
         .await
         .unwrap();
-    assert!(d.worker().receiver().unwrap().release(&h.handle_id));
+    assert!(d.receiver().unwrap().release(&h.handle_id));
     // A decode-only engine refuses Prefill.
     let dctl = ControlClient::new(&da.grpc).unwrap();
     assert_eq!(
@@ -309,7 +292,7 @@ async fn prefill_rpc_validation_and_info() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err}");
-    assert_eq!(p.worker().runner().pool().lock().counts().used, 0);
+    assert_eq!(p.runner().pool().lock().counts().used, 0);
 
     // Info.
     let info = ctl.info().await.unwrap();
@@ -352,7 +335,7 @@ async fn prefill_rpc_validation_and_info() {
     };
     let stuck = tokio::spawn(async move { ctl2.prefill(stuck_req).await });
     assert!(
-        eventually(Duration::from_secs(2), || p.worker().inflight_prefills()
+        eventually(Duration::from_secs(2), || p.state().inflight_prefills()
             == 1)
         .await
     );
@@ -371,7 +354,6 @@ async fn prefill_rpc_validation_and_info() {
     assert_eq!(err.code(), Code::Cancelled);
     assert!(
         eventually(Duration::from_secs(2), || p
-            .worker()
             .runner()
             .pool()
             .lock()
@@ -429,7 +411,7 @@ async fn resume_refusals_and_client_abort() {
     )
     .await;
     assert_eq!(r.status, 409);
-    assert_eq!(d.worker().receiver().unwrap().pending(), 1);
+    assert_eq!(d.receiver().unwrap().pending(), 1);
     // The right prompt works once; a second claim is 404.
     let r = resume(
         &http,
@@ -507,13 +489,13 @@ async fn resume_refusals_and_client_abort() {
     use http_body_util::BodyExt;
     let first = stream.frame().await.unwrap().unwrap();
     assert!(first.is_data());
-    assert!(d.worker().runner().running() <= 1);
+    assert!(d.runner().running() <= 1);
     drop(stream);
     assert!(
         settled(&d, 0).await,
         "sequence not cancelled or blocks not freed"
     );
-    assert_eq!(d.worker().receiver().unwrap().pending(), 0);
+    assert_eq!(d.receiver().unwrap().pending(), 0);
     p.shutdown(Duration::from_secs(1)).await;
     d.shutdown(Duration::from_secs(1)).await;
 }

@@ -5,16 +5,18 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{eventually, settled};
+use common::{eventually, settled, stream_tokens};
 use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
 use serde_json::{Value, json};
-use tl_engine::client::{ControlClient, HttpClient};
-use tl_engine::config::{Config, Role};
-use tl_engine::engine::{Engine, Mode, Request};
-use tl_engine::gateway::{GatewayNode, GatewaySection};
+use tl_engine::api::{ChatMessage, render_chat};
+use tl_engine::gateway::GatewayNode;
+use tl_engine::gateway::config::GatewaySection;
+use tl_engine::net::clients::{ControlClient, HttpClient};
 use tl_engine::node::EngineNode;
-use tl_engine::registry::worker_status;
-use tl_engine::sampler::{Sampling, SamplingRequest};
+use tl_engine::node::config::{Config, Role};
+use tl_engine::node::heartbeat::worker_status;
+use tl_engine_core::engine::{Engine, Mode, Request};
+use tl_engine_core::sampler::{Sampling, SamplingRequest};
 
 fn engine_cfg(id: &str, role: Role, registry: &str) -> Config {
     let mut c = Config::for_worker(id, role, registry);
@@ -63,13 +65,6 @@ fn tokens_of(v: &Value) -> Vec<u32> {
         .unwrap()
         .iter()
         .map(|t| t.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn sse_tokens(data: &[String]) -> Vec<u32> {
-    data.iter()
-        .filter(|d| *d != "[DONE]")
-        .flat_map(|d| tokens_of(&serde_json::from_str::<Value>(d).unwrap()))
         .collect()
 }
 
@@ -126,9 +121,7 @@ async fn gateway_tokens_equal_colocated() {
             .await
             .unwrap();
         assert_eq!(r.status, 200);
-        let data = r.sse_data();
-        assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-        assert_eq!(sse_tokens(&data), want);
+        assert_eq!(stream_tokens(&r), want);
     }
     // Chat: rendered with the documented template, equal to a colocated run of that text.
     let msgs =
@@ -145,10 +138,11 @@ async fn gateway_tokens_equal_colocated() {
     assert_eq!(r.status, 200);
     let v = r.json();
     assert_eq!(v["object"], "chat.completion");
-    let text = tl_engine::gateway::render_chat(&[
-        ("system".into(), "be brief".into()),
-        ("user".into(), "hi".into()),
-    ]);
+    let msg = |role: &str, content: &str| ChatMessage {
+        role: role.into(),
+        content: content.into(),
+    };
+    let text = render_chat(&[msg("system", "be brief"), msg("user", "hi")]);
     let prompt: Vec<u32> = text.bytes().map(u32::from).collect();
     assert_eq!(tokens_of(&v), colocated(&prompt, 0.0, 3, 6));
     assert!(v["choices"][0]["message"]["content"].is_string());
@@ -177,7 +171,7 @@ async fn routing_prefers_the_cached_prefix_unless_far_more_loaded() {
         .await
         .unwrap();
     let register = |node: &EngineNode, running: u32| {
-        let mut s = worker_status(node.worker(), &node.addresses(), 60_000);
+        let mut s = worker_status(node.state(), &node.addresses(), 60_000);
         s.running = running;
         gw.registry().heartbeat(s, Instant::now());
     };
@@ -196,7 +190,7 @@ async fn routing_prefers_the_cached_prefix_unless_far_more_loaded() {
         })
         .await
         .unwrap();
-    assert!(d2.worker().receiver().unwrap().release(&h.handle_id));
+    assert!(d2.receiver().unwrap().release(&h.handle_id));
     let http = HttpClient::default();
     let addr = gw.http_addr().to_string();
     let body = json!({ "prompt": prompt, "max_tokens": 3 }).to_string();
@@ -236,7 +230,7 @@ async fn routing_prefers_the_cached_prefix_unless_far_more_loaded() {
 async fn client_abort_after_first_token_frees_everything() {
     let c = cluster(1).await;
     let d = &c.d[0];
-    let d_base = d.worker().runner().pool().lock().counts().used;
+    let d_base = d.runner().pool().lock().counts().used;
     let http = HttpClient::default();
     let prompt: Vec<u32> = (0..37).collect();
     let body = json!({ "prompt": prompt, "max_tokens": 1_000_000, "stream": true, "seed": 1 });
@@ -258,8 +252,8 @@ async fn client_abort_after_first_token_frees_everything() {
         settled(d, d_base).await,
         "sequence not cancelled or blocks not freed"
     );
-    assert_eq!(d.worker().receiver().unwrap().pending(), 0);
-    assert_eq!(c.p.worker().runner().pool().lock().counts().used, 0);
+    assert_eq!(d.receiver().unwrap().pending(), 0);
+    assert_eq!(c.p.runner().pool().lock().counts().used, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -293,7 +287,7 @@ async fn refusing_or_stopped_decode_engine_is_routed_around() {
     assert_eq!(v["tl_route"]["decode"], "D1", "{v}");
     assert_eq!(v["tl_route"]["retries"], 1);
     assert_eq!(tokens_of(&v), colocated(&prompt, 0.0, 4, 5));
-    assert_eq!(d0.worker().runner().pool().lock().counts().used, 0);
+    assert_eq!(d0.runner().pool().lock().counts().used, 0);
 
     // D1 stops (and so stops beating): requests fail over to... nothing but D0, which refuses;
     // with a both-role engine present, the gateway falls back to it.
@@ -348,8 +342,8 @@ async fn bad_requests_are_400_and_touch_no_engine() {
     let c = cluster(1).await;
     let http = HttpClient::default();
     let addr = c.gw.http_addr().to_string();
-    let pool_p = c.p.worker().runner().pool().lock().counts();
-    let pool_d = c.d[0].worker().runner().pool().lock().counts();
+    let pool_p = c.p.runner().pool().lock().counts();
+    let pool_d = c.d[0].runner().pool().lock().counts();
     let cases = [
         ("/v1/completions", r#"{"prompt": "", "max_tokens": 4}"#),
         ("/v1/completions", r#"{"prompt": [], "max_tokens": 4}"#),
@@ -379,9 +373,9 @@ async fn bad_requests_are_400_and_touch_no_engine() {
         assert!(v["error"]["message"].is_string(), "{body}");
         assert_eq!(v["error"]["type"], "invalid_request_error");
     }
-    assert_eq!(c.p.worker().runner().pool().lock().counts(), pool_p);
-    assert_eq!(c.d[0].worker().runner().pool().lock().counts(), pool_d);
-    assert_eq!(c.p.worker().inflight_prefills(), 0);
+    assert_eq!(c.p.runner().pool().lock().counts(), pool_p);
+    assert_eq!(c.d[0].runner().pool().lock().counts(), pool_d);
+    assert_eq!(c.p.state().inflight_prefills(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -433,7 +427,7 @@ async fn bounded_in_flight_429_and_timeout_504() {
         settled(&d, 0).await,
         "sequence not cancelled or blocks not freed"
     );
-    assert_eq!(p.worker().runner().pool().lock().counts().used, 0);
+    assert_eq!(p.runner().pool().lock().counts().used, 0);
     // The timed-out request no longer counts as load on D1.
     let w = http.get(&addr, "/workers").await.unwrap().json();
     let d1 = w["workers"]
@@ -471,14 +465,13 @@ async fn client_abort_during_prefill_cancels_it() {
             .is_err()
     );
     assert!(
-        eventually(Duration::from_secs(3), || p.worker().inflight_prefills()
+        eventually(Duration::from_secs(3), || p.state().inflight_prefills()
             == 0)
         .await,
         "prefill not cancelled"
     );
     assert!(
         eventually(Duration::from_secs(3), || p
-            .worker()
             .runner()
             .pool()
             .lock()
@@ -488,13 +481,9 @@ async fn client_abort_during_prefill_cancels_it() {
         .await
     );
     assert!(
-        eventually(Duration::from_secs(3), || d
-            .worker()
-            .receiver()
-            .unwrap()
-            .pending()
+        eventually(Duration::from_secs(3), || d.receiver().unwrap().pending()
             == 0)
         .await
     );
-    assert_eq!(d.worker().runner().pool().lock().counts().used, 0);
+    assert_eq!(d.runner().pool().lock().counts().used, 0);
 }

@@ -1,20 +1,21 @@
 //! The heartbeat client and the worker registry: fields, failure counting, the sticky drain,
-//! the schedule, and the real gRPC registry.
+//! the schedule and eviction (on tokio's paused clock and an injected `now`: exact, instant),
+//! and one roundtrip through the real gRPC registry.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvwire_grpc::pb::control::{HeartbeatAck, Role as PbRole, WorkerStatus};
-use kvwire_grpc::{GrpcTransport, TransportConfig};
-use tl_engine::config::{Config, Role};
-use tl_engine::control::Worker;
-use tl_engine::engine::Engine;
-use tl_engine::node::RegistryNode;
-use tl_engine::registry::{
-    Addresses, GrpcRegistry, Heartbeat, Registry, spawn_heartbeat, worker_status,
-};
-use tl_engine::runner::Runner;
+use tl_engine::gateway::registry::{RegistryNode, RegistryState};
+use tl_engine::net::clients::RegistryClient;
+use tl_engine::node::config::{Config, Role};
+use tl_engine::node::heartbeat::{Addresses, Heartbeat, Registry, worker_status};
+use tl_engine::node::runner::{EngineThread, Runner};
+use tl_engine::node::state::NodeState;
+use tl_engine_core::engine::Engine;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tonic::{Code, Status};
 
 #[derive(Clone, Copy, Debug)]
@@ -56,11 +57,10 @@ impl Registry for FakeRegistry {
     }
 }
 
-fn worker(id: &str, role: Role) -> Worker {
+fn node(id: &str, role: Role) -> (NodeState, EngineThread) {
     let cfg = Config::default();
-    let (runner, _) = Runner::start(Engine::new(cfg.build_model(), cfg.build_pool()));
-    let transport = GrpcTransport::new(TransportConfig::for_envelope(172));
-    Worker::new(id, role, runner, transport, None)
+    let (runner, thread) = Runner::start(Engine::new(cfg.build_model(), cfg.build_pool())).unwrap();
+    (NodeState::new(id, role, runner), thread)
 }
 
 fn status(q: u32) -> WorkerStatus {
@@ -79,7 +79,7 @@ fn worker_status_fields() {
         grpc: "127.0.0.1:1".into(),
         kv: "127.0.0.1:2".into(),
     };
-    let p = worker("p", Role::Prefill);
+    let (p, _thread) = node("p", Role::Prefill);
     let s = worker_status(&p, &addrs, 250);
     assert_eq!(
         (s.worker_id.as_str(), s.role, s.kv_format, s.heartbeat_ms),
@@ -102,7 +102,7 @@ fn worker_status_fields() {
     );
     assert!(!s.draining);
     for (role, pb) in [(Role::Decode, PbRole::Decode), (Role::Both, PbRole::Both)] {
-        let d = worker("d", role);
+        let (d, _t) = node("d", role);
         let s = worker_status(&d, &addrs, 250);
         assert_eq!(s.role, pb as i32);
         assert_eq!(s.kv_address, "127.0.0.1:2");
@@ -118,7 +118,7 @@ fn worker_status_fields() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn beat_once_counts_failures_and_drain() {
     let reg = FakeRegistry::with(&[
         Reply::Fail,
@@ -134,17 +134,13 @@ async fn beat_once_counts_failures_and_drain() {
         Code::Unavailable
     );
     assert_eq!(hb.failures(), 1);
-    // A registry that hangs is bounded by the timeout.
+    // A registry that hangs is bounded by the timeout, exactly.
     let t = Instant::now();
     assert_eq!(
         hb.beat_once(status(0)).await.unwrap_err().code(),
         Code::DeadlineExceeded
     );
-    assert!(
-        t.elapsed() < Duration::from_millis(1000),
-        "{:?}",
-        t.elapsed()
-    );
+    assert_eq!(t.elapsed(), Duration::from_millis(100));
     assert_eq!(hb.failures(), 2);
     // A success resets the count.
     assert!(!hb.beat_once(status(0)).await.unwrap());
@@ -159,16 +155,16 @@ async fn beat_once_counts_failures_and_drain() {
     assert_eq!(hb.beats(), 6);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn heartbeat_beats_on_schedule() {
     let reg = FakeRegistry::with(&[Reply::Fail, Reply::Ack(false), Reply::Ack(true)]);
     let hb = Arc::new(Heartbeat::new(Arc::clone(&reg), Duration::from_millis(50)));
     let counter = Arc::new(Mutex::new(0u32));
     let drained = Arc::new(Mutex::new(0u32));
     let (c, dr) = (Arc::clone(&counter), Arc::clone(&drained));
+    let stop = CancellationToken::new();
     let start = Instant::now();
-    let task = spawn_heartbeat(
-        Arc::clone(&hb),
+    let task = tokio::spawn(Arc::clone(&hb).run(
         Duration::from_millis(100),
         move || {
             let mut n = c.lock().unwrap();
@@ -176,53 +172,68 @@ async fn heartbeat_beats_on_schedule() {
             status(*n)
         },
         move || *dr.lock().unwrap() += 1,
-    );
+        stop.clone(),
+    ));
     tokio::time::sleep(Duration::from_millis(450)).await;
     let seen: Vec<(Instant, WorkerStatus)> = reg.seen.lock().unwrap().clone();
-    assert!(
-        seen.len() >= 3 && seen.len() <= 6,
-        "{} beats in 450 ms",
-        seen.len()
-    );
-    // At once, then about every interval; a failed beat does not stop the loop.
-    assert!(seen[0].0 - start < Duration::from_millis(50));
+    // At once, then every interval exactly; a failed beat does not stop the loop.
+    let at: Vec<Duration> = seen.iter().map(|(t, _)| *t - start).collect();
+    let ms = Duration::from_millis;
+    assert_eq!(at, [ms(0), ms(100), ms(200), ms(300), ms(400)]);
     for w in seen.windows(2) {
-        let gap = w[1].0 - w[0].0;
-        assert!(
-            gap >= Duration::from_millis(90) && gap < Duration::from_millis(400),
-            "gap {gap:?}"
-        );
         // Fresh load every beat.
         assert_eq!(w[1].1.queue_depth, w[0].1.queue_depth + 1);
     }
     assert_eq!(*drained.lock().unwrap(), 1, "on_drain runs once");
-    // Stop is prompt, even while a beat hangs.
+    // Stop is immediate, even while a beat hangs.
     reg.replies
         .lock()
         .unwrap()
         .extend([Reply::Hang, Reply::Hang]);
-    tokio::time::sleep(Duration::from_millis(120)).await;
+    tokio::time::sleep(ms(120)).await;
     let t = Instant::now();
-    task.stop().await;
-    assert!(
-        t.elapsed() < Duration::from_millis(500),
-        "stop took {:?}",
-        t.elapsed()
-    );
+    stop.cancel();
+    task.await.unwrap();
+    assert_eq!(t.elapsed(), Duration::ZERO, "stop waited");
     let n = reg.seen.lock().unwrap().len();
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    tokio::time::sleep(ms(250)).await;
     assert_eq!(reg.seen.lock().unwrap().len(), n, "beats after stop");
+}
+
+#[test]
+fn registry_evicts_after_three_missed_beats() {
+    let reg = RegistryState::default();
+    let t0 = std::time::Instant::now();
+    let ms = Duration::from_millis;
+    let mut a = status(1);
+    a.worker_id = "a".into();
+    a.heartbeat_ms = 200;
+    let mut b = status(2);
+    b.worker_id = "b".into();
+    b.heartbeat_ms = 0; // unsaid: the default interval, 2 s
+    assert!(!reg.heartbeat(a.clone(), t0).drain);
+    reg.heartbeat(b, t0);
+    let ids = |now| -> Vec<String> { reg.list(now).into_iter().map(|w| w.worker_id).collect() };
+    assert_eq!(ids(t0 + ms(600)), ["a", "b"], "evicted at exactly 3 beats");
+    assert_eq!(ids(t0 + ms(601)), ["b"], "kept past 3 missed beats");
+    assert_eq!(ids(t0 + ms(6000)), ["b"]);
+    assert!(ids(t0 + ms(6001)).is_empty());
+    // A drain request reaches the worker on its next ack, and survives its re-registration.
+    reg.heartbeat(a.clone(), t0 + ms(7000));
+    assert!(reg.set_drain("a", true));
+    assert!(!reg.set_drain("nobody", true));
+    assert!(reg.heartbeat(a, t0 + ms(7100)).drain);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_registry_roundtrip() {
     let node = RegistryNode::start("127.0.0.1:0").await.unwrap();
     let addr = node.addr().to_string();
-    let client = GrpcRegistry::new(&addr, Duration::from_millis(500)).unwrap();
+    let client = RegistryClient::new(&addr, Duration::from_millis(500)).unwrap();
     let hb = Heartbeat::new(client.clone(), Duration::from_millis(500));
     let mut s = status(3);
     s.worker_id = "alpha".into();
-    s.heartbeat_ms = 200;
+    s.heartbeat_ms = 60_000;
     assert!(!hb.beat_once(s.clone()).await.unwrap());
     let listed = client.list_workers().await.unwrap();
     assert_eq!(listed.len(), 1);
@@ -237,28 +248,17 @@ async fn grpc_registry_roundtrip() {
     // Clearing the request does not undo the worker's drain (sticky on the worker side).
     assert!(client.set_drain("alpha", false).await.unwrap());
     assert!(hb.beat_once(s.clone()).await.unwrap());
-    // Eviction after 3 missed beats of 200 ms.
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    // An anonymous beat without a worker id is refused.
+    let mut nameless = s.clone();
+    nameless.worker_id.clear();
     assert_eq!(
-        client.list_workers().await.unwrap().len(),
-        1,
-        "evicted too early"
-    );
-    tokio::time::sleep(Duration::from_millis(450)).await;
-    assert!(
-        client.list_workers().await.unwrap().is_empty(),
-        "not evicted after 3 missed beats"
+        client.heartbeat(nameless).await.unwrap_err().code(),
+        Code::InvalidArgument
     );
     // An unreachable registry (refused, or the connection closed under the call) errors within
     // the timeout as UNAVAILABLE or DEADLINE_EXCEEDED.
     node.stop().await;
-    let t = Instant::now();
     let err = hb.beat_once(s).await.unwrap_err();
-    assert!(
-        t.elapsed() < Duration::from_millis(1500),
-        "{:?}",
-        t.elapsed()
-    );
     assert!(
         matches!(err.code(), Code::Unavailable | Code::DeadlineExceeded),
         "{err}"

@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 use kvwire_grpc::pb::control::Role;
 use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
 use serde_json::{Value, json};
-use tl_engine::client::{ControlClient, HttpClient};
-use tl_engine::config::Config;
-use tl_engine::engine::{Engine, Mode, Request};
-use tl_engine::registry::GrpcRegistry;
-use tl_engine::sampler::{Sampling, SamplingRequest};
+use tl_engine::net::clients::RegistryClient;
+use tl_engine::net::clients::{ControlClient, HttpClient};
+use tl_engine::node::config::Config;
+use tl_engine_core::engine::{Engine, Mode, Request};
+use tl_engine_core::sampler::{Sampling, SamplingRequest};
 
 /// A child process killed on drop, so a failing test leaves nothing running.
 struct Proc {
@@ -98,7 +98,7 @@ async fn registry_and_engines_as_processes() {
     );
 
     // Both register (their first beat is immediate).
-    let client = GrpcRegistry::new(&reg_addr, Duration::from_secs(1)).unwrap();
+    let client = RegistryClient::new(&reg_addr, Duration::from_secs(1)).unwrap();
     let end = Instant::now() + Duration::from_secs(10);
     let workers = loop {
         let w = client.list_workers().await.unwrap_or_default();

@@ -13,7 +13,7 @@ use kvwire::{CRC32C_RESIDUE, RecordIn, Shape, block_hash, crc32c, write_to_vec};
 use kvwire_grpc::pb::kv::{HasBlocksRequest, KvAck, KvChunk};
 use kvwire_grpc::sender::ChunkStream;
 use kvwire_grpc::{GrpcTransport, KvTransport, OutChunk, transfer};
-use tl_engine::pool::Blocks;
+use tl_engine_core::pool::Blocks;
 use tokio_stream::StreamExt;
 use tonic::{Code, Status};
 
@@ -586,7 +586,7 @@ async fn abandoned_push_frees_decode_blocks() {
 /// pushes and payload chunks.
 struct EvictingTransport {
     inner: GrpcTransport,
-    decode_pool: tl_engine::pool::SharedKv,
+    decode_pool: tl_engine_core::pool::SharedKv,
     pushes: AtomicU32,
     payloads: Arc<AtomicU32>,
 }

@@ -1,17 +1,23 @@
-//! The tonic plumbing that generated code would otherwise contain, written once: a server
-//! dispatches on the request path and hands the HTTP request to one of these helpers with a
-//! closure; a client calls [`unary`] or [`client_streaming`] with the method path.
+//! The tonic plumbing that generated code would otherwise contain, written once.
+//!
+//! - A server is a [`Routes`] implementation: its service name and one table of
+//!   (method path, handler). [`Dispatch`] turns it into the tower service tonic serves; each
+//!   handler answers with [`serve_unary`] or [`serve_client_streaming`] and a closure.
+//! - A client builds its channel from [`endpoint`] and calls [`unary`] or [`client_streaming`]
+//!   with the method path, bounded by [`bounded`].
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::uri::PathAndQuery;
 use tokio_stream::Stream;
 use tonic::body::Body;
-use tonic::server::{ClientStreamingService, Grpc, UnaryService};
-use tonic::transport::Channel;
+use tonic::server::{ClientStreamingService, Grpc, NamedService, UnaryService};
+use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status, Streaming};
 use tonic_prost::ProstCodec;
 
@@ -36,6 +42,75 @@ impl Default for Limits {
             max_encode: usize::MAX,
         }
     }
+}
+
+/// One method's handler: the service state and the HTTP request in, the response out.
+pub type Handler<S> = fn(&Arc<S>, http::Request<Body>) -> ResponseFuture;
+
+/// A gRPC service written by hand: its name and its routing table, read in one place.
+pub trait Routes: Send + Sync + 'static {
+    /// The fully qualified service name (`package.Service`).
+    const NAME: &'static str;
+    /// Every method: its path (`/package.Service/Method`) and its handler.
+    const ROUTES: &'static [(&'static str, Handler<Self>)];
+}
+
+/// The tower service tonic serves for a [`Routes`] implementation: looks the request's path up
+/// in the table and answers UNIMPLEMENTED for any other.
+#[derive(Debug)]
+pub struct Dispatch<S>(Arc<S>);
+
+impl<S> Dispatch<S> {
+    /// Serves `state`.
+    #[must_use]
+    pub fn new(state: Arc<S>) -> Self {
+        Self(state)
+    }
+
+    /// The state behind the service.
+    #[must_use]
+    pub fn state(&self) -> &Arc<S> {
+        &self.0
+    }
+}
+
+impl<S> Clone for Dispatch<S> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
+impl<S: Routes> NamedService for Dispatch<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S: Routes> tower_service::Service<http::Request<Body>> for Dispatch<S> {
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = ResponseFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> ResponseFuture {
+        match S::ROUTES.iter().find(|(path, _)| *path == req.uri().path()) {
+            Some((_, handler)) => handler(&self.0, req),
+            None => unimplemented(req.uri().path()),
+        }
+    }
+}
+
+/// The endpoint of a plain-text gRPC peer at `addr` (`host:port`), connecting lazily with
+/// TCP_NODELAY (small control messages must not wait for Nagle) and `connect_timeout`.
+///
+/// # Errors
+/// INVALID_ARGUMENT when `addr` is not a `host:port`.
+pub fn endpoint(addr: &str, connect_timeout: Duration) -> Result<Endpoint, Status> {
+    Ok(Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| Status::invalid_argument(format!("address {addr:?}: {e}")))?
+        .connect_timeout(connect_timeout)
+        .tcp_nodelay(true))
 }
 
 struct UnaryFn<F>(F);

@@ -29,7 +29,7 @@ use crate::pb::kv::{KvAck, KvChunk};
 use crate::store::{BlockId, KvStore, StoreError};
 
 /// Why a HasBlocks call or a chunk was refused; [`Status`] gets the contract's code.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RecvError {
     /// Rule 1: a kv_format or model this receiver does not serve (FAILED_PRECONDITION).

@@ -14,7 +14,7 @@ use prost::Message;
 use prost::encoding::{WireType, encode_key, encode_varint};
 use tokio_stream::{Stream, StreamExt};
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 
 use crate::KV_FORMAT_V1;
@@ -205,6 +205,8 @@ impl TransportConfig {
 }
 
 /// [`KvTransport`] over gRPC: one lazily connected channel per target, reused by every call.
+/// It is also the process's one channel cache: a gateway reaches an engine's EngineControl over
+/// the same [`channel`](Self::channel) (one connection per peer address).
 #[derive(Debug)]
 pub struct GrpcTransport {
     cfg: TransportConfig,
@@ -239,10 +241,7 @@ impl GrpcTransport {
         if let Some(c) = map.get(target) {
             return Ok(c.clone());
         }
-        let c = Endpoint::from_shared(format!("http://{target}"))
-            .map_err(|e| Status::invalid_argument(format!("target {target:?}: {e}")))?
-            .connect_timeout(self.cfg.connect_timeout)
-            .tcp_nodelay(true)
+        let c = glue::endpoint(target, self.cfg.connect_timeout)?
             .initial_stream_window_size(self.cfg.stream_window)
             .initial_connection_window_size(self.cfg.connection_window)
             .http2_adaptive_window(false)

@@ -1,21 +1,18 @@
 //! The `tl.kv.v1.KvTransfer` service over a [`KvReceiver`], and [`serve_kv`] to run it.
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tonic::body::Body;
-use tonic::server::NamedService;
 use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Status, Streaming};
 
-use crate::glue::{self, Limits, ResponseFuture};
+use crate::glue::{self, Dispatch, Handler, Limits, ResponseFuture, Routes};
 use crate::pb::kv::{
     HasBlocksRequest, HasBlocksResponse, KvChunk, ReleaseRequest, ReleaseResponse, path,
 };
@@ -56,50 +53,54 @@ impl KvTransferService {
     }
 }
 
-impl NamedService for KvTransferService {
+impl Routes for KvTransferService {
     const NAME: &'static str = path::SERVICE;
+    const ROUTES: &'static [(&'static str, Handler<Self>)] = &[
+        (path::HAS_BLOCKS, Self::has_blocks),
+        (path::PUSH_KV, Self::push_kv),
+        (path::RELEASE, Self::release),
+    ];
 }
 
-impl tower_service::Service<http::Request<Body>> for KvTransferService {
-    type Response = http::Response<Body>;
-    type Error = Infallible;
-    type Future = ResponseFuture;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
+impl KvTransferService {
+    fn has_blocks(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
+        let rx = Arc::clone(&self.rx);
+        glue::serve_unary(req, self.limits, move |m: HasBlocksRequest| async move {
+            let present = rx.has_blocks(&m.hashes, m.kv_format, &m.model)?;
+            Ok(HasBlocksResponse { present })
+        })
     }
 
-    fn call(&mut self, req: http::Request<Body>) -> ResponseFuture {
+    fn push_kv(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
         let rx = Arc::clone(&self.rx);
-        match req.uri().path() {
-            path::HAS_BLOCKS => {
-                glue::serve_unary(req, self.limits, move |m: HasBlocksRequest| async move {
-                    let present = rx.has_blocks(&m.hashes, m.kv_format, &m.model)?;
-                    Ok(HasBlocksResponse { present })
-                })
-            }
-            path::PUSH_KV => glue::serve_client_streaming(
-                req,
-                self.limits,
-                move |mut s: Streaming<KvChunk>| async move {
-                    // Dropping `push` on any early return (refusal, broken stream, cancelled call)
-                    // undoes what it imported.
-                    let mut push = rx.begin_push();
-                    while let Some(chunk) = s.message().await? {
-                        push.accept(chunk)?;
-                    }
-                    Ok(push.finish()?)
-                },
-            ),
-            path::RELEASE => {
-                glue::serve_unary(req, self.limits, move |m: ReleaseRequest| async move {
-                    Ok::<_, Status>(ReleaseResponse {
-                        released: rx.release(&m.handle_id),
-                    })
-                })
-            }
-            other => glue::unimplemented(other),
-        }
+        glue::serve_client_streaming(
+            req,
+            self.limits,
+            move |mut s: Streaming<KvChunk>| async move {
+                // Dropping `push` on any early return (refusal, broken stream, cancelled call)
+                // undoes what it imported.
+                let mut push = rx.begin_push();
+                while let Some(chunk) = s.message().await? {
+                    push.accept(chunk)?;
+                }
+                Ok(push.finish()?)
+            },
+        )
+    }
+
+    fn release(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
+        let rx = Arc::clone(&self.rx);
+        glue::serve_unary(req, self.limits, move |m: ReleaseRequest| async move {
+            Ok::<_, Status>(ReleaseResponse {
+                released: rx.release(&m.handle_id),
+            })
+        })
+    }
+
+    /// The tower service to hand to a tonic server.
+    #[must_use]
+    pub fn into_service(self) -> Dispatch<Self> {
+        Dispatch::new(Arc::new(self))
     }
 }
 
@@ -113,13 +114,26 @@ pub fn tuned_server() -> Server {
         .http2_adaptive_window(Some(false))
 }
 
-/// A running `KvTransfer` server.
+/// Releases expired leases of `rx` every quarter lease (10 ms to 1 s) until `stop` fires.
+pub async fn sweep_leases(rx: Arc<KvReceiver>, stop: CancellationToken) {
+    let tick = (rx.lease() / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    let mut every = tokio::time::interval(tick);
+    loop {
+        tokio::select! {
+            _ = every.tick() => {
+                rx.expire_leases(Instant::now());
+            }
+            () = stop.cancelled() => return,
+        }
+    }
+}
+
+/// A running `KvTransfer` server: the server and its lease sweeper, stopped together.
 #[derive(Debug)]
 pub struct KvServerHandle {
     addr: SocketAddr,
-    shutdown: Option<oneshot::Sender<()>>,
-    join: Option<JoinHandle<Result<(), tonic::transport::Error>>>,
-    sweeper: JoinHandle<()>,
+    stop: CancellationToken,
+    tasks: TaskTracker,
 }
 
 impl KvServerHandle {
@@ -129,59 +143,38 @@ impl KvServerHandle {
         self.addr
     }
 
-    /// Stops accepting, lets calls in flight finish, and waits for the server to end.
-    ///
-    /// # Errors
-    /// The server's own transport error, if it had one.
-    pub async fn shutdown(mut self) -> Result<(), tonic::transport::Error> {
-        self.sweeper.abort();
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        match self.join.take() {
-            Some(j) => j.await.unwrap_or(Ok(())),
-            None => Ok(()),
-        }
+    /// Stops accepting, lets calls in flight finish, and waits for the server and the sweeper.
+    pub async fn shutdown(self) {
+        self.stop.cancel();
+        self.tasks.wait().await;
     }
 }
 
 impl Drop for KvServerHandle {
     fn drop(&mut self) {
-        self.sweeper.abort();
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
+        self.stop.cancel();
     }
 }
 
 /// Serves `rx` on `listener` (bind `127.0.0.1:0` for tests), releasing expired leases in the
-/// background.
+/// background, until the handle is shut down or dropped.
 ///
 /// # Errors
 /// When the listener has no local address.
 pub fn serve_kv(listener: TcpListener, rx: Arc<KvReceiver>) -> std::io::Result<KvServerHandle> {
     let addr = listener.local_addr()?;
-    let (tx, stop) = oneshot::channel::<()>();
+    let stop = CancellationToken::new();
+    let tasks = TaskTracker::new();
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let svc = KvTransferService::new(Arc::clone(&rx));
+    let svc = KvTransferService::new(Arc::clone(&rx)).into_service();
     let server = tuned_server()
         .add_service(svc)
-        .serve_with_incoming_shutdown(incoming, async {
-            let _ = stop.await;
-        });
-    let join = tokio::spawn(server);
-    let tick = (rx.lease() / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
-    let sweeper = tokio::spawn(async move {
-        let mut every = tokio::time::interval(tick);
-        loop {
-            every.tick().await;
-            rx.expire_leases(Instant::now());
-        }
+        .serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned());
+    tasks.spawn(async move {
+        // The only error is the listener failing; the caller sees the port go dead.
+        let _ = server.await;
     });
-    Ok(KvServerHandle {
-        addr,
-        shutdown: Some(tx),
-        join: Some(join),
-        sweeper,
-    })
+    tasks.spawn(sweep_leases(rx, stop.clone()));
+    tasks.close();
+    Ok(KvServerHandle { addr, stop, tasks })
 }

@@ -4,6 +4,8 @@
 //! Every method takes `&self` and locks internally for a short critical section (metadata, or
 //! one block's memcpy); none is called across an `.await`.
 
+use std::sync::Arc;
+
 use bytes::BufMut;
 use kvwire::Shape;
 
@@ -11,7 +13,7 @@ use kvwire::Shape;
 pub type BlockId = u32;
 
 /// Why the store refused.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
     /// No free or evictable block.
@@ -20,9 +22,17 @@ pub enum StoreError {
     /// The block does not exist or is not referenced.
     #[error("block {0} is not held")]
     NotHeld(BlockId),
-    /// Anything else (a bad payload size, ...).
+    /// The pool refused otherwise (a bad payload size, a failed envelope write): its own typed
+    /// error, kept as the source so a caller can downcast it.
     #[error("{0}")]
-    Other(String),
+    Pool(Arc<dyn std::error::Error + Send + Sync>),
+}
+
+impl StoreError {
+    /// Wraps a pool's own error.
+    pub fn pool(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self::Pool(Arc::new(e))
+    }
 }
 
 /// A KV pool as the transfer sees it.

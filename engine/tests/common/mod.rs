@@ -6,11 +6,12 @@ use std::time::{Duration, Instant};
 
 use kvwire::Shape;
 use kvwire_grpc::{GrpcTransport, KvReceiver, KvServerHandle, KvStore, TransportConfig, serve_kv};
-use tl_engine::engine::{Engine, Event, Mode, PrefillOutput, Request};
-use tl_engine::model::{BYTE_VOCAB, FakeModel};
 use tl_engine::node::EngineNode;
-use tl_engine::pool::{BlockId, KvPool, PoolCounts, SharedKv};
-use tl_engine::sampler::Sampling;
+use tl_engine::node::store::PoolStore;
+use tl_engine_core::engine::{Engine, Event, Mode, PrefillOutput, Request};
+use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
+use tl_engine_core::pool::{BlockId, KvPool, PoolCounts, SharedKv};
+use tl_engine_core::sampler::Sampling;
 
 pub const TEST: Shape = Shape::v1(4, 2, 1, 4);
 
@@ -63,7 +64,7 @@ pub struct Decode {
 
 pub async fn decode_side(shape: Shape, blocks: usize, lease: Duration) -> Decode {
     let pool = SharedKv::new(KvPool::new(shape, blocks));
-    let store: Arc<dyn KvStore> = Arc::new(pool.clone());
+    let store: Arc<dyn KvStore> = Arc::new(PoolStore(pool.clone()));
     let rx = Arc::new(KvReceiver::new(store, "fake").with_lease(lease));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let server = serve_kv(listener, Arc::clone(&rx)).unwrap();
@@ -83,7 +84,7 @@ pub fn transport(shape: Shape) -> GrpcTransport {
 }
 
 pub fn store(pool: &SharedKv) -> Arc<dyn KvStore> {
-    Arc::new(pool.clone())
+    Arc::new(PoolStore(pool.clone()))
 }
 
 /// Polls `cond` until it holds or `limit` passes.
@@ -101,9 +102,24 @@ pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool
 /// Waits until `node` runs no sequence and its pool has exactly `used` blocks in use (the
 /// end state of every cancel and abort test); false when that has not happened in 5 s.
 pub async fn settled(node: &EngineNode, used: usize) -> bool {
-    let runner = node.worker().runner();
+    let runner = node.runner();
     eventually(Duration::from_secs(5), || {
         runner.running() == 0 && runner.pool().lock().counts().used == used
     })
     .await
+}
+
+/// The tokens of a streamed response, checking that it ends with `[DONE]` and has no error.
+pub fn stream_tokens(r: &tl_engine::net::clients::HttpResponse) -> Vec<u32> {
+    use tl_engine::api::sse::StreamEvent;
+    let events = r.events().unwrap();
+    assert_eq!(events.last(), Some(&StreamEvent::Done), "{events:?}");
+    events
+        .iter()
+        .flat_map(|e| match e {
+            StreamEvent::Chunk(c) => c.choices.iter().flat_map(|c| c.tokens.clone()).collect(),
+            StreamEvent::Error(e) => panic!("stream error: {e:?}"),
+            StreamEvent::Done => Vec::new(),
+        })
+        .collect()
 }

@@ -11,14 +11,13 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 
-use tokio::sync::mpsc as tmpsc;
-
-use crate::engine::{
-    Engine, Event, FinishReason, PrefillOutput, Request, RequestError, SeqError, SeqId,
+use tl_engine_core::engine::{
+    Engine, Event, FinishReason, PrefillOutput, Request, Resume, SeqError, SeqId,
 };
-use crate::model::Model;
-use crate::pool::{Blocks, SharedKv};
-use crate::sampler::Sampling;
+use tl_engine_core::model::Model;
+use tl_engine_core::pool::SharedKv;
+use tl_engine_core::request::RequestError;
+use tokio::sync::{Notify, mpsc as tmpsc};
 
 /// What a subscriber hears about its sequence.
 #[derive(Debug)]
@@ -40,30 +39,20 @@ pub enum SeqEvent {
     Prefilled(PrefillOutput),
 }
 
-/// Requests and sequences the engine holds, published after every command and step.
+/// Requests and sequences the engine holds, published after every command and step, with a
+/// notification whenever they change (a drain waits on it instead of polling).
 #[derive(Debug, Default)]
 pub struct Load {
     queue: AtomicU32,
     running: AtomicU32,
+    changed: Notify,
 }
 
-/// A request started from already-filled blocks (the decode side of a transfer).
-#[derive(Debug)]
-pub struct Resume {
-    /// The prompt the blocks hold.
-    pub prompt: Vec<u32>,
-    /// One reference on each block, in order.
-    pub blocks: Blocks,
-    /// The first token, sampled by the prefill engine.
-    pub first_token: u32,
-    /// Draws the prefill engine consumed.
-    pub draws: u64,
-    /// Validated sampling.
-    pub sampling: Sampling,
-    /// The seed.
-    pub seed: u64,
-    /// Completion length, first token included.
-    pub max_tokens: u32,
+impl Load {
+    /// Resolves at the next change of the published figures.
+    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
+    }
 }
 
 enum Cmd {
@@ -92,16 +81,40 @@ impl std::fmt::Debug for CmdBox {
     }
 }
 
+/// The engine thread itself: [`join`](Self::join) stops it and waits until it has ended (its
+/// sequences dropped, their blocks released). Dropping it unjoined also asks it to stop.
+#[derive(Debug)]
+pub struct EngineThread {
+    runner: Runner,
+    join: Option<JoinHandle<()>>,
+}
+
+impl EngineThread {
+    /// Stops the thread and waits for it, off the async workers.
+    pub async fn join(mut self) {
+        self.runner.stop();
+        if let Some(j) = self.join.take() {
+            // A step in progress finishes first; joining blocks, so not on a runtime worker.
+            let _ = tokio::task::spawn_blocking(move || j.join()).await;
+        }
+    }
+}
+
+impl Drop for EngineThread {
+    fn drop(&mut self) {
+        self.runner.stop();
+    }
+}
+
 /// A key for a request given to the runner; cancel with it.
 pub type Key = u64;
 
 impl Runner {
     /// Starts the engine thread.
     ///
-    /// # Panics
-    /// If the OS cannot start a thread.
-    #[must_use]
-    pub fn start(engine: Engine) -> (Self, JoinHandle<()>) {
+    /// # Errors
+    /// When the OS cannot start a thread.
+    pub fn start(engine: Engine) -> std::io::Result<(Self, EngineThread)> {
         let (tx, rx) = mpsc::channel::<CmdBox>();
         let load = Arc::new(Load::default());
         let runner = Runner {
@@ -113,9 +126,24 @@ impl Runner {
         };
         let join = std::thread::Builder::new()
             .name("tl-engine-step".into())
-            .spawn(move || run(engine, rx, &load))
-            .expect("spawn the engine thread");
-        (runner, join)
+            .spawn(move || {
+                run(engine, rx, &load);
+                // Nothing runs any more: whoever waits for the load to fall sees it now.
+                load.queue.store(0, Ordering::Relaxed);
+                load.running.store(0, Ordering::Relaxed);
+                load.changed.notify_waiters();
+            })?;
+        let thread = EngineThread {
+            runner: runner.clone(),
+            join: Some(join),
+        };
+        Ok((runner, thread))
+    }
+
+    /// The published load, with its change notification.
+    #[must_use]
+    pub fn load(&self) -> &Arc<Load> {
+        &self.load
     }
 
     /// The pool.
@@ -203,26 +231,15 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
                         let _ = tx.send(SeqEvent::Refused(e));
                     }
                 },
-                Cmd::Resume(key, r, tx) => {
-                    let r = *r;
-                    match engine.resume(
-                        r.prompt,
-                        r.blocks,
-                        r.first_token,
-                        r.draws,
-                        r.sampling,
-                        r.seed,
-                        r.max_tokens,
-                    ) {
-                        Ok(seq) => {
-                            subs.insert(seq, (key, tx));
-                            seq_of.insert(key, seq);
-                        }
-                        Err(e) => {
-                            let _ = tx.send(SeqEvent::Refused(e));
-                        }
+                Cmd::Resume(key, r, tx) => match engine.resume(*r) {
+                    Ok(seq) => {
+                        subs.insert(seq, (key, tx));
+                        seq_of.insert(key, seq);
                     }
-                }
+                    Err(e) => {
+                        let _ = tx.send(SeqEvent::Refused(e));
+                    }
+                },
                 Cmd::Cancel(key) => {
                     if let Some(seq) = seq_of.remove(&key) {
                         engine.cancel(seq);
@@ -268,8 +285,11 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
 }
 
 fn publish(engine: &Engine, load: &Load) {
-    load.queue
-        .store(engine.queue_depth() as u32, Ordering::Relaxed);
-    load.running
-        .store(engine.running() as u32, Ordering::Relaxed);
+    let queue = engine.queue_depth() as u32;
+    let running = engine.running() as u32;
+    let old_queue = load.queue.swap(queue, Ordering::Relaxed);
+    let old_running = load.running.swap(running, Ordering::Relaxed);
+    if (old_queue, old_running) != (queue, running) {
+        load.changed.notify_waiters();
+    }
 }

@@ -33,12 +33,12 @@ use std::time::Duration;
 use kvwire::Shape;
 use serde::Deserialize;
 
-use crate::engine::CostModel;
-use crate::model::{BYTE_VOCAB, FakeModel};
-use crate::pool::{KvPool, SharedKv};
+use tl_engine_core::engine::CostModel;
+use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
+use tl_engine_core::pool::{KvPool, SharedKv};
 
 /// What an engine does.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     /// Runs prompts and ships their KV.
@@ -74,6 +74,24 @@ impl Role {
             v.push("decode".to_owned());
         }
         v
+    }
+}
+
+/// A role name that is not `prefill`, `decode` or `both`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("role {0:?}: expected prefill, decode or both")]
+pub struct UnknownRole(pub String);
+
+impl std::str::FromStr for Role {
+    type Err = UnknownRole;
+
+    fn from_str(s: &str) -> Result<Self, UnknownRole> {
+        match s {
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            "both" => Ok(Role::Both),
+            other => Err(UnknownRole(other.to_owned())),
+        }
     }
 }
 

@@ -6,23 +6,46 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use http_body_util::BodyExt;
-use serde_json::{Value, json};
+use tl_engine::api::sse::StreamEvent;
+use tl_engine::api::{CompletionRequest, GenerationParams, Prompt, RouteInfo};
+use tl_engine::gateway::GatewayNode;
+use tl_engine::gateway::config::GatewaySection;
+use tl_engine::net::clients::{EventStream, HttpClient};
+use tl_engine::node::EngineNode;
+use tl_engine::node::config::{Config, Role};
+use tl_engine_core::engine::{Engine, GenerateError, Mode, Request};
+use tl_engine_core::model::encode_text;
+use tl_engine_core::sampler::{Sampling, SamplingError, SamplingRequest};
 
-use crate::client::HttpClient;
-use crate::config::{Config, Role};
-use crate::engine::{Engine, Mode, Request};
-use crate::gateway::{GatewayNode, GatewaySection};
-use crate::model::encode_text;
-use crate::node::EngineNode;
-use crate::sampler::{Sampling, SamplingRequest};
+use crate::run::block_on;
 
 /// Arguments of `tl demo`.
 #[derive(clap::Args, Debug)]
-pub struct DemoArgs {
+pub(crate) struct DemoArgs {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 12)]
-    pub max_tokens: u32,
+    max_tokens: u32,
+}
+
+/// Why the demo could not run.
+#[derive(Debug, thiserror::Error)]
+enum DemoError {
+    #[error("starting a node: {0}")]
+    Start(#[from] std::io::Error),
+    #[error("only {0} of 3 engines registered")]
+    Registration(usize),
+    #[error("request: {0}")]
+    Http(#[from] tl_engine::net::clients::HttpError),
+    #[error("stream: {0}")]
+    Stream(#[from] tl_engine::net::clients::StreamError),
+    #[error("the gateway answered {0}")]
+    Status(u16),
+    #[error("the stream failed: {0}")]
+    Failed(String),
+    #[error("colocated reference run: {0}")]
+    Reference(#[from] GenerateError),
+    #[error("sampling: {0}")]
+    Sampling(#[from] SamplingError),
 }
 
 const TENANT_A: &str =
@@ -47,8 +70,8 @@ fn config(id: &str, role: Role, registry: &str) -> Config {
 
 /// Runs `tl demo`.
 #[must_use]
-pub fn demo(args: &DemoArgs) -> ExitCode {
-    crate::serve::block_on(async {
+pub(crate) fn demo(args: &DemoArgs) -> ExitCode {
+    block_on(async {
         match run(args).await {
             Ok(true) => ExitCode::SUCCESS,
             Ok(false) => ExitCode::from(1),
@@ -62,7 +85,7 @@ pub fn demo(args: &DemoArgs) -> ExitCode {
 
 struct Row {
     prompt_tokens: usize,
-    route: Value,
+    route: RouteInfo,
     ttft_ms: f64,
     equal: bool,
 }
@@ -71,63 +94,41 @@ struct Row {
 async fn stream_once(
     http: &HttpClient,
     addr: &str,
-    body: String,
-) -> Result<(Vec<u32>, Value, Duration), String> {
+    req: &CompletionRequest,
+) -> Result<(Vec<u32>, RouteInfo, Duration), DemoError> {
     let start = Instant::now();
-    let (status, mut body) = http
+    let body = serde_json::to_vec(req).unwrap_or_default();
+    let (status, body) = http
         .post_streaming(addr, "/v1/completions", &[], body)
         .await?;
     if status != 200 {
-        return Err(format!("gateway answered {status}"));
+        return Err(DemoError::Status(status));
     }
-    let (mut tokens, mut route, mut ttft, mut buf) = (Vec::new(), Value::Null, None, String::new());
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| e.to_string())?;
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        ttft.get_or_insert_with(|| start.elapsed());
-        buf.push_str(&String::from_utf8_lossy(&data));
-    }
-    for d in buf
-        .lines()
-        .filter_map(|l| l.strip_prefix("data:").map(str::trim))
-    {
-        if d == "[DONE]" {
-            break;
+    let mut events = EventStream::new(body);
+    let (mut tokens, mut route, mut ttft) = (Vec::new(), RouteInfo::default(), None);
+    while let Some(event) = events.next().await {
+        match event? {
+            StreamEvent::Chunk(c) => {
+                ttft.get_or_insert_with(|| start.elapsed());
+                if let Some(r) = c.tl_route {
+                    route = r;
+                }
+                tokens.extend(c.choices.into_iter().flat_map(|c| c.tokens));
+            }
+            StreamEvent::Error(e) => return Err(DemoError::Failed(e.message)),
+            StreamEvent::Done => break,
         }
-        let v: Value = serde_json::from_str(d).map_err(|e| e.to_string())?;
-        if let Some(e) = v.get("error") {
-            return Err(e.to_string());
-        }
-        route = v["tl_route"].clone();
-        tokens.extend(
-            v["choices"][0]["tokens"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(Value::as_u64)
-                .map(|t| t as u32),
-        );
     }
     Ok((tokens, route, ttft.unwrap_or_default()))
 }
 
-async fn run(args: &DemoArgs) -> Result<bool, String> {
-    let gw = GatewayNode::start(&GatewaySection::default())
-        .await
-        .map_err(|e| e.to_string())?;
+async fn run(args: &DemoArgs) -> Result<bool, DemoError> {
+    let gw = GatewayNode::start(&GatewaySection::default()).await?;
     let reg = gw.registry_addr().to_string();
     let nodes = [
-        EngineNode::start(&config("prefill-0", Role::Prefill, &reg))
-            .await
-            .map_err(|e| e.to_string())?,
-        EngineNode::start(&config("decode-1", Role::Decode, &reg))
-            .await
-            .map_err(|e| e.to_string())?,
-        EngineNode::start(&config("decode-2", Role::Decode, &reg))
-            .await
-            .map_err(|e| e.to_string())?,
+        EngineNode::start(&config("prefill-0", Role::Prefill, &reg)).await?,
+        EngineNode::start(&config("decode-1", Role::Decode, &reg)).await?,
+        EngineNode::start(&config("decode-2", Role::Decode, &reg)).await?,
     ];
     let end = Instant::now() + Duration::from_secs(10);
     let workers = loop {
@@ -138,7 +139,7 @@ async fn run(args: &DemoArgs) -> Result<bool, String> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     if workers.len() != 3 {
-        return Err(format!("only {} of 3 engines registered", workers.len()));
+        return Err(DemoError::Registration(workers.len()));
     }
     let addr = gw.http_addr().to_string();
     println!(
@@ -168,8 +169,18 @@ async fn run(args: &DemoArgs) -> Result<bool, String> {
         } else {
             (0.8f32, 1000 + n as u64)
         };
-        let body = json!({ "prompt": prompt, "max_tokens": args.max_tokens, "temperature": t, "seed": seed, "stream": true });
-        let (got, route, ttft) = stream_once(&http, &addr, body.to_string()).await?;
+        let req = CompletionRequest {
+            prompt: Prompt::Tokens(prompt.clone()),
+            params: GenerationParams {
+                max_tokens: Some(args.max_tokens),
+                temperature: Some(t),
+                seed: Some(seed),
+                stream: Some(true),
+                ..GenerationParams::default()
+            },
+            tl_resume: None,
+        };
+        let (got, route, ttft) = stream_once(&http, &addr, &req).await?;
         let sampling = Sampling::new(
             SamplingRequest {
                 temperature: t,
@@ -177,17 +188,14 @@ async fn run(args: &DemoArgs) -> Result<bool, String> {
                 top_k: 0,
             },
             cfg.model.vocab,
-        )
-        .map_err(|e| e.to_string())?;
-        let want = Engine::new(cfg.build_model(), cfg.build_pool())
-            .generate(Request {
-                prompt: prompt.clone(),
-                sampling,
-                seed,
-                max_tokens: args.max_tokens,
-                mode: Mode::Generate,
-            })
-            .map_err(|e| e.to_string())?;
+        )?;
+        let want = Engine::new(cfg.build_model(), cfg.build_pool()).generate(Request {
+            prompt: prompt.clone(),
+            sampling,
+            seed,
+            max_tokens: args.max_tokens,
+            mode: Mode::Generate,
+        })?;
         rows.push(Row {
             prompt_tokens: prompt.len(),
             route,
@@ -202,24 +210,33 @@ async fn run(args: &DemoArgs) -> Result<bool, String> {
         "{:>2}  {:>6}  {:<9}  {:<28}  {:>4} / {:<7}  {:>7}  {:>8}  equal to colocated",
         "#", "prompt", "decode", "why", "sent", "deduped", "bytes", "TTFT ms"
     );
-    let num = |r: &Row, k: &str| r.route[k].as_u64().unwrap_or(0);
+
     for (n, r) in rows.iter().enumerate() {
         println!(
             "{:>2}  {:>6}  {:<9}  {:<28}  {:>4} / {:<7}  {:>7}  {:>8.2}  {}",
             n,
             r.prompt_tokens,
-            r.route["decode"].as_str().unwrap_or("?"),
-            r.route["reason"].as_str().unwrap_or("?"),
-            num(r, "blocks_sent"),
-            num(r, "blocks_deduped"),
-            num(r, "payload_bytes"),
+            r.route.decode,
+            r.route.reason,
+            r.route.blocks_sent.unwrap_or(0),
+            r.route.blocks_deduped.unwrap_or(0),
+            r.route.payload_bytes.unwrap_or(0),
             r.ttft_ms,
             if r.equal { "yes" } else { "NO" }
         );
     }
-    let sent: u64 = rows.iter().map(|r| num(r, "blocks_sent")).sum();
-    let deduped: u64 = rows.iter().map(|r| num(r, "blocks_deduped")).sum();
-    let bytes: u64 = rows.iter().map(|r| num(r, "payload_bytes")).sum();
+    let sent: u64 = rows
+        .iter()
+        .map(|r| u64::from(r.route.blocks_sent.unwrap_or(0)))
+        .sum();
+    let deduped: u64 = rows
+        .iter()
+        .map(|r| u64::from(r.route.blocks_deduped.unwrap_or(0)))
+        .sum();
+    let bytes: u64 = rows
+        .iter()
+        .map(|r| r.route.payload_bytes.unwrap_or(0))
+        .sum();
     let per_block = cfg.shape().envelope_len(1).unwrap_or(0) as u64;
     let matched = rows.iter().filter(|r| r.equal).count();
     println!();

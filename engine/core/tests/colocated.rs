@@ -4,10 +4,10 @@
 use std::sync::Arc;
 
 use kvwire::Shape;
-use tl_engine::engine::{Engine, Event, Mode, PrefillOutput, Request};
-use tl_engine::model::{BYTE_VOCAB, FakeModel};
-use tl_engine::pool::{Blocks, KvPool, SharedKv};
-use tl_engine::sampler::{Sampling, SamplingRequest};
+use tl_engine_core::engine::{Engine, Event, Mode, PrefillOutput, Request, Resume};
+use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
+use tl_engine_core::pool::{Blocks, KvPool, SharedKv};
+use tl_engine_core::sampler::{Sampling, SamplingRequest};
 
 const TEST: Shape = Shape::v1(4, 2, 1, 4);
 
@@ -157,15 +157,15 @@ fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
     assert_eq!(out.first_token, full[0]);
     assert_eq!(out.draws, u32::from(!s.is_greedy()));
     let id = e
-        .resume(
-            prompt.to_vec(),
-            out.blocks,
-            out.first_token,
-            u64::from(out.draws),
-            s,
+        .resume(Resume {
+            prompt: prompt.to_vec(),
+            blocks: out.blocks,
+            first_token: out.first_token,
+            draws: u64::from(out.draws),
+            sampling: s,
             seed,
-            12,
-        )
+            max_tokens: 12,
+        })
         .unwrap();
     let rest = e.run_to_end(id).unwrap();
     assert_eq!([&[out.first_token][..], &rest].concat(), full);
@@ -186,15 +186,15 @@ fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
     }
     let blocks = Blocks::new(d.pool().clone(), imported);
     let id = d
-        .resume(
-            prompt.to_vec(),
+        .resume(Resume {
+            prompt: prompt.to_vec(),
             blocks,
-            out.first_token,
-            u64::from(out.draws),
-            s,
+            first_token: out.first_token,
+            draws: u64::from(out.draws),
+            sampling: s,
             seed,
-            12,
-        )
+            max_tokens: 12,
+        })
         .unwrap();
     let rest = d.run_to_end(id).unwrap();
     assert_eq!(
@@ -307,7 +307,7 @@ struct Recording {
     writes: std::sync::Mutex<Vec<usize>>,
 }
 
-impl tl_engine::model::Model for Recording {
+impl tl_engine_core::model::Model for Recording {
     fn name(&self) -> &str {
         self.inner.name()
     }
@@ -322,27 +322,27 @@ impl tl_engine::model::Model for Recording {
     }
     fn write(
         &self,
-        pool: &mut tl_engine::pool::KvPool,
+        pool: &mut tl_engine_core::pool::KvPool,
         tokens: &[u32],
         first_pos: usize,
-        blocks: &[tl_engine::pool::BlockId],
-    ) -> Result<(), tl_engine::model::ModelError> {
+        blocks: &[tl_engine_core::pool::BlockId],
+    ) -> Result<(), tl_engine_core::model::ModelError> {
         self.writes.lock().unwrap().push(tokens.len());
         self.inner.write(pool, tokens, first_pos, blocks)
     }
     fn logits(
         &self,
-        pool: &tl_engine::pool::KvPool,
+        pool: &tl_engine_core::pool::KvPool,
         n: usize,
-        blocks: &[tl_engine::pool::BlockId],
-    ) -> Result<Vec<f32>, tl_engine::model::ModelError> {
+        blocks: &[tl_engine_core::pool::BlockId],
+    ) -> Result<Vec<f32>, tl_engine_core::model::ModelError> {
         self.inner.logits(pool, n, blocks)
     }
 }
 
 #[test]
 fn prefill_writes_block_by_block_and_still_matches() {
-    use tl_engine::model::Model;
+    use tl_engine_core::model::Model;
     let rec = Arc::new(Recording {
         inner: FakeModel::new("fake", TEST, BYTE_VOCAB, 256),
         writes: Default::default(),

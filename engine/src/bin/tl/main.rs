@@ -1,4 +1,13 @@
-//! `tl`: one binary for every role of the kvwire engine.
+//! `tl`: one binary for every role of the kvwire engine; one file per command.
+
+mod bench;
+mod demo;
+mod engine;
+mod gateway;
+mod generate;
+mod inspect;
+mod registry;
+mod run;
 
 use std::process::ExitCode;
 
@@ -20,18 +29,18 @@ enum Cmd {
     /// Validate a kv.wire.v1 envelope file and print its header and records.
     ///
     /// Exit status: 0 valid; 3 format refusal; 4 version refusal; 5 shape refusal; 2 usage or I/O.
-    Inspect(tl_engine::cli::InspectArgs),
+    Inspect(inspect::InspectArgs),
     /// Colocated generation on one engine; prints `{"tokens":[...],"seed":S}`.
-    Generate(tl_engine::cli::GenerateArgs),
+    Generate(generate::GenerateArgs),
     /// Registry, one prefill and two decode engines on loopback; requests sharing a system prompt,
     /// each checked against a colocated run. Exit 0 only if every request matched.
-    Demo(tl_engine::demo::DemoArgs),
+    Demo(demo::DemoArgs),
     /// Run an engine (prefill, decode or both) until SIGTERM.
-    Engine(tl_engine::serve::EngineArgs),
+    Engine(engine::EngineArgs),
     /// Run the gateway (OpenAI-compatible HTTP front and the worker registry) until SIGTERM.
-    Gateway(tl_engine::serve::GatewayArgs),
+    Gateway(gateway::GatewayArgs),
     /// Run a worker registry until SIGTERM.
-    Registry(tl_engine::serve::RegistryArgs),
+    Registry(registry::RegistryArgs),
     /// Benchmarks that print one JSON line.
     Bench {
         #[command(subcommand)]
@@ -42,13 +51,13 @@ enum Cmd {
 #[derive(Subcommand, Debug)]
 enum BenchCmd {
     /// Envelope read and write throughput against raw CRC-32C and memcpy, measured in the same run.
-    Wire(tl_engine::bench::WireArgs),
+    Wire(bench::wire::WireArgs),
     /// KV transfer throughput over loopback gRPC against raw TCP, interleaved.
-    Transfer(tl_engine::bench::TransferArgs),
+    Transfer(bench::transfer::TransferArgs),
     /// Time to first token, disaggregated (prefill, HasBlocks, push, resume) against colocated.
-    Ttft(tl_engine::bench::TtftArgs),
+    Ttft(bench::ttft::TtftArgs),
     /// Load over loopback HTTP: the gateway over 1 prefill + 2 decode against one engine alone.
-    Serve(tl_engine::bench::ServeArgs),
+    Serve(bench::serve::ServeArgs),
 }
 
 /// Keeps glibc from handing multi-MiB buffers back to the kernel on every free.
@@ -83,17 +92,17 @@ fn main() -> ExitCode {
         }
     };
     match cli.cmd {
-        Cmd::Inspect(args) => tl_engine::cli::inspect(&args),
-        Cmd::Generate(args) => tl_engine::cli::generate(&args),
-        Cmd::Demo(args) => tl_engine::demo::demo(&args),
-        Cmd::Engine(args) => tl_engine::serve::engine(&args),
-        Cmd::Registry(args) => tl_engine::serve::registry(&args),
-        Cmd::Gateway(args) => tl_engine::serve::gateway(&args),
+        Cmd::Inspect(args) => inspect::inspect(&args),
+        Cmd::Generate(args) => generate::generate(&args),
+        Cmd::Demo(args) => demo::demo(&args),
+        Cmd::Engine(args) => engine::engine(&args),
+        Cmd::Registry(args) => registry::registry(&args),
+        Cmd::Gateway(args) => gateway::gateway(&args),
         Cmd::Bench { which } => match which {
-            BenchCmd::Wire(args) => tl_engine::bench::wire(&args),
-            BenchCmd::Transfer(args) => tl_engine::bench::transfer(&args),
-            BenchCmd::Ttft(args) => tl_engine::bench::ttft(&args),
-            BenchCmd::Serve(args) => tl_engine::bench::serve(&args),
+            BenchCmd::Wire(args) => bench::wire::wire(&args),
+            BenchCmd::Transfer(args) => bench::transfer::transfer(&args),
+            BenchCmd::Ttft(args) => bench::ttft::ttft(&args),
+            BenchCmd::Serve(args) => bench::serve::serve(&args),
         },
     }
 }

@@ -84,6 +84,17 @@ pub fn resume_rng(seed: u64, draws: u64) -> Pcg32 {
     rng
 }
 
+/// A seed from the process's randomness (std's per-process SipHash keys and the clock), for
+/// requests that do not give one and for ids that must not be guessable from a counter.
+#[must_use]
+pub fn entropy_seed() -> u64 {
+    use std::hash::BuildHasher;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    std::collections::hash_map::RandomState::new().hash_one(nanos)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

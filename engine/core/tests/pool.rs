@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use kvwire::Shape;
 use proptest::prelude::*;
-use tl_engine::pool::{BlockId, KvPool, PoolCounts, PoolError};
+use tl_engine_core::pool::{BlockId, KvPool, PoolCounts, PoolError};
 
 const TEST: Shape = Shape::v1(4, 2, 1, 4);
 

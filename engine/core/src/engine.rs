@@ -20,51 +20,13 @@ use kvwire::{block_hash, prompt_hashes};
 
 use crate::model::{Model, ModelError};
 use crate::pool::{BlockId, Blocks, KvPool, PoolError, SharedKv};
+use crate::request::{Limits, RequestError, validate_prompt};
 use crate::rng::{Pcg32, SAMPLE_LABEL, resume_rng, stream};
 use crate::sampler::Sampling;
+use crate::scheduler::Scheduler;
 
 /// A sequence's id within one engine.
 pub type SeqId = u64;
-
-/// Why a request was refused before any work.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum RequestError {
-    /// The prompt has no tokens.
-    #[error("the prompt is empty")]
-    EmptyPrompt,
-    /// A token id outside the vocabulary.
-    #[error("token {token} at position {pos} is outside the vocabulary of {vocab}")]
-    BadToken {
-        /// The token.
-        token: u32,
-        /// Its position.
-        pos: usize,
-        /// Vocabulary size.
-        vocab: u32,
-    },
-    /// The prompt does not fit the context.
-    #[error("the prompt has {len} tokens; the context holds {max}")]
-    TooLong {
-        /// Prompt length.
-        len: usize,
-        /// Context length.
-        max: u32,
-    },
-    /// max_tokens must be at least 1.
-    #[error("max_tokens must be >= 1")]
-    ZeroMaxTokens,
-    /// Resumed blocks do not cover the prompt.
-    #[error("{blocks} blocks cannot hold a prompt of {len} tokens at {block_tokens} per block")]
-    BlocksDoNotFit {
-        /// Blocks given.
-        blocks: usize,
-        /// Prompt length.
-        len: usize,
-        /// B.
-        block_tokens: u32,
-    },
-}
 
 /// Why a running sequence failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -76,6 +38,26 @@ pub enum SeqError {
     /// The model refused a step.
     #[error(transparent)]
     Model(#[from] ModelError),
+}
+
+/// A sequence started from blocks that already hold its prompt's KV (the decode side of a
+/// transfer).
+#[derive(Debug)]
+pub struct Resume {
+    /// The prompt the blocks hold.
+    pub prompt: Vec<u32>,
+    /// One reference on each block, in order.
+    pub blocks: Blocks,
+    /// The first token, sampled by the prefill engine.
+    pub first_token: u32,
+    /// Draws the prefill engine consumed.
+    pub draws: u64,
+    /// Validated sampling.
+    pub sampling: Sampling,
+    /// The seed.
+    pub seed: u64,
+    /// Completion length, first token included.
+    pub max_tokens: u32,
 }
 
 /// Run to completion, or stop after the first token and hand the blocks out.
@@ -218,6 +200,7 @@ pub struct Engine {
     running: Vec<Seq>,
     next_id: SeqId,
     cost: CostModel,
+    scheduler: Scheduler,
 }
 
 impl Engine {
@@ -239,12 +222,18 @@ impl Engine {
             running: Vec::new(),
             next_id: 1,
             cost: CostModel::default(),
+            scheduler: Scheduler::default(),
         }
     }
 
     /// Sets the simulated compute cost (see [`CostModel`]).
     pub fn set_cost(&mut self, cost: CostModel) {
         self.cost = cost;
+    }
+
+    /// Sets the admission policy (see [`Scheduler`]).
+    pub fn set_scheduler(&mut self, scheduler: Scheduler) {
+        self.scheduler = scheduler;
     }
 
     /// The simulated compute cost.
@@ -283,26 +272,12 @@ impl Engine {
         self.waiting.is_empty() && self.running.is_empty()
     }
 
-    /// Checks a prompt against the model.
+    /// Checks a prompt against the model (the one validation of [`crate::request`]).
     ///
     /// # Errors
     /// The first problem found.
     pub fn validate_prompt(&self, prompt: &[u32]) -> Result<(), RequestError> {
-        if prompt.is_empty() {
-            return Err(RequestError::EmptyPrompt);
-        }
-        let vocab = self.model.vocab();
-        if let Some((pos, &token)) = prompt.iter().enumerate().find(|(_, t)| **t >= vocab) {
-            return Err(RequestError::BadToken { token, pos, vocab });
-        }
-        let max = self.model.max_context();
-        if prompt.len() > max as usize {
-            return Err(RequestError::TooLong {
-                len: prompt.len(),
-                max,
-            });
-        }
-        Ok(())
+        validate_prompt(prompt, Limits::of(self.model.as_ref()))
     }
 
     fn new_id(&mut self) -> SeqId {
@@ -346,17 +321,16 @@ impl Engine {
     /// # Errors
     /// A [`RequestError`] when the prompt is invalid or the blocks cannot hold it; the blocks are
     /// then released (the guard drops).
-    #[allow(clippy::too_many_arguments)]
-    pub fn resume(
-        &mut self,
-        prompt: Vec<u32>,
-        blocks: Blocks,
-        first_token: u32,
-        draws: u64,
-        sampling: Sampling,
-        seed: u64,
-        max_tokens: u32,
-    ) -> Result<SeqId, RequestError> {
+    pub fn resume(&mut self, r: Resume) -> Result<SeqId, RequestError> {
+        let Resume {
+            prompt,
+            blocks,
+            first_token,
+            draws,
+            sampling,
+            seed,
+            max_tokens,
+        } = r;
         self.validate_prompt(&prompt)?;
         if max_tokens == 0 {
             return Err(RequestError::ZeroMaxTokens);
@@ -411,7 +385,7 @@ impl Engine {
         false
     }
 
-    /// One step: prefill every waiting request, then one decode step for every sequence that
+    /// One step: prefill the waiting requests the [`Scheduler`] admits, then one decode step for every sequence that
     /// was running before it. Returns the events in order and the step's figures.
     pub fn step(&mut self) -> (Vec<Event>, StepStats) {
         let mut events = Vec::new();
@@ -449,7 +423,10 @@ impl Engine {
         }
         self.running = keep;
 
-        while let Some(mut seq) = self.waiting.pop_front() {
+        let admitted = self
+            .scheduler
+            .admit(self.waiting.iter().map(|s| s.prompt_len));
+        for mut seq in self.waiting.drain(..admitted).collect::<Vec<_>>() {
             match self.prefill_one(&mut seq) {
                 Ok((token, computed)) => {
                     stats.prefilled_tokens += computed;
@@ -631,7 +608,7 @@ impl Engine {
 }
 
 /// A request refused or a sequence failed.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum GenerateError {
     /// Refused before any work.

@@ -1,0 +1,20 @@
+//! `tl-engine-core`: the engine without I/O. Plain structs and functions, driven by whoever owns
+//! them (the node's step thread, a test, a bench); no async runtime, no sockets, no JSON.
+//!
+//! - [`pool`]: the paged KV block pool, its prefix index and LRU, and the [`pool::Blocks`] guard.
+//! - [`engine`]: sequences, prefill with prefix reuse, the continuous-batching step, resume.
+//! - [`scheduler`]: the admission policy (which waiting requests a step prefills).
+//! - [`model`]: the [`model::Model`] trait and the deterministic fake model.
+//! - [`sampler`] and [`rng`]: sampling exactly as `spec/pcg32.md` says, and PCG32 with its
+//!   O(log n) advance for the hand-off between engines.
+//! - [`request`]: the one request validation every door calls.
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+pub mod engine;
+pub mod model;
+pub mod pool;
+pub mod request;
+pub mod rng;
+pub mod sampler;
+pub mod scheduler;

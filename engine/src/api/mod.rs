@@ -1,0 +1,467 @@
+//! The OpenAI-compatible HTTP API as types: requests, responses, stream chunks and errors, shared
+//! by the gateway, the engines' decode front, the demo, the benches and the clients. [`sse`] is
+//! the one server-sent-events codec.
+//!
+//! Extensions beyond OpenAI's fields: `top_k`, `seed` (echoed), `choices[].tokens` (token ids),
+//! `tl_resume` (the decode side of a transfer) and `tl_route` (where the gateway sent a request).
+
+pub mod sse;
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use tl_engine_core::engine::FinishReason;
+use tl_engine_core::model::{decode_text, encode_text};
+use tl_engine_core::request::{Params, RequestError};
+use tl_engine_core::sampler::SamplingRequest;
+
+/// The header naming a transferred KV handle on a decode engine's `/v1/completions`.
+pub const KV_HANDLE_HEADER: &str = "x-tl-kv-handle";
+
+/// OpenAI's default completion length.
+pub const DEFAULT_MAX_TOKENS: u32 = 16;
+
+/// A prompt as token ids or as text (byte-level tokenizer).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// Text.
+    Text(String),
+}
+
+impl Prompt {
+    /// The token ids.
+    #[must_use]
+    pub fn tokens(&self) -> Vec<u32> {
+        match self {
+            Prompt::Tokens(t) => t.clone(),
+            Prompt::Text(s) => encode_text(s),
+        }
+    }
+}
+
+/// Where a prefill engine left a request.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct TlResume {
+    /// The first token, sampled by the prefill engine.
+    pub first_token: u32,
+    /// Draws it consumed.
+    pub rng_draws_consumed: u32,
+}
+
+/// The sampling and output fields both endpoints share (OpenAI's names; unknown fields are
+/// ignored). temperature and top_p are parsed as f32, as on every other path.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct GenerationParams {
+    /// Model; omitted or empty means whichever the server serves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Completion length ([`DEFAULT_MAX_TOKENS`] when omitted).
+    #[serde(
+        default,
+        alias = "max_completion_tokens",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub max_tokens: Option<u32>,
+    /// 0 = greedy (the default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f32>,
+    /// Nucleus mass (default 1; 0 means 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f32>,
+    /// Top-k (default 0, off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<u32>,
+    /// Seed; the engine picks one when omitted (required to resume).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Server-sent events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<bool>,
+}
+
+impl GenerationParams {
+    /// The model asked for, if any (an empty name asks for none).
+    #[must_use]
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref().filter(|m| !m.is_empty())
+    }
+
+    /// Completion length, defaulted.
+    #[must_use]
+    pub fn max_tokens(&self) -> u32 {
+        self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)
+    }
+
+    /// Sampling as stated, defaulted.
+    #[must_use]
+    pub fn sampling(&self) -> SamplingRequest {
+        SamplingRequest {
+            temperature: self.temperature.unwrap_or(0.0),
+            top_p: self.top_p.unwrap_or(1.0),
+            top_k: self.top_k.unwrap_or(0),
+        }
+    }
+
+    /// The core's view of a request with this prompt, for [`Params::validate`].
+    #[must_use]
+    pub fn params<'a>(&self, prompt: &'a [u32]) -> Params<'a> {
+        Params {
+            prompt,
+            max_tokens: self.max_tokens(),
+            sampling: self.sampling(),
+        }
+    }
+
+    /// Streaming asked for.
+    #[must_use]
+    pub fn streams(&self) -> bool {
+        self.stream.unwrap_or(false)
+    }
+}
+
+/// `POST /v1/completions` body.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct CompletionRequest {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Sampling and output.
+    #[serde(flatten)]
+    pub params: GenerationParams,
+    /// Resume point, with the `X-TL-KV-Handle` header (decode engines only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tl_resume: Option<TlResume>,
+}
+
+/// One chat message.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, ...
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+/// `POST /v1/chat/completions` body.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct ChatRequest {
+    /// The conversation so far.
+    pub messages: Vec<ChatMessage>,
+    /// Sampling and output.
+    #[serde(flatten)]
+    pub params: GenerationParams,
+}
+
+/// The chat template: each message as `<|role|>\n{content}\n`, then `<|assistant|>\n`, tokenized
+/// byte by byte.
+#[must_use]
+pub fn render_chat(messages: &[ChatMessage]) -> String {
+    let mut s = String::new();
+    for m in messages {
+        s.push_str(&format!("<|{}|>\n{}\n", m.role, m.content));
+    }
+    s.push_str("<|assistant|>\n");
+    s
+}
+
+/// Which endpoint a response answers: they differ in `object` and in how text is carried.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flavor {
+    /// `/v1/completions`: `text`.
+    Completion,
+    /// `/v1/chat/completions`: `message` (whole) or `delta` (streamed).
+    Chat,
+}
+
+/// Where the gateway sent a request (the `tl_route` extension).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+pub struct RouteInfo {
+    /// Prefill worker id.
+    pub prefill: String,
+    /// Decode worker id (or the colocated fallback's).
+    pub decode: String,
+    /// Why this decode engine.
+    pub reason: String,
+    /// Full blocks it already held.
+    pub cached_blocks: usize,
+    /// Decode engines tried before this one.
+    pub retries: u32,
+    /// Blocks the transfer sent (null when colocated).
+    pub blocks_sent: Option<u32>,
+    /// Blocks the decode engine already held.
+    pub blocks_deduped: Option<u32>,
+    /// Envelope bytes moved.
+    pub payload_bytes: Option<u64>,
+}
+
+/// A chat message as answered (whole or as a stream delta).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct AssistantText {
+    /// Always `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+/// One choice of a response or a stream chunk.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct Choice {
+    /// Always 0 (one choice per request).
+    pub index: u32,
+    /// Completion text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    /// Chat answer (whole).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<AssistantText>,
+    /// Chat answer (streamed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta: Option<AssistantText>,
+    /// The token ids (extension).
+    #[serde(default)]
+    pub tokens: Vec<u32>,
+    /// Not computed: always null.
+    #[serde(default)]
+    pub logprobs: Option<serde_json::Value>,
+    /// `length` at the end; null before.
+    #[serde(default)]
+    pub finish_reason: Option<String>,
+}
+
+impl Choice {
+    /// The choice for these tokens, in the flavor's shape (`stream`: a chunk's delta).
+    #[must_use]
+    pub fn new(flavor: Flavor, stream: bool, tokens: Vec<u32>, finish: Option<String>) -> Self {
+        let text = decode_text(&tokens);
+        let mut c = Choice {
+            tokens,
+            finish_reason: finish,
+            ..Choice::default()
+        };
+        let said = AssistantText {
+            role: "assistant".into(),
+            content: text.clone(),
+        };
+        match (flavor, stream) {
+            (Flavor::Completion, _) => c.text = Some(text),
+            (Flavor::Chat, false) => c.message = Some(said),
+            (Flavor::Chat, true) => c.delta = Some(said),
+        }
+        c
+    }
+}
+
+/// Token counts.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Both.
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    /// Counts for a prompt and a completion.
+    #[must_use]
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// A whole response, or one stream chunk (then without `usage`).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+pub struct Completion {
+    /// `cmpl-...`.
+    pub id: String,
+    /// `text_completion`, `chat.completion` or `chat.completion.chunk`.
+    pub object: String,
+    /// Seconds since the epoch.
+    pub created: u64,
+    /// The model that answered.
+    pub model: String,
+    /// The seed used (extension).
+    pub seed: u64,
+    /// One choice.
+    pub choices: Vec<Choice>,
+    /// Token counts (whole responses).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    /// Where the gateway sent the request (gateway responses).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tl_route: Option<RouteInfo>,
+}
+
+/// What every response of one request shares.
+#[derive(Clone, Debug)]
+pub struct ResponseMeta {
+    /// The completion id.
+    pub id: String,
+    /// The model that answered.
+    pub model: String,
+    /// The seed used.
+    pub seed: u64,
+    /// The endpoint.
+    pub flavor: Flavor,
+    /// Prompt length, for usage.
+    pub prompt_tokens: usize,
+    /// The gateway's route, if any.
+    pub route: Option<RouteInfo>,
+}
+
+impl ResponseMeta {
+    fn object(&self, stream: bool) -> &'static str {
+        match (self.flavor, stream) {
+            (Flavor::Completion, _) => "text_completion",
+            (Flavor::Chat, false) => "chat.completion",
+            (Flavor::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    fn body(&self, stream: bool, choice: Choice, usage: Option<Usage>) -> Completion {
+        Completion {
+            id: self.id.clone(),
+            object: self.object(stream).into(),
+            created: now_secs(),
+            model: self.model.clone(),
+            seed: self.seed,
+            choices: vec![choice],
+            usage,
+            tl_route: self.route.clone(),
+        }
+    }
+
+    /// One stream chunk carrying `tokens` (and the finish reason on the last).
+    #[must_use]
+    pub fn chunk(&self, tokens: Vec<u32>, finish: Option<String>) -> Completion {
+        self.body(true, Choice::new(self.flavor, true, tokens, finish), None)
+    }
+
+    /// The whole response.
+    #[must_use]
+    pub fn whole(&self, tokens: Vec<u32>, finish: String) -> Completion {
+        let usage = Usage::new(self.prompt_tokens, tokens.len());
+        self.body(
+            false,
+            Choice::new(self.flavor, false, tokens, Some(finish)),
+            Some(usage),
+        )
+    }
+}
+
+/// The `error` object of an error response or an error stream event.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct ErrorDetail {
+    /// What went wrong.
+    pub message: String,
+    /// `invalid_request_error`, `engine_error`, `timeout`, ...
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The HTTP status (whole responses only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<u16>,
+}
+
+/// An error response body: `{"error": {...}}`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// A refusal as an HTTP answer: the status and OpenAI's error body. Every error an HTTP door
+/// returns goes through this type.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiError {
+    /// The status.
+    pub status: StatusCode,
+    /// The `type` field.
+    pub kind: &'static str,
+    /// The message.
+    pub message: String,
+}
+
+impl ApiError {
+    /// An error with this status, type and message.
+    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// 400 `invalid_request_error`.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+    }
+
+    /// The body as a stream event (no status code in it).
+    #[must_use]
+    pub fn detail(&self) -> ErrorDetail {
+        ErrorDetail {
+            message: self.message.clone(),
+            kind: self.kind.into(),
+            code: None,
+        }
+    }
+}
+
+/// The one mapping of a refused request to HTTP: 400 with the core's message.
+impl From<RequestError> for ApiError {
+    fn from(e: RequestError) -> Self {
+        Self::bad_request(e.to_string())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = ErrorBody {
+            error: ErrorDetail {
+                message: self.message,
+                kind: self.kind.into(),
+                code: Some(self.status.as_u16()),
+            },
+        };
+        (self.status, Json(body)).into_response()
+    }
+}
+
+/// Parses a JSON request body; a malformed one is a 400 naming serde's complaint.
+///
+/// # Errors
+/// 400 `invalid_request_error`.
+pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("malformed request: {e}")))
+}
+
+/// A fresh completion id: random, so it cannot be guessed from another.
+#[must_use]
+pub fn completion_id() -> String {
+    format!("cmpl-{:016x}", tl_engine_core::rng::entropy_seed())
+}
+
+/// Seconds since the Unix epoch, for OpenAI's `created`.
+#[must_use]
+pub fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The reason string OpenAI uses.
+#[must_use]
+pub fn finish_str(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Length | FinishReason::Context => "length",
+    }
+}

@@ -1,0 +1,238 @@
+//! `tl bench serve`: load over loopback HTTP, the gateway over 1 prefill + 2 decode against one engine alone.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use tl_engine::api::sse::StreamEvent;
+use tl_engine::api::{CompletionRequest, GenerationParams, Prompt};
+use tl_engine::net::clients::{EventStream, HttpClient};
+
+use super::{BenchError, round3};
+use crate::run::{block_on, print_json};
+
+/// Arguments of `tl bench serve`.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct ServeArgs {
+    /// Print the result as one JSON line (the only output format).
+    #[arg(long)]
+    json: bool,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 8)]
+    clients: usize,
+    /// Requests in all.
+    #[arg(long, default_value_t = 64)]
+    requests: usize,
+    /// Fraction of requests with a long prompt.
+    #[arg(long, default_value_t = 0.1)]
+    long_fraction: f64,
+    /// Tokens of a long prompt.
+    #[arg(long, default_value_t = 1024)]
+    long_tokens: usize,
+    /// Tokens of a short prompt.
+    #[arg(long, default_value_t = 64)]
+    short_tokens: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 32)]
+    max_tokens: u32,
+    /// Simulated prefill cost per prompt token, microseconds.
+    #[arg(long, default_value_t = 50)]
+    prefill_us_per_token: u64,
+    /// Simulated decode cost per running sequence per step, microseconds.
+    #[arg(long, default_value_t = 300)]
+    decode_us_per_seq: u64,
+}
+
+/// One request's timings.
+#[derive(Clone, Copy, Debug, Default)]
+struct Timing {
+    ttft: f64,
+    tpot: Option<f64>,
+    tokens: usize,
+}
+
+async fn one_streamed(http: &HttpClient, addr: &str, body: Vec<u8>) -> Result<Timing, BenchError> {
+    let start = Instant::now();
+    let (status, body) = http
+        .post_streaming(addr, "/v1/completions", &[], body)
+        .await?;
+    if status != 200 {
+        return Err(format!("answered {status}").into());
+    }
+    let mut events = EventStream::new(body);
+    let (mut first, mut last, mut tokens) = (None, None, 0usize);
+    while let Some(event) = events.next().await {
+        match event? {
+            StreamEvent::Chunk(c) => {
+                let n: usize = c.choices.iter().map(|c| c.tokens.len()).sum();
+                if n > 0 {
+                    let now = start.elapsed().as_secs_f64();
+                    first.get_or_insert(now);
+                    last = Some(now);
+                    tokens += n;
+                }
+            }
+            StreamEvent::Error(e) => return Err(e.message.into()),
+            StreamEvent::Done => break,
+        }
+    }
+    let ttft = first.ok_or("no token")?;
+    let tpot = match (last, tokens) {
+        (Some(l), n) if n > 1 => Some((l - ttft) / (n - 1) as f64),
+        _ => None,
+    };
+    Ok(Timing { ttft, tpot, tokens })
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+/// Runs the load against `addr` and summarises it.
+async fn load(addr: &str, a: &ServeArgs) -> Result<serde_json::Value, BenchError> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..a.clients.max(1) {
+        let (next, addr, a) = (Arc::clone(&next), addr.to_owned(), a.clone());
+        tasks.push(tokio::spawn(async move {
+            let http = HttpClient::default();
+            let mut out = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= a.requests {
+                    break;
+                }
+                // Every 1/fraction-th request is long, spread evenly over the run.
+                let every = (1.0 / a.long_fraction.max(1e-9)).round().max(1.0) as usize;
+                let long = a.long_fraction > 0.0 && i % every == every / 2;
+                let n = if long { a.long_tokens } else { a.short_tokens };
+                let prompt: Vec<u32> = (0..n).map(|t| ((t * 31 + i * 7) % 256) as u32).collect();
+                let req = CompletionRequest {
+                    prompt: Prompt::Tokens(prompt),
+                    params: GenerationParams {
+                        max_tokens: Some(a.max_tokens),
+                        stream: Some(true),
+                        seed: Some(i as u64),
+                        ..GenerationParams::default()
+                    },
+                    tl_resume: None,
+                };
+                let body = serde_json::to_vec(&req).unwrap_or_default();
+                let res = one_streamed(&http, &addr, body)
+                    .await
+                    .map_err(|e| e.to_string());
+                out.push((long, res));
+            }
+            out
+        }));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.extend(t.await?);
+    }
+    let wall = start.elapsed().as_secs_f64();
+    let mut ttft = Vec::new();
+    let mut tpot = Vec::new();
+    let (mut tokens, mut errors) = (0usize, 0usize);
+    let mut first_error = None;
+    for (_, r) in &results {
+        match r {
+            Ok(t) => {
+                ttft.push(t.ttft * 1e3);
+                if let Some(p) = t.tpot {
+                    tpot.push(p * 1e3);
+                }
+                tokens += t.tokens;
+            }
+            Err(e) => {
+                errors += 1;
+                first_error.get_or_insert_with(|| e.clone());
+            }
+        }
+    }
+    Ok(serde_json::json!({
+        "requests": results.len(),
+        "errors": errors,
+        "first_error": first_error,
+        "ttft_ms_p50": round3(pct(&mut ttft, 50.0)),
+        "ttft_ms_p99": round3(pct(&mut ttft, 99.0)),
+        "tpot_ms_p50": round3(pct(&mut tpot, 50.0)),
+        "tpot_ms_p99": round3(pct(&mut tpot, 99.0)),
+        "tokens_per_s": round3(tokens as f64 / wall),
+        "wall_s": round3(wall),
+    }))
+}
+
+/// Runs `tl bench serve`.
+#[must_use]
+pub(crate) fn serve(args: &ServeArgs) -> ExitCode {
+    block_on(async { print_json(serve_bench(args).await) })
+}
+
+async fn serve_bench(a: &ServeArgs) -> Result<serde_json::Value, BenchError> {
+    use tl_engine::gateway::GatewayNode;
+    use tl_engine::gateway::config::GatewaySection;
+    use tl_engine::node::EngineNode;
+    use tl_engine::node::config::{Config, Role};
+
+    let cfg = |id: &str, role: Role, reg: &str| {
+        let mut c = Config::for_worker(id, role, reg);
+        c.engine.heartbeat_ms = 100;
+        c.model.prefill_us_per_token = a.prefill_us_per_token;
+        c.model.decode_us_per_seq = a.decode_us_per_seq;
+        c.pool.n_blocks = 8192;
+        c
+    };
+    // (a) The gateway over one prefill and two decode engines.
+    let gw = GatewayNode::start(&GatewaySection {
+        max_inflight: 4096,
+        ..GatewaySection::default()
+    })
+    .await?;
+    let reg = gw.registry_addr().to_string();
+    let nodes = [
+        EngineNode::start(&cfg("P", Role::Prefill, &reg)).await?,
+        EngineNode::start(&cfg("D1", Role::Decode, &reg)).await?,
+        EngineNode::start(&cfg("D2", Role::Decode, &reg)).await?,
+    ];
+    let end = Instant::now() + Duration::from_secs(10);
+    while gw.registry().list(Instant::now()).len() < 3 && Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let disagg = load(&gw.http_addr().to_string(), a).await?;
+    for n in nodes {
+        n.shutdown(Duration::from_secs(1)).await;
+    }
+    gw.stop().await;
+    // (b) One engine with role both, alone.
+    let single = EngineNode::start(&cfg("B", Role::Both, "")).await?;
+    let colocated = load(&single.addresses().http, a).await?;
+    single.shutdown(Duration::from_secs(1)).await;
+    let ratio = |k: &str| {
+        round3(disagg[k].as_f64().unwrap_or(f64::NAN) / colocated[k].as_f64().unwrap_or(f64::NAN))
+    };
+    Ok(serde_json::json!({
+        "bench": "serve",
+        "settings": {
+            "clients": a.clients, "requests": a.requests, "long_fraction": a.long_fraction, "long_tokens": a.long_tokens,
+            "short_tokens": a.short_tokens, "max_tokens": a.max_tokens,
+            "prefill_us_per_token": a.prefill_us_per_token, "decode_us_per_seq": a.decode_us_per_seq,
+            "shape": "test shape B=4 L=2 H=1 D=4, fake model, cost model by sleeping in the step loop",
+        },
+        "disaggregated_gateway_1p_2d": disagg,
+        "single_engine_both": colocated,
+        "disagg_over_single": {
+            "tpot_ms_p99": ratio("tpot_ms_p99"),
+            "tpot_ms_p50": ratio("tpot_ms_p50"),
+            "ttft_ms_p99": ratio("ttft_ms_p99"),
+            "tokens_per_s": ratio("tokens_per_s"),
+        },
+    }))
+}

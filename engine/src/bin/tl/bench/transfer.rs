@@ -1,0 +1,264 @@
+//! `tl bench transfer`: KV transfer throughput over loopback gRPC against raw TCP, interleaved, plus RSS growth and the dedup saving.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use tl_engine::node::store::PoolStore;
+use tl_engine_core::pool::{KvPool, SharedKv};
+
+use super::{BenchError, median, round3};
+use crate::run::{block_on, print_json};
+
+/// Arguments of `tl bench transfer`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct TransferArgs {
+    /// Print the result as one JSON line (the only output format).
+    #[arg(long)]
+    json: bool,
+    /// MiB pushed per run (realistic-shape blocks of 2 MiB).
+    #[arg(long, default_value_t = 256)]
+    mib: usize,
+    /// gRPC / raw TCP pairs, interleaved.
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+}
+
+/// Peak and current resident set of this process, in bytes, from /proc (Linux).
+fn rss() -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = s.lines().find(|l| l.starts_with(name))?;
+        line.split_whitespace()
+            .nth(1)?
+            .parse::<u64>()
+            .ok()
+            .map(|kb| kb * 1024)
+    };
+    Some((field("VmHWM:")?, field("VmRSS:")?))
+}
+
+/// Resets the peak resident set to the current one (Linux: write 5 to clear_refs).
+fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// The prefill side of the transfer bench: a pool of `n` full, registered blocks.
+fn filled_pool(shape: kvwire::Shape, n: usize) -> (SharedKv, Vec<u32>, Vec<u64>) {
+    let pool = SharedKv::new(KvPool::new(shape, n));
+    let mut hashes = Vec::with_capacity(n);
+    let ids = {
+        let mut p = pool.lock();
+        let ids = p.allocate(n).unwrap_or_default();
+        let mut parent = 0;
+        for (i, &id) in ids.iter().enumerate() {
+            if let Ok(bytes) = p.payload_mut(id) {
+                for (j, b) in bytes.iter_mut().enumerate() {
+                    *b = (i * 131 + j * 7) as u8;
+                }
+            }
+            let _ = p.set_fill(id, shape.block_tokens());
+            let tokens: Vec<u32> = (0..shape.block_tokens())
+                .map(|t| (i as u32) * 1000 + t)
+                .collect();
+            parent = kvwire::block_hash(parent, &tokens);
+            p.register(id, parent);
+            hashes.push(parent);
+        }
+        ids
+    };
+    (pool, ids, hashes)
+}
+
+/// Touches every byte of a pool's slabs so that RSS measured afterwards shows only buffers.
+fn pretouch(pool: &SharedKv) {
+    let mut p = pool.lock();
+    let n = p.counts().total;
+    if let Ok(ids) = p.allocate(n) {
+        for &id in &ids {
+            if let Ok(b) = p.payload_mut(id) {
+                b.fill(1);
+            }
+        }
+        for id in ids {
+            let _ = p.release(id);
+        }
+    }
+}
+
+async fn tcp_run(bytes_total: usize, chunk: &[u8]) -> std::io::Result<f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let server = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await?;
+        s.set_nodelay(true)?;
+        let mut buf = vec![0u8; 2 << 20];
+        let mut got = 0;
+        while got < bytes_total {
+            let n = s.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        s.write_all(&[1]).await?;
+        Ok::<usize, std::io::Error>(got)
+    });
+    let start = Instant::now();
+    let mut c = tokio::net::TcpStream::connect(addr).await?;
+    c.set_nodelay(true)?;
+    let mut sent = 0;
+    while sent < bytes_total {
+        let n = chunk.len().min(bytes_total - sent);
+        c.write_all(&chunk[..n]).await?;
+        sent += n;
+    }
+    let mut ack = [0u8; 1];
+    c.read_exact(&mut ack).await?;
+    let secs = start.elapsed().as_secs_f64();
+    let got = server.await.map_err(std::io::Error::other)??;
+    if got != bytes_total {
+        return Err(std::io::Error::other("short TCP read"));
+    }
+    Ok(bytes_total as f64 / secs / 1e9)
+}
+
+/// Runs `tl bench transfer`.
+#[must_use]
+pub(crate) fn transfer(args: &TransferArgs) -> ExitCode {
+    block_on(async { print_json(transfer_bench(args).await) })
+}
+
+async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchError> {
+    use std::sync::Arc;
+
+    use kvwire_grpc::{GrpcTransport, KvReceiver, KvStore, TransportConfig, serve_kv};
+
+    let shape = kvwire::Shape::v1(16, 32, 8, 128);
+    let p_bytes = shape.payload_bytes().ok_or("the shape overflows")?;
+    let n = (args.mib << 20).div_ceil(p_bytes).max(1);
+    let (src_pool, ids, hashes) = filled_pool(shape, n);
+    let dst_pool = SharedKv::new(KvPool::new(shape, n));
+    pretouch(&dst_pool);
+    let dst_store: Arc<dyn KvStore> = Arc::new(PoolStore(dst_pool.clone()));
+    let src_store: Arc<dyn KvStore> = Arc::new(PoolStore(src_pool.clone()));
+    let rx = Arc::new(KvReceiver::new(Arc::clone(&dst_store), "fake"));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let server = serve_kv(listener, Arc::clone(&rx))?;
+    let target = server.local_addr().to_string();
+    let transport = GrpcTransport::new(TransportConfig::for_envelope(
+        shape.envelope_len(1).ok_or("overflow")?,
+    ));
+    let tcp_chunk = vec![7u8; shape.envelope_len(1).ok_or("overflow")?];
+
+    // One push; the decode side then frees and unregisters what it received, so the next run
+    // moves every block again.
+    let push = |handle: String, count: usize| {
+        let (transport, src_store, rx, dst_store, target) =
+            (&transport, &src_store, &rx, &dst_store, &target);
+        let (ids, hashes) = (&ids[..count], &hashes[..count]);
+        async move {
+            let start = Instant::now();
+            let st = kvwire_grpc::transfer(
+                transport,
+                target,
+                Arc::clone(src_store),
+                &handle,
+                "fake",
+                ids,
+                hashes,
+            )
+            .await?;
+            let secs = start.elapsed().as_secs_f64();
+            if let Some(c) = rx.claim(&handle) {
+                dst_store.release_forget(&c.into_ids());
+            }
+            Ok::<_, BenchError>((st, secs))
+        }
+    };
+
+    // Warm-up: connections, allocator.
+    push("warm".into(), n.min(4)).await?;
+    let (mut grpc, mut tcp, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for run in 0..args.runs.max(1) {
+        let (st, secs) = push(format!("run-{run}"), n).await?;
+        let g = st.payload_bytes as f64 / secs / 1e9;
+        let t = tcp_run(st.payload_bytes as usize, &tcp_chunk).await?;
+        grpc.push(g);
+        tcp.push(t);
+        ratios.push(g / t);
+    }
+
+    // Peak RSS growth during a push, for a quarter of the blocks and for all of them (pools are
+    // already resident, so growth is the transfer's own buffering).
+    let mut rss_growth = serde_json::Map::new();
+    for count in [n.div_ceil(4), n] {
+        let before = rss().map(|r| r.1);
+        let reset = reset_peak_rss();
+        push(format!("rss-{count}"), count).await?;
+        let after = rss().map(|r| r.0);
+        if let (true, Some(b), Some(a)) = (reset, before, after) {
+            let key = format!("push_{}_mib", (count * p_bytes) >> 20);
+            rss_growth.insert(
+                key,
+                serde_json::json!(round3(a.saturating_sub(b) as f64 / (1 << 20) as f64)),
+            );
+        }
+    }
+
+    // Dedup saving: the decode side already holds the first 75% of the prompt.
+    let cached = n * 3 / 4;
+    // Push the prefix and release it normally, so its blocks stay cached on the decode side.
+    let st_prefix = kvwire_grpc::transfer(
+        &transport,
+        &target,
+        Arc::clone(&src_store),
+        "prefix",
+        "fake",
+        &ids[..cached],
+        &hashes[..cached],
+    )
+    .await?;
+    rx.release("prefix");
+    let start = Instant::now();
+    let st75 = kvwire_grpc::transfer(
+        &transport,
+        &target,
+        Arc::clone(&src_store),
+        "dedup",
+        "fake",
+        &ids,
+        &hashes,
+    )
+    .await?;
+    let secs75 = start.elapsed().as_secs_f64();
+    if let Some(c) = rx.claim("dedup") {
+        dst_store.release(&c.into_ids());
+    }
+    let full_bytes = n as u64 * (shape.envelope_len(1).unwrap_or(0) as u64);
+    drop(server);
+
+    Ok(serde_json::json!({
+        "bench": "transfer",
+        "shape": "B=16 L=32 H=8 D=128 (2 MiB blocks)",
+        "blocks_per_push": n,
+        "push_mib": round3((n * p_bytes) as f64 / (1 << 20) as f64),
+        "runs": grpc.len(),
+        "grpc_gbps": round3(median(&mut grpc.clone())),
+        "tcp_gbps": round3(median(&mut tcp.clone())),
+        "grpc_over_tcp": round3(median(&mut ratios.clone())),
+        "grpc_gbps_all": grpc.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+        "tcp_gbps_all": tcp.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+        "peak_rss_growth_mib": rss_growth,
+        "dedup_75pct_cached": {
+            "prefix_blocks_sent_first": st_prefix.sent,
+            "blocks_sent": st75.sent,
+            "blocks_deduped": st75.deduped,
+            "payload_bytes": st75.payload_bytes,
+            "full_payload_bytes": full_bytes,
+            "bytes_saved_fraction": round3(1.0 - st75.payload_bytes as f64 / full_bytes as f64),
+            "seconds": round3(secs75),
+        },
+        "crc_impl": kvwire::crc32c_impl(),
+    }))
+}

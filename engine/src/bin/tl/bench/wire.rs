@@ -1,0 +1,96 @@
+//! `tl bench wire`: envelope read and write throughput against raw CRC-32C and memcpy + CRC-32C.
+
+use std::hint::black_box;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use kvwire::{Reader, RecordIn, Shape, crc32c, write_envelope};
+
+use super::{gbps, median, round3};
+
+/// Arguments of `tl bench wire`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct WireArgs {
+    /// Print the result as one JSON line (the only output format).
+    #[arg(long)]
+    json: bool,
+    /// Interleaved rounds per measurement; the median is reported.
+    #[arg(long, default_value_t = 7)]
+    rounds: u32,
+    /// Milliseconds per measurement in each round.
+    #[arg(long, default_value_t = 120)]
+    ms: u64,
+}
+
+/// One size's figures.
+fn wire_case(name: &str, shape: Shape, rounds: u32, budget: Duration) -> serde_json::Value {
+    let p = shape.payload_bytes().unwrap_or(0);
+    let payload: Vec<u8> = (0..p).map(|i| (i * 31 % 251) as u8).collect();
+    let rec = [RecordIn {
+        hash: 0x1234,
+        fill: shape.block_tokens(),
+        payload: &payload,
+    }];
+    let mut env = Vec::new();
+    let _ = kvwire::write_to_vec(&shape, &rec, &mut env);
+    let len = env.len();
+    let reader = Reader::new().expect_shape(shape);
+    let mut out = Vec::with_capacity(len);
+    let mut dst = vec![0u8; len];
+
+    let (mut crc, mut read, mut copy_crc, mut write) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..rounds {
+        crc.push(gbps(len, budget, || {
+            black_box(crc32c(black_box(&env[..len - 4])));
+        }));
+        read.push(gbps(len, budget, || {
+            if let Ok(e) = reader.read(black_box(&env)) {
+                black_box(e.records().map(|r| r.payload.len()).sum::<usize>());
+            }
+        }));
+        copy_crc.push(gbps(len, budget, || {
+            dst.copy_from_slice(black_box(&env));
+            black_box(crc32c(&dst[..len - 4]));
+        }));
+        write.push(gbps(len, budget, || {
+            out.clear();
+            let _ = black_box(write_envelope(&shape, black_box(&rec), &mut out));
+        }));
+    }
+    let ratios = |a: &[f64], b: &[f64]| {
+        let mut r: Vec<f64> = a.iter().zip(b).map(|(x, y)| x / y).collect();
+        median(&mut r)
+    };
+    serde_json::json!({
+        "case": name,
+        "envelope_bytes": len,
+        "crc_gbps": round3(median(&mut crc.clone())),
+        "read_gbps": round3(median(&mut read.clone())),
+        "read_over_crc": round3(ratios(&read, &crc)),
+        "memcpy_crc_gbps": round3(median(&mut copy_crc.clone())),
+        "write_gbps": round3(median(&mut write.clone())),
+        "write_over_memcpy_crc": round3(ratios(&write, &copy_crc)),
+    })
+}
+
+/// Runs `tl bench wire`.
+#[must_use]
+pub(crate) fn wire(args: &WireArgs) -> ExitCode {
+    let t = Instant::now();
+    let budget = Duration::from_millis(args.ms.max(1));
+    let rounds = args.rounds.max(1);
+    let cases = vec![
+        wire_case("test_shape_172B", Shape::v1(4, 2, 1, 4), rounds, budget),
+        wire_case("realistic_2MiB", Shape::v1(16, 32, 8, 128), rounds, budget),
+    ];
+    let out = serde_json::json!({
+        "bench": "wire",
+        "crc_impl": kvwire::crc32c_impl(),
+        "rounds": rounds,
+        "ratio": "median of per-round ratios, baseline measured in the same round",
+        "cases": cases,
+        "elapsed_s": round3(t.elapsed().as_secs_f64()),
+    });
+    println!("{out}");
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,98 @@
+//! `tl engine`: runs an engine (prefill, decode or both) until SIGTERM, which drains then exits 0.
+//! The first stdout line is `{"event":"listening",...}` with the addresses bound.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use tl_engine::node::EngineNode;
+use tl_engine::node::config::{Config, ConfigError, Role};
+
+use crate::run::{announce, block_on, terminated};
+
+/// Arguments of `tl engine`; flags override the file's keys.
+#[derive(clap::Args, Debug)]
+pub(crate) struct EngineArgs {
+    /// Engine configuration (TOML); the defaults when omitted.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// prefill, decode or both.
+    #[arg(long)]
+    role: Option<Role>,
+    /// Worker id.
+    #[arg(long)]
+    id: Option<String>,
+    /// EngineControl listen address.
+    #[arg(long)]
+    grpc_listen: Option<String>,
+    /// KvTransfer listen address.
+    #[arg(long)]
+    kv_listen: Option<String>,
+    /// HTTP listen address.
+    #[arg(long)]
+    http_listen: Option<String>,
+    /// The gateway's WorkerRegistry (host:port).
+    #[arg(long)]
+    gateway_registry: Option<String>,
+    /// Seconds to wait for in-flight work on SIGTERM.
+    #[arg(long, default_value_t = 5.0)]
+    drain_seconds: f64,
+}
+
+impl EngineArgs {
+    /// The configuration: file (or defaults), then flags.
+    ///
+    /// # Errors
+    /// The file's or the result's problems.
+    pub(crate) fn config(&self) -> Result<Config, ConfigError> {
+        let mut c = Config::load_or_default(self.config.as_deref())?;
+        if let Some(r) = self.role {
+            c.engine.role = r;
+        }
+        let set = |dst: &mut String, v: &Option<String>| {
+            if let Some(v) = v {
+                dst.clone_from(v);
+            }
+        };
+        set(&mut c.engine.id, &self.id);
+        set(&mut c.engine.grpc_listen, &self.grpc_listen);
+        set(&mut c.engine.kv_listen, &self.kv_listen);
+        set(&mut c.engine.http_listen, &self.http_listen);
+        set(&mut c.engine.gateway_registry, &self.gateway_registry);
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+/// Runs `tl engine`.
+#[must_use]
+pub(crate) fn engine(args: &EngineArgs) -> ExitCode {
+    let cfg = match args.config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    block_on(async {
+        let node = match EngineNode::start(&cfg).await {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        announce(&node.listening_line());
+        eprintln!(
+            "engine {} ({:?}) serving; SIGTERM drains and exits",
+            cfg.engine.id, cfg.engine.role
+        );
+        terminated().await;
+        eprintln!("engine {}: draining", cfg.engine.id);
+        let left = node
+            .shutdown(Duration::from_secs_f64(args.drain_seconds.max(0.0)))
+            .await;
+        eprintln!("engine {}: stopped ({left} unfinished)", cfg.engine.id);
+        ExitCode::SUCCESS
+    })
+}

@@ -1,0 +1,56 @@
+//! `tl gateway`: the OpenAI-compatible front and the worker registry, until SIGTERM. First line:
+//! `{"event":"listening","http":...,"registry":...}`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use tl_engine::gateway::GatewayNode;
+use tl_engine::gateway::config::GatewayConfig;
+
+use crate::run::{announce, block_on, terminated};
+
+/// Arguments of `tl gateway`; flags override the file's keys.
+#[derive(clap::Args, Debug)]
+pub(crate) struct GatewayArgs {
+    /// Gateway configuration (TOML, section `[gateway]`); the defaults when omitted.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// HTTP listen address.
+    #[arg(long)]
+    http_listen: Option<String>,
+    /// WorkerRegistry listen address.
+    #[arg(long)]
+    registry_listen: Option<String>,
+}
+
+/// Runs `tl gateway`.
+#[must_use]
+pub(crate) fn gateway(args: &GatewayArgs) -> ExitCode {
+    let mut cfg = match GatewayConfig::load_or_default(args.config.as_deref()) {
+        Ok(c) => c.gateway,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(h) = &args.http_listen {
+        cfg.http_listen.clone_from(h);
+    }
+    if let Some(r) = &args.registry_listen {
+        cfg.registry_listen.clone_from(r);
+    }
+    block_on(async {
+        let node = match GatewayNode::start(&cfg).await {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        announce(&node.listening_line());
+        eprintln!("gateway serving; SIGTERM stops it");
+        terminated().await;
+        node.stop().await;
+        ExitCode::SUCCESS
+    })
+}

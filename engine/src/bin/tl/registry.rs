@@ -1,0 +1,37 @@
+//! `tl registry`: a worker registry alone, until SIGTERM. First line:
+//! `{"event":"listening","registry":...}`.
+
+use std::process::ExitCode;
+
+use tl_engine::gateway::registry::RegistryNode;
+
+use crate::run::{announce, block_on, terminated};
+
+/// Arguments of `tl registry`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct RegistryArgs {
+    /// Listen address.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+}
+
+/// Runs `tl registry`.
+#[must_use]
+pub(crate) fn registry(args: &RegistryArgs) -> ExitCode {
+    block_on(async {
+        let node = match RegistryNode::start(&args.listen).await {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        announce(
+            &serde_json::json!({ "event": "listening", "registry": node.addr().to_string() })
+                .to_string(),
+        );
+        terminated().await;
+        node.stop().await;
+        ExitCode::SUCCESS
+    })
+}

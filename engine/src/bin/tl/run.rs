@@ -1,0 +1,75 @@
+//! What every long-running command and bench shares: the runtime, the listening line, the stop
+//! signal, and printing one JSON result.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+/// A multi-threaded runtime for the servers (the engine steps on its own thread).
+///
+/// # Errors
+/// When the OS refuses threads.
+pub(crate) fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+}
+
+/// Runs `fut` to completion on a fresh runtime; a runtime that cannot start is exit status 1.
+pub(crate) fn block_on(fut: impl std::future::Future<Output = ExitCode>) -> ExitCode {
+    match runtime() {
+        Ok(rt) => rt.block_on(fut),
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Prints a bench's JSON line, or its error to stderr (exit status 1).
+#[must_use]
+pub(crate) fn print_json<E: std::fmt::Display>(result: Result<serde_json::Value, E>) -> ExitCode {
+    match result {
+        Ok(v) => {
+            println!("{v}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Waits for SIGTERM or SIGINT.
+pub async fn terminated() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(mut t), Ok(mut i)) => {
+                tokio::select! {
+                    _ = t.recv() => {}
+                    _ = i.recv() => {}
+                }
+            }
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Prints the listening line and flushes it, so a parent reading our stdout sees it at once.
+pub(crate) fn announce(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}

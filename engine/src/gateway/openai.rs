@@ -1,0 +1,266 @@
+//! The gateway's HTTP front: `POST /v1/completions`, `POST /v1/chat/completions` (whole or
+//! streamed), `GET /v1/models`, `GET /health`, `GET /workers`. Each request is validated (the
+//! core's one validation) before anything reaches an engine, admitted under `max_inflight`
+//! (429), run by its request task under `request_timeout_ms` (504), and rendered from the task's
+//! [`Out`] messages.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use kvwire_grpc::pb::control::Role as PbRole;
+use serde::Serialize;
+use serde_json::json;
+use tl_engine_core::model::{BYTE_VOCAB, encode_text};
+use tl_engine_core::request::Limits;
+use tokio::sync::mpsc;
+
+use super::Gateway;
+use super::request::{Job, Out};
+use crate::api::sse::{self, StreamEvent};
+use crate::api::{
+    ApiError, ChatRequest, CompletionRequest, ErrorDetail, Flavor, GenerationParams, ResponseMeta,
+    completion_id, parse, render_chat,
+};
+
+/// What the gateway can check without an engine: the byte-level tokenizer's vocabulary. The
+/// context length is the engine's to check, with the same validation and message.
+const GATEWAY_LIMITS: Limits = Limits {
+    vocab: BYTE_VOCAB,
+    max_context: None,
+};
+
+/// The gateway's HTTP app.
+pub fn router(g: Arc<Gateway>) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/workers", get(workers))
+        .with_state(g)
+}
+
+async fn completions(State(g): State<Arc<Gateway>>, body: axum::body::Bytes) -> Response {
+    match parse::<CompletionRequest>(&body) {
+        Ok(r) => start(g, r.prompt.tokens(), r.params, Flavor::Completion).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat(State(g): State<Arc<Gateway>>, body: axum::body::Bytes) -> Response {
+    let r: ChatRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    if r.messages.is_empty() {
+        return ApiError::bad_request("no messages").into_response();
+    }
+    let prompt = encode_text(&render_chat(&r.messages));
+    start(g, prompt, r.params, Flavor::Chat).await
+}
+
+/// Validates, then serves: nothing reaches an engine before the request is known to be valid.
+async fn start(
+    g: Arc<Gateway>,
+    prompt: Vec<u32>,
+    params: GenerationParams,
+    flavor: Flavor,
+) -> Response {
+    if let Err(e) = params.params(&prompt).validate(GATEWAY_LIMITS) {
+        return ApiError::from(e).into_response();
+    }
+    let job = Job { prompt, params };
+    serve(g, job, flavor)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+fn timed_out() -> ApiError {
+    ApiError::new(
+        StatusCode::GATEWAY_TIMEOUT,
+        "timeout",
+        "the request timed out",
+    )
+}
+
+async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, ApiError> {
+    let Ok(permit) = Arc::clone(&g.permits).try_acquire_owned() else {
+        return Err(ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit",
+            "too many requests in flight",
+        ));
+    };
+    let (tx, mut rx) = mpsc::channel::<Out>(64);
+    let timeout = Duration::from_millis(g.cfg.request_timeout_ms);
+    let stream = job.params.streams();
+    let prompt_tokens = job.prompt.len();
+    tokio::spawn({
+        let g = Arc::clone(&g);
+        async move {
+            let _permit = permit;
+            // On timeout the drive future is dropped; the handler then answers 504.
+            let _ = tokio::time::timeout(timeout, g.drive(job, tx)).await;
+        }
+    });
+    // Wait for the first token (or the failure) before answering anything.
+    let (first, meta) = match rx.recv().await {
+        Some(Out::First {
+            token,
+            seed,
+            model,
+            route,
+        }) => (
+            token,
+            ResponseMeta {
+                id: completion_id(),
+                model,
+                seed,
+                flavor,
+                prompt_tokens,
+                route: Some(route),
+            },
+        ),
+        Some(Out::Fail(f)) => return Err(f),
+        Some(other) => {
+            return Err(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "engine_error",
+                format!("unexpected {other:?}"),
+            ));
+        }
+        None => return Err(timed_out()),
+    };
+    if stream {
+        return Ok(relay_stream(meta, first, rx));
+    }
+    let mut tokens = vec![first];
+    let finish = loop {
+        match rx.recv().await {
+            Some(Out::Token(t)) => tokens.push(t),
+            Some(Out::Done { finish }) => break finish,
+            Some(Out::Broken(e)) => {
+                return Err(ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "engine_error",
+                    e.message,
+                ));
+            }
+            Some(_) => {}
+            None => return Err(timed_out()),
+        }
+    };
+    Ok(Json(meta.whole(tokens, finish)).into_response())
+}
+
+fn relay_stream(meta: ResponseMeta, first: u32, mut rx: mpsc::Receiver<Out>) -> Response {
+    let (tx, response) = sse::channel(64);
+    tokio::spawn(async move {
+        let chunk = |tokens, finish| StreamEvent::Chunk(Box::new(meta.chunk(tokens, finish)));
+        if !tx.send(&chunk(vec![first], None)).await {
+            return;
+        }
+        loop {
+            let event = match rx.recv().await {
+                Some(Out::Token(t)) => chunk(vec![t], None),
+                Some(Out::Done { finish }) => {
+                    if tx.send(&chunk(vec![], Some(finish))).await {
+                        tx.send(&StreamEvent::Done).await;
+                    }
+                    return;
+                }
+                Some(Out::Broken(e)) => StreamEvent::Error(e),
+                Some(_) => continue,
+                None => StreamEvent::Error(ErrorDetail {
+                    message: "the request timed out".into(),
+                    kind: "timeout".into(),
+                    code: None,
+                }),
+            };
+            // A client that left closes the response; returning drops `rx`, which ends the
+            // request task.
+            if !tx.send(&event).await || event.is_end() {
+                return;
+            }
+        }
+    });
+    response
+}
+
+/// `GET /v1/models`: one entry per model the live engines serve.
+#[derive(Debug, Serialize)]
+struct ModelList {
+    object: &'static str,
+    data: Vec<ModelCard>,
+}
+
+#[derive(Debug, Serialize)]
+struct ModelCard {
+    id: String,
+    object: &'static str,
+    owned_by: &'static str,
+}
+
+async fn models(State(g): State<Arc<Gateway>>) -> Response {
+    let mut names: Vec<String> = g.workers().into_iter().map(|w| w.model).collect();
+    names.sort();
+    names.dedup();
+    let data = names
+        .into_iter()
+        .map(|id| ModelCard {
+            id,
+            object: "model",
+            owned_by: "kvwire",
+        })
+        .collect();
+    Json(ModelList {
+        object: "list",
+        data,
+    })
+    .into_response()
+}
+
+async fn health(State(g): State<Arc<Gateway>>) -> Response {
+    let w = g.workers();
+    let ok = w.iter().any(|w| !w.draining);
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(json!({ "status": if ok { "ok" } else { "no workers" }, "workers": w.len() })),
+    )
+        .into_response()
+}
+
+async fn workers(State(g): State<Arc<Gateway>>) -> Response {
+    let list: Vec<serde_json::Value> = g
+        .registry
+        .snapshot(Instant::now())
+        .into_iter()
+        .map(|v| {
+            let w = v.status;
+            let role = match PbRole::try_from(w.role).unwrap_or(PbRole::Unspecified) {
+                PbRole::Prefill => "prefill",
+                PbRole::Decode => "decode",
+                PbRole::Both => "both",
+                PbRole::Unspecified => "unspecified",
+            };
+            json!({
+                "worker_id": w.worker_id, "role": role, "model": w.model, "http_address": w.http_address,
+                "grpc_address": w.grpc_address, "kv_address": w.kv_address, "kv_format": w.kv_format,
+                "queue_depth": w.queue_depth, "running": w.running, "free_blocks": w.free_blocks,
+                "total_blocks": w.total_blocks, "draining": w.draining, "block_tokens": w.block_tokens,
+                "heartbeat_ms": w.heartbeat_ms, "routed_in_flight": g.inflight.on(&w.worker_id),
+            })
+        })
+        .collect();
+    Json(json!({ "workers": list })).into_response()
+}

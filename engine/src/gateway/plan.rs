@@ -1,0 +1,404 @@
+//! Choosing where a request runs, as a pure function over a snapshot: the live workers (with
+//! the age of their last beat), the prefix each decode engine already caches (its HasBlocks
+//! answer, gathered by the caller), and the requests this gateway has in flight on each. No I/O
+//! and no clock: the same inputs give the same [`Plan`], so every case is a table row.
+//!
+//! The policy:
+//! - prefill: the live, non-draining prefill engine with the shortest queue (then the lower id);
+//! - decode: every live, non-draining decode engine that answered HasBlocks, scored
+//!   `cached prefix tokens - load_penalty_tokens x (running + queued + routed by this gateway)`,
+//!   best first; ties go to more free blocks, then the lower id;
+//! - with no prefill engine or no decode engine, a `both` engine serves it colocated;
+//! - else nothing can.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::time::Duration;
+
+use kvwire_grpc::pb::control::{Role as PbRole, WorkerStatus};
+
+use super::registry::is_stale;
+
+/// A worker as the registry last heard from it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerView {
+    /// Its last status.
+    pub status: WorkerStatus,
+    /// Time since that beat.
+    pub age: Duration,
+}
+
+impl WorkerView {
+    fn is(&self, role: PbRole) -> bool {
+        self.status.role == role as i32
+    }
+
+    /// Can take new work: not draining, not stale.
+    fn usable(&self) -> bool {
+        !self.status.draining && !is_stale(&self.status, self.age)
+    }
+
+    fn load(&self) -> u32 {
+        self.status.queue_depth + self.status.running
+    }
+}
+
+/// Why a decode engine was chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// It holds the first `blocks` full blocks of the prompt.
+    PrefixHit {
+        /// Blocks cached.
+        blocks: usize,
+    },
+    /// Nobody holds a prefix: the least loaded.
+    ByLoad,
+    /// No disaggregated pair exists: a `both` engine runs it alone.
+    Colocated,
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Reason::PrefixHit { blocks } => write!(f, "prefix hit: {blocks} blocks cached"),
+            Reason::ByLoad => f.write_str("no cached prefix: by load"),
+            Reason::Colocated => f.write_str("fallback: colocated on a both-role engine"),
+        }
+    }
+}
+
+/// A decode engine in the order of preference.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Ranked {
+    /// The engine.
+    pub worker: WorkerStatus,
+    /// Full prompt blocks it holds.
+    pub cached_blocks: usize,
+    /// Its score (higher is better).
+    pub score: f64,
+    /// Why it ranks where it does.
+    pub reason: Reason,
+}
+
+/// Where a request goes: a prefill engine and decode engines to try in order, and the `both`
+/// engine to fall back to when those fail.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Plan {
+    /// The prefill engine, when a disaggregated pair exists.
+    pub prefill: Option<WorkerStatus>,
+    /// Decode engines, best first (empty without a prefill engine).
+    pub decode: Vec<Ranked>,
+    /// The colocated fallback.
+    pub fallback: Option<WorkerStatus>,
+}
+
+impl Plan {
+    /// True when nothing can serve the request.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        (self.prefill.is_none() || self.decode.is_empty()) && self.fallback.is_none()
+    }
+}
+
+/// The weights of the policy.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Policy {
+    /// Cached prefix tokens one sequence of load is worth.
+    pub load_penalty_tokens: f64,
+}
+
+/// The routing score of a decode engine: cached prefix tokens minus `load_penalty_tokens` per
+/// sequence it runs, has queued, or was sent by this gateway since its last beat.
+///
+/// With the default penalty of 64, a 32-block prefix at B=4 (128 tokens) outweighs a load
+/// difference of one sequence, and is given up once the holder runs two more sequences than
+/// another engine.
+#[must_use]
+pub fn score(cached_prefix_tokens: usize, load: u32, load_penalty_tokens: f64) -> f64 {
+    cached_prefix_tokens as f64 - load_penalty_tokens * f64::from(load)
+}
+
+fn least_loaded(workers: &[WorkerView], role: PbRole) -> Option<&WorkerView> {
+    workers
+        .iter()
+        .filter(|w| w.is(role) && w.usable())
+        .min_by(|a, b| {
+            a.load()
+                .cmp(&b.load())
+                .then_with(|| a.status.worker_id.cmp(&b.status.worker_id))
+        })
+}
+
+/// The decode engines worth asking HasBlocks: live, not draining, receiving KV.
+#[must_use]
+pub fn decode_candidates(workers: &[WorkerView]) -> Vec<&WorkerStatus> {
+    workers
+        .iter()
+        .filter(|w| w.is(PbRole::Decode) && w.usable() && !w.status.kv_address.is_empty())
+        .map(|w| &w.status)
+        .collect()
+}
+
+/// The decode engines to ask HasBlocks before [`plan`]: the candidates, when a prefill engine
+/// exists to pair them with (else none: the request can only run colocated).
+#[must_use]
+pub fn has_blocks_targets(workers: &[WorkerView]) -> Vec<&WorkerStatus> {
+    if least_loaded(workers, PbRole::Prefill).is_some() {
+        decode_candidates(workers)
+    } else {
+        Vec::new()
+    }
+}
+
+/// Chooses where a request goes. `cached` holds, per decode worker id, the full prompt blocks
+/// it answered it holds (an engine missing from it failed or timed out, and is left out);
+/// `in_flight` the requests this gateway has sent each worker and not yet finished.
+#[must_use]
+pub fn plan(
+    workers: &[WorkerView],
+    cached: &HashMap<String, usize>,
+    in_flight: &HashMap<String, u32>,
+    policy: Policy,
+) -> Plan {
+    let prefill = least_loaded(workers, PbRole::Prefill).map(|w| w.status.clone());
+    let mut decode: Vec<Ranked> = if prefill.is_some() {
+        decode_candidates(workers)
+            .into_iter()
+            .filter_map(|w| {
+                let k = *cached.get(&w.worker_id)?;
+                let load =
+                    w.running + w.queue_depth + in_flight.get(&w.worker_id).copied().unwrap_or(0);
+                Some(Ranked {
+                    worker: w.clone(),
+                    cached_blocks: k,
+                    score: score(
+                        k * w.block_tokens as usize,
+                        load,
+                        policy.load_penalty_tokens,
+                    ),
+                    reason: if k > 0 {
+                        Reason::PrefixHit { blocks: k }
+                    } else {
+                        Reason::ByLoad
+                    },
+                })
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    // Best score first; on a tie the engine with more free blocks (which spreads new prefixes
+    // over the pools), then the lower id.
+    decode.sort_by(|a, b| {
+        b.score
+            .total_cmp(&a.score)
+            .then(b.worker.free_blocks.cmp(&a.worker.free_blocks))
+            .then_with(|| a.worker.worker_id.cmp(&b.worker.worker_id))
+    });
+    let fallback = least_loaded(workers, PbRole::Both)
+        .filter(|w| !w.status.http_address.is_empty())
+        .map(|w| w.status.clone());
+    Plan {
+        prefill,
+        decode,
+        fallback,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POLICY: Policy = Policy {
+        load_penalty_tokens: 64.0,
+    };
+
+    /// A worker: id, role, running sequences, free blocks; beating every 100 ms, 10 ms ago.
+    fn w(id: &str, role: PbRole, running: u32, free: u32) -> WorkerView {
+        WorkerView {
+            status: WorkerStatus {
+                worker_id: id.into(),
+                role: role as i32,
+                running,
+                free_blocks: free,
+                block_tokens: 4,
+                heartbeat_ms: 100,
+                kv_address: format!("{id}:kv"),
+                http_address: format!("{id}:http"),
+                grpc_address: format!("{id}:grpc"),
+                model: "fake".into(),
+                kv_format: 1,
+                ..WorkerStatus::default()
+            },
+            age: Duration::from_millis(10),
+        }
+    }
+
+    fn draining(mut v: WorkerView) -> WorkerView {
+        v.status.draining = true;
+        v
+    }
+
+    fn stale(mut v: WorkerView) -> WorkerView {
+        v.age = Duration::from_millis(301);
+        v
+    }
+
+    struct Case {
+        name: &'static str,
+        workers: Vec<WorkerView>,
+        cached: &'static [(&'static str, usize)],
+        in_flight: &'static [(&'static str, u32)],
+        /// Expected prefill, decode order with reasons, fallback.
+        prefill: Option<&'static str>,
+        decode: &'static [(&'static str, Reason)],
+        fallback: Option<&'static str>,
+    }
+
+    const P: PbRole = PbRole::Prefill;
+    const D: PbRole = PbRole::Decode;
+    const B: PbRole = PbRole::Both;
+
+    #[test]
+    fn route_plan_cases() {
+        let cases = vec![
+            Case {
+                name: "the prefix holder wins over an idle engine",
+                workers: vec![w("p", P, 0, 9), w("d1", D, 0, 10), w("d2", D, 0, 10)],
+                cached: &[("d1", 0), ("d2", 32)],
+                in_flight: &[],
+                prefill: Some("p"),
+                decode: &[
+                    ("d2", Reason::PrefixHit { blocks: 32 }),
+                    ("d1", Reason::ByLoad),
+                ],
+                fallback: None,
+            },
+            Case {
+                // 32 blocks x 4 tokens = 128 = two sequences of load at 64 each: a tie, then
+                // more free blocks wins.
+                name: "a holder two sequences busier ties, and free blocks decide",
+                workers: vec![w("p", P, 0, 9), w("d1", D, 0, 50), w("d2", D, 2, 10)],
+                cached: &[("d1", 0), ("d2", 32)],
+                in_flight: &[],
+                prefill: Some("p"),
+                decode: &[
+                    ("d1", Reason::ByLoad),
+                    ("d2", Reason::PrefixHit { blocks: 32 }),
+                ],
+                fallback: None,
+            },
+            Case {
+                name: "a holder far more loaded (counting this gateway's in-flight) loses",
+                workers: vec![w("p", P, 0, 9), w("d1", D, 0, 10), w("d2", D, 1, 10)],
+                cached: &[("d1", 0), ("d2", 32)],
+                in_flight: &[("d2", 2)],
+                prefill: Some("p"),
+                decode: &[
+                    ("d1", Reason::ByLoad),
+                    ("d2", Reason::PrefixHit { blocks: 32 }),
+                ],
+                fallback: None,
+            },
+            Case {
+                name: "equal scores and free blocks: the lower id",
+                workers: vec![w("p", P, 0, 9), w("d2", D, 0, 10), w("d1", D, 0, 10)],
+                cached: &[("d1", 0), ("d2", 0)],
+                in_flight: &[],
+                prefill: Some("p"),
+                decode: &[("d1", Reason::ByLoad), ("d2", Reason::ByLoad)],
+                fallback: None,
+            },
+            Case {
+                name: "draining and stale workers are skipped; the shortest queue prefills",
+                workers: vec![
+                    draining(w("d1", D, 0, 99)),
+                    stale(w("d2", D, 0, 99)),
+                    w("d3", D, 5, 1),
+                    w("p1", P, 3, 9),
+                    w("p2", P, 1, 9),
+                    draining(w("p3", P, 0, 9)),
+                ],
+                cached: &[("d1", 9), ("d2", 9), ("d3", 0)],
+                in_flight: &[],
+                prefill: Some("p2"),
+                decode: &[("d3", Reason::ByLoad)],
+                fallback: None,
+            },
+            Case {
+                name: "a decode engine that did not answer HasBlocks is left out",
+                workers: vec![w("p", P, 0, 9), w("d1", D, 0, 10), w("d2", D, 0, 10)],
+                cached: &[("d2", 1)],
+                in_flight: &[],
+                prefill: Some("p"),
+                decode: &[("d2", Reason::PrefixHit { blocks: 1 })],
+                fallback: None,
+            },
+            Case {
+                name: "no decode engine: a both engine serves it colocated",
+                workers: vec![w("p", P, 0, 9), w("b", B, 0, 9), draining(w("d", D, 0, 9))],
+                cached: &[],
+                in_flight: &[],
+                prefill: Some("p"),
+                decode: &[],
+                fallback: Some("b"),
+            },
+            Case {
+                name: "no prefill engine: no decode plan, the both engine",
+                workers: vec![w("d", D, 0, 9), w("b2", B, 4, 9), w("b1", B, 1, 9)],
+                cached: &[("d", 3)],
+                in_flight: &[],
+                prefill: None,
+                decode: &[],
+                fallback: Some("b1"),
+            },
+            Case {
+                name: "nothing left",
+                workers: vec![stale(w("p", P, 0, 9)), draining(w("b", B, 0, 9))],
+                cached: &[],
+                in_flight: &[],
+                prefill: None,
+                decode: &[],
+                fallback: None,
+            },
+        ];
+        for c in cases {
+            let cached: HashMap<String, usize> =
+                c.cached.iter().map(|(k, v)| ((*k).into(), *v)).collect();
+            let in_flight: HashMap<String, u32> =
+                c.in_flight.iter().map(|(k, v)| ((*k).into(), *v)).collect();
+            let got = plan(&c.workers, &cached, &in_flight, POLICY);
+            let id = |w: &Option<WorkerStatus>| w.as_ref().map(|w| w.worker_id.clone());
+            assert_eq!(
+                id(&got.prefill).as_deref(),
+                c.prefill,
+                "{}: prefill",
+                c.name
+            );
+            let decode: Vec<(String, Reason)> = got
+                .decode
+                .iter()
+                .map(|r| (r.worker.worker_id.clone(), r.reason))
+                .collect();
+            let want: Vec<(String, Reason)> =
+                c.decode.iter().map(|(k, r)| ((*k).into(), *r)).collect();
+            assert_eq!(decode, want, "{}: decode", c.name);
+            assert_eq!(
+                id(&got.fallback).as_deref(),
+                c.fallback,
+                "{}: fallback",
+                c.name
+            );
+            assert_eq!(
+                got.is_empty(),
+                c.fallback.is_none() && c.decode.is_empty(),
+                "{}",
+                c.name
+            );
+        }
+        assert_eq!(
+            Reason::PrefixHit { blocks: 3 }.to_string(),
+            "prefix hit: 3 blocks cached"
+        );
+    }
+}

@@ -1,0 +1,174 @@
+//! The gateway's clients of the engines: EngineControl and KvTransfer over one channel cache, the
+//! HasBlocks fan-out, and the decode fronts' event streams over HTTP.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvwire::prompt_hashes;
+use kvwire_grpc::pb::control::WorkerStatus;
+use kvwire_grpc::pb::kv::HasBlocksRequest;
+use kvwire_grpc::{GrpcTransport, KvTransport, TransportConfig};
+use tokio::task::JoinSet;
+use tonic::Status;
+
+use crate::api::{CompletionRequest, KV_HANDLE_HEADER};
+use crate::net::clients::{ControlClient, EventStream, HttpClient, HttpError};
+
+/// Why a decode front's stream could not be opened.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OpenError {
+    /// The exchange failed.
+    #[error(transparent)]
+    Http(#[from] HttpError),
+    /// The engine answered, but not 200.
+    #[error("answered {0}")]
+    Status(u16),
+}
+
+/// Clients of every engine, sharing one gRPC channel per address.
+#[derive(Debug)]
+pub struct Upstream {
+    transport: Arc<GrpcTransport>,
+    http: HttpClient,
+    has_blocks_timeout: Duration,
+}
+
+impl Upstream {
+    /// Clients whose HasBlocks and Release calls are bounded by `has_blocks_timeout`.
+    #[must_use]
+    pub fn new(has_blocks_timeout: Duration) -> Self {
+        let mut tc = TransportConfig::for_envelope(4096);
+        tc.call_timeout = has_blocks_timeout.max(Duration::from_millis(1));
+        Self {
+            transport: Arc::new(GrpcTransport::new(tc)),
+            http: HttpClient::default(),
+            has_blocks_timeout: tc.call_timeout,
+        }
+    }
+
+    /// The EngineControl client of the engine at `addr`.
+    ///
+    /// # Errors
+    /// INVALID_ARGUMENT for a malformed address.
+    pub fn control(&self, addr: &str) -> Result<ControlClient, Status> {
+        Ok(ControlClient::from_channel(self.transport.channel(addr)?))
+    }
+
+    /// Asks every decode engine in `decoders` at once which of `prompt`'s full blocks it holds;
+    /// returns, per worker id, the length of the prefix it holds. An engine that fails or takes
+    /// longer than the HasBlocks timeout is left out.
+    pub async fn cached_prefixes(
+        &self,
+        prompt: &[u32],
+        decoders: &[&WorkerStatus],
+    ) -> HashMap<String, usize> {
+        let mut asks = JoinSet::new();
+        for w in decoders {
+            let req = HasBlocksRequest {
+                hashes: prompt_hashes(prompt, w.block_tokens.max(1) as usize),
+                kv_format: kvwire_grpc::KV_FORMAT_V1,
+                model: w.model.clone(),
+            };
+            let (transport, id, addr) = (
+                Arc::clone(&self.transport),
+                w.worker_id.clone(),
+                w.kv_address.clone(),
+            );
+            let limit = self.has_blocks_timeout;
+            asks.spawn(async move {
+                let present = tokio::time::timeout(limit, transport.has_blocks(&addr, req)).await;
+                (id, present)
+            });
+        }
+        let mut cached = HashMap::new();
+        while let Some(done) = asks.join_next().await {
+            if let Ok((id, Ok(Ok(present)))) = done {
+                cached.insert(id, present.iter().take_while(|&&x| x).count());
+            }
+        }
+        cached
+    }
+
+    /// Releases a transferred handle the decode engine at `kv_addr` holds.
+    pub async fn release(&self, kv_addr: &str, handle: &str) {
+        // A handle that cannot be released ends with its lease.
+        let _ = self.transport.release(kv_addr, handle).await;
+    }
+
+    /// Opens a streamed completion on the decode front at `http_addr`, resuming `handle` when
+    /// given.
+    ///
+    /// # Errors
+    /// A failed exchange, or a status other than 200.
+    pub async fn stream(
+        &self,
+        http_addr: &str,
+        handle: Option<&str>,
+        req: &CompletionRequest,
+    ) -> Result<EventStream, OpenError> {
+        let headers: Vec<(&str, &str)> =
+            handle.map(|h| (KV_HANDLE_HEADER, h)).into_iter().collect();
+        // Serializing a plain request struct cannot fail.
+        let body = serde_json::to_vec(req).unwrap_or_default();
+        let (status, body) = self
+            .http
+            .post_streaming(http_addr, "/v1/completions", &headers, body)
+            .await?;
+        if status != 200 {
+            return Err(OpenError::Status(status));
+        }
+        Ok(EventStream::new(body))
+    }
+}
+
+/// A handle the decode engine has not claimed yet: released if the request ends first (a
+/// client gone, a refused resume, a timeout that drops the request mid-way).
+#[derive(Debug)]
+pub struct Unclaimed {
+    upstream: Arc<Upstream>,
+    kv: String,
+    handle: String,
+    armed: bool,
+}
+
+impl Unclaimed {
+    /// `handle` on the decode engine at `kv`.
+    #[must_use]
+    pub fn new(upstream: Arc<Upstream>, kv: &str, handle: &str) -> Self {
+        Self {
+            upstream,
+            kv: kv.to_owned(),
+            handle: handle.to_owned(),
+            armed: true,
+        }
+    }
+
+    /// The decode engine took the handle.
+    pub fn claimed(mut self) {
+        self.armed = false;
+    }
+
+    /// Releases it now.
+    pub async fn release(mut self) {
+        self.armed = false;
+        self.upstream.release(&self.kv, &self.handle).await;
+    }
+}
+
+impl Drop for Unclaimed {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (up, kv, handle) = (
+            Arc::clone(&self.upstream),
+            std::mem::take(&mut self.kv),
+            std::mem::take(&mut self.handle),
+        );
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move { up.release(&kv, &handle).await });
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! `tl.engine.v1.EngineControl`: the service a gateway drives. Its routing table is in one place
+//! ([`Routes`] below); Prefill goes to the [`PrefillService`] an engine with the prefill role
+//! built, and is refused with FAILED_PRECONDITION where none was.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvwire_grpc::glue::{self, Handler, Limits, ResponseFuture, Routes};
+use kvwire_grpc::pb::engine::{
+    CancelRequest, CancelResponse, DrainRequest, DrainResponse, InfoRequest, InfoResponse,
+    PrefillRequest, path,
+};
+use kvwire_grpc::{KV_FORMAT_V1, KvReceiver};
+use tonic::Status;
+use tonic::body::Body;
+
+use super::prefill::PrefillService;
+use super::state::NodeState;
+
+/// The EngineControl service of one node.
+#[derive(Debug)]
+pub struct EngineControl {
+    state: Arc<NodeState>,
+    prefill: Option<Arc<PrefillService>>,
+    receiver: Option<Arc<KvReceiver>>,
+}
+
+impl Routes for EngineControl {
+    const NAME: &'static str = path::SERVICE;
+    const ROUTES: &'static [(&'static str, Handler<Self>)] = &[
+        (path::PREFILL, Self::prefill),
+        (path::INFO, Self::info),
+        (path::CANCEL, Self::cancel),
+        (path::DRAIN, Self::drain),
+    ];
+}
+
+impl EngineControl {
+    /// The service over a node's parts: its state, its prefill service (prefill roles) and its
+    /// KV receiver (decode roles).
+    #[must_use]
+    pub fn new(
+        state: Arc<NodeState>,
+        prefill: Option<Arc<PrefillService>>,
+        receiver: Option<Arc<KvReceiver>>,
+    ) -> Self {
+        Self {
+            state,
+            prefill,
+            receiver,
+        }
+    }
+
+    fn prefill(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
+        let me = Arc::clone(self);
+        glue::serve_unary(
+            req,
+            Limits::default(),
+            move |m: PrefillRequest| async move {
+                match &me.prefill {
+                    Some(p) => p.prefill(m).await,
+                    None => Err(Status::failed_precondition(format!(
+                        "worker {} has no prefill role",
+                        me.state.id()
+                    ))),
+                }
+            },
+        )
+    }
+
+    fn info(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
+        let me = Arc::clone(self);
+        glue::serve_unary(req, Limits::default(), move |_: InfoRequest| async move {
+            Ok::<_, Status>(me.info_now())
+        })
+    }
+
+    fn cancel(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
+        let me = Arc::clone(self);
+        glue::serve_unary(req, Limits::default(), move |m: CancelRequest| async move {
+            let cancelled = me.prefill.as_ref().is_some_and(|p| p.cancel(&m.request_id));
+            Ok::<_, Status>(CancelResponse { cancelled })
+        })
+    }
+
+    fn drain(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
+        let me = Arc::clone(self);
+        glue::serve_unary(req, Limits::default(), move |m: DrainRequest| async move {
+            let wait = Duration::from_millis(m.deadline_ms.max(0) as u64);
+            let remaining = me.state.drain(wait).await;
+            Ok::<_, Status>(DrainResponse {
+                remaining: i32::try_from(remaining).unwrap_or(i32::MAX),
+            })
+        })
+    }
+
+    /// Live figures.
+    #[must_use]
+    pub fn info_now(&self) -> InfoResponse {
+        let runner = self.state.runner();
+        let model = runner.model();
+        let shape = model.shape();
+        let counts = runner.pool().lock().counts();
+        InfoResponse {
+            worker_id: self.state.id().to_owned(),
+            roles: self.state.role().names(),
+            model: model.name().to_owned(),
+            kv_format: KV_FORMAT_V1,
+            block_tokens: shape.dims.block_tokens,
+            n_layers: shape.dims.n_layers,
+            n_kv_heads: shape.dims.n_kv_heads,
+            head_dim: shape.dims.head_dim,
+            free_blocks: counts.free as u32,
+            total_blocks: counts.total as u32,
+            queue_depth: self.state.queue_depth(),
+            running: runner.running(),
+            draining: self.state.is_draining(),
+            pending_handles: self.receiver.as_ref().map_or(0, |r| r.pending() as u32),
+            used_blocks: counts.used as u32,
+            cached_blocks: counts.cached as u32,
+        }
+    }
+}

@@ -1,0 +1,249 @@
+//! The decode front: `POST /v1/completions`, OpenAI-compatible, built only on engines with the
+//! decode role. With `X-TL-KV-Handle` and `tl_resume` it continues a request a prefill engine
+//! started (claiming the transferred blocks); without, it runs the request here.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use kvwire::prompt_hashes;
+use kvwire_grpc::KvReceiver;
+use tl_engine_core::engine::{Mode, Request, Resume};
+use tl_engine_core::pool::Blocks;
+use tl_engine_core::request::Limits;
+use tl_engine_core::rng::entropy_seed;
+use tl_engine_core::sampler::Sampling;
+use tokio::sync::mpsc;
+
+use super::runner::SeqEvent;
+use super::state::NodeState;
+use crate::api::sse::{self, StreamEvent};
+use crate::api::{
+    ApiError, CompletionRequest, Flavor, KV_HANDLE_HEADER, ResponseMeta, TlResume, completion_id,
+    finish_str, parse,
+};
+
+/// The decode front of one node.
+#[derive(Debug)]
+pub struct DecodeFront {
+    state: Arc<NodeState>,
+    receiver: Arc<KvReceiver>,
+}
+
+impl DecodeFront {
+    /// The front of `state`'s engine, resuming the handles `receiver` holds.
+    #[must_use]
+    pub fn new(state: Arc<NodeState>, receiver: Arc<KvReceiver>) -> Self {
+        Self { state, receiver }
+    }
+
+    /// The HTTP app.
+    pub fn router(self: Arc<Self>) -> axum::Router {
+        axum::Router::new()
+            .route("/v1/completions", post(completions))
+            .with_state(self)
+    }
+
+    /// Claims `handle` for `prompt` and starts decoding from it.
+    fn resume(
+        &self,
+        handle: &str,
+        prompt: &[u32],
+        req: &CompletionRequest,
+        sampling: Sampling,
+    ) -> Result<(u64, u32, mpsc::UnboundedReceiver<SeqEvent>), ApiError> {
+        let not_found = |m: String| ApiError::new(StatusCode::NOT_FOUND, "not_found", m);
+        let Some(TlResume {
+            first_token,
+            rng_draws_consumed,
+        }) = req.tl_resume
+        else {
+            return Err(ApiError::bad_request(
+                "X-TL-KV-Handle needs a tl_resume body field",
+            ));
+        };
+        let Some(seed) = req.params.seed else {
+            return Err(ApiError::bad_request(
+                "resuming needs the seed the prefill engine reported",
+            ));
+        };
+        let Some((hashes, tokens)) = self.receiver.peek(handle) else {
+            return Err(not_found(format!(
+                "unknown or already claimed KV handle {handle:?}"
+            )));
+        };
+        let runner = self.state.runner();
+        let b = runner.model().shape().block_tokens() as usize;
+        let mut expect = prompt_hashes(prompt, b);
+        if !prompt.len().is_multiple_of(b) {
+            expect.push(0);
+        }
+        if hashes != expect || tokens != prompt.len() as u64 {
+            // Not this prompt's blocks: leave the handle to its owner.
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "conflict",
+                format!(
+                    "KV handle {handle:?} holds {tokens} tokens in other blocks than this prompt's {}",
+                    prompt.len()
+                ),
+            ));
+        }
+        let Some(claimed) = self.receiver.claim(handle) else {
+            return Err(not_found(format!(
+                "KV handle {handle:?} was claimed meanwhile"
+            )));
+        };
+        let blocks = Blocks::new(runner.pool().clone(), claimed.into_ids());
+        let (_, events) = runner.resume(Resume {
+            prompt: prompt.to_vec(),
+            blocks,
+            first_token,
+            draws: u64::from(rng_draws_consumed),
+            sampling,
+            seed,
+            max_tokens: req.params.max_tokens(),
+        });
+        Ok((seed, first_token, events))
+    }
+
+    async fn complete(&self, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
+        let req: CompletionRequest = parse(body)?;
+        let runner = self.state.runner();
+        let model = runner.model().clone();
+        if let Some(m) = req.params.model()
+            && m != model.name()
+        {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "model_not_found",
+                format!("model {m:?} is not served here"),
+            ));
+        }
+        if self.state.is_draining() {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "this engine is draining",
+            ));
+        }
+        let prompt = req.prompt.tokens();
+        let sampling = req
+            .params
+            .params(&prompt)
+            .validate(Limits::of(model.as_ref()))?;
+        let handle = headers.get(KV_HANDLE_HEADER).and_then(|v| v.to_str().ok());
+        let (seed, first, events) = match handle {
+            Some(handle) => {
+                let (seed, first, ev) = self.resume(handle, &prompt, &req, sampling)?;
+                (seed, Some(first), ev)
+            }
+            None => {
+                let seed = req.params.seed.unwrap_or_else(entropy_seed);
+                let (_, ev) = runner.submit(Request {
+                    prompt: prompt.clone(),
+                    sampling,
+                    seed,
+                    max_tokens: req.params.max_tokens(),
+                    mode: Mode::Generate,
+                });
+                (seed, None, ev)
+            }
+        };
+        let meta = ResponseMeta {
+            id: completion_id(),
+            model: model.name().to_owned(),
+            seed,
+            flavor: Flavor::Completion,
+            prompt_tokens: prompt.len(),
+            route: None,
+        };
+        Ok(if req.params.streams() {
+            stream(meta, first, events)
+        } else {
+            collect(meta, first, events).await?
+        })
+    }
+}
+
+async fn completions(
+    State(front): State<Arc<DecodeFront>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    front
+        .complete(&headers, &body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+fn engine_error(message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "engine_error", message)
+}
+
+async fn collect(
+    meta: ResponseMeta,
+    first: Option<u32>,
+    mut events: mpsc::UnboundedReceiver<SeqEvent>,
+) -> Result<Response, ApiError> {
+    let mut tokens: Vec<u32> = first.into_iter().collect();
+    let reason = loop {
+        match events.recv().await {
+            Some(SeqEvent::Token { token, .. }) => tokens.push(token),
+            Some(SeqEvent::Finished(r)) => break r,
+            Some(SeqEvent::Refused(e)) => return Err(e.into()),
+            Some(SeqEvent::Failed(e)) => return Err(engine_error(e.to_string())),
+            Some(SeqEvent::Prefilled(_)) => {}
+            None => return Err(engine_error("the engine stopped")),
+        }
+    };
+    Ok(Json(meta.whole(tokens, finish_str(reason).into())).into_response())
+}
+
+fn stream(
+    meta: ResponseMeta,
+    first: Option<u32>,
+    mut events: mpsc::UnboundedReceiver<SeqEvent>,
+) -> Response {
+    let (tx, response) = sse::channel(16);
+    tokio::spawn(async move {
+        let chunk = |tokens: Vec<u32>, finish: Option<String>| {
+            StreamEvent::Chunk(Box::new(meta.chunk(tokens, finish)))
+        };
+        if let Some(t) = first
+            && !tx.send(&chunk(vec![t], None)).await
+        {
+            return;
+        }
+        loop {
+            let event = match events.recv().await {
+                Some(SeqEvent::Token { token, .. }) => chunk(vec![token], None),
+                Some(SeqEvent::Finished(r)) => chunk(vec![], Some(finish_str(r).into())),
+                Some(SeqEvent::Failed(e)) => {
+                    StreamEvent::Error(engine_error(e.to_string()).detail())
+                }
+                Some(SeqEvent::Refused(e)) => StreamEvent::Error(ApiError::from(e).detail()),
+                Some(SeqEvent::Prefilled(_)) => continue,
+                None => break,
+            };
+            let last = matches!(&event, StreamEvent::Chunk(c) if c.choices.iter().any(|c| c.finish_reason.is_some()))
+                || event.is_end();
+            // A client that went away closes the stream: dropping `events` then cancels the
+            // sequence on the engine thread.
+            if !tx.send(&event).await {
+                return;
+            }
+            if last {
+                if !event.is_end() {
+                    tx.send(&StreamEvent::Done).await;
+                }
+                return;
+            }
+        }
+        tx.send(&StreamEvent::Done).await;
+    });
+    response
+}

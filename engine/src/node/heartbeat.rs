@@ -1,0 +1,188 @@
+//! The heartbeat: every `heartbeat_ms` the node tells the gateway's WorkerRegistry where it
+//! serves and how loaded it is. A beat is bounded by a timeout; consecutive failures are counted
+//! and reset by a success; the loop never stops on failure; an ack with `drain = true` is
+//! remembered for good and starts the node's drain.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use kvwire_grpc::pb::control::{HeartbeatAck, Role as PbRole, WorkerStatus};
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
+
+use super::config::Role;
+use super::state::NodeState;
+use crate::net::clients::RegistryClient;
+
+/// What the heartbeat needs of a registry.
+pub trait Registry: Send + Sync + 'static {
+    /// Sends one beat.
+    fn heartbeat(
+        &self,
+        status: WorkerStatus,
+    ) -> impl Future<Output = Result<HeartbeatAck, Status>> + Send;
+}
+
+impl<R: Registry> Registry for Arc<R> {
+    fn heartbeat(
+        &self,
+        status: WorkerStatus,
+    ) -> impl Future<Output = Result<HeartbeatAck, Status>> + Send {
+        R::heartbeat(self, status)
+    }
+}
+
+impl Registry for RegistryClient {
+    fn heartbeat(
+        &self,
+        status: WorkerStatus,
+    ) -> impl Future<Output = Result<HeartbeatAck, Status>> + Send {
+        RegistryClient::heartbeat(self, status)
+    }
+}
+
+/// The addresses a worker serves, as registered.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Addresses {
+    /// HTTP front (decode roles).
+    pub http: String,
+    /// EngineControl.
+    pub grpc: String,
+    /// KvTransfer (decode roles).
+    pub kv: String,
+}
+
+/// A node's status for one beat, with its live load.
+#[must_use]
+pub fn worker_status(node: &NodeState, addrs: &Addresses, heartbeat_ms: u32) -> WorkerStatus {
+    let role = node.role();
+    let runner = node.runner();
+    let model = runner.model();
+    let counts = runner.pool().lock().counts();
+    // Only an engine that receives KV advertises where to push it and where to resume.
+    let if_decodes = |a: &String| {
+        if role.decodes() {
+            a.clone()
+        } else {
+            String::new()
+        }
+    };
+    WorkerStatus {
+        worker_id: node.id().to_owned(),
+        http_address: if_decodes(&addrs.http),
+        grpc_address: addrs.grpc.clone(),
+        kv_address: if_decodes(&addrs.kv),
+        role: match role {
+            Role::Prefill => PbRole::Prefill,
+            Role::Decode => PbRole::Decode,
+            Role::Both => PbRole::Both,
+        } as i32,
+        model: model.name().to_owned(),
+        kv_format: kvwire_grpc::KV_FORMAT_V1,
+        queue_depth: node.queue_depth(),
+        running: runner.running(),
+        // Blocks on the free list; cached blocks are evictable but still hold someone's prefix.
+        free_blocks: counts.free as u32,
+        total_blocks: counts.total as u32,
+        draining: node.is_draining(),
+        block_tokens: model.shape().block_tokens(),
+        heartbeat_ms,
+    }
+}
+
+/// The heartbeat's memory: consecutive failures, beats sent, and the sticky drain flag.
+#[derive(Debug)]
+pub struct Heartbeat<R> {
+    registry: R,
+    timeout: Duration,
+    failures: AtomicU32,
+    beats: AtomicU64,
+    drain: AtomicBool,
+}
+
+impl<R: Registry> Heartbeat<R> {
+    /// A heartbeat to `registry`, each beat bounded by `timeout`.
+    pub fn new(registry: R, timeout: Duration) -> Self {
+        Self {
+            registry,
+            timeout,
+            failures: AtomicU32::new(0),
+            beats: AtomicU64::new(0),
+            drain: AtomicBool::new(false),
+        }
+    }
+
+    /// Consecutive failed beats (0 after a success).
+    pub fn failures(&self) -> u32 {
+        self.failures.load(Ordering::SeqCst)
+    }
+
+    /// Beats attempted.
+    pub fn beats(&self) -> u64 {
+        self.beats.load(Ordering::SeqCst)
+    }
+
+    /// True once any ack said drain.
+    pub fn drain_requested(&self) -> bool {
+        self.drain.load(Ordering::SeqCst)
+    }
+
+    /// Sends one beat, bounded by the timeout. Returns whether the worker must drain (sticky:
+    /// once true, true for good).
+    ///
+    /// # Errors
+    /// The registry's status or DEADLINE_EXCEEDED; the failure is counted.
+    pub async fn beat_once(&self, status: WorkerStatus) -> Result<bool, Status> {
+        self.beats.fetch_add(1, Ordering::SeqCst);
+        let res = match tokio::time::timeout(self.timeout, self.registry.heartbeat(status)).await {
+            Ok(r) => r,
+            Err(_) => Err(Status::deadline_exceeded(format!(
+                "heartbeat took longer than {:?}",
+                self.timeout
+            ))),
+        };
+        match res {
+            Ok(ack) => {
+                self.failures.store(0, Ordering::SeqCst);
+                if ack.drain {
+                    self.drain.store(true, Ordering::SeqCst);
+                }
+                Ok(self.drain_requested())
+            }
+            Err(e) => {
+                self.failures.fetch_add(1, Ordering::SeqCst);
+                Err(e)
+            }
+        }
+    }
+
+    /// Beats at once, then every `interval`, with a fresh status each time, until `stop` fires
+    /// (promptly: a beat in progress is abandoned). Never stops on failure; `on_drain` runs
+    /// (once) when an ack first says drain.
+    pub async fn run(
+        self: Arc<Self>,
+        interval: Duration,
+        status: impl Fn() -> WorkerStatus + Send,
+        on_drain: impl Fn() + Send,
+        stop: CancellationToken,
+    ) {
+        let mut drained = false;
+        loop {
+            tokio::select! {
+                r = self.beat_once(status()) => {
+                    if matches!(r, Ok(true)) && !drained {
+                        drained = true;
+                        on_drain();
+                    }
+                }
+                () = stop.cancelled() => return,
+            }
+            tokio::select! {
+                () = tokio::time::sleep(interval) => {}
+                () = stop.cancelled() => return,
+            }
+        }
+    }
+}

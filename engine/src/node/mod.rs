@@ -1,0 +1,177 @@
+//! One engine process: the engine thread and the services a role builds around it.
+//!
+//! | part | built for | file |
+//! |---|---|---|
+//! | shared state: id, role, engine thread handle, drain | every role | [`state`] |
+//! | the step thread | every role | [`runner`] |
+//! | EngineControl (Prefill, Info, Cancel, Drain) | every role | [`control`] |
+//! | the prefill service | prefill, both | [`prefill`] |
+//! | the KV receiver (KvTransfer) over the pool | decode, both | [`store`], `kvwire_grpc` |
+//! | the decode front (`/v1/completions`) | decode, both | [`front`] |
+//! | the heartbeat | when a registry is configured | [`heartbeat`] |
+
+pub mod config;
+pub mod control;
+pub mod front;
+pub mod heartbeat;
+pub mod prefill;
+pub mod runner;
+pub mod state;
+pub mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvwire_grpc::glue::Dispatch;
+use kvwire_grpc::{GrpcTransport, KvReceiver, KvStore, KvTransferService, TransportConfig};
+use tl_engine_core::engine::Engine;
+use tl_engine_core::model::Model;
+use tokio_util::sync::DropGuard;
+
+use self::config::Config;
+use self::control::EngineControl;
+use self::front::DecodeFront;
+use self::heartbeat::{Addresses, Heartbeat, worker_status};
+use self::prefill::PrefillService;
+use self::runner::{EngineThread, Runner};
+use self::state::NodeState;
+use self::store::PoolStore;
+use crate::net::clients::RegistryClient;
+use crate::net::server::{Lifecycle, bind, serve_grpc, serve_http};
+
+/// A running engine.
+#[derive(Debug)]
+pub struct EngineNode {
+    state: Arc<NodeState>,
+    addrs: Addresses,
+    receiver: Option<Arc<KvReceiver>>,
+    life: Lifecycle,
+    _stop_on_drop: DropGuard,
+    thread: EngineThread,
+}
+
+impl EngineNode {
+    /// Starts an engine as `cfg` says: the engine thread, then what its role builds.
+    ///
+    /// # Errors
+    /// When an address cannot be bound, the registry address is malformed, or the engine
+    /// thread cannot start.
+    pub async fn start(cfg: &Config) -> std::io::Result<Self> {
+        let model = cfg.build_model();
+        let pool = cfg.build_pool();
+        let mut engine = Engine::new(model.clone(), pool.clone());
+        engine.set_cost(cfg.cost());
+        let (runner, thread) = Runner::start(engine)?;
+        let role = cfg.engine.role;
+        let state = Arc::new(NodeState::new(cfg.engine.id.clone(), role, runner));
+        let life = Lifecycle::new();
+        let stop_on_drop = life.guard();
+
+        let prefill = role.prefills().then(|| {
+            let transport = GrpcTransport::new(TransportConfig::for_envelope(
+                model.shape().envelope_len(1).unwrap_or(usize::MAX / 2),
+            ));
+            Arc::new(PrefillService::new(Arc::clone(&state), transport))
+        });
+        let receiver = role.decodes().then(|| {
+            let store: Arc<dyn KvStore> = Arc::new(PoolStore(pool.clone()));
+            Arc::new(KvReceiver::new(store, cfg.model.kind.clone()))
+        });
+
+        let control = EngineControl::new(Arc::clone(&state), prefill, receiver.clone());
+        let grpc = serve_grpc(
+            &life,
+            bind(&cfg.engine.grpc_listen).await?,
+            Dispatch::new(Arc::new(control)),
+        )?;
+        let mut addrs = Addresses {
+            grpc: grpc.to_string(),
+            ..Addresses::default()
+        };
+        if let Some(rx) = receiver.clone() {
+            let kv = KvTransferService::new(Arc::clone(&rx)).into_service();
+            addrs.kv = serve_grpc(&life, bind(&cfg.engine.kv_listen).await?, kv)?.to_string();
+            life.spawn(kvwire_grpc::server::sweep_leases(
+                Arc::clone(&rx),
+                life.token().clone(),
+            ));
+            let front = Arc::new(DecodeFront::new(Arc::clone(&state), rx));
+            addrs.http = serve_http(&life, bind(&cfg.engine.http_listen).await?, front.router())?
+                .to_string();
+        }
+        if !cfg.engine.gateway_registry.is_empty() {
+            let ms = cfg.engine.heartbeat_ms;
+            let interval = Duration::from_millis(u64::from(ms));
+            let timeout = interval.clamp(Duration::from_millis(100), Duration::from_secs(2));
+            let registry =
+                RegistryClient::new(&cfg.engine.gateway_registry, timeout).map_err(|s| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidInput, s.message().to_owned())
+                })?;
+            let hb = Arc::new(Heartbeat::new(registry, timeout));
+            let (s1, s2, a) = (Arc::clone(&state), Arc::clone(&state), addrs.clone());
+            life.spawn(hb.run(
+                interval,
+                move || worker_status(&s1, &a, ms),
+                move || s2.start_drain(),
+                life.token().clone(),
+            ));
+        }
+        Ok(Self {
+            state,
+            addrs,
+            receiver,
+            life,
+            _stop_on_drop: stop_on_drop,
+            thread,
+        })
+    }
+
+    /// The state every part shares.
+    #[must_use]
+    pub fn state(&self) -> &Arc<NodeState> {
+        &self.state
+    }
+
+    /// The engine thread's handle.
+    #[must_use]
+    pub fn runner(&self) -> &Runner {
+        self.state.runner()
+    }
+
+    /// The KV receiver (decode roles).
+    #[must_use]
+    pub fn receiver(&self) -> Option<&Arc<KvReceiver>> {
+        self.receiver.as_ref()
+    }
+
+    /// The addresses served.
+    #[must_use]
+    pub fn addresses(&self) -> Addresses {
+        self.addrs.clone()
+    }
+
+    /// The first line a process prints: the addresses it bound (keys for what it serves).
+    #[must_use]
+    pub fn listening_line(&self) -> String {
+        let mut m = serde_json::Map::new();
+        m.insert("event".into(), "listening".into());
+        m.insert("id".into(), self.state.id().into());
+        m.insert("grpc".into(), self.addrs.grpc.clone().into());
+        if !self.addrs.kv.is_empty() {
+            m.insert("kv".into(), self.addrs.kv.clone().into());
+        }
+        if !self.addrs.http.is_empty() {
+            m.insert("http".into(), self.addrs.http.clone().into());
+        }
+        serde_json::Value::Object(m).to_string()
+    }
+
+    /// Drains (refusing new work, waiting up to `deadline` for work in flight), then stops every
+    /// server and task and joins the engine thread. Returns the work that remained.
+    pub async fn shutdown(self, deadline: Duration) -> usize {
+        let remaining = self.state.drain(deadline).await;
+        self.life.shutdown().await;
+        self.thread.join().await;
+        remaining
+    }
+}

@@ -1,0 +1,129 @@
+//! What every part of one engine process shares, whatever its role: its id and role, the engine
+//! thread's handle, the drain flag, and the count of work in flight. The parts a role builds (the
+//! prefill service, the decode front, the KV receiver) hold an `Arc` of it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use super::config::Role;
+use super::runner::Runner;
+
+/// The shared state of one engine node.
+#[derive(Debug)]
+pub struct NodeState {
+    id: String,
+    role: Role,
+    runner: Runner,
+    draining: AtomicBool,
+    prefills: AtomicUsize,
+    prefills_changed: Notify,
+}
+
+impl NodeState {
+    /// The state of worker `id` with `role`, over the engine thread `runner`.
+    #[must_use]
+    pub fn new(id: impl Into<String>, role: Role, runner: Runner) -> Self {
+        Self {
+            id: id.into(),
+            role,
+            runner,
+            draining: AtomicBool::new(false),
+            prefills: AtomicUsize::new(0),
+            prefills_changed: Notify::new(),
+        }
+    }
+
+    /// The worker id.
+    #[must_use]
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The role.
+    #[must_use]
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// The engine thread's handle.
+    #[must_use]
+    pub fn runner(&self) -> &Runner {
+        &self.runner
+    }
+
+    /// True once draining (it never goes back).
+    #[must_use]
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Starts draining: new work is refused from now on.
+    pub fn start_drain(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Prefill calls in flight.
+    #[must_use]
+    pub fn inflight_prefills(&self) -> usize {
+        self.prefills.load(Ordering::SeqCst)
+    }
+
+    /// Counts one Prefill call in flight until the guard drops.
+    #[must_use]
+    pub fn prefill_started(self: &Arc<Self>) -> PrefillInFlight {
+        self.prefills.fetch_add(1, Ordering::SeqCst);
+        PrefillInFlight(Arc::clone(self))
+    }
+
+    /// Requests waiting for prefill, Prefill calls included (what routing calls queue depth).
+    #[must_use]
+    pub fn queue_depth(&self) -> u32 {
+        self.runner.queue_depth() + self.inflight_prefills() as u32
+    }
+
+    /// Work not finished: Prefill calls, queued and running sequences.
+    #[must_use]
+    pub fn remaining_work(&self) -> usize {
+        self.inflight_prefills()
+            + self.runner.queue_depth() as usize
+            + self.runner.running() as usize
+    }
+
+    /// Refuses new work from now on and waits up to `deadline` for the work in flight to end;
+    /// returns what remains. Woken by every change of the work in flight, never polling.
+    pub async fn drain(&self, deadline: Duration) -> usize {
+        self.start_drain();
+        let end = tokio::time::Instant::now() + deadline;
+        loop {
+            // Register for both notifications before looking, so a change in between is seen.
+            let load = self.runner.load().changed();
+            let prefills = self.prefills_changed.notified();
+            tokio::pin!(load, prefills);
+            load.as_mut().enable();
+            prefills.as_mut().enable();
+            let left = self.remaining_work();
+            if left == 0 {
+                return 0;
+            }
+            tokio::select! {
+                () = load => {}
+                () = prefills => {}
+                () = tokio::time::sleep_until(end) => return self.remaining_work(),
+            }
+        }
+    }
+}
+
+/// One Prefill call in flight; dropping it ends the count and wakes a drain.
+#[derive(Debug)]
+pub struct PrefillInFlight(Arc<NodeState>);
+
+impl Drop for PrefillInFlight {
+    fn drop(&mut self) {
+        self.0.prefills.fetch_sub(1, Ordering::SeqCst);
+        self.0.prefills_changed.notify_waiters();
+    }
+}

@@ -1,0 +1,81 @@
+//! The node's pool as the transfer sees it: [`PoolStore`] implements `kvwire_grpc::KvStore` over
+//! the core's [`SharedKv`]. The core knows nothing of gRPC; this adapter is the only place the two
+//! meet. Each method locks once, briefly; `write_envelope` holds the lock for one block's copy
+//! and CRC, never across I/O.
+
+use kvwire::Shape;
+use kvwire_grpc::{BlockId, KvStore, StoreError};
+use tl_engine_core::pool::{PoolError, SharedKv};
+
+/// A [`SharedKv`] serving the KV transfer.
+#[derive(Clone, Debug)]
+pub struct PoolStore(pub SharedKv);
+
+fn store_error(e: PoolError) -> StoreError {
+    match e {
+        PoolError::Exhausted { .. } => StoreError::Exhausted,
+        other => StoreError::pool(other),
+    }
+}
+
+impl KvStore for PoolStore {
+    fn shape(&self) -> Shape {
+        self.0.lock().shape()
+    }
+
+    fn contains(&self, hashes: &[u64]) -> Vec<bool> {
+        let pool = self.0.lock();
+        hashes.iter().map(|&h| pool.lookup(h).is_some()).collect()
+    }
+
+    fn take_ref(&self, hash: u64) -> Option<BlockId> {
+        self.0.lock().lookup_ref(hash)
+    }
+
+    fn import(&self, hash: u64, fill: u32, payload: &[u8]) -> Result<BlockId, StoreError> {
+        self.0
+            .lock()
+            .import(hash, fill, payload)
+            .map_err(store_error)
+    }
+
+    fn release(&self, ids: &[BlockId]) {
+        let mut pool = self.0.lock();
+        for &id in ids {
+            let res = pool.release(id);
+            debug_assert!(res.is_ok(), "release of block {id}: {res:?}");
+        }
+    }
+
+    fn release_forget(&self, ids: &[BlockId]) {
+        let mut pool = self.0.lock();
+        for &id in ids {
+            let res = pool.release_forget(id);
+            debug_assert!(res.is_ok(), "release_forget of block {id}: {res:?}");
+        }
+    }
+
+    fn write_envelope(
+        &self,
+        id: BlockId,
+        mut out: &mut dyn bytes::BufMut,
+    ) -> Result<u64, StoreError> {
+        let pool = self.0.lock();
+        let (hash, _, refs) = pool.info(id).map_err(|_| StoreError::NotHeld(id))?;
+        if refs == 0 {
+            return Err(StoreError::NotHeld(id));
+        }
+        let (payload, fill) = pool.export(id).map_err(|_| StoreError::NotHeld(id))?;
+        kvwire::write_envelope(
+            &pool.shape(),
+            &[kvwire::RecordIn {
+                hash,
+                fill,
+                payload,
+            }],
+            &mut out,
+        )
+        .map_err(StoreError::pool)?;
+        Ok(hash)
+    }
+}
