@@ -5,7 +5,8 @@
 //! - [`gateway`]: the registry server, route planning, in-flight accounting, upstream clients,
 //!   the request state machine and the OpenAI handlers;
 //! - [`api`]: the typed OpenAI HTTP API and its one SSE codec, shared by both;
-//! - [`net`]: servers and their one shutdown mechanism, and the clients of other processes.
+//! - [`net`]: servers and their one shutdown mechanism, and the clients of other processes;
+//! - [`toml_file`]: reading a configuration file, for both.
 //!
 //! The `tl` binary (`src/bin/tl/`) is built on these; it is not library API.
 #![forbid(unsafe_code)]
@@ -15,3 +16,4 @@ pub mod api;
 pub mod gateway;
 pub mod net;
 pub mod node;
+pub mod toml_file;

@@ -143,6 +143,40 @@ where
     }
 }
 
+/// A handler's answer, boxed so one adapter serves every method kind.
+type Answer<Resp> = Pin<Box<dyn Future<Output = Result<Response<Resp>, Status>> + Send>>;
+
+/// Adapts a one-shot `handler` of the request body to the `FnMut` tonic's service traits want
+/// (tonic calls it once per HTTP request).
+fn once<In, Resp, F, Fut>(handler: F) -> impl FnMut(Request<In>) -> Answer<Resp>
+where
+    In: Send + 'static,
+    F: FnOnce(In) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<Resp, Status>> + Send + 'static,
+{
+    let mut handler = Some(handler);
+    move |r: Request<In>| {
+        let h = handler.take();
+        Box::pin(async move {
+            match h {
+                Some(h) => h(r.into_inner()).await.map(Response::new),
+                None => Err(Status::internal("handler called twice")),
+            }
+        })
+    }
+}
+
+/// The server side of one call, with `limits` on both directions.
+fn server<Req, Resp>(limits: Limits) -> Grpc<ProstCodec<Resp, Req>>
+where
+    Req: prost::Message + Default + Send + 'static,
+    Resp: prost::Message + Send + 'static,
+{
+    Grpc::new(ProstCodec::<Resp, Req>::default())
+        .max_decoding_message_size(limits.max_decode)
+        .max_encoding_message_size(limits.max_encode)
+}
+
 /// Answers one unary call with `handler`.
 pub fn serve_unary<Req, Resp, F, Fut>(
     req: http::Request<Body>,
@@ -156,20 +190,8 @@ where
     Fut: Future<Output = Result<Resp, Status>> + Send + 'static,
 {
     Box::pin(async move {
-        let mut grpc = Grpc::new(ProstCodec::<Resp, Req>::default())
-            .max_decoding_message_size(limits.max_decode)
-            .max_encoding_message_size(limits.max_encode);
-        let mut handler = Some(handler);
-        let svc = UnaryFn(move |r: Request<Req>| {
-            let h = handler.take();
-            async move {
-                match h {
-                    Some(h) => h(r.into_inner()).await.map(Response::new),
-                    None => Err(Status::internal("handler called twice")),
-                }
-            }
-        });
-        Ok(grpc.unary(svc, req).await)
+        let svc = UnaryFn(once(handler));
+        Ok(server::<Req, Resp>(limits).unary(svc, req).await)
     })
 }
 
@@ -186,20 +208,8 @@ where
     Fut: Future<Output = Result<Resp, Status>> + Send + 'static,
 {
     Box::pin(async move {
-        let mut grpc = Grpc::new(ProstCodec::<Resp, Req>::default())
-            .max_decoding_message_size(limits.max_decode)
-            .max_encoding_message_size(limits.max_encode);
-        let mut handler = Some(handler);
-        let svc = ClientStreamingFn(move |r: Request<Streaming<Req>>| {
-            let h = handler.take();
-            async move {
-                match h {
-                    Some(h) => h(r.into_inner()).await.map(Response::new),
-                    None => Err(Status::internal("handler called twice")),
-                }
-            }
-        });
-        Ok(grpc.client_streaming(svc, req).await)
+        let svc = ClientStreamingFn(once(handler));
+        Ok(server::<Req, Resp>(limits).client_streaming(svc, req).await)
     })
 }
 

@@ -14,6 +14,8 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+use crate::toml_file::{self, FileError};
+
 /// `[gateway]`.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -57,22 +59,9 @@ pub struct GatewayConfig {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum GatewayConfigError {
-    /// The file could not be read.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The TOML is malformed or has unknown keys.
-    #[error("{path}: {source}")]
-    Parse {
-        /// The file.
-        path: String,
-        /// Why.
-        source: Box<toml::de::Error>,
-    },
+    /// The file could not be read or parsed.
+    #[error(transparent)]
+    File(#[from] FileError),
     /// A value is out of range.
     #[error("gateway.max_inflight and gateway.request_timeout_ms must be >= 1")]
     Invalid,
@@ -87,15 +76,7 @@ impl GatewayConfig {
         let Some(path) = path else {
             return Ok(Self::default());
         };
-        let shown = || path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| GatewayConfigError::Io {
-            path: shown(),
-            source,
-        })?;
-        let c: Self = toml::from_str(&text).map_err(|e| GatewayConfigError::Parse {
-            path: shown(),
-            source: Box::new(e),
-        })?;
+        let c: Self = toml_file::read(path)?;
         if c.gateway.max_inflight == 0 || c.gateway.request_timeout_ms == 0 {
             return Err(GatewayConfigError::Invalid);
         }

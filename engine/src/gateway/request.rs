@@ -83,13 +83,16 @@ fn retryable(code: Code) -> bool {
     )
 }
 
+/// A Prefill refusal as the client sees it: the engine's INVALID_ARGUMENT is the request's fault
+/// (400 with the core's message, as if the gateway had found it), a full pool is 429.
 fn prefill_failure(s: &tonic::Status) -> ApiError {
-    let status = match s.code() {
-        Code::InvalidArgument => StatusCode::BAD_REQUEST,
-        Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
-        _ => StatusCode::BAD_GATEWAY,
-    };
-    ApiError::new(status, "engine_error", s.message())
+    match s.code() {
+        Code::InvalidArgument => ApiError::bad_request(s.message()),
+        Code::ResourceExhausted => {
+            ApiError::new(StatusCode::TOO_MANY_REQUESTS, "engine_error", s.message())
+        }
+        _ => ApiError::new(StatusCode::BAD_GATEWAY, "engine_error", s.message()),
+    }
 }
 
 impl Gateway {

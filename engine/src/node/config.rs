@@ -33,6 +33,8 @@ use std::time::Duration;
 use kvwire::Shape;
 use serde::Deserialize;
 
+use crate::toml_file::{self, FileError};
+
 use tl_engine_core::engine::CostModel;
 use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
 use tl_engine_core::pool::{KvPool, SharedKv};
@@ -201,22 +203,9 @@ impl Default for PoolSection {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
-    /// The file could not be read.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The TOML is malformed or has unknown keys.
-    #[error("{path}: {source}")]
-    Parse {
-        /// The file.
-        path: String,
-        /// Why.
-        source: Box<toml::de::Error>,
-    },
+    /// The file could not be read or parsed.
+    #[error(transparent)]
+    File(#[from] FileError),
     /// A value is out of range.
     #[error("invalid configuration: {0}")]
     Invalid(String),
@@ -239,14 +228,7 @@ impl Config {
     /// # Errors
     /// I/O, parse, or validation errors.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
-        let cfg: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
-            path: path.display().to_string(),
-            source: Box::new(e),
-        })?;
+        let cfg: Config = toml_file::read(path)?;
         cfg.validate()?;
         Ok(cfg)
     }
