@@ -158,20 +158,54 @@ async fn disaggregated_equals_colocated() {
     d.shutdown(Duration::from_secs(1)).await;
 }
 
+/// A prefill engine and a decode engine, a control client of the prefill engine, and a good
+/// PrefillRequest to vary.
+struct Pair {
+    p: EngineNode,
+    d: EngineNode,
+    ctl: ControlClient,
+    dctl: ControlClient,
+    target: String,
+}
+
+impl Pair {
+    async fn start() -> Self {
+        let p = EngineNode::start(&config("P", Role::Prefill))
+            .await
+            .unwrap();
+        let d = EngineNode::start(&config("D", Role::Decode)).await.unwrap();
+        let ctl = ControlClient::new(&p.addresses().grpc).unwrap();
+        let dctl = ControlClient::new(&d.addresses().grpc).unwrap();
+        let target = d.addresses().kv;
+        Self {
+            p,
+            d,
+            ctl,
+            dctl,
+            target,
+        }
+    }
+
+    fn good(&self) -> PrefillRequest {
+        PrefillRequest {
+            request_id: "ok".into(),
+            prompt_tokens: vec![1, 2, 3, 4, 5],
+            sampling: sampling(0.0, 1.0, 0, Some(1), 4),
+            decode_target: self.target.clone(),
+        }
+    }
+
+    async fn stop(self) {
+        self.p.shutdown(Duration::from_secs(1)).await;
+        self.d.shutdown(Duration::from_secs(1)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prefill_rpc_validation_and_info() {
-    let p = EngineNode::start(&config("P", Role::Prefill))
-        .await
-        .unwrap();
-    let d = EngineNode::start(&config("D", Role::Decode)).await.unwrap();
-    let (pa, da) = (p.addresses(), d.addresses());
-    let ctl = ControlClient::new(&pa.grpc).unwrap();
-    let good = || PrefillRequest {
-        request_id: "ok".into(),
-        prompt_tokens: vec![1, 2, 3, 4, 5],
-        sampling: sampling(0.0, 1.0, 0, Some(1), 4),
-        decode_target: da.kv.clone(),
-    };
+async fn prefill_refuses_bad_requests_before_any_work() {
+    let pair = Pair::start().await;
+    let (p, d, ctl) = (&pair.p, &pair.d, &pair.ctl);
+    let good = || pair.good();
     let before = p.runner().pool().lock().counts();
     let cases: Vec<(&str, PrefillRequest, Code)> = vec![
         (
@@ -273,8 +307,15 @@ async fn prefill_rpc_validation_and_info() {
         .await
         .unwrap();
     assert!(d.receiver().unwrap().release(&h.handle_id));
+    pair.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_on_a_decode_engine_or_to_an_unreachable_target() {
+    let pair = Pair::start().await;
+    let (p, ctl, dctl) = (&pair.p, &pair.ctl, &pair.dctl);
+    let good = || pair.good();
     // A decode-only engine refuses Prefill.
-    let dctl = ControlClient::new(&da.grpc).unwrap();
     assert_eq!(
         dctl.prefill(good()).await.unwrap_err().code(),
         Code::FailedPrecondition
@@ -294,6 +335,16 @@ async fn prefill_rpc_validation_and_info() {
     assert_eq!(err.code(), Code::Unavailable, "{err}");
     assert_eq!(p.runner().pool().lock().counts().used, 0);
 
+    pair.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn info_reports_roles_shape_and_pool() {
+    let pair = Pair::start().await;
+    let (d, ctl, dctl) = (&pair.d, &pair.ctl, &pair.dctl);
+    // One accepted prompt of one full block and a tail, its handle released.
+    let h = ctl.prefill(pair.good()).await.unwrap();
+    assert!(d.receiver().unwrap().release(&h.handle_id));
     // Info.
     let info = ctl.info().await.unwrap();
     assert_eq!(info.worker_id, "P");
@@ -324,6 +375,14 @@ async fn prefill_rpc_validation_and_info() {
     assert_eq!(dinfo.roles, ["decode"]);
     assert_eq!(dinfo.pending_handles, 0);
 
+    pair.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_stops_a_stuck_prefill_and_ids_are_unique() {
+    let pair = Pair::start().await;
+    let (p, ctl) = (&pair.p, &pair.ctl);
+    let good = || pair.good();
     // Cancel: a prefill stuck on a decode target that never answers is cancelled.
     let black_hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let hole = black_hole.local_addr().unwrap().to_string();
@@ -364,6 +423,14 @@ async fn prefill_rpc_validation_and_info() {
     );
     drop(black_hole);
 
+    pair.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_refuses_new_work_and_sticks() {
+    let pair = Pair::start().await;
+    let ctl = &pair.ctl;
+    let good = || pair.good();
     // Drain: new work is refused, nothing remains, and it sticks.
     assert_eq!(ctl.drain(500).await.unwrap(), 0);
     assert_eq!(
@@ -371,8 +438,7 @@ async fn prefill_rpc_validation_and_info() {
         Code::Unavailable
     );
     assert!(ctl.info().await.unwrap().draining);
-    p.shutdown(Duration::from_secs(1)).await;
-    d.shutdown(Duration::from_secs(1)).await;
+    pair.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

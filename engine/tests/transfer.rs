@@ -9,11 +9,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use kvwire::{CRC32C_RESIDUE, RecordIn, Shape, block_hash, crc32c, write_to_vec};
+use kvwire::{RecordIn, Shape, block_hash, crc32c, write_to_vec};
 use kvwire_grpc::pb::kv::{HasBlocksRequest, KvAck, KvChunk};
 use kvwire_grpc::sender::ChunkStream;
 use kvwire_grpc::{GrpcTransport, KvTransport, OutChunk, transfer};
-use tl_engine_core::pool::Blocks;
 use tokio_stream::StreamExt;
 use tonic::{Code, Status};
 
@@ -66,15 +65,15 @@ async fn push_raw(t: &GrpcTransport, addr: &str, chunks: Vec<KvChunk>) -> Result
     .await
 }
 
+/// The receiver's rules are tested in memory (`kvwire-grpc/tests/receiver.rs`); over a real
+/// socket, each refusal keeps its code, an imported block arrives byte for byte in the engine's
+/// pool, and the pool is unchanged by every refused push.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn push_accepts_dedups_and_refuses() {
-    let d = decode_side(TEST, 16, LEASE).await;
+async fn push_refusals_keep_their_codes_over_grpc() {
+    let d = decode_side(TEST, 8, LEASE).await;
     let t = transport(TEST);
-    let mut p = engine(TEST, 64);
-    let prompt10 = prompt(1, 10); // two full blocks and a tail of 2
-
-    // Import: nothing cached yet.
-    let out = prefill(&mut p, &prompt10);
+    let mut p = engine(TEST, 16);
+    let out = prefill(&mut p, &prompt(1, 10));
     let st = transfer(
         &t,
         &d.addr,
@@ -86,252 +85,50 @@ async fn push_accepts_dedups_and_refuses() {
     )
     .await
     .unwrap();
-    assert_eq!((st.sent, st.deduped, st.resent), (3, 0, 0));
+    assert_eq!((st.sent, st.deduped), (3, 0));
     let claimed = d.rx.claim("h1").unwrap();
-    assert_eq!(claimed.tokens(), 10);
-    assert_eq!(claimed.hashes(), [out.hashes[0], out.hashes[1], 0]);
     {
         let (src, dst) = (p.pool().lock(), d.pool.lock());
         for (&a, &b) in out.blocks.ids().iter().zip(claimed.ids()) {
-            assert_eq!(
-                src.export(a).unwrap(),
-                dst.export(b).unwrap(),
-                "block bytes differ"
-            );
+            assert_eq!(src.export(a).unwrap(), dst.export(b).unwrap());
         }
-        assert_eq!(dst.lookup(out.hashes[0]), Some(claimed.ids()[0]));
     }
     drop(claimed);
-
-    // Dedup: the two full blocks are cached on the decode side now; only the tail moves.
-    let st = transfer(
-        &t,
-        &d.addr,
-        store(p.pool()),
-        "h2",
-        "fake",
-        out.blocks.ids(),
-        &out.hashes,
-    )
-    .await
-    .unwrap();
-    assert_eq!((st.sent, st.deduped), (1, 2));
-    assert!(d.rx.release("h2"));
     drop(out);
 
-    // A full block the prefill pool never registered travels with envelope hash 0 and is
-    // registered on arrival under the chunk hash.
-    let lone = Blocks::new(p.pool().clone(), p.pool().lock().allocate(1).unwrap());
-    {
-        let mut pool = p.pool().lock();
-        pool.payload_mut(lone.ids()[0]).unwrap().fill(7);
-        pool.set_fill(lone.ids()[0], 4).unwrap();
-    }
-    let h = block_hash(0, &[9, 9, 9, 9]);
-    let st = transfer(&t, &d.addr, store(p.pool()), "h3", "fake", lone.ids(), &[h])
-        .await
-        .unwrap();
-    assert_eq!(st.sent, 1);
-    let c = d.rx.claim("h3").unwrap();
-    assert_eq!(d.pool.lock().lookup(h), Some(c.ids()[0]));
-    drop(c);
-    drop(lone);
-
-    // Every refusal leaves the decode pool exactly as before (counts and index), even when an
-    // earlier chunk of the same push was already imported.
     let good_hash = block_hash(77, &[1, 2, 3, 4]);
     let good = || chunk("bad", 0, 2, good_hash, envelope(TEST, good_hash, 4, 1));
-    let mut v2 = envelope(TEST, 0, 1, 3).to_vec();
-    v2[4] = 2;
-    let n = v2.len() - 4;
-    let c2 = crc32c(&v2[..n]);
-    v2[n..].copy_from_slice(&c2.to_le_bytes());
-    let mut two = Vec::new();
-    let pl = vec![0u8; 128];
-    write_to_vec(
-        &TEST,
-        &[
-            RecordIn {
-                hash: 0,
-                fill: 1,
-                payload: &pl,
-            },
-            RecordIn {
-                hash: 0,
-                fill: 1,
-                payload: &pl,
-            },
-        ],
-        &mut two,
-    )
-    .unwrap();
-    let other_shape = envelope(Shape::v1(4, 2, 1, 8), 0, 1, 4);
-    let mut bad_magic = envelope(TEST, 0, 1, 5).to_vec();
-    bad_magic[0] = b'X';
-    let wrong_crc = {
-        let mut c = chunk("bad", 1, 2, 0, envelope(TEST, 0, 1, 6));
-        c.payload_crc32c ^= 1;
-        c
-    };
-    let with = |f: &dyn Fn(&mut KvChunk)| {
-        let mut c = chunk("bad", 1, 2, 0, envelope(TEST, 0, 1, 2));
-        f(&mut c);
-        c
-    };
-    let cases: Vec<(&str, Vec<KvChunk>, Code)> = vec![
+    let mut wrong_format = chunk("bad", 1, 2, 0, envelope(TEST, 0, 1, 2));
+    wrong_format.kv_format = 2;
+    let mut wrong_crc = chunk("bad", 1, 2, 0, envelope(TEST, 0, 1, 2));
+    wrong_crc.payload_crc32c ^= 1;
+    let cases = [
         (
             "kv_format 2",
-            vec![good(), with(&|c| c.kv_format = 2)],
+            vec![good(), wrong_format],
             Code::FailedPrecondition,
-        ),
-        (
-            "kv_format 0",
-            vec![good(), with(&|c| c.kv_format = 0)],
-            Code::FailedPrecondition,
-        ),
-        (
-            "other model",
-            vec![good(), with(&|c| c.model = "llama".into())],
-            Code::FailedPrecondition,
-        ),
-        (
-            "empty handle",
-            vec![with(&|c| {
-                c.handle_id.clear();
-                c.index = 0;
-            })],
-            Code::InvalidArgument,
-        ),
-        (
-            "handle changes",
-            vec![good(), with(&|c| c.handle_id = "other".into())],
-            Code::InvalidArgument,
         ),
         (
             "index skips",
-            vec![good(), with(&|c| c.index = 2)],
-            Code::InvalidArgument,
-        ),
-        (
-            "index repeats",
-            vec![good(), with(&|c| c.index = 0)],
-            Code::InvalidArgument,
-        ),
-        (
-            "total 0",
-            vec![with(&|c| {
-                c.total = 0;
-                c.index = 0;
-            })],
-            Code::InvalidArgument,
-        ),
-        (
-            "total changes",
-            vec![good(), with(&|c| c.total = 3)],
+            vec![good(), chunk("bad", 2, 2, 0, envelope(TEST, 0, 1, 2))],
             Code::InvalidArgument,
         ),
         ("chunk crc", vec![good(), wrong_crc], Code::DataLoss),
-        (
-            "bad magic",
-            vec![
-                good(),
-                with(&|c| {
-                    c.payload = Bytes::from(bad_magic.clone());
-                    c.payload_crc32c = crc32c(&bad_magic);
-                }),
-            ],
-            Code::DataLoss,
-        ),
-        (
-            "version 2",
-            vec![
-                good(),
-                with(&|c| {
-                    c.payload = Bytes::from(v2.clone());
-                    c.payload_crc32c = CRC32C_RESIDUE;
-                }),
-            ],
-            Code::FailedPrecondition,
-        ),
-        (
-            "shape",
-            vec![
-                good(),
-                with(&|c| {
-                    c.payload = other_shape.clone();
-                    c.payload_crc32c = CRC32C_RESIDUE;
-                }),
-            ],
-            Code::FailedPrecondition,
-        ),
-        (
-            "two blocks",
-            vec![
-                good(),
-                with(&|c| {
-                    c.payload = Bytes::from(two.clone());
-                    c.payload_crc32c = CRC32C_RESIDUE;
-                }),
-            ],
-            Code::InvalidArgument,
-        ),
-        (
-            "hash disagrees",
-            vec![good(), chunk("bad", 1, 2, 5, envelope(TEST, 6, 4, 1))],
-            Code::InvalidArgument,
-        ),
-        (
-            "hash on partial",
-            vec![good(), chunk("bad", 1, 2, 5, envelope(TEST, 0, 3, 1))],
-            Code::InvalidArgument,
-        ),
-        (
-            "empty with hash 0",
-            vec![good(), chunk("bad", 1, 2, 0, Bytes::new())],
-            Code::InvalidArgument,
-        ),
         (
             "empty, not held",
             vec![good(), chunk("bad", 1, 2, 12345, Bytes::new())],
             Code::NotFound,
         ),
-        ("stream ends early", vec![good()], Code::InvalidArgument),
     ];
-    // A pending handle to collide with.
-    let st = push_raw(
-        &t,
-        &d.addr,
-        vec![chunk("taken", 0, 1, 0, envelope(TEST, 0, 2, 9))],
-    )
-    .await
-    .unwrap();
-    assert_eq!(st.blocks_received, 1);
     let before = snapshot(&d.pool);
     for (name, chunks, code) in cases {
         let err = push_raw(&t, &d.addr, chunks).await.unwrap_err();
         assert_eq!(err.code(), code, "{name}: {err}");
         assert_eq!(snapshot(&d.pool), before, "{name} changed the pool");
-        assert_eq!(d.rx.pending(), 1, "{name}");
-        assert_eq!(
-            d.pool.lock().lookup(good_hash),
-            None,
-            "{name} left the imported block registered"
-        );
     }
-    let err = push_raw(
-        &t,
-        &d.addr,
-        vec![chunk("taken", 0, 1, 0, envelope(TEST, 0, 2, 9))],
-    )
-    .await
-    .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
-    assert_eq!(snapshot(&d.pool), before);
-
-    // Exhaustion: a pool with no room left refuses the import.
     let room = d.pool.lock().available();
     let hog = d.pool.lock().allocate(room).unwrap();
-    let before = snapshot(&d.pool);
+    let full = snapshot(&d.pool);
     let err = push_raw(
         &t,
         &d.addr,
@@ -340,11 +137,10 @@ async fn push_accepts_dedups_and_refuses() {
     .await
     .unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted);
-    assert_eq!(snapshot(&d.pool), before);
+    assert_eq!(snapshot(&d.pool), full);
     for id in hog {
         d.pool.lock().release(id).unwrap();
     }
-    assert!(d.rx.release("taken"));
     assert_eq!(snapshot(&d.pool).counts.used, 0);
     assert_eq!(snapshot(p.pool()).counts.used, 0);
 }

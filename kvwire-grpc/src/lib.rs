@@ -3,6 +3,8 @@
 //! - [`pb`]: hand-written prost messages of all three packages (no codegen).
 //! - [`glue`]: the few lines of tonic plumbing a service or client needs, shared by every service.
 //! - [`store`]: the pool interface the transfer needs ([`KvStore`]); the engine's pool implements it.
+//! - [`memory`]: an in-memory [`KvStore`] for tests and examples, so the transfer's logic runs
+//!   without an engine and without a socket.
 //! - [`receiver`]: the decode side's per-chunk rules, as plain logic ([`KvReceiver`]).
 //! - [`sender`]: the prefill side: [`KvTransport`], its gRPC implementation, and [`transfer`].
 //! - [`server`]: the `KvTransfer` service and [`serve_kv`].
@@ -10,6 +12,7 @@
 #![deny(missing_docs)]
 
 pub mod glue;
+pub mod memory;
 pub mod pb;
 pub mod receiver;
 pub mod sender;

@@ -55,6 +55,30 @@ impl OutChunk {
     pub fn has_payload(&self) -> bool {
         self.block.is_some() || !self.chunk.payload.is_empty()
     }
+
+    /// The chunk with its payload in the message: the envelope written from the pool and its
+    /// CRC-32C set. For transports that do not encode protobuf (an in-process one).
+    ///
+    /// # Errors
+    /// When the block is no longer held (also recorded, so the transfer reports it).
+    pub fn materialize(self) -> Result<KvChunk, StoreError> {
+        let Some(block) = self.block else {
+            return Ok(self.chunk);
+        };
+        let mut envelope = Vec::with_capacity(block.envelope_len);
+        if let Err(e) = block.store.write_envelope(block.id, &mut envelope) {
+            *block
+                .failed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e.clone());
+            return Err(e);
+        }
+        Ok(KvChunk {
+            payload_crc32c: kvwire::crc32c(&envelope),
+            payload: envelope.into(),
+            ..self.chunk
+        })
+    }
 }
 
 /// Encodes [`OutChunk`]s as `tl.kv.v1.KvChunk` (writing a lazy payload from the pool) and
@@ -88,51 +112,61 @@ impl Encoder for PushEncoder {
     type Error = Status;
 
     fn encode(&mut self, item: OutChunk, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        let Some(block) = item.block else {
-            return item
-                .chunk
-                .encode(buf)
-                .map_err(|e| Status::internal(format!("encoding a chunk: {e}")));
-        };
-        // The same fields, in tag order, as prost would write them; the payload (tag 6) is the
-        // envelope written from the pool.
-        let c = &item.chunk;
-        use prost::encoding::{fixed32, string, uint32, uint64};
-        buf.reserve(block.envelope_len + c.handle_id.len() + c.model.len() + 64);
-        if !c.handle_id.is_empty() {
-            string::encode(1, &c.handle_id, buf);
+        if let Some(block) = &item.block {
+            // One allocation for the whole message: the envelope is written in place.
+            let c = &item.chunk;
+            buf.reserve(block.envelope_len + c.handle_id.len() + c.model.len() + 64);
         }
-        if c.index != 0 {
-            uint32::encode(2, &c.index, buf);
-        }
-        if c.total != 0 {
-            uint32::encode(3, &c.total, buf);
-        }
-        if c.hash != 0 {
-            uint64::encode(4, &c.hash, buf);
-        }
-        if c.kv_format != 0 {
-            uint32::encode(5, &c.kv_format, buf);
-        }
-        encode_key(6, WireType::LengthDelimited, buf);
-        encode_varint(block.envelope_len as u64, buf);
-        let before = buf.remaining_mut();
-        if let Err(e) = block.store.write_envelope(block.id, buf) {
-            let msg = e.to_string();
-            *block
-                .failed
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
-            return Err(Status::internal(msg));
-        }
-        debug_assert_eq!(before - buf.remaining_mut(), block.envelope_len);
-        // The CRC-32C of a whole valid envelope is the residue: no second pass needed.
-        fixed32::encode(7, &CRC32C_RESIDUE, buf);
-        if !c.model.is_empty() {
-            string::encode(8, &c.model, buf);
-        }
-        Ok(())
+        encode_chunk(item, buf)
     }
+}
+
+/// Writes `item` as a `tl.kv.v1.KvChunk`: prost's own encoding when the payload is in the
+/// message; otherwise the same fields in tag order, exactly as prost would write them, with the
+/// payload (tag 6) written from the pool straight into `buf`. `push_encoder_matches_prost`
+/// holds the two to the same bytes.
+fn encode_chunk<B: BufMut>(item: OutChunk, buf: &mut B) -> Result<(), Status> {
+    let Some(block) = item.block else {
+        return item
+            .chunk
+            .encode(buf)
+            .map_err(|e| Status::internal(format!("encoding a chunk: {e}")));
+    };
+    let c = &item.chunk;
+    use prost::encoding::{fixed32, string, uint32, uint64};
+    if !c.handle_id.is_empty() {
+        string::encode(1, &c.handle_id, buf);
+    }
+    if c.index != 0 {
+        uint32::encode(2, &c.index, buf);
+    }
+    if c.total != 0 {
+        uint32::encode(3, &c.total, buf);
+    }
+    if c.hash != 0 {
+        uint64::encode(4, &c.hash, buf);
+    }
+    if c.kv_format != 0 {
+        uint32::encode(5, &c.kv_format, buf);
+    }
+    encode_key(6, WireType::LengthDelimited, buf);
+    encode_varint(block.envelope_len as u64, buf);
+    let before = buf.remaining_mut();
+    if let Err(e) = block.store.write_envelope(block.id, buf) {
+        let msg = e.to_string();
+        *block
+            .failed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
+        return Err(Status::internal(msg));
+    }
+    debug_assert_eq!(before - buf.remaining_mut(), block.envelope_len);
+    // The CRC-32C of a whole valid envelope is the residue: no second pass needed.
+    fixed32::encode(7, &CRC32C_RESIDUE, buf);
+    if !c.model.is_empty() {
+        string::encode(8, &c.model, buf);
+    }
+    Ok(())
 }
 
 impl Decoder for AckDecoder {
@@ -483,4 +517,89 @@ pub async fn transfer<T: KvTransport + ?Sized>(
         payload_bytes: ack.payload_bytes,
         resent,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use bytes::BytesMut;
+    use kvwire::{RecordIn, Shape, crc32c, write_to_vec};
+    use prost::Message;
+
+    use super::{LazyBlock, OutChunk, encode_chunk};
+    use crate::memory::MemStore;
+    use crate::pb::kv::KvChunk;
+    use crate::store::KvStore;
+
+    #[test]
+    fn push_encoder_matches_prost() {
+        let shape = Shape::v1(4, 2, 1, 4);
+        let p = shape.payload_bytes().unwrap();
+        let store = Arc::new(MemStore::new(shape, 4));
+        let full: Vec<u8> = (0..p).map(|i| (i * 7) as u8).collect();
+        let tail: Vec<u8> = (0..p).map(|i| (i * 13 + 1) as u8).collect();
+        let cases = [
+            // (hash, fill, payload, handle, index, total, model)
+            (0xdead_beef_u64, 4, &full, "h-1", 0, 3, "fake"),
+            (0, 2, &tail, "h-1", 2, 3, ""),
+            (u64::MAX, 4, &full, "", 1, 0, "m"),
+        ];
+        for (hash, fill, payload, handle, index, total, model) in cases {
+            let id = store.put(hash, fill, payload).unwrap();
+            let mut envelope = Vec::new();
+            let rec = RecordIn {
+                hash,
+                fill,
+                payload,
+            };
+            write_to_vec(&shape, &[rec], &mut envelope).unwrap();
+            let chunk = KvChunk {
+                handle_id: handle.into(),
+                index,
+                total,
+                hash,
+                kv_format: 1,
+                payload: bytes::Bytes::new(),
+                payload_crc32c: 0,
+                model: model.into(),
+            };
+            let store_dyn: Arc<dyn KvStore> = Arc::clone(&store) as Arc<dyn KvStore>;
+            let lazy = OutChunk {
+                chunk: chunk.clone(),
+                block: Some(LazyBlock {
+                    store: store_dyn,
+                    id,
+                    envelope_len: envelope.len(),
+                    failed: Arc::new(Mutex::new(None)),
+                }),
+            };
+            let mut ours = BytesMut::new();
+            encode_chunk(lazy, &mut ours).unwrap();
+            let whole = KvChunk {
+                payload_crc32c: crc32c(&envelope),
+                payload: envelope.into(),
+                ..chunk
+            };
+            assert_eq!(ours.as_ref(), whole.encode_to_vec(), "chunk {index}");
+            // And the plain path (payload already in the message) is prost's own.
+            let mut plain = BytesMut::new();
+            encode_chunk(OutChunk::from(whole.clone()), &mut plain).unwrap();
+            assert_eq!(plain.as_ref(), whole.encode_to_vec());
+            store.release(&[id]);
+        }
+        // A block no longer held fails the encode and records why.
+        let lazy = OutChunk {
+            chunk: KvChunk::default(),
+            block: Some(LazyBlock {
+                store: Arc::clone(&store) as Arc<dyn KvStore>,
+                id: 3,
+                envelope_len: shape.envelope_len(1).unwrap(),
+                failed: Arc::new(Mutex::new(None)),
+            }),
+        };
+        let failed = Arc::clone(&lazy.block.as_ref().unwrap().failed);
+        assert!(encode_chunk(lazy, &mut BytesMut::new()).is_err());
+        assert!(failed.lock().unwrap().is_some());
+    }
 }

@@ -1,0 +1,262 @@
+//! The transfer without an engine and without a socket, quinn-`Pair` style:
+//!
+//! - [`MemStore`]: a small in-memory [`KvStore`]. It keeps the pool's contract: reference counts,
+//!   a prefix index, registered blocks cached at zero references (evicted oldest first when an
+//!   import needs room), unregistered ones freed.
+//! - [`LocalTransport`]: a [`KvTransport`] that hands each chunk straight to a [`KvReceiver`],
+//!   so [`transfer`](crate::transfer) and the receiver's per-chunk rules run in one process,
+//!   deterministically.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Mutex, MutexGuard};
+
+use bytes::BufMut;
+use kvwire::{RecordIn, Shape};
+
+use std::sync::Arc;
+
+use tokio_stream::StreamExt;
+use tonic::Status;
+
+use crate::pb::kv::{HasBlocksRequest, KvAck};
+use crate::receiver::KvReceiver;
+use crate::sender::{ChunkStream, KvTransport};
+use crate::store::{BlockId, KvStore, StoreError};
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Slot {
+    payload: Vec<u8>,
+    fill: u32,
+    /// 0 when unregistered.
+    hash: u64,
+    refs: u32,
+}
+
+#[derive(Debug)]
+struct Inner {
+    slots: Vec<Slot>,
+    index: HashMap<u64, BlockId>,
+    free: Vec<BlockId>,
+    /// Registered blocks with no reference, oldest first.
+    cached: VecDeque<BlockId>,
+}
+
+/// Counts of a [`MemStore`]'s blocks, and its prefix index: what a test compares before and
+/// after an operation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemSnapshot {
+    /// Blocks with a reference.
+    pub used: usize,
+    /// Registered blocks without one.
+    pub cached: usize,
+    /// Free blocks.
+    pub free: usize,
+    /// The prefix index, sorted.
+    pub index: Vec<(u64, BlockId)>,
+}
+
+/// An in-memory KV store of `n` blocks of one shape.
+#[derive(Debug)]
+pub struct MemStore {
+    shape: Shape,
+    payload: usize,
+    inner: Mutex<Inner>,
+}
+
+impl MemStore {
+    /// A store of `n` zeroed blocks.
+    ///
+    /// # Panics
+    /// If the shape's payload size overflows.
+    #[must_use]
+    pub fn new(shape: Shape, n: usize) -> Self {
+        let payload = shape.payload_bytes().expect("block size overflows");
+        Self {
+            shape,
+            payload,
+            inner: Mutex::new(Inner {
+                slots: vec![Slot::default(); n],
+                index: HashMap::new(),
+                free: (0..n as BlockId).rev().collect(),
+                cached: VecDeque::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Counts and index.
+    #[must_use]
+    pub fn snapshot(&self) -> MemSnapshot {
+        let s = self.lock();
+        let mut index: Vec<(u64, BlockId)> = s.index.iter().map(|(&h, &id)| (h, id)).collect();
+        index.sort_unstable();
+        MemSnapshot {
+            used: s.slots.iter().filter(|b| b.refs > 0).count(),
+            cached: s.cached.len(),
+            free: s.free.len(),
+            index,
+        }
+    }
+
+    /// A block's payload and fill (test inspection).
+    #[must_use]
+    pub fn block(&self, id: BlockId) -> Option<(Vec<u8>, u32)> {
+        let s = self.lock();
+        s.slots
+            .get(id as usize)
+            .map(|b| (b.payload.clone(), b.fill))
+    }
+
+    /// Puts a block holding `payload` with `fill` tokens, registered under `hash` (when non-zero),
+    /// and returns it with one reference: the sending side of a test.
+    ///
+    /// # Errors
+    /// As [`KvStore::import`].
+    pub fn put(&self, hash: u64, fill: u32, payload: &[u8]) -> Result<BlockId, StoreError> {
+        self.import(hash, fill, payload)
+    }
+
+    fn drop_ref(&self, ids: &[BlockId], forget: bool) {
+        let mut s = self.lock();
+        for &id in ids {
+            let Some(b) = s.slots.get_mut(id as usize) else {
+                continue;
+            };
+            debug_assert!(b.refs > 0, "release of unreferenced block {id}");
+            b.refs = b.refs.saturating_sub(1);
+            if b.refs > 0 {
+                continue;
+            }
+            let hash = b.hash;
+            if hash != 0 && !forget {
+                s.cached.push_back(id);
+            } else {
+                if hash != 0 {
+                    s.index.remove(&hash);
+                }
+                s.slots[id as usize] = Slot::default();
+                s.free.push(id);
+            }
+        }
+    }
+}
+
+impl KvStore for MemStore {
+    fn shape(&self) -> Shape {
+        self.shape
+    }
+
+    fn contains(&self, hashes: &[u64]) -> Vec<bool> {
+        let s = self.lock();
+        hashes
+            .iter()
+            .map(|h| *h != 0 && s.index.contains_key(h))
+            .collect()
+    }
+
+    fn take_ref(&self, hash: u64) -> Option<BlockId> {
+        let mut s = self.lock();
+        let id = *s.index.get(&hash)?;
+        if s.slots[id as usize].refs == 0 {
+            s.cached.retain(|&c| c != id);
+        }
+        s.slots[id as usize].refs += 1;
+        Some(id)
+    }
+
+    fn import(&self, hash: u64, fill: u32, payload: &[u8]) -> Result<BlockId, StoreError> {
+        if payload.len() != self.payload || fill == 0 || fill > self.shape.block_tokens() {
+            return Err(StoreError::pool(std::io::Error::other(format!(
+                "a block is {} bytes with fill in 1..={}",
+                self.payload,
+                self.shape.block_tokens()
+            ))));
+        }
+        let mut s = self.lock();
+        let id = match s.free.pop() {
+            Some(id) => id,
+            None => {
+                let id = s.cached.pop_front().ok_or(StoreError::Exhausted)?;
+                let old = s.slots[id as usize].hash;
+                s.index.remove(&old);
+                id
+            }
+        };
+        let named = hash != 0 && !s.index.contains_key(&hash);
+        if named {
+            s.index.insert(hash, id);
+        }
+        s.slots[id as usize] = Slot {
+            payload: payload.to_vec(),
+            fill,
+            hash: if named { hash } else { 0 },
+            refs: 1,
+        };
+        Ok(id)
+    }
+
+    fn release(&self, ids: &[BlockId]) {
+        self.drop_ref(ids, false);
+    }
+
+    fn release_forget(&self, ids: &[BlockId]) {
+        self.drop_ref(ids, true);
+    }
+
+    fn write_envelope(&self, id: BlockId, mut out: &mut dyn BufMut) -> Result<u64, StoreError> {
+        let s = self.lock();
+        let b = s
+            .slots
+            .get(id as usize)
+            .filter(|b| b.refs > 0)
+            .ok_or(StoreError::NotHeld(id))?;
+        let rec = RecordIn {
+            hash: b.hash,
+            fill: b.fill,
+            payload: &b.payload,
+        };
+        kvwire::write_envelope(&self.shape, &[rec], &mut out).map_err(StoreError::pool)?;
+        Ok(b.hash)
+    }
+}
+
+/// A [`KvTransport`] to one in-process [`KvReceiver`] (the target address is ignored).
+#[derive(Clone, Debug)]
+pub struct LocalTransport {
+    rx: Arc<KvReceiver>,
+}
+
+impl LocalTransport {
+    /// A transport whose every call lands on `rx`.
+    #[must_use]
+    pub fn new(rx: Arc<KvReceiver>) -> Self {
+        Self { rx }
+    }
+}
+
+impl KvTransport for LocalTransport {
+    async fn has_blocks(&self, _target: &str, req: HasBlocksRequest) -> Result<Vec<bool>, Status> {
+        Ok(self.rx.has_blocks(&req.hashes, req.kv_format, &req.model)?)
+    }
+
+    async fn push(&self, _target: &str, mut chunks: ChunkStream) -> Result<KvAck, Status> {
+        // As the gRPC service does: dropping `push` on an early return undoes it.
+        let mut push = self.rx.begin_push();
+        while let Some(out) = chunks.next().await {
+            let chunk = out
+                .materialize()
+                .map_err(|e| Status::internal(e.to_string()))?;
+            push.accept(chunk)?;
+        }
+        Ok(push.finish()?)
+    }
+
+    async fn release(&self, _target: &str, handle_id: &str) -> Result<bool, Status> {
+        Ok(self.rx.release(handle_id))
+    }
+}

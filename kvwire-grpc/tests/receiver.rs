@@ -1,0 +1,359 @@
+//! The receiver's per-chunk rules and the deduplicating transfer, in memory: a [`MemStore`] on
+//! each side and a [`LocalTransport`] between them, no socket and no engine. Every refusal is
+//! checked with the receiving store's counts and index compared before and after.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvwire::{CRC32C_RESIDUE, RecordIn, Shape, block_hash, crc32c, write_to_vec};
+use kvwire_grpc::memory::{LocalTransport, MemSnapshot, MemStore};
+use kvwire_grpc::pb::kv::{KvAck, KvChunk};
+use kvwire_grpc::{KvReceiver, KvStore, transfer};
+use tonic::{Code, Status};
+
+const TEST: Shape = Shape::v1(4, 2, 1, 4);
+const LEASE: Duration = Duration::from_secs(30);
+
+/// A receiving side: its store, its receiver, and a transport that reaches it.
+struct Side {
+    store: Arc<MemStore>,
+    rx: Arc<KvReceiver>,
+    transport: LocalTransport,
+}
+
+fn side(blocks: usize) -> Side {
+    let store = Arc::new(MemStore::new(TEST, blocks));
+    let dyn_store: Arc<dyn KvStore> = Arc::clone(&store) as Arc<dyn KvStore>;
+    let rx = Arc::new(KvReceiver::new(dyn_store, "fake").with_lease(LEASE));
+    Side {
+        transport: LocalTransport::new(Arc::clone(&rx)),
+        store,
+        rx,
+    }
+}
+
+fn payload(byte: u8) -> Vec<u8> {
+    vec![byte; TEST.payload_bytes().unwrap()]
+}
+
+/// A one-block envelope of the test shape with a recognisable payload.
+fn envelope(shape: Shape, hash: u64, fill: u32, byte: u8) -> Bytes {
+    let payload = vec![byte; shape.payload_bytes().unwrap()];
+    let mut out = Vec::new();
+    let rec = RecordIn {
+        hash,
+        fill,
+        payload: &payload,
+    };
+    write_to_vec(&shape, &[rec], &mut out).unwrap();
+    Bytes::from(out)
+}
+
+fn chunk(handle: &str, index: u32, total: u32, hash: u64, payload: Bytes) -> KvChunk {
+    let payload_crc32c = if payload.is_empty() {
+        0
+    } else {
+        crc32c(&payload)
+    };
+    KvChunk {
+        handle_id: handle.into(),
+        index,
+        total,
+        hash,
+        kv_format: 1,
+        payload,
+        payload_crc32c,
+        model: String::new(),
+    }
+}
+
+/// Feeds `chunks` to one push, as the service does.
+fn push(rx: &Arc<KvReceiver>, chunks: Vec<KvChunk>) -> Result<KvAck, Status> {
+    let mut p = rx.begin_push();
+    for c in chunks {
+        p.accept(c)?;
+    }
+    Ok(p.finish()?)
+}
+
+/// A prompt of two full blocks and a tail of 2 tokens on a sending store: its blocks (one
+/// reference each) and the chained hashes of the full ones.
+fn prompt_on(src: &MemStore) -> (Vec<u32>, Vec<u64>) {
+    let h0 = block_hash(0, &[1, 2, 3, 4]);
+    let h1 = block_hash(h0, &[5, 6, 7, 8]);
+    let ids = vec![
+        src.put(h0, 4, &payload(10)).unwrap(),
+        src.put(h1, 4, &payload(11)).unwrap(),
+        src.put(0, 2, &payload(12)).unwrap(),
+    ];
+    (ids, vec![h0, h1])
+}
+
+#[tokio::test]
+async fn push_accepts_dedups_and_refuses() {
+    let d = side(16);
+    let src: Arc<MemStore> = Arc::new(MemStore::new(TEST, 16));
+    let src_dyn = || Arc::clone(&src) as Arc<dyn KvStore>;
+    let (ids, hashes) = prompt_on(&src);
+
+    // Import: nothing held yet; the bytes arrive as they left.
+    let st = transfer(&d.transport, "d", src_dyn(), "h1", "fake", &ids, &hashes)
+        .await
+        .unwrap();
+    assert_eq!((st.sent, st.deduped, st.resent), (3, 0, 0));
+    let claimed = d.rx.claim("h1").unwrap();
+    assert_eq!(claimed.tokens(), 10);
+    assert_eq!(claimed.hashes(), [hashes[0], hashes[1], 0]);
+    // Rows past a partial block's fill travel as zeros: compare what each side would send.
+    let as_sent = |s: &MemStore, id| {
+        let mut v = Vec::new();
+        s.write_envelope(id, &mut v).unwrap();
+        v
+    };
+    for (&a, &b) in ids.iter().zip(claimed.ids()) {
+        assert_eq!(as_sent(&src, a), as_sent(&d.store, b), "block bytes differ");
+    }
+    assert_eq!(d.store.contains(&hashes), [true, true]);
+    drop(claimed);
+
+    // Dedup: the two full blocks are held now; only the tail moves.
+    let st = transfer(&d.transport, "d", src_dyn(), "h2", "fake", &ids, &hashes)
+        .await
+        .unwrap();
+    assert_eq!((st.sent, st.deduped), (1, 2));
+    assert!(d.rx.release("h2"));
+
+    // A full block the sender never registered travels with envelope hash 0 and is registered
+    // on arrival under the chunk hash.
+    let lone = src.put(0, 4, &payload(7)).unwrap();
+    let h = block_hash(0, &[9, 9, 9, 9]);
+    let st = transfer(&d.transport, "d", src_dyn(), "h3", "fake", &[lone], &[h])
+        .await
+        .unwrap();
+    assert_eq!(st.sent, 1);
+    let c = d.rx.claim("h3").unwrap();
+    assert_eq!(d.store.take_ref(h), Some(c.ids()[0]));
+    d.store.release(c.ids());
+    drop(c);
+
+    // A pending handle to collide with.
+    push(
+        &d.rx,
+        vec![chunk("taken", 0, 1, 0, envelope(TEST, 0, 2, 9))],
+    )
+    .unwrap();
+    let before = d.store.snapshot();
+    for (name, chunks, code) in refusals() {
+        let err = push(&d.rx, chunks).unwrap_err();
+        assert_eq!(err.code(), code, "{name}: {err}");
+        assert_eq!(d.store.snapshot(), before, "{name} changed the store");
+        assert_eq!(d.rx.pending(), 1, "{name}");
+        assert_eq!(d.rx.stats().inflight, 0, "{name} left a push in flight");
+    }
+    let err = push(
+        &d.rx,
+        vec![chunk("taken", 0, 1, 0, envelope(TEST, 0, 2, 9))],
+    )
+    .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert_eq!(d.store.snapshot(), before);
+
+    // Exhaustion: with every block referenced, the import is refused and nothing changes.
+    let hog: Vec<u32> = (0..before.free + before.cached)
+        .map(|i| d.store.put(0, 1, &payload(i as u8)).unwrap())
+        .collect();
+    let full = d.store.snapshot();
+    let err = push(&d.rx, vec![chunk("full", 0, 1, 0, envelope(TEST, 0, 1, 1))]).unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    assert_eq!(d.store.snapshot(), full);
+    d.store.release(&hog);
+    assert!(d.rx.release("taken"));
+    assert_eq!(d.store.snapshot().used, 0);
+}
+
+/// Each refused push: its chunks and the code. The first chunk of most is a good block with a
+/// hash, imported before the refusal, so the undo is checked too.
+fn refusals() -> Vec<(&'static str, Vec<KvChunk>, Code)> {
+    let good_hash = block_hash(77, &[1, 2, 3, 4]);
+    let good = || chunk("bad", 0, 2, good_hash, envelope(TEST, good_hash, 4, 1));
+    let with = |f: &dyn Fn(&mut KvChunk)| {
+        let mut c = chunk("bad", 1, 2, 0, envelope(TEST, 0, 1, 2));
+        f(&mut c);
+        c
+    };
+    let raw = |bytes: Vec<u8>| {
+        with(&|c| {
+            c.payload_crc32c = crc32c(&bytes);
+            c.payload = Bytes::from(bytes.clone());
+        })
+    };
+    let mut v2 = envelope(TEST, 0, 1, 3).to_vec();
+    v2[4] = 2;
+    let n = v2.len() - 4;
+    let c2 = crc32c(&v2[..n]);
+    v2[n..].copy_from_slice(&c2.to_le_bytes());
+    let pl = vec![0u8; 128];
+    let rec = RecordIn {
+        hash: 0,
+        fill: 1,
+        payload: &pl,
+    };
+    let mut two = Vec::new();
+    write_to_vec(&TEST, &[rec, rec], &mut two).unwrap();
+    let mut bad_magic = envelope(TEST, 0, 1, 5).to_vec();
+    bad_magic[0] = b'X';
+    let other_shape = envelope(Shape::v1(4, 2, 1, 8), 0, 1, 4);
+    let mut first_format = good();
+    first_format.kv_format = 2;
+    vec![
+        (
+            "kv_format 2 on the first chunk",
+            vec![first_format],
+            Code::FailedPrecondition,
+        ),
+        (
+            "kv_format 2",
+            vec![good(), with(&|c| c.kv_format = 2)],
+            Code::FailedPrecondition,
+        ),
+        (
+            "kv_format 0",
+            vec![good(), with(&|c| c.kv_format = 0)],
+            Code::FailedPrecondition,
+        ),
+        (
+            "other model",
+            vec![good(), with(&|c| c.model = "llama".into())],
+            Code::FailedPrecondition,
+        ),
+        (
+            "empty handle",
+            vec![with(&|c| {
+                c.handle_id.clear();
+                c.index = 0;
+            })],
+            Code::InvalidArgument,
+        ),
+        (
+            "handle changes",
+            vec![good(), with(&|c| c.handle_id = "other".into())],
+            Code::InvalidArgument,
+        ),
+        (
+            "index skips",
+            vec![good(), with(&|c| c.index = 2)],
+            Code::InvalidArgument,
+        ),
+        (
+            "index repeats",
+            vec![good(), with(&|c| c.index = 0)],
+            Code::InvalidArgument,
+        ),
+        (
+            "total 0",
+            vec![with(&|c| {
+                c.total = 0;
+                c.index = 0;
+            })],
+            Code::InvalidArgument,
+        ),
+        (
+            "total changes",
+            vec![good(), with(&|c| c.total = 3)],
+            Code::InvalidArgument,
+        ),
+        (
+            "chunk crc",
+            vec![good(), with(&|c| c.payload_crc32c ^= 1)],
+            Code::DataLoss,
+        ),
+        ("bad magic", vec![good(), raw(bad_magic)], Code::DataLoss),
+        ("version 2", vec![good(), raw(v2)], Code::FailedPrecondition),
+        (
+            "shape",
+            vec![
+                good(),
+                with(&|c| {
+                    c.payload = other_shape.clone();
+                    c.payload_crc32c = CRC32C_RESIDUE;
+                }),
+            ],
+            Code::FailedPrecondition,
+        ),
+        ("two blocks", vec![good(), raw(two)], Code::InvalidArgument),
+        (
+            "hash disagrees",
+            vec![good(), chunk("bad", 1, 2, 5, envelope(TEST, 6, 4, 1))],
+            Code::InvalidArgument,
+        ),
+        (
+            "hash on partial",
+            vec![good(), chunk("bad", 1, 2, 5, envelope(TEST, 0, 3, 1))],
+            Code::InvalidArgument,
+        ),
+        (
+            "empty with hash 0",
+            vec![good(), chunk("bad", 1, 2, 0, Bytes::new())],
+            Code::InvalidArgument,
+        ),
+        (
+            "empty, not held",
+            vec![good(), chunk("bad", 1, 2, 12345, Bytes::new())],
+            Code::NotFound,
+        ),
+        ("stream ends early", vec![good()], Code::InvalidArgument),
+        ("no chunk at all", vec![], Code::InvalidArgument),
+    ]
+}
+
+#[tokio::test]
+async fn refused_dedup_drops_the_references_it_took() {
+    let d = side(8);
+    let src = Arc::new(MemStore::new(TEST, 8));
+    let (ids, hashes) = prompt_on(&src);
+    let src_dyn = Arc::clone(&src) as Arc<dyn KvStore>;
+    transfer(&d.transport, "d", src_dyn, "h", "fake", &ids, &hashes)
+        .await
+        .unwrap();
+    assert!(d.rx.release("h"));
+    let before = d.store.snapshot();
+    assert_eq!(before.cached, 2, "full blocks stay cached");
+    // Two deduplicated chunks take references; the third breaks a rule: both are dropped.
+    let err = push(
+        &d.rx,
+        vec![
+            chunk("x", 0, 3, hashes[0], Bytes::new()),
+            chunk("x", 1, 3, hashes[1], Bytes::new()),
+            chunk("x", 2, 3, 0, Bytes::new()),
+        ],
+    )
+    .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(d.store.snapshot(), before);
+}
+
+#[test]
+fn lease_expires_at_its_deadline() {
+    let d = side(8);
+    let t0 = Instant::now();
+    push(&d.rx, vec![chunk("h", 0, 1, 0, envelope(TEST, 0, 2, 9))]).unwrap();
+    let held = MemSnapshot {
+        used: 1,
+        cached: 0,
+        free: 7,
+        index: vec![],
+    };
+    assert_eq!(d.store.snapshot(), held);
+    assert_eq!(d.rx.expire_leases(t0 + LEASE - Duration::from_millis(1)), 0);
+    assert_eq!(d.rx.pending(), 1);
+    // The deadline was set at the end of the push, after t0: a moment past it expires it.
+    assert_eq!(d.rx.expire_leases(Instant::now() + LEASE), 1);
+    assert_eq!(d.rx.pending(), 0);
+    assert_eq!(d.rx.stats().leases_expired, 1);
+    assert_eq!(d.store.snapshot().used, 0);
+    assert!(
+        d.rx.claim("h").is_none(),
+        "an expired handle cannot be claimed"
+    );
+}
