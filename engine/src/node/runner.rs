@@ -178,20 +178,24 @@ impl Runner {
     /// cancels the request.
     #[must_use]
     pub fn submit(&self, req: Request) -> (Key, tmpsc::UnboundedReceiver<SeqEvent>) {
+        self.start_seq(|key, tx| Cmd::Submit(key, Box::new(req), tx))
+    }
+
+    /// Starts a sequence from transferred blocks; as [`submit`](Self::submit).
+    #[must_use]
+    pub fn resume(&self, r: Resume) -> (Key, tmpsc::UnboundedReceiver<SeqEvent>) {
+        self.start_seq(|key, tx| Cmd::Resume(key, Box::new(r), tx))
+    }
+
+    fn start_seq(
+        &self,
+        cmd: impl FnOnce(Key, tmpsc::UnboundedSender<SeqEvent>) -> Cmd,
+    ) -> (Key, tmpsc::UnboundedReceiver<SeqEvent>) {
         let (etx, erx) = tmpsc::unbounded_channel();
         let key = self.key();
         // A send error means the engine thread is gone; the receiver then reports nothing and
         // the caller sees a closed stream.
-        let _ = self.tx.send(CmdBox(Cmd::Submit(key, Box::new(req), etx)));
-        (key, erx)
-    }
-
-    /// Starts a sequence from transferred blocks.
-    #[must_use]
-    pub fn resume(&self, r: Resume) -> (Key, tmpsc::UnboundedReceiver<SeqEvent>) {
-        let (etx, erx) = tmpsc::unbounded_channel();
-        let key = self.key();
-        let _ = self.tx.send(CmdBox(Cmd::Resume(key, Box::new(r), etx)));
+        let _ = self.tx.send(CmdBox(cmd(key, etx)));
         (key, erx)
     }
 

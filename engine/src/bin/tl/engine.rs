@@ -8,7 +8,7 @@ use std::time::Duration;
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, ConfigError, Role};
 
-use crate::run::{announce, block_on, terminated};
+use crate::run::serve_until_terminated;
 
 /// Arguments of `tl engine`; flags override the file's keys.
 #[derive(clap::Args, Debug)]
@@ -74,25 +74,21 @@ pub(crate) fn engine(args: &EngineArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    block_on(async {
-        let node = match EngineNode::start(&cfg).await {
-            Ok(n) => n,
-            Err(e) => {
-                eprintln!("error: {e}");
-                return ExitCode::from(1);
-            }
-        };
-        announce(&node.listening_line());
-        eprintln!(
-            "engine {} ({:?}) serving; SIGTERM drains and exits",
-            cfg.engine.id, cfg.engine.role
-        );
-        terminated().await;
-        eprintln!("engine {}: draining", cfg.engine.id);
-        let left = node
-            .shutdown(Duration::from_secs_f64(args.drain_seconds.max(0.0)))
-            .await;
-        eprintln!("engine {}: stopped ({left} unfinished)", cfg.engine.id);
-        ExitCode::SUCCESS
-    })
+    let id = &cfg.engine.id;
+    let drain = Duration::from_secs_f64(args.drain_seconds.max(0.0));
+    serve_until_terminated(
+        EngineNode::start(&cfg),
+        |node| {
+            eprintln!(
+                "engine {id} ({:?}) serving; SIGTERM drains and exits",
+                cfg.engine.role
+            );
+            node.listening_line()
+        },
+        async |node| {
+            eprintln!("engine {id}: draining");
+            let left = node.shutdown(drain).await;
+            eprintln!("engine {id}: stopped ({left} unfinished)");
+        },
+    )
 }

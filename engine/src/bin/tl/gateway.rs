@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use tl_engine::gateway::GatewayNode;
 use tl_engine::gateway::config::GatewayConfig;
 
-use crate::run::{announce, block_on, terminated};
+use crate::run::serve_until_terminated;
 
 /// Arguments of `tl gateway`; flags override the file's keys.
 #[derive(clap::Args, Debug)]
@@ -39,18 +39,12 @@ pub(crate) fn gateway(args: &GatewayArgs) -> ExitCode {
     if let Some(r) = &args.registry_listen {
         cfg.registry_listen.clone_from(r);
     }
-    block_on(async {
-        let node = match GatewayNode::start(&cfg).await {
-            Ok(n) => n,
-            Err(e) => {
-                eprintln!("error: {e}");
-                return ExitCode::from(1);
-            }
-        };
-        announce(&node.listening_line());
-        eprintln!("gateway serving; SIGTERM stops it");
-        terminated().await;
-        node.stop().await;
-        ExitCode::SUCCESS
-    })
+    serve_until_terminated(
+        GatewayNode::start(&cfg),
+        |node| {
+            eprintln!("gateway serving; SIGTERM stops it");
+            node.listening_line()
+        },
+        async |node| node.stop().await,
+    )
 }

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use tl_engine::gateway::registry::RegistryNode;
 
-use crate::run::{announce, block_on, terminated};
+use crate::run::serve_until_terminated;
 
 /// Arguments of `tl registry`.
 #[derive(clap::Args, Debug)]
@@ -18,20 +18,12 @@ pub(crate) struct RegistryArgs {
 /// Runs `tl registry`.
 #[must_use]
 pub(crate) fn registry(args: &RegistryArgs) -> ExitCode {
-    block_on(async {
-        let node = match RegistryNode::start(&args.listen).await {
-            Ok(n) => n,
-            Err(e) => {
-                eprintln!("error: {e}");
-                return ExitCode::from(1);
-            }
-        };
-        announce(
-            &serde_json::json!({ "event": "listening", "registry": node.addr().to_string() })
-                .to_string(),
-        );
-        terminated().await;
-        node.stop().await;
-        ExitCode::SUCCESS
-    })
+    serve_until_terminated(
+        RegistryNode::start(&args.listen),
+        |node| {
+            serde_json::json!({ "event": "listening", "registry": node.addr().to_string() })
+                .to_string()
+        },
+        async |node| node.stop().await,
+    )
 }

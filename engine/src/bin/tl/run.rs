@@ -73,3 +73,25 @@ pub(crate) fn announce(line: &str) {
     let _ = writeln!(out, "{line}");
     let _ = out.flush();
 }
+
+/// Runs a long-lived node: starts it (exit status 1 if it cannot), prints its listening line,
+/// waits for SIGTERM or SIGINT, then stops it with `stop`; exit status 0.
+pub(crate) fn serve_until_terminated<N>(
+    start: impl std::future::Future<Output = std::io::Result<N>>,
+    listening_line: impl FnOnce(&N) -> String,
+    stop: impl AsyncFnOnce(N),
+) -> ExitCode {
+    block_on(async {
+        let node = match start.await {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        announce(&listening_line(&node));
+        terminated().await;
+        stop(node).await;
+        ExitCode::SUCCESS
+    })
+}
