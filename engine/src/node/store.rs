@@ -79,3 +79,43 @@ impl KvStore for PoolStore {
         Ok(hash)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kvwire::Shape;
+    use kvwire_grpc::{KvStore, StoreError};
+    use tl_engine_core::pool::{KvPool, PoolError, SharedKv};
+
+    use super::PoolStore;
+
+    #[test]
+    fn store_errors_keep_the_pool_error() {
+        let shape = Shape::v1(4, 2, 1, 4);
+        let store = PoolStore(SharedKv::new(KvPool::new(shape, 1)));
+        let p = shape.payload_bytes().unwrap();
+        // A wrong size: the pool's own typed error, reachable as the source.
+        let err = store.import(0, 4, &[0; 3]).unwrap_err();
+        let StoreError::Pool(source) = &err else {
+            panic!("{err:?}");
+        };
+        assert_eq!(
+            source.downcast_ref::<PoolError>(),
+            Some(&PoolError::BadImport {
+                len: 3,
+                fill: 4,
+                payload: p
+            })
+        );
+        // Exhaustion keeps its own variant (the receiver maps it to RESOURCE_EXHAUSTED).
+        let id = store.import(0, 4, &vec![0; p]).unwrap();
+        assert!(matches!(
+            store.import(0, 4, &vec![0; p]),
+            Err(StoreError::Exhausted)
+        ));
+        store.release(&[id]);
+        assert!(matches!(
+            store.write_envelope(id, &mut Vec::new()),
+            Err(StoreError::NotHeld(i)) if i == id
+        ));
+    }
+}
