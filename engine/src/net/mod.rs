@@ -3,3 +3,4 @@
 
 pub mod clients;
 pub mod server;
+pub mod tls;

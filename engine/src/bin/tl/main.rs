@@ -1,6 +1,7 @@
 //! `tl`: one binary for every role of the kvwire engine; one file per command.
 
 mod bench;
+mod certs;
 mod demo;
 mod engine;
 mod gateway;
@@ -32,6 +33,8 @@ enum Cmd {
     Inspect(inspect::InspectArgs),
     /// Colocated generation on one engine; prints `{"tokens":[...],"seed":S}`.
     Generate(generate::GenerateArgs),
+    /// A development CA (made on first use) and a role certificate signed by it; prints the paths.
+    Certs(certs::CertsArgs),
     /// Registry, one prefill and two decode engines on loopback; requests sharing a system prompt,
     /// each checked against a colocated run. Exit 0 only if every request matched.
     Demo(demo::DemoArgs),
@@ -94,6 +97,7 @@ fn main() -> ExitCode {
     match cli.cmd {
         Cmd::Inspect(args) => inspect::inspect(&args),
         Cmd::Generate(args) => generate::generate(&args),
+        Cmd::Certs(args) => certs::certs(&args),
         Cmd::Demo(args) => demo::demo(&args),
         Cmd::Engine(args) => engine::engine(&args),
         Cmd::Registry(args) => registry::registry(&args),

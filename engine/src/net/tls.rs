@@ -1,0 +1,441 @@
+//! Mutual TLS between the processes of a deployment, and who each peer is.
+//!
+//! Every internal port serves TLS 1.3 only and requires a client certificate that chains to the
+//! deployment's CA; every outgoing connection presents the process's own certificate and
+//! verifies the server against the same CA. A peer's identity is the SPIFFE URI SAN of its
+//! certificate, `spiffe://tl/ROLE/ID` ([`PeerId`]); what it may call is decided by its role.
+//!
+//! [`issue`] is `tl certs`: a development CA made on first use, and role certificates signed by
+//! it. Production deployments bring their own (cert-manager, SPIRE); only the URI SAN matters.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, SanType,
+};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use serde::Deserialize;
+
+/// What a peer is, as its certificate says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PeerRole {
+    /// The gateway.
+    Gateway,
+    /// A prefill engine.
+    Prefill,
+    /// A decode engine.
+    Decode,
+    /// An engine with both roles.
+    Both,
+    /// An operator's tool.
+    Admin,
+}
+
+impl PeerRole {
+    /// Every role.
+    pub const ALL: [PeerRole; 5] = [
+        PeerRole::Gateway,
+        PeerRole::Prefill,
+        PeerRole::Decode,
+        PeerRole::Both,
+        PeerRole::Admin,
+    ];
+
+    /// The role's name in a SPIFFE id.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PeerRole::Gateway => "gateway",
+            PeerRole::Prefill => "prefill",
+            PeerRole::Decode => "decode",
+            PeerRole::Both => "both",
+            PeerRole::Admin => "admin",
+        }
+    }
+}
+
+impl std::str::FromStr for PeerRole {
+    type Err = TlsError;
+
+    fn from_str(s: &str) -> Result<Self, TlsError> {
+        PeerRole::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| TlsError::Role(s.to_owned()))
+    }
+}
+
+/// A peer's identity: `spiffe://tl/ROLE/ID`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PeerId {
+    /// Its role.
+    pub role: PeerRole,
+    /// Its id (a worker id, or a gateway's or operator's name).
+    pub id: String,
+}
+
+const SPIFFE_PREFIX: &str = "spiffe://tl/";
+
+impl PeerId {
+    /// The SPIFFE URI.
+    #[must_use]
+    pub fn uri(&self) -> String {
+        format!("{SPIFFE_PREFIX}{}/{}", self.role.as_str(), self.id)
+    }
+
+    /// Parses `spiffe://tl/ROLE/ID`.
+    #[must_use]
+    pub fn parse(uri: &str) -> Option<Self> {
+        let (role, id) = uri.strip_prefix(SPIFFE_PREFIX)?.split_once('/')?;
+        if id.is_empty() || id.contains('/') {
+            return None;
+        }
+        Some(Self {
+            role: role.parse().ok()?,
+            id: id.to_owned(),
+        })
+    }
+
+    /// The identity in a DER certificate: its one `spiffe://tl/` URI SAN.
+    #[must_use]
+    pub fn from_cert(der: &[u8]) -> Option<Self> {
+        use x509_parser::extensions::GeneralName;
+        let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+        let san = cert.subject_alternative_name().ok()??;
+        let mut ids = san.value.general_names.iter().filter_map(|n| match n {
+            GeneralName::URI(u) => PeerId::parse(u),
+            _ => None,
+        });
+        let id = ids.next()?;
+        // Two identities in one certificate is one too many.
+        ids.next().is_none().then_some(id)
+    }
+}
+
+/// Why TLS could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TlsError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A PEM file holds no usable certificate or key.
+    #[error("{path}: {what}")]
+    Pem {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        what: String,
+    },
+    /// Our own certificate carries no `spiffe://tl/ROLE/ID` URI SAN.
+    #[error("{0}: the certificate has no spiffe://tl/ROLE/ID identity")]
+    NoIdentity(String),
+    /// rustls refused the configuration.
+    #[error("TLS configuration: {0}")]
+    Rustls(#[from] rustls::Error),
+    /// The client verifier could not be built.
+    #[error("client verifier: {0}")]
+    Verifier(#[from] rustls::server::VerifierBuilderError),
+    /// Making a certificate failed.
+    #[error("certificate: {0}")]
+    Cert(#[from] rcgen::Error),
+    /// Not one of gateway, prefill, decode, both, admin.
+    #[error("role {0:?}: expected gateway, prefill, decode, both or admin")]
+    Role(String),
+}
+
+/// `[tls]` of every process's TOML: the CA that signs every peer, and this process's certificate
+/// and key (PEM files).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSection {
+    /// The deployment's CA certificate.
+    pub ca: PathBuf,
+    /// This process's certificate.
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+fn pem_error(path: &Path, what: impl std::fmt::Display) -> TlsError {
+    TlsError::Pem {
+        path: path.display().to_string(),
+        what: what.to_string(),
+    }
+}
+
+fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let pem = read(path)?;
+    let certs = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| pem_error(path, e))?;
+    if certs.is_empty() {
+        return Err(pem_error(path, "no certificate"));
+    }
+    Ok(certs)
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// A process's TLS material, loaded once: its identity and the rustls configurations of its
+/// servers and clients.
+#[derive(Clone)]
+pub struct Tls {
+    identity: PeerId,
+    roots: Arc<RootCertStore>,
+    chain: Vec<CertificateDer<'static>>,
+    key: Arc<PrivateKeyDer<'static>>,
+    ca_pem: Vec<u8>,
+    cert_pem: Vec<u8>,
+    key_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tls")
+            .field("identity", &self.identity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tls {
+    /// Loads `[tls]`.
+    ///
+    /// # Errors
+    /// Unreadable or malformed files, or a certificate without an identity.
+    pub fn load(s: &TlsSection) -> Result<Self, TlsError> {
+        let mut roots = RootCertStore::empty();
+        for c in certs(&s.ca)? {
+            roots.add(c)?;
+        }
+        let chain = certs(&s.cert)?;
+        let key_pem = read(&s.key)?;
+        let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| pem_error(&s.key, e))?;
+        let identity = PeerId::from_cert(&chain[0])
+            .ok_or_else(|| TlsError::NoIdentity(s.cert.display().to_string()))?;
+        Ok(Self {
+            identity,
+            roots: Arc::new(roots),
+            chain,
+            key: Arc::new(key),
+            ca_pem: read(&s.ca)?,
+            cert_pem: read(&s.cert)?,
+            key_pem,
+        })
+    }
+
+    /// Who this process is.
+    #[must_use]
+    pub fn identity(&self) -> &PeerId {
+        &self.identity
+    }
+
+    /// A server configuration: TLS 1.3 only, a client certificate chaining to the CA required,
+    /// offering `alpn`.
+    ///
+    /// # Errors
+    /// When rustls refuses the key or the CA.
+    pub fn server_config(&self, alpn: &[&[u8]]) -> Result<Arc<ServerConfig>, TlsError> {
+        let verifier =
+            WebPkiClientVerifier::builder_with_provider(Arc::clone(&self.roots), provider())
+                .build()?;
+        let mut c = ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(self.chain.clone(), self.key.clone_key())?;
+        c.alpn_protocols = alpn.iter().map(|a| a.to_vec()).collect();
+        Ok(Arc::new(c))
+    }
+
+    /// A client configuration: TLS 1.3, this process's certificate, servers verified against
+    /// the CA, offering `alpn`.
+    ///
+    /// # Errors
+    /// When rustls refuses the key.
+    pub fn client_config(&self, alpn: &[&[u8]]) -> Result<Arc<ClientConfig>, TlsError> {
+        let mut c = ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_root_certificates(Arc::clone(&self.roots))
+            .with_client_auth_cert(self.chain.clone(), self.key.clone_key())?;
+        c.alpn_protocols = alpn.iter().map(|a| a.to_vec()).collect();
+        Ok(Arc::new(c))
+    }
+
+    /// tonic's client TLS settings for a gRPC channel.
+    #[must_use]
+    pub fn tonic_client(&self) -> tonic::transport::ClientTlsConfig {
+        tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(&self.ca_pem))
+            .identity(tonic::transport::Identity::from_pem(
+                &self.cert_pem,
+                &self.key_pem,
+            ))
+    }
+}
+
+/// The files `tl certs` wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Issued {
+    /// The CA certificate.
+    pub ca: PathBuf,
+    /// The new certificate.
+    pub cert: PathBuf,
+    /// Its key.
+    pub key: PathBuf,
+}
+
+impl Issued {
+    /// As a `[tls]` section.
+    #[must_use]
+    pub fn section(&self) -> TlsSection {
+        TlsSection {
+            ca: self.ca.clone(),
+            cert: self.cert.clone(),
+            key: self.key.clone(),
+        }
+    }
+}
+
+fn write(path: &Path, text: &str) -> Result<(), TlsError> {
+    std::fs::write(path, text).map_err(|source| TlsError::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// Writes a private key readable by its owner only.
+fn write_key(path: &Path, text: &str) -> Result<(), TlsError> {
+    write(path, text)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(
+            |source| TlsError::Io {
+                path: path.display().to_string(),
+                source,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+/// `tl certs`: makes `dir/ca.pem` and `dir/ca.key` on first use (a self-signed CA), then
+/// `dir/ID.pem` and `dir/ID.key`, a leaf signed by it with URI SAN `spiffe://tl/ROLE/ID`, DNS SAN
+/// `localhost`, IP SAN `127.0.0.1`, and each of `hosts` (a DNS name or an IP).
+///
+/// # Errors
+/// I/O errors, or an id that cannot be part of a SPIFFE id.
+pub fn issue(dir: &Path, id: &str, role: PeerRole, hosts: &[String]) -> Result<Issued, TlsError> {
+    let me = PeerId {
+        role,
+        id: id.to_owned(),
+    };
+    if PeerId::parse(&me.uri()).as_ref() != Some(&me) {
+        return Err(TlsError::NoIdentity(format!("id {id:?}")));
+    }
+    std::fs::create_dir_all(dir).map_err(|source| TlsError::Io {
+        path: dir.display().to_string(),
+        source,
+    })?;
+    let (ca_pem, ca_key) = (dir.join("ca.pem"), dir.join("ca.key"));
+    if !ca_pem.exists() {
+        let key = KeyPair::generate()?;
+        let mut p = CertificateParams::new(Vec::<String>::new())?;
+        p.distinguished_name
+            .push(DnType::CommonName, "tl development CA");
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let cert = p.self_signed(&key)?;
+        write_key(&ca_key, &key.serialize_pem())?;
+        write(&ca_pem, &cert.pem())?;
+    }
+    let key_text = String::from_utf8_lossy(&read(&ca_key)?).into_owned();
+    let ca_signing = KeyPair::from_pem(&key_text)?;
+    let ca_text = String::from_utf8_lossy(&read(&ca_pem)?).into_owned();
+    let issuer = Issuer::from_ca_cert_pem(&ca_text, ca_signing)?;
+
+    let mut p = CertificateParams::new(vec!["localhost".to_owned()])?;
+    p.distinguished_name.push(DnType::CommonName, me.uri());
+    p.subject_alt_names
+        .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
+    for h in hosts {
+        p.subject_alt_names.push(match h.parse::<IpAddr>() {
+            Ok(ip) => SanType::IpAddress(ip),
+            Err(_) => SanType::DnsName(h.as_str().try_into()?),
+        });
+    }
+    p.subject_alt_names
+        .push(SanType::URI(me.uri().as_str().try_into()?));
+    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    p.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    let key = KeyPair::generate()?;
+    let cert = p.signed_by(&key, &issuer)?;
+    let (cert_path, key_path) = (dir.join(format!("{id}.pem")), dir.join(format!("{id}.key")));
+    write_key(&key_path, &key.serialize_pem())?;
+    write(&cert_path, &cert.pem())?;
+    Ok(Issued {
+        ca: ca_pem,
+        cert: cert_path,
+        key: key_path,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn issued_certificates_carry_their_identity() {
+        let dir = std::env::temp_dir().join(format!("tl-tls-{}", std::process::id()));
+        let a = issue(&dir, "decode-1", PeerRole::Decode, &["10.0.0.7".into()]).unwrap();
+        let b = issue(&dir, "gw", PeerRole::Gateway, &[]).unwrap();
+        assert_eq!(a.ca, b.ca, "one CA, made once");
+        let tls = Tls::load(&a.section()).unwrap();
+        assert_eq!(
+            tls.identity(),
+            &PeerId {
+                role: PeerRole::Decode,
+                id: "decode-1".into()
+            }
+        );
+        assert_eq!(
+            Tls::load(&b.section()).unwrap().identity().uri(),
+            "spiffe://tl/gateway/gw"
+        );
+        tls.server_config(&[b"h2"]).unwrap();
+        tls.client_config(&[b"h2"]).unwrap();
+        assert!(issue(&dir, "a/b", PeerRole::Admin, &[]).is_err());
+        for bad in [
+            "spiffe://tl/king/x",
+            "spiffe://other/gateway/x",
+            "spiffe://tl/gateway/",
+            "spiffe://tl/gateway/a/b",
+        ] {
+            assert_eq!(PeerId::parse(bad), None, "{bad}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
