@@ -10,7 +10,7 @@ use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
 use serde_json::{Value, json};
 use tl_engine::api::{ChatMessage, render_chat};
 use tl_engine::gateway::GatewayNode;
-use tl_engine::gateway::config::GatewaySection;
+use tl_engine::gateway::config::{GatewayConfig, GatewaySection};
 use tl_engine::net::clients::{ControlClient, HttpClient};
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, Role};
@@ -75,9 +75,7 @@ struct Cluster {
 }
 
 async fn cluster(decoders: usize) -> Cluster {
-    let gw = GatewayNode::start(&GatewaySection::default())
-        .await
-        .unwrap();
+    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
     let reg = gw.registry_addr().to_string();
     let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
         .await
@@ -158,9 +156,7 @@ async fn gateway_tokens_equal_colocated() {
 async fn routing_prefers_the_cached_prefix_unless_far_more_loaded() {
     // Engines without heartbeats: the test writes their statuses into the registry itself, so
     // the loads are exactly what it says.
-    let gw = GatewayNode::start(&GatewaySection::default())
-        .await
-        .unwrap();
+    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
     let p = EngineNode::start(&engine_cfg("P", Role::Prefill, ""))
         .await
         .unwrap();
@@ -258,9 +254,7 @@ async fn client_abort_after_first_token_frees_everything() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusing_or_stopped_decode_engine_is_routed_around() {
-    let gw = GatewayNode::start(&GatewaySection::default())
-        .await
-        .unwrap();
+    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
     let reg = gw.registry_addr().to_string();
     let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
         .await
@@ -385,7 +379,7 @@ async fn bounded_in_flight_429_and_timeout_504() {
         request_timeout_ms: 400,
         ..GatewaySection::default()
     };
-    let gw = GatewayNode::start(&section).await.unwrap();
+    let gw = GatewayNode::start(&section.into()).await.unwrap();
     let reg = gw.registry_addr().to_string();
     // Slow decode: 20 ms per sequence per step (simulated, sleeping).
     let slow = |id: &str, role| {
@@ -442,9 +436,7 @@ async fn bounded_in_flight_429_and_timeout_504() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_abort_during_prefill_cancels_it() {
-    let gw = GatewayNode::start(&GatewaySection::default())
-        .await
-        .unwrap();
+    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
     let reg = gw.registry_addr().to_string();
     // A slow prefill: 10 ms per prompt token (simulated).
     let mut pc = engine_cfg("P", Role::Prefill, &reg);

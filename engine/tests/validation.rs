@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
 use serde_json::json;
 use tl_engine::gateway::GatewayNode;
-use tl_engine::gateway::config::GatewaySection;
+use tl_engine::gateway::config::GatewayConfig;
 use tl_engine::net::clients::{ControlClient, HttpClient};
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, Role};
@@ -124,9 +124,7 @@ fn cli_message(c: &Case) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_validation_for_every_door() {
-    let gw = GatewayNode::start(&GatewaySection::default())
-        .await
-        .unwrap();
+    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
     let reg = gw.registry_addr().to_string();
     let cfg = |id, role| {
         let mut c = Config::for_worker(id, role, &reg);

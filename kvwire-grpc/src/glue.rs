@@ -17,7 +17,7 @@ use http::uri::PathAndQuery;
 use tokio_stream::Stream;
 use tonic::body::Body;
 use tonic::server::{ClientStreamingService, Grpc, NamedService, UnaryService};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::{Request, Response, Status, Streaming};
 use tonic_prost::ProstCodec;
 
@@ -55,28 +55,60 @@ pub trait Routes: Send + Sync + 'static {
     const ROUTES: &'static [(&'static str, Handler<Self>)];
 }
 
-/// The tower service tonic serves for a [`Routes`] implementation: looks the request's path up
-/// in the table and answers UNIMPLEMENTED for any other.
-#[derive(Debug)]
-pub struct Dispatch<S>(Arc<S>);
+/// Who may call what: consulted by [`Dispatch`] before any handler runs, so a server's
+/// authorization is decided in one place. It may attach what it learned (the caller's identity)
+/// to the request's extensions for the handler.
+pub trait Authorize: Send + Sync + 'static {
+    /// `Ok` to let the call through.
+    ///
+    /// # Errors
+    /// The status to answer instead (PERMISSION_DENIED, UNAUTHENTICATED).
+    fn authorize(&self, path: &str, req: &mut http::Request<Body>) -> Result<(), Status>;
+}
+
+/// The tower service tonic serves for a [`Routes`] implementation: asks the [`Authorize`] policy
+/// (when one is set), looks the request's path up in the table, and answers UNIMPLEMENTED for any
+/// other.
+pub struct Dispatch<S> {
+    state: Arc<S>,
+    auth: Option<Arc<dyn Authorize>>,
+}
+
+impl<S> std::fmt::Debug for Dispatch<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dispatch")
+            .field("authorized", &self.auth.is_some())
+            .finish_non_exhaustive()
+    }
+}
 
 impl<S> Dispatch<S> {
-    /// Serves `state`.
+    /// Serves `state`, letting every caller through.
     #[must_use]
     pub fn new(state: Arc<S>) -> Self {
-        Self(state)
+        Self { state, auth: None }
+    }
+
+    /// Checks every call with `auth` first.
+    #[must_use]
+    pub fn with_auth(mut self, auth: Option<Arc<dyn Authorize>>) -> Self {
+        self.auth = auth;
+        self
     }
 
     /// The state behind the service.
     #[must_use]
     pub fn state(&self) -> &Arc<S> {
-        &self.0
+        &self.state
     }
 }
 
 impl<S> Clone for Dispatch<S> {
     fn clone(&self) -> Self {
-        Self(Arc::clone(&self.0))
+        Self {
+            state: Arc::clone(&self.state),
+            auth: self.auth.clone(),
+        }
     }
 }
 
@@ -93,24 +125,43 @@ impl<S: Routes> tower_service::Service<http::Request<Body>> for Dispatch<S> {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: http::Request<Body>) -> ResponseFuture {
-        match S::ROUTES.iter().find(|(path, _)| *path == req.uri().path()) {
-            Some((_, handler)) => handler(&self.0, req),
-            None => unimplemented(req.uri().path()),
+    fn call(&mut self, mut req: http::Request<Body>) -> ResponseFuture {
+        let path = req.uri().path().to_owned();
+        let Some((_, handler)) = S::ROUTES.iter().find(|(p, _)| *p == path) else {
+            return unimplemented(&path);
+        };
+        if let Some(auth) = &self.auth
+            && let Err(status) = auth.authorize(&path, &mut req)
+        {
+            let resp = status.into_http();
+            return Box::pin(async move { Ok(resp) });
         }
+        handler(&self.state, req)
     }
 }
 
-/// The endpoint of a plain-text gRPC peer at `addr` (`host:port`), connecting lazily with
-/// TCP_NODELAY (small control messages must not wait for Nagle) and `connect_timeout`.
+/// The endpoint of a gRPC peer at `addr` (`host:port`), connecting lazily with TCP_NODELAY
+/// (small control messages must not wait for Nagle) and `connect_timeout`; over TLS with `tls`
+/// (then the peer's certificate must be valid for the address's host).
 ///
 /// # Errors
 /// INVALID_ARGUMENT when `addr` is not a `host:port`.
-pub fn endpoint(addr: &str, connect_timeout: Duration) -> Result<Endpoint, Status> {
-    Ok(Endpoint::from_shared(format!("http://{addr}"))
-        .map_err(|e| Status::invalid_argument(format!("address {addr:?}: {e}")))?
+pub fn endpoint(
+    addr: &str,
+    connect_timeout: Duration,
+    tls: Option<&ClientTlsConfig>,
+) -> Result<Endpoint, Status> {
+    let bad =
+        |e: &dyn std::fmt::Display| Status::invalid_argument(format!("address {addr:?}: {e}"));
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut ep = Endpoint::from_shared(format!("{scheme}://{addr}"))
+        .map_err(|e| bad(&e))?
         .connect_timeout(connect_timeout)
-        .tcp_nodelay(true))
+        .tcp_nodelay(true);
+    if let Some(tls) = tls {
+        ep = ep.tls_config(tls.clone()).map_err(|e| bad(&e))?;
+    }
+    Ok(ep)
 }
 
 struct UnaryFn<F>(F);

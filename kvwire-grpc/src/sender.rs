@@ -14,7 +14,7 @@ use prost::Message;
 use prost::encoding::{WireType, encode_key, encode_varint};
 use tokio_stream::{Stream, StreamExt};
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
-use tonic::transport::Channel;
+use tonic::transport::{Channel, ClientTlsConfig};
 use tonic::{Code, Request, Status};
 
 use crate::KV_FORMAT_V1;
@@ -244,6 +244,7 @@ impl TransportConfig {
 #[derive(Debug)]
 pub struct GrpcTransport {
     cfg: TransportConfig,
+    tls: Option<ClientTlsConfig>,
     channels: Mutex<HashMap<String, Channel>>,
 }
 
@@ -253,8 +254,16 @@ impl GrpcTransport {
     pub fn new(cfg: TransportConfig) -> Self {
         Self {
             cfg,
+            tls: None,
             channels: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Connects over mutual TLS with these settings from now on.
+    #[must_use]
+    pub fn with_tls(mut self, tls: Option<ClientTlsConfig>) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// The settings.
@@ -275,7 +284,7 @@ impl GrpcTransport {
         if let Some(c) = map.get(target) {
             return Ok(c.clone());
         }
-        let c = glue::endpoint(target, self.cfg.connect_timeout)?
+        let c = glue::endpoint(target, self.cfg.connect_timeout, self.tls.as_ref())?
             .initial_stream_window_size(self.cfg.stream_window)
             .initial_connection_window_size(self.cfg.connection_window)
             .http2_adaptive_window(false)

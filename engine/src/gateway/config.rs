@@ -2,24 +2,45 @@
 //!
 //! ```toml
 //! [gateway]
+//! id = "gw"                        # prefix of request ids (<id>-<128 random bits in hex>)
+//! api_keys_file = ""               # one API key a line (or env TL_API_KEYS, comma separated)
 //! http_listen = "127.0.0.1:0"      # the OpenAI-compatible front
 //! registry_listen = "127.0.0.1:0"  # WorkerRegistry (tl.control.v1) for the engines' heartbeats
 //! max_inflight = 256               # requests in flight; beyond it 429
 //! request_timeout_ms = 60000       # whole request; beyond it 504
 //! has_blocks_timeout_ms = 250      # per decode engine when routing; a slower one is skipped
 //! load_penalty_tokens = 64         # routing: cached prefix tokens one in-flight sequence is worth
+//!
+//! [gateway.public_tls]             # HTTPS on the public endpoint (no client certificates)
+//! cert = "public.pem"
+//! key = "public.key"
+//!
+//! [tls]                            # mutual TLS on the registry and toward the engines
+//! ca = "certs/ca.pem"
+//! cert = "certs/gw.pem"
+//! key = "certs/gw.key"
 //! ```
+//!
+//! `allow_insecure = true` (top level) allows non-loopback listen addresses without `[tls]`.
 
 use std::path::Path;
 
 use serde::Deserialize;
 
+use crate::net::is_loopback_listen;
+use crate::net::tls::{PublicTls, TlsSection};
 use crate::toml_file::{self, FileError};
 
 /// `[gateway]`.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GatewaySection {
+    /// The gateway's id: the prefix of its request ids.
+    pub id: String,
+    /// A file of API keys, one a line; empty: none from a file (see also `TL_API_KEYS`).
+    pub api_keys_file: String,
+    /// HTTPS on the public endpoint.
+    pub public_tls: Option<PublicTls>,
     /// HTTP listen address.
     pub http_listen: String,
     /// Registry listen address.
@@ -37,6 +58,9 @@ pub struct GatewaySection {
 impl Default for GatewaySection {
     fn default() -> Self {
         Self {
+            id: "gw".into(),
+            api_keys_file: String::new(),
+            public_tls: None,
             http_listen: "127.0.0.1:0".into(),
             registry_listen: "127.0.0.1:0".into(),
             max_inflight: 256,
@@ -53,6 +77,19 @@ impl Default for GatewaySection {
 pub struct GatewayConfig {
     /// `[gateway]`.
     pub gateway: GatewaySection,
+    /// `[tls]`: mutual TLS on the registry and toward the engines (CONTRACTS section 7).
+    pub tls: Option<TlsSection>,
+    /// Without `[tls]`, listen on non-loopback addresses anyway.
+    pub allow_insecure: bool,
+}
+
+impl From<GatewaySection> for GatewayConfig {
+    fn from(gateway: GatewaySection) -> Self {
+        Self {
+            gateway,
+            ..Self::default()
+        }
+    }
 }
 
 /// A gateway configuration that cannot be used.
@@ -63,8 +100,8 @@ pub enum GatewayConfigError {
     #[error(transparent)]
     File(#[from] FileError),
     /// A value is out of range.
-    #[error("gateway.max_inflight and gateway.request_timeout_ms must be >= 1")]
-    Invalid,
+    #[error("invalid gateway configuration: {0}")]
+    Invalid(String),
 }
 
 impl GatewayConfig {
@@ -77,9 +114,43 @@ impl GatewayConfig {
             return Ok(Self::default());
         };
         let c: Self = toml_file::read(path)?;
-        if c.gateway.max_inflight == 0 || c.gateway.request_timeout_ms == 0 {
-            return Err(GatewayConfigError::Invalid);
-        }
+        c.validate()?;
         Ok(c)
+    }
+
+    /// Checks ranges, and that a gateway without `[tls]` listens on loopback only (unless
+    /// `allow_insecure`).
+    ///
+    /// # Errors
+    /// The first problem.
+    pub fn validate(&self) -> Result<(), GatewayConfigError> {
+        let g = &self.gateway;
+        if g.max_inflight == 0 || g.request_timeout_ms == 0 {
+            return Err(GatewayConfigError::Invalid(
+                "gateway.max_inflight and gateway.request_timeout_ms must be >= 1".into(),
+            ));
+        }
+        if g.id.is_empty() {
+            return Err(GatewayConfigError::Invalid(
+                "gateway.id must not be empty".into(),
+            ));
+        }
+        if self.tls.is_none() && !self.allow_insecure {
+            for (key, addr) in [
+                ("http_listen", &g.http_listen),
+                ("registry_listen", &g.registry_listen),
+            ] {
+                // The public endpoint may face the world when it is HTTPS.
+                if key == "http_listen" && g.public_tls.is_some() {
+                    continue;
+                }
+                if !is_loopback_listen(addr) {
+                    return Err(GatewayConfigError::Invalid(format!(
+                        "gateway.{key} {addr:?} is not a loopback address: configure [tls], or set allow_insecure = true"
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 }

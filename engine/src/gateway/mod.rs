@@ -10,9 +10,11 @@
 //! | clients of the engines (one channel cache) | [`upstream`] |
 //! | one request's life, as a task | [`request`] |
 //! | the OpenAI HTTP handlers | [`openai`] |
+//! | API keys on the public endpoint | [`keys`] |
 
 pub mod config;
 pub mod inflight;
+pub mod keys;
 pub mod openai;
 pub mod plan;
 pub mod registry;
@@ -21,7 +23,6 @@ pub mod upstream;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvwire_grpc::glue::Dispatch;
@@ -29,12 +30,14 @@ use kvwire_grpc::pb::control::WorkerStatus;
 use tokio::sync::Semaphore;
 use tokio_util::sync::DropGuard;
 
-use self::config::GatewaySection;
+use self::config::{GatewayConfig, GatewaySection};
 use self::inflight::InFlight;
 use self::plan::Policy;
 use self::registry::{RegistryService, RegistryState};
 use self::upstream::Upstream;
-use crate::net::server::{Lifecycle, bind, serve_grpc, serve_http};
+use crate::net::authz::RolePolicy;
+use crate::net::server::{HttpLimits, Lifecycle, bind, serve_grpc, serve_http};
+use crate::net::tls::{PublicTls, Tls, TlsError};
 
 /// The gateway's shared state.
 #[derive(Debug)]
@@ -44,23 +47,31 @@ pub struct Gateway {
     upstream: Arc<Upstream>,
     permits: Arc<Semaphore>,
     inflight: Arc<InFlight>,
-    next: AtomicU64,
+    api_keys: keys::ApiKeys,
 }
 
 impl Gateway {
-    /// A gateway over `registry`.
-    #[must_use]
-    pub fn new(registry: Arc<RegistryState>, cfg: GatewaySection) -> Self {
-        Self {
+    /// A gateway over `registry`, reaching the engines over mutual TLS when `tls` is given.
+    ///
+    /// # Errors
+    /// When the TLS client configuration cannot be built.
+    pub fn new(
+        registry: Arc<RegistryState>,
+        cfg: GatewaySection,
+        tls: Option<&Tls>,
+        api_keys: keys::ApiKeys,
+    ) -> Result<Self, TlsError> {
+        Ok(Self {
             permits: Arc::new(Semaphore::new(cfg.max_inflight.max(1))),
-            upstream: Arc::new(Upstream::new(Duration::from_millis(
-                cfg.has_blocks_timeout_ms,
-            ))),
+            upstream: Arc::new(Upstream::new(
+                Duration::from_millis(cfg.has_blocks_timeout_ms),
+                tls,
+            )?),
             registry,
             cfg,
             inflight: Arc::new(InFlight::default()),
-            next: AtomicU64::new(1),
-        }
+            api_keys,
+        })
     }
 
     /// The live workers.
@@ -81,8 +92,10 @@ impl Gateway {
         }
     }
 
+    /// `<gateway id>-<128 random bits in hex>`: never reused, not guessable, so nobody can
+    /// cancel another client's request by naming it.
     fn request_id(&self) -> String {
-        format!("gw-{}", self.next.fetch_add(1, Ordering::Relaxed))
+        format!("{}-{}", self.cfg.id, crate::net::tls::random_hex::<16>())
     }
 }
 
@@ -101,16 +114,43 @@ impl GatewayNode {
     ///
     /// # Errors
     /// When an address cannot be bound.
-    pub async fn start(cfg: &GatewaySection) -> std::io::Result<Self> {
+    pub async fn start(cfg: &GatewayConfig) -> std::io::Result<Self> {
+        let invalid = |e: &dyn std::fmt::Display| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string())
+        };
+        let tls = cfg
+            .tls
+            .as_ref()
+            .map(Tls::load)
+            .transpose()
+            .map_err(|e| invalid(&e))?;
+        let g = &cfg.gateway;
+        let api_keys = keys::ApiKeys::load(&g.api_keys_file).map_err(|e| invalid(&e))?;
         let life = Lifecycle::new();
         let state = Arc::new(RegistryState::default());
-        let svc = Dispatch::new(Arc::new(RegistryService::new(Arc::clone(&state))));
-        let registry_addr = serve_grpc(&life, bind(&cfg.registry_listen).await?, svc)?;
-        let gateway = Arc::new(Gateway::new(state, cfg.clone()));
+        let svc = Dispatch::new(Arc::new(RegistryService::new(Arc::clone(&state))))
+            .with_auth(RolePolicy(registry::POLICY).when(tls.is_some()));
+        let registry_tls = tls
+            .as_ref()
+            .map(|t| t.server_config(&[b"h2"]))
+            .transpose()
+            .map_err(|e| invalid(&e))?;
+        let registry_addr = serve_grpc(&life, bind(&g.registry_listen).await?, svc, registry_tls)?;
+        let gateway = Arc::new(
+            Gateway::new(state, g.clone(), tls.as_ref(), api_keys).map_err(|e| invalid(&e))?,
+        );
+        let public_tls = g
+            .public_tls
+            .as_ref()
+            .map(PublicTls::server_config)
+            .transpose()
+            .map_err(|e| invalid(&e))?;
         let http_addr = serve_http(
             &life,
-            bind(&cfg.http_listen).await?,
+            bind(&g.http_listen).await?,
             openai::router(Arc::clone(&gateway)),
+            public_tls,
+            HttpLimits::default(),
         )?;
         Ok(Self {
             gateway,

@@ -42,6 +42,10 @@ pub fn router(g: Arc<Gateway>) -> axum::Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/workers", get(workers))
+        .layer(axum::middleware::from_fn_with_state(
+            g.api_keys.clone(),
+            super::keys::require_key,
+        ))
         .with_state(g)
 }
 

@@ -12,15 +12,17 @@ use std::time::{Duration, Instant};
 
 use kvwire_grpc::glue::{self, Dispatch, Handler, Limits, ResponseFuture, Routes};
 use kvwire_grpc::pb::control::{
-    HeartbeatAck, ListWorkersRequest, ListWorkersResponse, SetDrainRequest, SetDrainResponse,
-    WorkerStatus, path,
+    HeartbeatAck, ListWorkersRequest, ListWorkersResponse, Role as PbRole, SetDrainRequest,
+    SetDrainResponse, WorkerStatus, path,
 };
 use tokio_util::sync::DropGuard;
 use tonic::Status;
 use tonic::body::Body;
 
 use super::plan::WorkerView;
+use crate::net::authz::{RolePolicy, Table};
 use crate::net::server::{Lifecycle, bind, serve_grpc};
+use crate::net::tls::{PeerId, PeerRole, Tls};
 
 /// The heartbeat interval a worker that does not say is assumed to use.
 pub const DEFAULT_HEARTBEAT_MS: u32 = 2000;
@@ -50,6 +52,7 @@ impl RegistryState {
 
     /// Records a beat received at `now`; the ack carries the drain request.
     pub fn heartbeat(&self, status: WorkerStatus, now: Instant) -> HeartbeatAck {
+        // Callers that must not overflow use `record`; this one is for trusted, in-process use.
         let mut w = self.lock();
         let drain = w.get(&status.worker_id).is_some_and(|e| e.drain);
         w.insert(
@@ -61,6 +64,56 @@ impl RegistryState {
             },
         );
         HeartbeatAck { drain }
+    }
+
+    /// Records a beat from a peer, within the registry's bounds: a worker id of at most
+    /// [`MAX_WORKER_ID`] bytes, addresses of at most [`MAX_ADDRESS`], `heartbeat_ms` clamped to
+    /// [`HEARTBEAT_MS_RANGE`], and at most `max_workers` workers (a known worker may always beat).
+    ///
+    /// # Errors
+    /// INVALID_ARGUMENT for a field out of bounds, RESOURCE_EXHAUSTED for a new worker when the
+    /// registry is full; nothing is recorded then.
+    pub fn record(
+        &self,
+        mut status: WorkerStatus,
+        now: Instant,
+        max_workers: usize,
+    ) -> Result<HeartbeatAck, Status> {
+        if status.worker_id.is_empty() || status.worker_id.len() > MAX_WORKER_ID {
+            return Err(Status::invalid_argument(format!(
+                "worker_id must be 1 to {MAX_WORKER_ID} bytes"
+            )));
+        }
+        for (name, a) in [
+            ("http_address", &status.http_address),
+            ("grpc_address", &status.grpc_address),
+            ("kv_address", &status.kv_address),
+            ("model", &status.model),
+        ] {
+            if a.len() > MAX_ADDRESS {
+                return Err(Status::invalid_argument(format!(
+                    "{name} is longer than {MAX_ADDRESS} bytes"
+                )));
+            }
+        }
+        status.heartbeat_ms = status
+            .heartbeat_ms
+            .clamp(*HEARTBEAT_MS_RANGE.start(), *HEARTBEAT_MS_RANGE.end());
+        {
+            let w = self.lock();
+            if !w.contains_key(&status.worker_id) && w.len() >= max_workers {
+                drop(w);
+                // Make room from the dead before refusing the living.
+                self.evict_stale(now);
+                let w = self.lock();
+                if !w.contains_key(&status.worker_id) && w.len() >= max_workers {
+                    return Err(Status::resource_exhausted(format!(
+                        "the registry holds {max_workers} workers"
+                    )));
+                }
+            }
+        }
+        Ok(self.heartbeat(status, now))
     }
 
     /// Forgets workers silent for more than three of their intervals; returns how many.
@@ -106,6 +159,39 @@ impl RegistryState {
     }
 }
 
+/// Longest worker id a registry records.
+pub const MAX_WORKER_ID: usize = 128;
+
+/// Longest address (and model name) a registry records.
+pub const MAX_ADDRESS: usize = 256;
+
+/// The heartbeat intervals a registry believes; others are clamped into it.
+pub const HEARTBEAT_MS_RANGE: std::ops::RangeInclusive<u32> = 100..=60_000;
+
+/// Workers a registry holds by default (`[limits] registry_max_workers`).
+pub const DEFAULT_MAX_WORKERS: usize = 1024;
+
+/// Who may call the WorkerRegistry (CONTRACTS section 7). A heartbeat must also speak for its
+/// own certificate (checked in the handler, which alone sees the message).
+pub const POLICY: Table = &[
+    (
+        path::HEARTBEAT,
+        &[PeerRole::Prefill, PeerRole::Decode, PeerRole::Both],
+    ),
+    (path::LIST_WORKERS, &[PeerRole::Gateway, PeerRole::Admin]),
+    (path::SET_DRAIN, &[PeerRole::Gateway, PeerRole::Admin]),
+];
+
+/// The registry role that a certificate role may register as.
+fn registers_as(role: PeerRole) -> Option<PbRole> {
+    match role {
+        PeerRole::Prefill => Some(PbRole::Prefill),
+        PeerRole::Decode => Some(PbRole::Decode),
+        PeerRole::Both => Some(PbRole::Both),
+        PeerRole::Gateway | PeerRole::Admin => None,
+    }
+}
+
 /// True when a worker's last beat is older than [`MISSED_BEATS`] of its intervals.
 #[must_use]
 pub fn is_stale(status: &WorkerStatus, age: Duration) -> bool {
@@ -117,17 +203,35 @@ pub fn is_stale(status: &WorkerStatus, age: Duration) -> bool {
     age > Duration::from_millis(u64::from(ms) * u64::from(MISSED_BEATS))
 }
 
+/// Registry messages are small: a larger one is refused by tonic's decoder (OUT_OF_RANGE)
+/// before anything is allocated for it.
+const SMALL: Limits = Limits {
+    max_decode: 1 << 20,
+    max_encode: usize::MAX,
+};
+
 /// The WorkerRegistry service.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct RegistryService {
     state: Arc<RegistryState>,
+    max_workers: usize,
 }
 
 impl RegistryService {
-    /// Serves `state`.
+    /// Serves `state`, holding at most [`DEFAULT_MAX_WORKERS`] workers.
     #[must_use]
     pub fn new(state: Arc<RegistryState>) -> Self {
-        Self { state }
+        Self {
+            state,
+            max_workers: DEFAULT_MAX_WORKERS,
+        }
+    }
+
+    /// Holds at most `n` workers.
+    #[must_use]
+    pub fn with_max_workers(mut self, n: usize) -> Self {
+        self.max_workers = n;
+        self
     }
 }
 
@@ -143,38 +247,41 @@ impl Routes for RegistryService {
 impl RegistryService {
     fn heartbeat(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
         let s = Arc::clone(&self.state);
-        glue::serve_unary(req, Limits::default(), move |m: WorkerStatus| async move {
-            if m.worker_id.is_empty() {
-                return Err(Status::invalid_argument("empty worker_id"));
+        let max_workers = self.max_workers;
+        // Under mutual TLS the policy put the caller's identity here: a beat speaks only for it.
+        let peer = req.extensions().get::<PeerId>().cloned();
+        glue::serve_unary(req, SMALL, move |m: WorkerStatus| async move {
+            if let Some(p) = peer {
+                let role_ok = registers_as(p.role).is_some_and(|r| r as i32 == m.role);
+                if p.id != m.worker_id || !role_ok {
+                    return Err(Status::permission_denied(format!(
+                        "{} may not beat for worker {:?} with role {}",
+                        p.uri(),
+                        m.worker_id,
+                        m.role
+                    )));
+                }
             }
-            Ok(s.heartbeat(m, Instant::now()))
+            s.record(m, Instant::now(), max_workers)
         })
     }
 
     fn list_workers(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
         let s = Arc::clone(&self.state);
-        glue::serve_unary(
-            req,
-            Limits::default(),
-            move |_: ListWorkersRequest| async move {
-                Ok::<_, Status>(ListWorkersResponse {
-                    workers: s.list(Instant::now()),
-                })
-            },
-        )
+        glue::serve_unary(req, SMALL, move |_: ListWorkersRequest| async move {
+            Ok::<_, Status>(ListWorkersResponse {
+                workers: s.list(Instant::now()),
+            })
+        })
     }
 
     fn set_drain(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
         let s = Arc::clone(&self.state);
-        glue::serve_unary(
-            req,
-            Limits::default(),
-            move |m: SetDrainRequest| async move {
-                Ok::<_, Status>(SetDrainResponse {
-                    found: s.set_drain(&m.worker_id, m.drain),
-                })
-            },
-        )
+        glue::serve_unary(req, SMALL, move |m: SetDrainRequest| async move {
+            Ok::<_, Status>(SetDrainResponse {
+                found: s.set_drain(&m.worker_id, m.drain),
+            })
+        })
     }
 }
 
@@ -188,15 +295,20 @@ pub struct RegistryNode {
 }
 
 impl RegistryNode {
-    /// Serves a registry on `listen`.
+    /// Serves a registry on `listen`, over mutual TLS when `tls` is given.
     ///
     /// # Errors
     /// When the address cannot be bound.
-    pub async fn start(listen: &str) -> std::io::Result<Self> {
+    pub async fn start(listen: &str, tls: Option<&Tls>) -> std::io::Result<Self> {
         let state = Arc::new(RegistryState::default());
         let life = Lifecycle::new();
-        let svc = Dispatch::new(Arc::new(RegistryService::new(Arc::clone(&state))));
-        let addr = serve_grpc(&life, bind(listen).await?, svc)?;
+        let svc = Dispatch::new(Arc::new(RegistryService::new(Arc::clone(&state))))
+            .with_auth(RolePolicy(POLICY).when(tls.is_some()));
+        let server_tls = tls
+            .map(|t| t.server_config(&[b"h2"]))
+            .transpose()
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let addr = serve_grpc(&life, bind(listen).await?, svc, server_tls)?;
         Ok(Self {
             state,
             addr,

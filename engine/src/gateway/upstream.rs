@@ -14,6 +14,7 @@ use tonic::Status;
 
 use crate::api::{CompletionRequest, KV_HANDLE_HEADER};
 use crate::net::clients::{ControlClient, EventStream, HttpClient, HttpError};
+use crate::net::tls::{Tls, TlsError};
 
 /// Why a decode front's stream could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -36,16 +37,23 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    /// Clients whose HasBlocks and Release calls are bounded by `has_blocks_timeout`.
-    #[must_use]
-    pub fn new(has_blocks_timeout: Duration) -> Self {
+    /// Clients whose HasBlocks and Release calls are bounded by `has_blocks_timeout`, over
+    /// mutual TLS when `tls` is given.
+    ///
+    /// # Errors
+    /// When the TLS client configuration cannot be built.
+    pub fn new(has_blocks_timeout: Duration, tls: Option<&Tls>) -> Result<Self, TlsError> {
         let mut tc = TransportConfig::for_envelope(4096);
         tc.call_timeout = has_blocks_timeout.max(Duration::from_millis(1));
-        Self {
-            transport: Arc::new(GrpcTransport::new(tc)),
-            http: HttpClient::default(),
+        let http = match tls {
+            Some(t) => HttpClient::tls(t.client_config(&[])?),
+            None => HttpClient::default(),
+        };
+        Ok(Self {
+            transport: Arc::new(GrpcTransport::new(tc).with_tls(tls.map(Tls::tonic_client))),
+            http,
             has_blocks_timeout: tc.call_timeout,
-        }
+        })
     }
 
     /// The EngineControl client of the engine at `addr`.

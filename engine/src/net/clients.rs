@@ -35,7 +35,18 @@ impl ControlClient {
     /// # Errors
     /// When `addr` is malformed.
     pub fn new(addr: &str) -> Result<Self, Status> {
-        let channel = glue::endpoint(addr, Duration::from_secs(2))?.connect_lazy();
+        Self::with_tls(addr, None)
+    }
+
+    /// Connects lazily to `addr` over mutual TLS when `tls` is given.
+    ///
+    /// # Errors
+    /// When `addr` is malformed.
+    pub fn with_tls(
+        addr: &str,
+        tls: Option<&tonic::transport::ClientTlsConfig>,
+    ) -> Result<Self, Status> {
+        let channel = glue::endpoint(addr, Duration::from_secs(2), tls)?.connect_lazy();
         Ok(Self { channel })
     }
 
@@ -119,7 +130,19 @@ impl RegistryClient {
     /// # Errors
     /// When `addr` is not a `host:port`.
     pub fn new(addr: &str, timeout: Duration) -> Result<Self, Status> {
-        let channel = glue::endpoint(addr, timeout)?
+        Self::with_tls(addr, timeout, None)
+    }
+
+    /// As [`new`](Self::new), over mutual TLS when `tls` is given.
+    ///
+    /// # Errors
+    /// When `addr` is not a `host:port`.
+    pub fn with_tls(
+        addr: &str,
+        timeout: Duration,
+        tls: Option<&tonic::transport::ClientTlsConfig>,
+    ) -> Result<Self, Status> {
+        let channel = glue::endpoint(addr, timeout, tls)?
             .timeout(timeout)
             .connect_lazy();
         Ok(Self { channel, timeout })
@@ -189,18 +212,46 @@ pub enum HttpError {
     Body(#[from] hyper::Error),
 }
 
-/// An HTTP/1.1 client for JSON requests.
+/// An HTTP/1.1 client for JSON requests, over plain TCP or (mutual) TLS.
 #[derive(Clone, Debug)]
 pub struct HttpClient {
-    inner: Client<HttpConnector, Full<Bytes>>,
+    inner: Inner,
+}
+
+#[derive(Clone, Debug)]
+enum Inner {
+    Plain(Client<HttpConnector, Full<Bytes>>),
+    Tls(Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>),
+}
+
+fn tcp() -> HttpConnector {
+    let mut conn = HttpConnector::new();
+    conn.set_nodelay(true);
+    conn
 }
 
 impl Default for HttpClient {
     fn default() -> Self {
-        let mut conn = HttpConnector::new();
-        conn.set_nodelay(true);
         Self {
-            inner: Client::builder(TokioExecutor::new()).build(conn),
+            inner: Inner::Plain(Client::builder(TokioExecutor::new()).build(tcp())),
+        }
+    }
+}
+
+impl HttpClient {
+    /// A client that speaks HTTPS only, with this TLS configuration (mutual TLS when it carries
+    /// a client certificate). The configuration must offer no ALPN: the connector sets it.
+    #[must_use]
+    pub fn tls(config: std::sync::Arc<rustls::ClientConfig>) -> Self {
+        let mut conn = tcp();
+        conn.enforce_http(false);
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config((*config).clone())
+            .https_only()
+            .enable_http1()
+            .wrap_connector(conn);
+        Self {
+            inner: Inner::Tls(Client::builder(TokioExecutor::new()).build(https)),
         }
     }
 }
@@ -243,9 +294,13 @@ impl HttpClient {
         headers: &[(&str, &str)],
         body: Bytes,
     ) -> Result<http::Response<hyper::body::Incoming>, HttpError> {
+        let scheme = match self.inner {
+            Inner::Plain(_) => "http",
+            Inner::Tls(_) => "https",
+        };
         let mut req = http::Request::builder()
             .method(method)
-            .uri(format!("http://{addr}{path}"));
+            .uri(format!("{scheme}://{addr}{path}"));
         if !body.is_empty() {
             req = req.header("content-type", "application/json");
         }
@@ -253,7 +308,10 @@ impl HttpClient {
             req = req.header(*k, *v);
         }
         let req = req.body(Full::new(body))?;
-        Ok(self.inner.request(req).await?)
+        Ok(match &self.inner {
+            Inner::Plain(c) => c.request(req).await?,
+            Inner::Tls(c) => c.request(req).await?,
+        })
     }
 
     async fn whole(resp: http::Response<hyper::body::Incoming>) -> Result<HttpResponse, HttpError> {

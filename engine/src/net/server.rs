@@ -1,16 +1,34 @@
 //! Starting and stopping servers and long-lived tasks, one way for every process: a
 //! [`Lifecycle`] is a cancellation token that every task watches and a tracker that knows when
 //! they have all finished (tokio-util's `CancellationToken` and `TaskTracker`).
+//!
+//! Both server kinds take an optional TLS configuration (mutual TLS on internal ports, see
+//! [`super::tls`]); TLS handshakes run in tasks of their own under a deadline, so a peer that
+//! connects and says nothing holds no accept slot. The HTTP server also bounds how long request
+//! headers may take, and on stop gives open connections a short grace before closing them, so
+//! a stalled client cannot keep a process alive.
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
 use kvwire_grpc::glue::{Dispatch, Routes};
 use kvwire_grpc::server::tuned_server;
-use tokio::net::TcpListener;
+use rustls::ServerConfig;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
 use tonic::transport::server::TcpIncoming;
+
+use super::tls::PeerId;
 
 /// The tasks of one process (or one node inside a test process) and their stop signal.
 #[derive(Clone, Debug, Default)]
@@ -62,7 +80,48 @@ pub async fn bind(addr: &str) -> std::io::Result<TcpListener> {
         .map_err(|e| std::io::Error::new(e.kind(), format!("bind {addr}: {e}")))
 }
 
-/// Serves one hand-written gRPC service on `listener` until `life` stops; calls in flight finish.
+/// How long a TLS handshake may take.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long open connections get to finish after the stop signal before they are closed.
+pub const STOP_GRACE: Duration = Duration::from_millis(500);
+
+/// Accepts connections on `listener` and completes their TLS handshakes in tasks of their own
+/// (each under [`HANDSHAKE_TIMEOUT`]), yielding the finished streams until `stop` fires.
+fn tls_incoming(
+    life: &Lifecycle,
+    listener: TcpListener,
+    tls: Arc<ServerConfig>,
+) -> mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)> {
+    let (tx, rx) = mpsc::channel(64);
+    let acceptor = TlsAcceptor::from(tls);
+    let stop = life.token().clone();
+    life.spawn(async move {
+        let mut handshakes = JoinSet::new();
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => {
+                    let Ok((tcp, peer)) = accepted else { continue };
+                    let _ = tcp.set_nodelay(true);
+                    let (acceptor, tx) = (acceptor.clone(), tx.clone());
+                    handshakes.spawn(async move {
+                        if let Ok(Ok(tls)) =
+                            tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+                        {
+                            let _ = tx.send((tls, peer)).await;
+                        }
+                    });
+                }
+                Some(_) = handshakes.join_next() => {}
+                () = stop.cancelled() => return,
+            }
+        }
+    });
+    rx
+}
+
+/// Serves one hand-written gRPC service on `listener` until `life` stops, over mutual TLS when
+/// `tls` is given; calls in flight get [`STOP_GRACE`] to finish.
 ///
 /// # Errors
 /// When the listener has no local address.
@@ -70,21 +129,79 @@ pub fn serve_grpc<S: Routes>(
     life: &Lifecycle,
     listener: TcpListener,
     svc: Dispatch<S>,
+    tls: Option<Arc<ServerConfig>>,
 ) -> std::io::Result<SocketAddr> {
     let addr = listener.local_addr()?;
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let server = tuned_server()
-        .add_service(svc)
-        .serve_with_incoming_shutdown(incoming, life.token().clone().cancelled_owned());
-    life.spawn(async move {
-        if let Err(e) = server.await {
-            eprintln!("grpc server on {addr}: {e}");
+    let router = tuned_server().add_service(svc);
+    let stop = life.token().clone();
+    let graceful = graceful_stop(stop.clone());
+    match tls {
+        None => {
+            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+            let server = router.serve_with_incoming_shutdown(incoming, graceful);
+            life.spawn(bounded_stop(stop, addr, server));
         }
-    });
+        Some(tls) => {
+            let incoming = ReceiverStream::new(tls_incoming(life, listener, tls));
+            let incoming =
+                tokio_stream::StreamExt::map(incoming, |(s, _)| Ok::<_, std::io::Error>(s));
+            let server = router.serve_with_incoming_shutdown(incoming, graceful);
+            life.spawn(bounded_stop(stop, addr, server));
+        }
+    }
     Ok(addr)
 }
 
-/// Serves an axum app on `listener` until `life` stops; responses in flight finish.
+/// Resolves when `stop` fires: the signal for a server's graceful shutdown.
+async fn graceful_stop(stop: CancellationToken) {
+    stop.cancelled().await;
+}
+
+/// Runs a server until it ends, or until [`STOP_GRACE`] after `stop`, whichever comes first.
+async fn bounded_stop<E: std::fmt::Display>(
+    stop: CancellationToken,
+    addr: SocketAddr,
+    server: impl Future<Output = Result<(), E>>,
+) {
+    tokio::pin!(server);
+    let res = tokio::select! {
+        r = &mut server => r,
+        () = async { stop.cancelled().await; tokio::time::sleep(STOP_GRACE).await } => Ok(()),
+    };
+    if let Err(e) = res {
+        eprintln!("grpc server on {addr}: {e}");
+    }
+}
+
+/// Limits of an HTTP server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HttpLimits {
+    /// Request headers must arrive within this.
+    pub header_read: Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            header_read: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Who is calling an HTTP server: its address, and its identity when it presented a client
+/// certificate. Every request carries it as an extension.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller {
+    /// The peer's address.
+    pub addr: SocketAddr,
+    /// The peer's certificate identity (mutual TLS only).
+    pub peer: Option<PeerId>,
+}
+
+/// Serves an axum app on `listener` (HTTP/1.1) until `life` stops, over TLS when `tls` is given
+/// (requiring client certificates if that configuration does). Each request carries a
+/// [`Caller`] extension. On stop, responses in flight get [`STOP_GRACE`], then connections are
+/// closed.
 ///
 /// # Errors
 /// When the listener has no local address.
@@ -92,22 +209,84 @@ pub fn serve_http(
     life: &Lifecycle,
     listener: TcpListener,
     app: axum::Router,
+    tls: Option<Arc<ServerConfig>>,
+    limits: HttpLimits,
 ) -> std::io::Result<SocketAddr> {
-    use axum::serve::ListenerExt;
     let addr = listener.local_addr()?;
-    // Server-sent events are many small writes: without TCP_NODELAY, Nagle's algorithm and the
-    // peer's delayed ACK hold each one back for ~40 ms.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let stop = life.token().clone().cancelled_owned();
+    let stop = life.token().clone();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read);
+    let acceptor = tls.map(TlsAcceptor::from);
     life.spawn(async move {
-        if let Err(e) = axum::serve(listener, app)
-            .with_graceful_shutdown(stop)
-            .await
-        {
-            eprintln!("http server on {addr}: {e}");
+        let graceful = GracefulShutdown::new();
+        let mut conns = JoinSet::new();
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => {
+                    let Ok((tcp, peer)) = accepted else { continue };
+                    // Server-sent events are many small writes: without TCP_NODELAY, Nagle's
+                    // algorithm and the peer's delayed ACK hold each one back for ~40 ms.
+                    let _ = tcp.set_nodelay(true);
+                    let (app, http, watcher, acceptor) =
+                        (app.clone(), http.clone(), graceful.watcher(), acceptor.clone());
+                    conns.spawn(async move {
+                        let conn = Conn { app, http, watcher };
+                        match acceptor {
+                            None => conn.serve(tcp, Caller { addr: peer, peer: None }).await,
+                            Some(acceptor) => {
+                                let Ok(Ok(tls)) =
+                                    tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+                                else {
+                                    return;
+                                };
+                                let id = tls
+                                    .get_ref()
+                                    .1
+                                    .peer_certificates()
+                                    .and_then(|c| c.first())
+                                    .and_then(|c| PeerId::from_cert(c));
+                                conn.serve(tls, Caller { addr: peer, peer: id }).await;
+                            }
+                        }
+                    });
+                }
+                Some(_) = conns.join_next() => {}
+                () = stop.cancelled() => break,
+            }
         }
+        // Stop accepting; let responses in flight end, then close what is left (dropping the
+        // set aborts its tasks).
+        let _ = tokio::time::timeout(STOP_GRACE, graceful.shutdown()).await;
+        drop(conns);
     });
     Ok(addr)
+}
+
+/// One accepted HTTP connection's server side.
+struct Conn {
+    app: axum::Router,
+    http: hyper::server::conn::http1::Builder,
+    watcher: hyper_util::server::graceful::Watcher,
+}
+
+impl Conn {
+    /// Serves requests on `io` until the peer closes it (or the stop grace ends), each carrying
+    /// `caller`.
+    async fn serve<I>(self, io: I, caller: Caller)
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let app = self.app;
+        let svc =
+            hyper::service::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(caller.clone());
+                let mut app = app.clone();
+                async move { tower_service::Service::call(&mut app, req).await }
+            });
+        let _ = self
+            .watcher
+            .watch(self.http.serve_connection(TokioIo::new(io), svc))
+            .await;
+    }
 }

@@ -293,6 +293,53 @@ impl Tls {
     }
 }
 
+/// `[gateway.public_tls]`: the certificate and key of the public HTTPS endpoint (from a public
+/// CA; no client certificate is asked for).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PublicTls {
+    /// The certificate chain.
+    pub cert: PathBuf,
+    /// Its key.
+    pub key: PathBuf,
+}
+
+impl PublicTls {
+    /// A TLS 1.2/1.3 server configuration without client authentication, for HTTP/1.1.
+    ///
+    /// # Errors
+    /// Unreadable or malformed files.
+    pub fn server_config(&self) -> Result<Arc<ServerConfig>, TlsError> {
+        let chain = certs(&self.cert)?;
+        let key = PrivateKeyDer::from_pem_slice(&read(&self.key)?)
+            .map_err(|e| pem_error(&self.key, e))?;
+        let mut c = ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(chain, key)?;
+        c.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Arc::new(c))
+    }
+}
+
+/// `N` bytes from the operating system's secure random source, in lowercase hex.
+#[must_use]
+pub fn random_hex<const N: usize>() -> String {
+    let mut b = [0u8; N];
+    if rustls::crypto::ring::default_provider()
+        .secure_random
+        .fill(&mut b)
+        .is_err()
+    {
+        // No OS randomness at all: fall back to the process's keyed hash, still not a counter.
+        for chunk in b.chunks_mut(8) {
+            let r = tl_engine_core::rng::entropy_seed().to_le_bytes();
+            chunk.copy_from_slice(&r[..chunk.len()]);
+        }
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
 /// The files `tl certs` wrote.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Issued {

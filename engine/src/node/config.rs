@@ -10,6 +10,7 @@
 //! http_listen = "127.0.0.1:0"   # POST /v1/completions, served by decode engines
 //! gateway_registry = ""         # host:port of the gateway's WorkerRegistry; empty: no heartbeat
 //! heartbeat_ms = 2000           # heartbeat interval
+//! advertise_address = ""        # host peers reach this engine at; empty: the bound address
 //!
 //! [model]
 //! kind = "fake"                 # the only kind: the deterministic fake model, named "fake"
@@ -24,6 +25,11 @@
 //! [pool]
 //! block_tokens = 4              # B
 //! n_blocks = 1024               # blocks in the KV pool
+//!
+//! [tls]                         # mutual TLS on every port (see `tl certs`); omitted: plaintext,
+//! ca = "certs/ca.pem"           # and then only loopback listen addresses are allowed unless
+//! cert = "certs/decode-1.pem"   # allow_insecure = true (a top-level key)
+//! key = "certs/decode-1.key"
 //! ```
 
 use std::path::Path;
@@ -33,6 +39,8 @@ use std::time::Duration;
 use kvwire::Shape;
 use serde::Deserialize;
 
+use crate::net::is_loopback_listen;
+use crate::net::tls::TlsSection;
 use crate::toml_file::{self, FileError};
 
 use tl_engine_core::engine::CostModel;
@@ -107,6 +115,10 @@ pub struct Config {
     pub model: ModelSection,
     /// `[pool]`.
     pub pool: PoolSection,
+    /// `[tls]`: mutual TLS on every port and connection (CONTRACTS section 7).
+    pub tls: Option<TlsSection>,
+    /// Without `[tls]`, listen on non-loopback addresses anyway.
+    pub allow_insecure: bool,
 }
 
 /// `[engine]`.
@@ -127,6 +139,9 @@ pub struct EngineSection {
     pub gateway_registry: String,
     /// Heartbeat interval in milliseconds.
     pub heartbeat_ms: u32,
+    /// The host (IP or DNS name) peers reach this engine at, advertised to the registry with
+    /// the bound ports; empty: the bound address (which must then not be unspecified).
+    pub advertise_address: String,
 }
 
 impl Default for EngineSection {
@@ -139,6 +154,7 @@ impl Default for EngineSection {
             http_listen: "127.0.0.1:0".into(),
             gateway_registry: String::new(),
             heartbeat_ms: 2000,
+            advertise_address: String::new(),
         }
     }
 }
@@ -283,6 +299,20 @@ impl Config {
         }
         if self.engine.id.is_empty() {
             return Err(ConfigError::Invalid("engine.id must not be empty".into()));
+        }
+        if self.tls.is_none() && !self.allow_insecure {
+            let e = &self.engine;
+            for (key, addr) in [
+                ("grpc_listen", &e.grpc_listen),
+                ("kv_listen", &e.kv_listen),
+                ("http_listen", &e.http_listen),
+            ] {
+                if !is_loopback_listen(addr) {
+                    return Err(ConfigError::Invalid(format!(
+                        "engine.{key} {addr:?} is not a loopback address: configure [tls], or set allow_insecure = true"
+                    )));
+                }
+            }
         }
         Ok(())
     }

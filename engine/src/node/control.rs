@@ -16,6 +16,16 @@ use tonic::body::Body;
 
 use super::prefill::PrefillService;
 use super::state::NodeState;
+use crate::net::authz::{ANY, Table};
+use crate::net::tls::PeerRole;
+
+/// Who may call EngineControl (CONTRACTS section 7): Info is open to every role.
+pub const POLICY: Table = &[
+    (path::PREFILL, &[PeerRole::Gateway, PeerRole::Admin]),
+    (path::CANCEL, &[PeerRole::Gateway, PeerRole::Admin]),
+    (path::DRAIN, &[PeerRole::Gateway, PeerRole::Admin]),
+    (path::INFO, ANY),
+];
 
 /// The EngineControl service of one node.
 #[derive(Debug)]

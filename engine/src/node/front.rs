@@ -25,6 +25,10 @@ use crate::api::{
     ApiError, CompletionRequest, Flavor, KV_HANDLE_HEADER, ResponseMeta, TlResume, completion_id,
     finish_str, parse,
 };
+use crate::net::tls::PeerRole;
+
+/// Who may call the decode front: the gateway, and operators.
+pub const POLICY: &[PeerRole] = &[PeerRole::Gateway, PeerRole::Admin];
 
 /// The decode front of one node.
 #[derive(Debug)]

@@ -36,8 +36,31 @@ use self::prefill::PrefillService;
 use self::runner::{EngineThread, Runner};
 use self::state::NodeState;
 use self::store::PoolStore;
+use crate::net::advertised;
+use crate::net::authz::{HttpPolicy, RolePolicy, Table, require_roles};
 use crate::net::clients::RegistryClient;
-use crate::net::server::{Lifecycle, bind, serve_grpc, serve_http};
+use crate::net::server::{HttpLimits, Lifecycle, bind, serve_grpc, serve_http};
+use crate::net::tls::{PeerRole, Tls};
+
+/// Who may call KvTransfer (CONTRACTS section 7).
+pub const KV_POLICY: Table = &[
+    (
+        kvwire_grpc::pb::kv::path::HAS_BLOCKS,
+        &[PeerRole::Gateway, PeerRole::Prefill, PeerRole::Both],
+    ),
+    (
+        kvwire_grpc::pb::kv::path::PUSH_KV,
+        &[PeerRole::Prefill, PeerRole::Both],
+    ),
+    (
+        kvwire_grpc::pb::kv::path::RELEASE,
+        &[PeerRole::Gateway, PeerRole::Prefill, PeerRole::Both],
+    ),
+];
+
+fn invalid(e: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string())
+}
 
 /// A running engine.
 #[derive(Debug)]
@@ -57,6 +80,19 @@ impl EngineNode {
     /// When an address cannot be bound, the registry address is malformed, or the engine
     /// thread cannot start.
     pub async fn start(cfg: &Config) -> std::io::Result<Self> {
+        let tls = cfg
+            .tls
+            .as_ref()
+            .map(Tls::load)
+            .transpose()
+            .map_err(invalid)?;
+        let mtls = tls.is_some();
+        let server_tls = |alpn: &[u8]| {
+            tls.as_ref()
+                .map(|t| t.server_config(&[alpn]))
+                .transpose()
+                .map_err(invalid)
+        };
         let model = cfg.build_model();
         let pool = cfg.build_pool();
         let mut engine = Engine::new(model.clone(), pool.clone());
@@ -66,11 +102,13 @@ impl EngineNode {
         let state = Arc::new(NodeState::new(cfg.engine.id.clone(), role, runner));
         let life = Lifecycle::new();
         let stop_on_drop = life.guard();
+        let client_tls = tls.as_ref().map(Tls::tonic_client);
 
         let prefill = role.prefills().then(|| {
             let transport = GrpcTransport::new(TransportConfig::for_envelope(
                 model.shape().envelope_len(1).unwrap_or(usize::MAX / 2),
-            ));
+            ))
+            .with_tls(client_tls.clone());
             Arc::new(PrefillService::new(Arc::clone(&state), transport))
         });
         let receiver = role.decodes().then(|| {
@@ -79,34 +117,61 @@ impl EngineNode {
         });
 
         let control = EngineControl::new(Arc::clone(&state), prefill, receiver.clone());
+        let svc =
+            Dispatch::new(Arc::new(control)).with_auth(RolePolicy(control::POLICY).when(mtls));
+        let advertise = &cfg.engine.advertise_address;
         let grpc = serve_grpc(
             &life,
             bind(&cfg.engine.grpc_listen).await?,
-            Dispatch::new(Arc::new(control)),
+            svc,
+            server_tls(b"h2")?,
         )?;
         let mut addrs = Addresses {
-            grpc: grpc.to_string(),
+            grpc: advertised(grpc, advertise)?,
             ..Addresses::default()
         };
         if let Some(rx) = receiver.clone() {
-            let kv = KvTransferService::new(Arc::clone(&rx)).into_service();
-            addrs.kv = serve_grpc(&life, bind(&cfg.engine.kv_listen).await?, kv)?.to_string();
+            let kv = KvTransferService::new(Arc::clone(&rx))
+                .into_service()
+                .with_auth(RolePolicy(KV_POLICY).when(mtls));
+            let kv = serve_grpc(
+                &life,
+                bind(&cfg.engine.kv_listen).await?,
+                kv,
+                server_tls(b"h2")?,
+            )?;
+            addrs.kv = advertised(kv, advertise)?;
             life.spawn(kvwire_grpc::server::sweep_leases(
                 Arc::clone(&rx),
                 life.token().clone(),
             ));
             let front = Arc::new(DecodeFront::new(Arc::clone(&state), rx));
-            addrs.http = serve_http(&life, bind(&cfg.engine.http_listen).await?, front.router())?
-                .to_string();
+            let policy = HttpPolicy {
+                roles: front::POLICY,
+                mtls,
+            };
+            let app = front
+                .router()
+                .layer(axum::middleware::from_fn_with_state(policy, require_roles));
+            let http = serve_http(
+                &life,
+                bind(&cfg.engine.http_listen).await?,
+                app,
+                server_tls(b"http/1.1")?,
+                HttpLimits::default(),
+            )?;
+            addrs.http = advertised(http, advertise)?;
         }
         if !cfg.engine.gateway_registry.is_empty() {
             let ms = cfg.engine.heartbeat_ms;
             let interval = Duration::from_millis(u64::from(ms));
             let timeout = interval.clamp(Duration::from_millis(100), Duration::from_secs(2));
-            let registry =
-                RegistryClient::new(&cfg.engine.gateway_registry, timeout).map_err(|s| {
-                    std::io::Error::new(std::io::ErrorKind::InvalidInput, s.message().to_owned())
-                })?;
+            let registry = RegistryClient::with_tls(
+                &cfg.engine.gateway_registry,
+                timeout,
+                client_tls.as_ref(),
+            )
+            .map_err(|s| invalid(s.message()))?;
             let hb = Arc::new(Heartbeat::new(registry, timeout));
             let (s1, s2, a) = (Arc::clone(&state), Arc::clone(&state), addrs.clone());
             life.spawn(hb.run(

@@ -3,14 +3,16 @@
 //! shows where each was decoded and why, what the transfer moved, the time to the first streamed
 //! token, and whether the tokens equal a colocated run of the same request.
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use tl_engine::api::sse::StreamEvent;
 use tl_engine::api::{CompletionRequest, GenerationParams, Prompt, RouteInfo};
 use tl_engine::gateway::GatewayNode;
-use tl_engine::gateway::config::GatewaySection;
+use tl_engine::gateway::config::GatewayConfig;
 use tl_engine::net::clients::{EventStream, HttpClient};
+use tl_engine::net::tls::{PeerRole, issue};
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, Role};
 use tl_engine_core::engine::{Engine, GenerateError, Mode, Request};
@@ -18,6 +20,31 @@ use tl_engine_core::model::encode_text;
 use tl_engine_core::sampler::{Sampling, SamplingError, SamplingRequest};
 
 use crate::run::block_on;
+
+/// A directory removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> std::io::Result<Self> {
+        let p = std::env::temp_dir().join(format!(
+            "tl-demo-{}-{}",
+            std::process::id(),
+            tl_engine::net::tls::random_hex::<4>()
+        ));
+        std::fs::create_dir_all(&p)?;
+        Ok(Self(p))
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
 
 /// Arguments of `tl demo`.
 #[derive(clap::Args, Debug)]
@@ -32,6 +59,8 @@ pub(crate) struct DemoArgs {
 enum DemoError {
     #[error("starting a node: {0}")]
     Start(#[from] std::io::Error),
+    #[error("certificates: {0}")]
+    Certs(#[from] tl_engine::net::tls::TlsError),
     #[error("only {0} of 3 engines registered")]
     Registration(usize),
     #[error("request: {0}")]
@@ -61,11 +90,17 @@ const REQUESTS: [(&str, &str); 7] = [
     (TENANT_A, "What if the stream is cut?"),
 ];
 
-fn config(id: &str, role: Role, registry: &str) -> Config {
+fn config(id: &str, role: Role, registry: &str, certs: &Path) -> Result<Config, DemoError> {
+    let peer = match role {
+        Role::Prefill => PeerRole::Prefill,
+        Role::Decode => PeerRole::Decode,
+        Role::Both => PeerRole::Both,
+    };
     let mut c = Config::for_worker(id, role, registry);
+    c.tls = Some(issue(certs, id, peer, &[])?.section());
     c.engine.heartbeat_ms = 50;
     c.pool.n_blocks = 512;
-    c
+    Ok(c)
 }
 
 /// Runs `tl demo`.
@@ -123,12 +158,18 @@ async fn stream_once(
 }
 
 async fn run(args: &DemoArgs) -> Result<bool, DemoError> {
-    let gw = GatewayNode::start(&GatewaySection::default()).await?;
+    // Every internal connection is mutual TLS, with certificates made here for this run.
+    let certs = TempDir::new()?;
+    let gw_cfg = GatewayConfig {
+        tls: Some(issue(certs.path(), "gw", PeerRole::Gateway, &[])?.section()),
+        ..GatewayConfig::default()
+    };
+    let gw = GatewayNode::start(&gw_cfg).await?;
     let reg = gw.registry_addr().to_string();
     let nodes = [
-        EngineNode::start(&config("prefill-0", Role::Prefill, &reg)).await?,
-        EngineNode::start(&config("decode-1", Role::Decode, &reg)).await?,
-        EngineNode::start(&config("decode-2", Role::Decode, &reg)).await?,
+        EngineNode::start(&config("prefill-0", Role::Prefill, &reg, certs.path())?).await?,
+        EngineNode::start(&config("decode-1", Role::Decode, &reg, certs.path())?).await?,
+        EngineNode::start(&config("decode-2", Role::Decode, &reg, certs.path())?).await?,
     ];
     let end = Instant::now() + Duration::from_secs(10);
     let workers = loop {
@@ -143,7 +184,7 @@ async fn run(args: &DemoArgs) -> Result<bool, DemoError> {
     }
     let addr = gw.http_addr().to_string();
     println!(
-        "gateway http {addr}, registry {reg}: {} workers registered",
+        "gateway http {addr}, registry {reg}: {} workers registered; mTLS: on",
         workers.len()
     );
     for w in &workers {

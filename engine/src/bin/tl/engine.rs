@@ -8,7 +8,7 @@ use std::time::Duration;
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, ConfigError, Role};
 
-use crate::run::serve_until_terminated;
+use crate::run::{TlsArgs, serve_until_terminated};
 
 /// Arguments of `tl engine`; flags override the file's keys.
 #[derive(clap::Args, Debug)]
@@ -34,9 +34,15 @@ pub(crate) struct EngineArgs {
     /// The gateway's WorkerRegistry (host:port).
     #[arg(long)]
     gateway_registry: Option<String>,
+    /// The host peers reach this engine at (advertised with the bound ports); needed when
+    /// listening on 0.0.0.0.
+    #[arg(long)]
+    advertise_address: Option<String>,
     /// Seconds to wait for in-flight work on SIGTERM.
     #[arg(long, default_value_t = 5.0)]
     drain_seconds: f64,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 impl EngineArgs {
@@ -59,6 +65,8 @@ impl EngineArgs {
         set(&mut c.engine.kv_listen, &self.kv_listen);
         set(&mut c.engine.http_listen, &self.http_listen);
         set(&mut c.engine.gateway_registry, &self.gateway_registry);
+        set(&mut c.engine.advertise_address, &self.advertise_address);
+        self.tls.apply(&mut c.tls, &mut c.allow_insecure);
         c.validate()?;
         Ok(c)
     }

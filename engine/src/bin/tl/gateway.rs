@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use tl_engine::gateway::GatewayNode;
 use tl_engine::gateway::config::GatewayConfig;
 
-use crate::run::serve_until_terminated;
+use crate::run::{TlsArgs, serve_until_terminated};
 
 /// Arguments of `tl gateway`; flags override the file's keys.
 #[derive(clap::Args, Debug)]
@@ -21,23 +21,30 @@ pub(crate) struct GatewayArgs {
     /// WorkerRegistry listen address.
     #[arg(long)]
     registry_listen: Option<String>,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 /// Runs `tl gateway`.
 #[must_use]
 pub(crate) fn gateway(args: &GatewayArgs) -> ExitCode {
     let mut cfg = match GatewayConfig::load_or_default(args.config.as_deref()) {
-        Ok(c) => c.gateway,
+        Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
     if let Some(h) = &args.http_listen {
-        cfg.http_listen.clone_from(h);
+        cfg.gateway.http_listen.clone_from(h);
     }
     if let Some(r) = &args.registry_listen {
-        cfg.registry_listen.clone_from(r);
+        cfg.gateway.registry_listen.clone_from(r);
+    }
+    args.tls.apply(&mut cfg.tls, &mut cfg.allow_insecure);
+    if let Err(e) = cfg.validate() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
     }
     serve_until_terminated(
         GatewayNode::start(&cfg),

@@ -5,7 +5,10 @@ use std::process::ExitCode;
 
 use tl_engine::gateway::registry::RegistryNode;
 
-use crate::run::serve_until_terminated;
+use tl_engine::net::is_loopback_listen;
+use tl_engine::net::tls::Tls;
+
+use crate::run::{TlsArgs, serve_until_terminated};
 
 /// Arguments of `tl registry`.
 #[derive(clap::Args, Debug)]
@@ -13,13 +16,31 @@ pub(crate) struct RegistryArgs {
     /// Listen address.
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 /// Runs `tl registry`.
 #[must_use]
 pub(crate) fn registry(args: &RegistryArgs) -> ExitCode {
+    let (mut section, mut allow) = (None, false);
+    args.tls.apply(&mut section, &mut allow);
+    if section.is_none() && !allow && !is_loopback_listen(&args.listen) {
+        eprintln!(
+            "error: --listen {:?} is not a loopback address: give --tls-ca/--tls-cert/--tls-key, or --allow-insecure",
+            args.listen
+        );
+        return ExitCode::from(2);
+    }
+    let tls = match section.as_ref().map(Tls::load).transpose() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     serve_until_terminated(
-        RegistryNode::start(&args.listen),
+        RegistryNode::start(&args.listen, tls.as_ref()),
         |node| {
             serde_json::json!({ "event": "listening", "registry": node.addr().to_string() })
                 .to_string()

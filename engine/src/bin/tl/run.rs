@@ -95,3 +95,39 @@ pub(crate) fn serve_until_terminated<N>(
         ExitCode::SUCCESS
     })
 }
+
+/// The TLS flags every long-running command takes; they override the file's `[tls]` and
+/// `allow_insecure`.
+#[derive(clap::Args, Debug, Default)]
+pub(crate) struct TlsArgs {
+    /// The deployment's CA certificate (PEM).
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<std::path::PathBuf>,
+    /// This process's certificate (PEM), from `tl certs`.
+    #[arg(long, requires_all = ["tls_ca", "tls_key"])]
+    tls_cert: Option<std::path::PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, requires_all = ["tls_ca", "tls_cert"])]
+    tls_key: Option<std::path::PathBuf>,
+    /// Without TLS, listen on non-loopback addresses anyway.
+    #[arg(long)]
+    allow_insecure: bool,
+}
+
+impl TlsArgs {
+    /// Applies the flags over a configuration's `[tls]` and `allow_insecure`.
+    pub(crate) fn apply(
+        &self,
+        tls: &mut Option<tl_engine::net::tls::TlsSection>,
+        allow_insecure: &mut bool,
+    ) {
+        if let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key) {
+            *tls = Some(tl_engine::net::tls::TlsSection {
+                ca: ca.clone(),
+                cert: cert.clone(),
+                key: key.clone(),
+            });
+        }
+        *allow_insecure |= self.allow_insecure;
+    }
+}

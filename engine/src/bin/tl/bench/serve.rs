@@ -191,10 +191,13 @@ async fn serve_bench(a: &ServeArgs) -> Result<serde_json::Value, BenchError> {
         c
     };
     // (a) The gateway over one prefill and two decode engines.
-    let gw = GatewayNode::start(&GatewaySection {
-        max_inflight: 4096,
-        ..GatewaySection::default()
-    })
+    let gw = GatewayNode::start(
+        &GatewaySection {
+            max_inflight: 4096,
+            ..GatewaySection::default()
+        }
+        .into(),
+    )
     .await?;
     let reg = gw.registry_addr().to_string();
     let nodes = [
