@@ -60,7 +60,7 @@ impl Registry for FakeRegistry {
 fn node(id: &str, role: Role) -> (NodeState, EngineThread) {
     let cfg = Config::default();
     let (runner, thread) = Runner::start(Engine::new(cfg.build_model(), cfg.build_pool())).unwrap();
-    (NodeState::new(id, role, runner), thread)
+    (NodeState::new(id, role, runner, None), thread)
 }
 
 fn status(q: u32) -> WorkerStatus {
@@ -172,6 +172,7 @@ async fn heartbeat_beats_on_schedule() {
             status(*n)
         },
         move || *dr.lock().unwrap() += 1,
+        Arc::new(tokio::sync::Notify::new()),
         stop.clone(),
     ));
     tokio::time::sleep(Duration::from_millis(450)).await;

@@ -19,11 +19,11 @@ pub mod sender;
 pub mod server;
 pub mod store;
 
-pub use receiver::{Claimed, KvReceiver, PushState, RecvError};
+pub use receiver::{Claimed, KvReceiver, PushState, ReceiverLimits, RecvError};
 pub use sender::{
     GrpcTransport, KvTransport, OutChunk, TransferError, TransferStats, TransportConfig, transfer,
 };
-pub use server::{KvServerHandle, KvTransferService, serve_kv};
+pub use server::{H2Limits, KvServerHandle, KvTransferService, ServiceLimits, serve_kv};
 pub use store::{BlockId, KvStore, StoreError};
 
 /// The `kv_format` of `kv.wire.v1`.

@@ -246,7 +246,7 @@ impl KvTransport for LocalTransport {
 
     async fn push(&self, _target: &str, mut chunks: ChunkStream) -> Result<KvAck, Status> {
         // As the gRPC service does: dropping `push` on an early return undoes it.
-        let mut push = self.rx.begin_push();
+        let mut push = self.rx.begin_push()?;
         while let Some(out) = chunks.next().await {
             let chunk = out
                 .materialize()

@@ -80,6 +80,13 @@ pub enum RecvError {
         /// The store's error.
         error: StoreError,
     },
+    /// A bound on what peers may hold is reached: pushes at once, pending handles
+    /// (RESOURCE_EXHAUSTED).
+    #[error("{0}")]
+    Busy(String),
+    /// The receiver is draining: it takes no new push (UNAVAILABLE).
+    #[error("this receiver is draining and takes no new push")]
+    Draining,
 }
 
 impl RecvError {
@@ -95,8 +102,9 @@ impl RecvError {
                 _ => Code::FailedPrecondition,
             },
             RecvError::Gone { .. } => Code::NotFound,
-            RecvError::Exhausted { .. } => Code::ResourceExhausted,
+            RecvError::Exhausted { .. } | RecvError::Busy(_) => Code::ResourceExhausted,
             RecvError::Store { .. } => Code::Internal,
+            RecvError::Draining => Code::Unavailable,
         }
     }
 }
@@ -121,6 +129,8 @@ struct State {
     pending: HashMap<String, Held>,
     /// Handles of pushes in progress.
     inflight: HashSet<String>,
+    /// Pushes in progress, counted from before their first chunk.
+    active: usize,
     leases_expired: u64,
 }
 
@@ -129,10 +139,33 @@ struct State {
 pub struct ReceiverStats {
     /// Handles held now.
     pub pending: usize,
-    /// Pushes in progress.
+    /// Pushes in progress (counted from before their first chunk).
     pub inflight: usize,
     /// Handles released because their lease ran out.
     pub leases_expired: u64,
+}
+
+/// What one receiver lets its peers hold at once (CONTRACTS section 8). Every bound is checked
+/// before anything is looked up or imported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReceiverLimits {
+    /// Pushes in progress at once (RESOURCE_EXHAUSTED beyond).
+    pub max_pushes: usize,
+    /// Blocks in one push (chunk 0's `total`) and hashes in one HasBlocks: the most a prompt
+    /// can have, ceil(max context / B) (INVALID_ARGUMENT beyond).
+    pub max_blocks: u32,
+    /// Handles held for a claim at once (RESOURCE_EXHAUSTED beyond).
+    pub max_pending_handles: usize,
+}
+
+impl Default for ReceiverLimits {
+    fn default() -> Self {
+        Self {
+            max_pushes: 64,
+            max_blocks: 1 << 16,
+            max_pending_handles: 256,
+        }
+    }
 }
 
 /// The decode side of the transfer.
@@ -142,6 +175,9 @@ pub struct KvReceiver {
     reader: Reader,
     block_tokens: u32,
     lease: Duration,
+    limits: ReceiverLimits,
+    draining: std::sync::atomic::AtomicBool,
+    changed: tokio::sync::Notify,
     state: Mutex<State>,
 }
 
@@ -168,8 +204,41 @@ impl KvReceiver {
             store,
             model: model.into(),
             lease: Self::DEFAULT_LEASE,
+            limits: ReceiverLimits::default(),
+            draining: std::sync::atomic::AtomicBool::new(false),
+            changed: tokio::sync::Notify::new(),
             state: Mutex::new(State::default()),
         }
+    }
+
+    /// Sets the bounds on what peers may hold.
+    #[must_use]
+    pub fn with_limits(mut self, limits: ReceiverLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The bounds in force.
+    #[must_use]
+    pub fn limits(&self) -> ReceiverLimits {
+        self.limits
+    }
+
+    /// Refuses new pushes from now on (UNAVAILABLE); handles already held can still be claimed
+    /// and released until their lease ends.
+    pub fn start_drain(&self) {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Resolves at the next change of what the receiver holds (a push ending, a handle claimed,
+    /// released or expired).
+    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
+    }
+
+    fn notify(&self) {
+        self.changed.notify_waiters();
     }
 
     /// Sets how long a completed push's blocks wait for a claim.
@@ -231,13 +300,36 @@ impl KvReceiver {
         model: &str,
     ) -> Result<Vec<bool>, RecvError> {
         self.check_format(kv_format, model)?;
+        if hashes.len() > self.limits.max_blocks as usize {
+            return Err(RecvError::Invalid(format!(
+                "{} hashes; a prompt has at most {} blocks",
+                hashes.len(),
+                self.limits.max_blocks
+            )));
+        }
         Ok(self.store.contains(hashes))
     }
 
-    /// Starts receiving one push.
-    #[must_use]
-    pub fn begin_push(self: &Arc<Self>) -> PushState {
-        PushState {
+    /// Starts receiving one push, before any of it is read: refused while draining, or when
+    /// `max_pushes` pushes are already in progress.
+    ///
+    /// # Errors
+    /// [`RecvError::Draining`] or [`RecvError::Busy`]; nothing was taken.
+    pub fn begin_push(self: &Arc<Self>) -> Result<PushState, RecvError> {
+        if self.draining.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(RecvError::Draining);
+        }
+        {
+            let mut s = self.state();
+            if s.active >= self.limits.max_pushes {
+                return Err(RecvError::Busy(format!(
+                    "{} pushes are already in progress here",
+                    s.active
+                )));
+            }
+            s.active += 1;
+        }
+        Ok(PushState {
             rx: Arc::clone(self),
             handle: None,
             total: 0,
@@ -247,7 +339,7 @@ impl KvReceiver {
             hashes: Vec::new(),
             tokens: 0,
             ack: KvAck::default(),
-        }
+        })
     }
 
     /// The chunk hashes and token count held under `handle`, without claiming it.
@@ -263,6 +355,7 @@ impl KvReceiver {
     #[must_use]
     pub fn claim(&self, handle: &str) -> Option<Claimed> {
         let held = self.state().pending.remove(handle)?;
+        self.notify();
         Some(Claimed {
             store: Arc::clone(&self.store),
             ids: held.ids,
@@ -278,6 +371,7 @@ impl KvReceiver {
         match held {
             Some(h) => {
                 self.store.release(&h.ids);
+                self.notify();
                 true
             }
             None => false,
@@ -296,7 +390,7 @@ impl KvReceiver {
         let s = self.state();
         ReceiverStats {
             pending: s.pending.len(),
-            inflight: s.inflight.len(),
+            inflight: s.active,
             leases_expired: s.leases_expired,
         }
     }
@@ -317,6 +411,9 @@ impl KvReceiver {
         };
         for h in &expired {
             self.store.release(&h.ids);
+        }
+        if !expired.is_empty() {
+            self.notify();
         }
         expired.len()
     }
@@ -407,6 +504,18 @@ impl PushState {
                 }
                 if chunk.total == 0 {
                     return Err(RecvError::Invalid("total is 0".into()));
+                }
+                if chunk.total > rx.limits.max_blocks {
+                    return Err(RecvError::Invalid(format!(
+                        "total {}; a prompt has at most {} blocks",
+                        chunk.total, rx.limits.max_blocks
+                    )));
+                }
+                if s.pending.len() >= rx.limits.max_pending_handles {
+                    return Err(RecvError::Busy(format!(
+                        "{} handles are already waiting for a claim here",
+                        s.pending.len()
+                    )));
                 }
                 s.inflight.insert(chunk.handle_id.clone());
                 drop(s);
@@ -554,8 +663,13 @@ impl Drop for PushState {
         if !referenced.is_empty() {
             self.rx.store.release(&referenced);
         }
-        if let Some(h) = self.handle.take() {
-            self.rx.state().inflight.remove(&h);
+        {
+            let mut s = self.rx.state();
+            if let Some(h) = self.handle.take() {
+                s.inflight.remove(&h);
+            }
+            s.active -= 1;
         }
+        self.rx.notify();
     }
 }

@@ -217,6 +217,10 @@ pub struct TransportConfig {
     pub connection_window: u32,
     /// Largest message either way (set from the block size).
     pub max_message: usize,
+    /// Channels (connections) kept to peers; beyond it the least recently used is closed.
+    pub max_channels: usize,
+    /// HTTP/2 keepalive: ping interval and how long an unanswered ping means a dead peer.
+    pub keepalive: Option<(Duration, Duration)>,
 }
 
 impl TransportConfig {
@@ -234,6 +238,8 @@ impl TransportConfig {
             // One envelope plus the chunk's fields, but never below tonic's 4 MiB default: a
             // HasBlocks request for a long prompt at a small block shape is larger than a block.
             max_message: (block_envelope + 1024).max(4 << 20),
+            max_channels: 256,
+            keepalive: Some((Duration::from_secs(10), Duration::from_secs(20))),
         }
     }
 }
@@ -245,7 +251,14 @@ impl TransportConfig {
 pub struct GrpcTransport {
     cfg: TransportConfig,
     tls: Option<ClientTlsConfig>,
-    channels: Mutex<HashMap<String, Channel>>,
+    channels: Mutex<Channels>,
+}
+
+/// The channel cache: one channel per target, at most `max_channels`, with a use stamp each.
+#[derive(Debug, Default)]
+struct Channels {
+    map: HashMap<String, (Channel, u64)>,
+    clock: u64,
 }
 
 impl GrpcTransport {
@@ -255,7 +268,7 @@ impl GrpcTransport {
         Self {
             cfg,
             tls: None,
-            channels: Mutex::new(HashMap::new()),
+            channels: Mutex::new(Channels::default()),
         }
     }
 
@@ -272,25 +285,57 @@ impl GrpcTransport {
         self.cfg
     }
 
-    /// The channel to `target` (`host:port`), created on first use.
+    /// The channel to `target` (`host:port`), created on first use. At most `max_channels` are
+    /// kept: a new one closes the least recently used (its calls in flight finish).
     ///
     /// # Errors
     /// INVALID_ARGUMENT when `target` is not a `host:port`.
     pub fn channel(&self, target: &str) -> Result<Channel, Status> {
-        let mut map = self
+        let mut cache = self
             .channels
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(c) = map.get(target) {
+        cache.clock += 1;
+        let now = cache.clock;
+        if let Some((c, used)) = cache.map.get_mut(target) {
+            *used = now;
             return Ok(c.clone());
+        }
+        while cache.map.len() >= self.cfg.max_channels.max(1) {
+            let oldest = cache
+                .map
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| k.clone());
+            match oldest {
+                Some(k) => cache.map.remove(&k),
+                None => break,
+            };
         }
         let c = glue::endpoint(target, self.cfg.connect_timeout, self.tls.as_ref())?
             .initial_stream_window_size(self.cfg.stream_window)
             .initial_connection_window_size(self.cfg.connection_window)
-            .http2_adaptive_window(false)
-            .connect_lazy();
-        map.insert(target.to_owned(), c.clone());
+            .http2_adaptive_window(false);
+        let c = match self.cfg.keepalive {
+            Some((every, timeout)) => c
+                .http2_keep_alive_interval(every)
+                .keep_alive_timeout(timeout)
+                .keep_alive_while_idle(true),
+            None => c,
+        }
+        .connect_lazy();
+        cache.map.insert(target.to_owned(), (c.clone(), now));
         Ok(c)
+    }
+
+    /// Channels cached now.
+    #[must_use]
+    pub fn channels(&self) -> usize {
+        self.channels
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .map
+            .len()
     }
 
     fn limits(&self) -> Limits {

@@ -18,38 +18,70 @@ use crate::pb::kv::{
 };
 use crate::receiver::KvReceiver;
 
+/// Deadlines and message limits of the `KvTransfer` service (CONTRACTS section 8).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServiceLimits {
+    /// A push stream with no chunk for this long is undone (DEADLINE_EXCEEDED).
+    pub push_idle: Duration,
+    /// One whole push may take this long; then it is undone (DEADLINE_EXCEEDED).
+    pub push_deadline: Duration,
+    /// Largest HasBlocks and Release message (OUT_OF_RANGE beyond, before it is read).
+    pub small_message: usize,
+}
+
+impl Default for ServiceLimits {
+    fn default() -> Self {
+        Self {
+            push_idle: Duration::from_secs(10),
+            push_deadline: Duration::from_secs(60),
+            small_message: 1 << 20,
+        }
+    }
+}
+
 /// The `KvTransfer` service: moves messages into the receiver and its errors out as statuses.
 #[derive(Clone, Debug)]
 pub struct KvTransferService {
     rx: Arc<KvReceiver>,
-    limits: Limits,
+    push: Limits,
+    small: Limits,
+    timeouts: ServiceLimits,
 }
 
 impl KvTransferService {
-    /// Serves `rx`; messages up to one envelope of the receiver's block shape (at least 4 MiB)
-    /// are accepted.
+    /// Serves `rx` with the default [`ServiceLimits`]: a push message holds one envelope of the
+    /// receiver's block shape (plus the chunk's fields).
     #[must_use]
     pub fn new(rx: Arc<KvReceiver>) -> Self {
+        Self::with_limits(rx, ServiceLimits::default())
+    }
+
+    /// Serves `rx` with these limits.
+    #[must_use]
+    pub fn with_limits(rx: Arc<KvReceiver>, limits: ServiceLimits) -> Self {
         let envelope = rx
             .store()
             .shape()
             .envelope_len(1)
             .unwrap_or(usize::MAX - 4096);
         Self {
-            limits: Limits {
-                // One envelope plus the chunk's fields; HasBlocks for a long prompt can be
-                // larger than a small block, so never below tonic's 4 MiB default.
-                max_decode: (envelope + 4096).max(4 << 20),
-                max_encode: 4 << 20,
+            push: Limits {
+                max_decode: envelope.saturating_add(4096),
+                max_encode: 4096,
             },
+            small: Limits {
+                max_decode: limits.small_message,
+                max_encode: limits.small_message,
+            },
+            timeouts: limits,
             rx,
         }
     }
 
-    /// The message limits in force.
+    /// The message limits of PushKv, and of HasBlocks and Release.
     #[must_use]
-    pub fn limits(&self) -> Limits {
-        self.limits
+    pub fn limits(&self) -> (Limits, Limits) {
+        (self.push, self.small)
     }
 }
 
@@ -65,7 +97,7 @@ impl Routes for KvTransferService {
 impl KvTransferService {
     fn has_blocks(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
         let rx = Arc::clone(&self.rx);
-        glue::serve_unary(req, self.limits, move |m: HasBlocksRequest| async move {
+        glue::serve_unary(req, self.small, move |m: HasBlocksRequest| async move {
             let present = rx.has_blocks(&m.hashes, m.kv_format, &m.model)?;
             Ok(HasBlocksResponse { present })
         })
@@ -73,16 +105,39 @@ impl KvTransferService {
 
     fn push_kv(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
         let rx = Arc::clone(&self.rx);
+        let t = self.timeouts;
         glue::serve_client_streaming(
             req,
-            self.limits,
+            self.push,
             move |mut s: Streaming<KvChunk>| async move {
-                // Dropping `push` on any early return (refusal, broken stream, cancelled call)
-                // undoes what it imported.
-                let mut push = rx.begin_push();
-                while let Some(chunk) = s.message().await? {
-                    push.accept(chunk)?;
-                }
+                // Counted (and refused when too many) before a byte of it is read. Dropping
+                // `push` on any early return (refusal, broken stream, cancelled call, a
+                // deadline) undoes what it imported.
+                let mut push = rx.begin_push()?;
+                let whole = async {
+                    loop {
+                        let next = tokio::time::timeout(t.push_idle, s.message())
+                            .await
+                            .map_err(|_| {
+                                Status::deadline_exceeded(format!(
+                                    "no chunk for {:?}: the push is undone",
+                                    t.push_idle
+                                ))
+                            })?;
+                        match next? {
+                            Some(chunk) => push.accept(chunk)?,
+                            None => return Ok::<_, Status>(()),
+                        }
+                    }
+                };
+                tokio::time::timeout(t.push_deadline, whole)
+                    .await
+                    .map_err(|_| {
+                        Status::deadline_exceeded(format!(
+                            "the push took longer than {:?}: it is undone",
+                            t.push_deadline
+                        ))
+                    })??;
                 Ok(push.finish()?)
             },
         )
@@ -90,7 +145,7 @@ impl KvTransferService {
 
     fn release(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
         let rx = Arc::clone(&self.rx);
-        glue::serve_unary(req, self.limits, move |m: ReleaseRequest| async move {
+        glue::serve_unary(req, self.small, move |m: ReleaseRequest| async move {
             Ok::<_, Status>(ReleaseResponse {
                 released: rx.release(&m.handle_id),
             })
@@ -104,14 +159,39 @@ impl KvTransferService {
     }
 }
 
-/// HTTP/2 settings for servers that receive multi-MiB messages.
+/// HTTP/2 bounds of a server (CONTRACTS section 8).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct H2Limits {
+    /// Streams one connection may have open at once.
+    pub max_streams: u32,
+    /// Ping an idle connection this often...
+    pub keepalive: Duration,
+    /// ...and close it when a ping is not answered within this.
+    pub keepalive_timeout: Duration,
+}
+
+impl Default for H2Limits {
+    fn default() -> Self {
+        Self {
+            max_streams: 128,
+            keepalive: Duration::from_secs(10),
+            keepalive_timeout: Duration::from_secs(20),
+        }
+    }
+}
+
+/// HTTP/2 settings for servers that receive multi-MiB messages, with these bounds: a peer that
+/// vanishes is found by keepalive and its connection (and pushes) closed.
 #[must_use]
-pub fn tuned_server() -> Server {
+pub fn tuned_server(h2: H2Limits) -> Server {
     Server::builder()
         .initial_stream_window_size(32 << 20)
         .initial_connection_window_size(64 << 20)
         .max_frame_size(Some((1 << 24) - 1))
         .http2_adaptive_window(Some(false))
+        .max_concurrent_streams(Some(h2.max_streams))
+        .http2_keepalive_interval(Some(h2.keepalive))
+        .http2_keepalive_timeout(Some(h2.keepalive_timeout))
 }
 
 /// Releases expired leases of `rx` every quarter lease (10 ms to 1 s) until `stop` fires.
@@ -167,7 +247,7 @@ pub fn serve_kv(listener: TcpListener, rx: Arc<KvReceiver>) -> std::io::Result<K
     let tasks = TaskTracker::new();
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let svc = KvTransferService::new(Arc::clone(&rx)).into_service();
-    let server = tuned_server()
+    let server = tuned_server(H2Limits::default())
         .add_service(svc)
         .serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned());
     tasks.spawn(async move {

@@ -70,7 +70,7 @@ fn chunk(handle: &str, index: u32, total: u32, hash: u64, payload: Bytes) -> KvC
 
 /// Feeds `chunks` to one push, as the service does.
 fn push(rx: &Arc<KvReceiver>, chunks: Vec<KvChunk>) -> Result<KvAck, Status> {
-    let mut p = rx.begin_push();
+    let mut p = rx.begin_push()?;
     for c in chunks {
         p.accept(c)?;
     }

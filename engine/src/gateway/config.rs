@@ -28,6 +28,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::net::is_loopback_listen;
+use crate::net::limits::LimitsSection;
 use crate::net::tls::{PublicTls, TlsSection};
 use crate::toml_file::{self, FileError};
 
@@ -81,6 +82,8 @@ pub struct GatewayConfig {
     pub tls: Option<TlsSection>,
     /// Without `[tls]`, listen on non-loopback addresses anyway.
     pub allow_insecure: bool,
+    /// `[limits]`: what one peer can take (CONTRACTS section 8).
+    pub limits: LimitsSection,
 }
 
 impl From<GatewaySection> for GatewayConfig {

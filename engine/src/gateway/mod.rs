@@ -36,7 +36,8 @@ use self::plan::Policy;
 use self::registry::{RegistryService, RegistryState};
 use self::upstream::Upstream;
 use crate::net::authz::RolePolicy;
-use crate::net::server::{HttpLimits, Lifecycle, bind, serve_grpc, serve_http};
+use crate::net::limits::LimitsSection;
+use crate::net::server::{Lifecycle, bind, serve_grpc, serve_http};
 use crate::net::tls::{PublicTls, Tls, TlsError};
 
 /// The gateway's shared state.
@@ -60,12 +61,14 @@ impl Gateway {
         cfg: GatewaySection,
         tls: Option<&Tls>,
         api_keys: keys::ApiKeys,
+        limits: &LimitsSection,
     ) -> Result<Self, TlsError> {
         Ok(Self {
             permits: Arc::new(Semaphore::new(cfg.max_inflight.max(1))),
             upstream: Arc::new(Upstream::new(
                 Duration::from_millis(cfg.has_blocks_timeout_ms),
                 tls,
+                limits.max_peer_channels.max(1),
             )?),
             registry,
             cfg,
@@ -128,16 +131,26 @@ impl GatewayNode {
         let api_keys = keys::ApiKeys::load(&g.api_keys_file).map_err(|e| invalid(&e))?;
         let life = Lifecycle::new();
         let state = Arc::new(RegistryState::default());
-        let svc = Dispatch::new(Arc::new(RegistryService::new(Arc::clone(&state))))
-            .with_auth(RolePolicy(registry::POLICY).when(tls.is_some()));
+        let svc = Dispatch::new(Arc::new(
+            RegistryService::new(Arc::clone(&state))
+                .with_max_workers(cfg.limits.registry_max_workers.max(1)),
+        ))
+        .with_auth(RolePolicy(registry::POLICY).when(tls.is_some()));
         let registry_tls = tls
             .as_ref()
             .map(|t| t.server_config(&[b"h2"]))
             .transpose()
             .map_err(|e| invalid(&e))?;
-        let registry_addr = serve_grpc(&life, bind(&g.registry_listen).await?, svc, registry_tls)?;
+        let registry_addr = serve_grpc(
+            &life,
+            bind(&g.registry_listen).await?,
+            svc,
+            registry_tls,
+            cfg.limits.h2(),
+        )?;
         let gateway = Arc::new(
-            Gateway::new(state, g.clone(), tls.as_ref(), api_keys).map_err(|e| invalid(&e))?,
+            Gateway::new(state, g.clone(), tls.as_ref(), api_keys, &cfg.limits)
+                .map_err(|e| invalid(&e))?,
         );
         let public_tls = g
             .public_tls
@@ -150,7 +163,7 @@ impl GatewayNode {
             bind(&g.http_listen).await?,
             openai::router(Arc::clone(&gateway)),
             public_tls,
-            HttpLimits::default(),
+            cfg.limits.http(),
         )?;
         Ok(Self {
             gateway,

@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvwire_grpc::H2Limits;
 use kvwire_grpc::glue::{self, Dispatch, Handler, Limits, ResponseFuture, Routes};
 use kvwire_grpc::pb::control::{
     HeartbeatAck, ListWorkersRequest, ListWorkersResponse, Role as PbRole, SetDrainRequest,
@@ -308,7 +309,13 @@ impl RegistryNode {
             .map(|t| t.server_config(&[b"h2"]))
             .transpose()
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
-        let addr = serve_grpc(&life, bind(listen).await?, svc, server_tls)?;
+        let addr = serve_grpc(
+            &life,
+            bind(listen).await?,
+            svc,
+            server_tls,
+            H2Limits::default(),
+        )?;
         Ok(Self {
             state,
             addr,

@@ -38,13 +38,18 @@ pub struct Upstream {
 
 impl Upstream {
     /// Clients whose HasBlocks and Release calls are bounded by `has_blocks_timeout`, over
-    /// mutual TLS when `tls` is given.
+    /// mutual TLS when `tls` is given, keeping at most `max_channels` connections.
     ///
     /// # Errors
     /// When the TLS client configuration cannot be built.
-    pub fn new(has_blocks_timeout: Duration, tls: Option<&Tls>) -> Result<Self, TlsError> {
+    pub fn new(
+        has_blocks_timeout: Duration,
+        tls: Option<&Tls>,
+        max_channels: usize,
+    ) -> Result<Self, TlsError> {
         let mut tc = TransportConfig::for_envelope(4096);
         tc.call_timeout = has_blocks_timeout.max(Duration::from_millis(1));
+        tc.max_channels = max_channels;
         let http = match tls {
             Some(t) => HttpClient::tls(t.client_config(&[])?),
             None => HttpClient::default(),

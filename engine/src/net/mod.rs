@@ -3,6 +3,7 @@
 
 pub mod authz;
 pub mod clients;
+pub mod limits;
 pub mod server;
 pub mod tls;
 

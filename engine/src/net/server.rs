@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
+use kvwire_grpc::H2Limits;
 use kvwire_grpc::glue::{Dispatch, Routes};
 use kvwire_grpc::server::tuned_server;
 use rustls::ServerConfig;
@@ -121,7 +122,7 @@ fn tls_incoming(
 }
 
 /// Serves one hand-written gRPC service on `listener` until `life` stops, over mutual TLS when
-/// `tls` is given; calls in flight get [`STOP_GRACE`] to finish.
+/// `tls` is given, within the HTTP/2 bounds `h2`; calls in flight get [`STOP_GRACE`] to finish.
 ///
 /// # Errors
 /// When the listener has no local address.
@@ -130,9 +131,10 @@ pub fn serve_grpc<S: Routes>(
     listener: TcpListener,
     svc: Dispatch<S>,
     tls: Option<Arc<ServerConfig>>,
+    h2: H2Limits,
 ) -> std::io::Result<SocketAddr> {
     let addr = listener.local_addr()?;
-    let router = tuned_server().add_service(svc);
+    let router = tuned_server(h2).add_service(svc);
     let stop = life.token().clone();
     let graceful = graceful_stop(stop.clone());
     match tls {

@@ -26,6 +26,8 @@
 //! block_tokens = 4              # B
 //! n_blocks = 1024               # blocks in the KV pool
 //!
+//! [limits]                      # see net/limits.rs: every bound a peer meets, and drain_ms
+//!
 //! [tls]                         # mutual TLS on every port (see `tl certs`); omitted: plaintext,
 //! ca = "certs/ca.pem"           # and then only loopback listen addresses are allowed unless
 //! cert = "certs/decode-1.pem"   # allow_insecure = true (a top-level key)
@@ -40,6 +42,7 @@ use kvwire::Shape;
 use serde::Deserialize;
 
 use crate::net::is_loopback_listen;
+use crate::net::limits::LimitsSection;
 use crate::net::tls::TlsSection;
 use crate::toml_file::{self, FileError};
 
@@ -119,6 +122,8 @@ pub struct Config {
     pub tls: Option<TlsSection>,
     /// Without `[tls]`, listen on non-loopback addresses anyway.
     pub allow_insecure: bool,
+    /// `[limits]`: what one peer can take (CONTRACTS section 8).
+    pub limits: LimitsSection,
 }
 
 /// `[engine]`.

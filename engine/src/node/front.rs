@@ -35,13 +35,19 @@ pub const POLICY: &[PeerRole] = &[PeerRole::Gateway, PeerRole::Admin];
 pub struct DecodeFront {
     state: Arc<NodeState>,
     receiver: Arc<KvReceiver>,
+    inflight: Arc<tokio::sync::Semaphore>,
 }
 
 impl DecodeFront {
-    /// The front of `state`'s engine, resuming the handles `receiver` holds.
+    /// The front of `state`'s engine, resuming the handles `receiver` holds, serving at most
+    /// `max_inflight` requests at once (429 beyond).
     #[must_use]
-    pub fn new(state: Arc<NodeState>, receiver: Arc<KvReceiver>) -> Self {
-        Self { state, receiver }
+    pub fn new(state: Arc<NodeState>, receiver: Arc<KvReceiver>, max_inflight: usize) -> Self {
+        Self {
+            state,
+            receiver,
+            inflight: Arc::new(tokio::sync::Semaphore::new(max_inflight)),
+        }
     }
 
     /// The HTTP app.
@@ -127,19 +133,27 @@ impl DecodeFront {
                 format!("model {m:?} is not served here"),
             ));
         }
-        if self.state.is_draining() {
+        let handle = headers.get(KV_HANDLE_HEADER).and_then(|v| v.to_str().ok());
+        // A draining engine takes no new request, but finishes the handles pushed before.
+        if self.state.is_draining() && handle.is_none() {
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "unavailable",
                 "this engine is draining",
             ));
         }
+        let Ok(permit) = Arc::clone(&self.inflight).try_acquire_owned() else {
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit",
+                "too many requests in flight on this engine",
+            ));
+        };
         let prompt = req.prompt.tokens();
         let sampling = req
             .params
             .params(&prompt)
             .validate(Limits::of(model.as_ref()))?;
-        let handle = headers.get(KV_HANDLE_HEADER).and_then(|v| v.to_str().ok());
         let (seed, first, events) = match handle {
             Some(handle) => {
                 let (seed, first, ev) = self.resume(handle, &prompt, &req, sampling)?;
@@ -166,9 +180,11 @@ impl DecodeFront {
             route: None,
         };
         Ok(if req.params.streams() {
-            stream(meta, first, events)
+            stream(meta, first, events, permit)
         } else {
-            collect(meta, first, events).await?
+            let r = collect(meta, first, events).await;
+            drop(permit);
+            r?
         })
     }
 }
@@ -211,9 +227,12 @@ fn stream(
     meta: ResponseMeta,
     first: Option<u32>,
     mut events: mpsc::UnboundedReceiver<SeqEvent>,
+    permit: tokio::sync::OwnedSemaphorePermit,
 ) -> Response {
     let (tx, response) = sse::channel(16);
     tokio::spawn(async move {
+        // The request counts as in flight until its stream ends.
+        let _permit = permit;
         let chunk = |tokens: Vec<u32>, finish: Option<String>| {
             StreamEvent::Chunk(Box::new(meta.chunk(tokens, finish)))
         };

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use kvwire_grpc::pb::control::{HeartbeatAck, Role as PbRole, WorkerStatus};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
@@ -158,14 +159,15 @@ impl<R: Registry> Heartbeat<R> {
         }
     }
 
-    /// Beats at once, then every `interval`, with a fresh status each time, until `stop` fires
-    /// (promptly: a beat in progress is abandoned). Never stops on failure; `on_drain` runs
-    /// (once) when an ack first says drain.
+    /// Beats at once, then every `interval` and whenever `wake` is notified (a drain started),
+    /// with a fresh status each time, until `stop` fires (promptly: a beat in progress is
+    /// abandoned). Never stops on failure; `on_drain` runs (once) when an ack first says drain.
     pub async fn run(
         self: Arc<Self>,
         interval: Duration,
         status: impl Fn() -> WorkerStatus + Send,
         on_drain: impl Fn() + Send,
+        wake: Arc<Notify>,
         stop: CancellationToken,
     ) {
         let mut drained = false;
@@ -181,6 +183,7 @@ impl<R: Registry> Heartbeat<R> {
             }
             tokio::select! {
                 () = tokio::time::sleep(interval) => {}
+                () = wake.notified() => {}
                 () = stop.cancelled() => return,
             }
         }

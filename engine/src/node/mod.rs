@@ -23,7 +23,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvwire_grpc::glue::Dispatch;
-use kvwire_grpc::{GrpcTransport, KvReceiver, KvStore, KvTransferService, TransportConfig};
+use kvwire_grpc::{
+    GrpcTransport, KvReceiver, KvStore, KvTransferService, ReceiverLimits, TransportConfig,
+};
 use tl_engine_core::engine::Engine;
 use tl_engine_core::model::Model;
 use tokio_util::sync::DropGuard;
@@ -39,7 +41,7 @@ use self::store::PoolStore;
 use crate::net::advertised;
 use crate::net::authz::{HttpPolicy, RolePolicy, Table, require_roles};
 use crate::net::clients::RegistryClient;
-use crate::net::server::{HttpLimits, Lifecycle, bind, serve_grpc, serve_http};
+use crate::net::server::{Lifecycle, bind, serve_grpc, serve_http};
 use crate::net::tls::{PeerRole, Tls};
 
 /// Who may call KvTransfer (CONTRACTS section 7).
@@ -99,39 +101,59 @@ impl EngineNode {
         engine.set_cost(cfg.cost());
         let (runner, thread) = Runner::start(engine)?;
         let role = cfg.engine.role;
-        let state = Arc::new(NodeState::new(cfg.engine.id.clone(), role, runner));
+        let limits = &cfg.limits;
+        let shape = model.shape();
+        let receiver = role.decodes().then(|| {
+            let reserve = limits.reserve(cfg.pool.n_blocks);
+            let store: Arc<dyn KvStore> = Arc::new(PoolStore(pool.clone(), reserve));
+            let max_blocks = cfg.model.max_context.div_ceil(shape.block_tokens());
+            let rl = ReceiverLimits {
+                max_pushes: limits.max_pushes.max(1),
+                max_blocks,
+                max_pending_handles: limits.max_pending_handles.max(1),
+            };
+            Arc::new(KvReceiver::new(store, cfg.model.kind.clone()).with_limits(rl))
+        });
+        let state = Arc::new(NodeState::new(
+            cfg.engine.id.clone(),
+            role,
+            runner,
+            receiver.clone(),
+        ));
         let life = Lifecycle::new();
         let stop_on_drop = life.guard();
         let client_tls = tls.as_ref().map(Tls::tonic_client);
 
         let prefill = role.prefills().then(|| {
-            let transport = GrpcTransport::new(TransportConfig::for_envelope(
-                model.shape().envelope_len(1).unwrap_or(usize::MAX / 2),
-            ))
-            .with_tls(client_tls.clone());
+            let mut tc =
+                TransportConfig::for_envelope(shape.envelope_len(1).unwrap_or(usize::MAX / 2));
+            tc.max_channels = limits.max_peer_channels.max(1);
+            tc.keepalive = Some((
+                Duration::from_millis(limits.keepalive_ms.max(1)),
+                Duration::from_millis(limits.keepalive_timeout_ms.max(1)),
+            ));
+            let transport = GrpcTransport::new(tc).with_tls(client_tls.clone());
             Arc::new(PrefillService::new(Arc::clone(&state), transport))
-        });
-        let receiver = role.decodes().then(|| {
-            let store: Arc<dyn KvStore> = Arc::new(PoolStore(pool.clone()));
-            Arc::new(KvReceiver::new(store, cfg.model.kind.clone()))
         });
 
         let control = EngineControl::new(Arc::clone(&state), prefill, receiver.clone());
         let svc =
             Dispatch::new(Arc::new(control)).with_auth(RolePolicy(control::POLICY).when(mtls));
         let advertise = &cfg.engine.advertise_address;
+        let h2 = limits.h2();
         let grpc = serve_grpc(
             &life,
             bind(&cfg.engine.grpc_listen).await?,
             svc,
             server_tls(b"h2")?,
+            h2,
         )?;
         let mut addrs = Addresses {
             grpc: advertised(grpc, advertise)?,
             ..Addresses::default()
         };
         if let Some(rx) = receiver.clone() {
-            let kv = KvTransferService::new(Arc::clone(&rx))
+            let kv = KvTransferService::with_limits(Arc::clone(&rx), limits.service())
                 .into_service()
                 .with_auth(RolePolicy(KV_POLICY).when(mtls));
             let kv = serve_grpc(
@@ -139,26 +161,32 @@ impl EngineNode {
                 bind(&cfg.engine.kv_listen).await?,
                 kv,
                 server_tls(b"h2")?,
+                h2,
             )?;
             addrs.kv = advertised(kv, advertise)?;
             life.spawn(kvwire_grpc::server::sweep_leases(
                 Arc::clone(&rx),
                 life.token().clone(),
             ));
-            let front = Arc::new(DecodeFront::new(Arc::clone(&state), rx));
+            let front = Arc::new(DecodeFront::new(
+                Arc::clone(&state),
+                rx,
+                limits.http_max_inflight.max(1),
+            ));
             let policy = HttpPolicy {
                 roles: front::POLICY,
                 mtls,
             };
             let app = front
                 .router()
+                .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
                 .layer(axum::middleware::from_fn_with_state(policy, require_roles));
             let http = serve_http(
                 &life,
                 bind(&cfg.engine.http_listen).await?,
                 app,
                 server_tls(b"http/1.1")?,
-                HttpLimits::default(),
+                limits.http(),
             )?;
             addrs.http = advertised(http, advertise)?;
         }
@@ -178,6 +206,7 @@ impl EngineNode {
                 interval,
                 move || worker_status(&s1, &a, ms),
                 move || s2.start_drain(),
+                state.drain_started(),
                 life.token().clone(),
             ));
         }

@@ -162,7 +162,7 @@ impl PrefillService {
             req.request_id,
             entropy_seed()
         );
-        let store: Arc<dyn KvStore> = Arc::new(PoolStore(runner.pool().clone()));
+        let store: Arc<dyn KvStore> = Arc::new(PoolStore::new(runner.pool().clone()));
         let model = runner.model().name().to_owned();
         let moved = tokio::select! {
             r = kvwire_grpc::transfer(&self.transport, &req.decode_target, store, &handle_id, &model, output.blocks.ids(), &output.hashes) => r,

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use kvwire_grpc::KvReceiver;
 use tokio::sync::Notify;
 
 use super::config::Role;
@@ -17,23 +18,45 @@ pub struct NodeState {
     id: String,
     role: Role,
     runner: Runner,
+    receiver: Option<Arc<KvReceiver>>,
     draining: AtomicBool,
+    drain_started: Arc<Notify>,
     prefills: AtomicUsize,
     prefills_changed: Notify,
 }
 
 impl NodeState {
-    /// The state of worker `id` with `role`, over the engine thread `runner`.
+    /// The state of worker `id` with `role`, over the engine thread `runner`, receiving KV with
+    /// `receiver` (decode roles).
     #[must_use]
-    pub fn new(id: impl Into<String>, role: Role, runner: Runner) -> Self {
+    pub fn new(
+        id: impl Into<String>,
+        role: Role,
+        runner: Runner,
+        receiver: Option<Arc<KvReceiver>>,
+    ) -> Self {
         Self {
             id: id.into(),
             role,
             runner,
+            receiver,
             draining: AtomicBool::new(false),
+            drain_started: Arc::new(Notify::new()),
             prefills: AtomicUsize::new(0),
             prefills_changed: Notify::new(),
         }
+    }
+
+    /// The KV receiver (decode roles).
+    #[must_use]
+    pub fn receiver(&self) -> Option<&Arc<KvReceiver>> {
+        self.receiver.as_ref()
+    }
+
+    /// Notified (once, with a stored permit) when the drain starts: the heartbeat beats at once.
+    #[must_use]
+    pub fn drain_started(&self) -> Arc<Notify> {
+        Arc::clone(&self.drain_started)
     }
 
     /// The worker id.
@@ -60,9 +83,15 @@ impl NodeState {
         self.draining.load(Ordering::SeqCst)
     }
 
-    /// Starts draining: new work is refused from now on.
+    /// Starts draining: new prefills, requests and pushes are refused from now on; handles
+    /// already pending can still be claimed and released.
     pub fn start_drain(&self) {
-        self.draining.store(true, Ordering::SeqCst);
+        if !self.draining.swap(true, Ordering::SeqCst) {
+            if let Some(rx) = &self.receiver {
+                rx.start_drain();
+            }
+            self.drain_started.notify_one();
+        }
     }
 
     /// Prefill calls in flight.
@@ -101,9 +130,13 @@ impl NodeState {
             // Register for both notifications before looking, so a change in between is seen.
             let load = self.runner.load().changed();
             let prefills = self.prefills_changed.notified();
+            let mut kv = self.receiver.as_ref().map(|r| Box::pin(r.changed()));
             tokio::pin!(load, prefills);
             load.as_mut().enable();
             prefills.as_mut().enable();
+            if let Some(k) = kv.as_mut() {
+                k.as_mut().enable();
+            }
             let left = self.remaining_work();
             if left == 0 {
                 return 0;
@@ -111,6 +144,12 @@ impl NodeState {
             tokio::select! {
                 () = load => {}
                 () = prefills => {}
+                () = async {
+                    match kv.as_mut() {
+                        Some(k) => k.await,
+                        None => std::future::pending().await,
+                    }
+                } => {}
                 () = tokio::time::sleep_until(end) => return self.remaining_work(),
             }
         }

@@ -7,9 +7,18 @@ use kvwire::Shape;
 use kvwire_grpc::{BlockId, KvStore, StoreError};
 use tl_engine_core::pool::{PoolError, SharedKv};
 
-/// A [`SharedKv`] serving the KV transfer.
+/// A [`SharedKv`] serving the KV transfer. Imports leave `reserve` blocks free or evictable,
+/// so a running sequence never fails for want of a block a push took.
 #[derive(Clone, Debug)]
-pub struct PoolStore(pub SharedKv);
+pub struct PoolStore(pub SharedKv, pub usize);
+
+impl PoolStore {
+    /// The pool, with no reserve (the sending side, tests).
+    #[must_use]
+    pub fn new(pool: SharedKv) -> Self {
+        Self(pool, 0)
+    }
+}
 
 fn store_error(e: PoolError) -> StoreError {
     match e {
@@ -33,10 +42,11 @@ impl KvStore for PoolStore {
     }
 
     fn import(&self, hash: u64, fill: u32, payload: &[u8]) -> Result<BlockId, StoreError> {
-        self.0
-            .lock()
-            .import(hash, fill, payload)
-            .map_err(store_error)
+        let mut pool = self.0.lock();
+        if pool.available() <= self.1 {
+            return Err(StoreError::Exhausted);
+        }
+        pool.import(hash, fill, payload).map_err(store_error)
     }
 
     fn release(&self, ids: &[BlockId]) {
@@ -91,7 +101,7 @@ mod tests {
     #[test]
     fn store_errors_keep_the_pool_error() {
         let shape = Shape::v1(4, 2, 1, 4);
-        let store = PoolStore(SharedKv::new(KvPool::new(shape, 1)));
+        let store = PoolStore::new(SharedKv::new(KvPool::new(shape, 1)));
         let p = shape.payload_bytes().unwrap();
         // A wrong size: the pool's own typed error, reachable as the source.
         let err = store.import(0, 4, &[0; 3]).unwrap_err();

@@ -64,7 +64,7 @@ pub struct Decode {
 
 pub async fn decode_side(shape: Shape, blocks: usize, lease: Duration) -> Decode {
     let pool = SharedKv::new(KvPool::new(shape, blocks));
-    let store: Arc<dyn KvStore> = Arc::new(PoolStore(pool.clone()));
+    let store: Arc<dyn KvStore> = Arc::new(PoolStore::new(pool.clone()));
     let rx = Arc::new(KvReceiver::new(store, "fake").with_lease(lease));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let server = serve_kv(listener, Arc::clone(&rx)).unwrap();
@@ -84,7 +84,7 @@ pub fn transport(shape: Shape) -> GrpcTransport {
 }
 
 pub fn store(pool: &SharedKv) -> Arc<dyn KvStore> {
-    Arc::new(PoolStore(pool.clone()))
+    Arc::new(PoolStore::new(pool.clone()))
 }
 
 /// Polls `cond` until it holds or `limit` passes.

@@ -38,9 +38,9 @@ pub(crate) struct EngineArgs {
     /// listening on 0.0.0.0.
     #[arg(long)]
     advertise_address: Option<String>,
-    /// Seconds to wait for in-flight work on SIGTERM.
-    #[arg(long, default_value_t = 5.0)]
-    drain_seconds: f64,
+    /// Seconds to wait for in-flight work on SIGTERM (default: `[limits] drain_ms`, 5 s).
+    #[arg(long)]
+    drain_seconds: Option<f64>,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -83,7 +83,9 @@ pub(crate) fn engine(args: &EngineArgs) -> ExitCode {
         }
     };
     let id = &cfg.engine.id;
-    let drain = Duration::from_secs_f64(args.drain_seconds.max(0.0));
+    let drain = args
+        .drain_seconds
+        .map_or(cfg.limits.drain(), |s| Duration::from_secs_f64(s.max(0.0)));
     serve_until_terminated(
         EngineNode::start(&cfg),
         |node| {

@@ -140,8 +140,8 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     let (src_pool, ids, hashes) = filled_pool(shape, n);
     let dst_pool = SharedKv::new(KvPool::new(shape, n));
     pretouch(&dst_pool);
-    let dst_store: Arc<dyn KvStore> = Arc::new(PoolStore(dst_pool.clone()));
-    let src_store: Arc<dyn KvStore> = Arc::new(PoolStore(src_pool.clone()));
+    let dst_store: Arc<dyn KvStore> = Arc::new(PoolStore::new(dst_pool.clone()));
+    let src_store: Arc<dyn KvStore> = Arc::new(PoolStore::new(src_pool.clone()));
     let rx = Arc::new(KvReceiver::new(Arc::clone(&dst_store), "fake"));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let server = serve_kv(listener, Arc::clone(&rx))?;

@@ -98,7 +98,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         };
         transport.has_blocks(&kv, hb).await?;
         let has_blocks = t.elapsed();
-        let store: Arc<dyn KvStore> = Arc::new(PoolStore(p.pool().clone()));
+        let store: Arc<dyn KvStore> = Arc::new(PoolStore::new(p.pool().clone()));
         let t = Instant::now();
         let st = kvwire_grpc::transfer(
             &transport,

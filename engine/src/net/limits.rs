@@ -1,0 +1,132 @@
+//! `[limits]`: what one peer can take, for every process (CONTRACTS section 8). Every key is
+//! optional; the defaults are the contract's.
+//!
+//! ```toml
+//! [limits]
+//! max_pushes = 64                # pushes in progress per receiver (RESOURCE_EXHAUSTED beyond)
+//! push_idle_ms = 10000           # a push with no chunk for this long is undone
+//! push_deadline_ms = 60000       # one whole push
+//! decode_reserve_blocks = 0      # blocks pushes may not take (0: 1/8 of the pool)
+//! max_pending_handles = 256      # handles waiting for a claim per receiver
+//! h2_max_streams = 128           # HTTP/2 streams per connection
+//! keepalive_ms = 10000           # HTTP/2 ping interval...
+//! keepalive_timeout_ms = 20000   # ...and how long an unanswered ping means a dead peer
+//! small_message_bytes = 1048576  # HasBlocks, Release, Info, Heartbeat, ListWorkers messages
+//! header_read_ms = 10000         # HTTP request headers must arrive within this
+//! max_body_bytes = 2097152       # HTTP request body (413 beyond)
+//! http_max_inflight = 256        # requests in flight on an engine's HTTP front (429 beyond)
+//! max_peer_channels = 256        # outgoing connections kept, least recently used closed first
+//! registry_max_workers = 1024    # workers a registry holds (RESOURCE_EXHAUSTED beyond)
+//! drain_ms = 5000                # drain on SIGTERM
+//! ```
+
+use std::time::Duration;
+
+use kvwire_grpc::{H2Limits, ServiceLimits};
+use serde::Deserialize;
+
+use super::server::HttpLimits;
+
+/// `[limits]`.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsSection {
+    /// Pushes in progress per receiver.
+    pub max_pushes: usize,
+    /// A push with no chunk for this long is undone.
+    pub push_idle_ms: u64,
+    /// One whole push.
+    pub push_deadline_ms: u64,
+    /// Blocks pushes may not take, kept for running sequences; 0: 1/8 of the pool.
+    pub decode_reserve_blocks: u32,
+    /// Handles waiting for a claim per receiver.
+    pub max_pending_handles: usize,
+    /// HTTP/2 streams per connection.
+    pub h2_max_streams: u32,
+    /// HTTP/2 keepalive ping interval.
+    pub keepalive_ms: u64,
+    /// An unanswered ping after this closes the connection.
+    pub keepalive_timeout_ms: u64,
+    /// Largest small gRPC message.
+    pub small_message_bytes: usize,
+    /// HTTP request headers must arrive within this.
+    pub header_read_ms: u64,
+    /// Largest HTTP request body.
+    pub max_body_bytes: usize,
+    /// Requests in flight on an engine's HTTP front.
+    pub http_max_inflight: usize,
+    /// Outgoing connections kept.
+    pub max_peer_channels: usize,
+    /// Workers a registry holds.
+    pub registry_max_workers: usize,
+    /// Drain on SIGTERM.
+    pub drain_ms: u64,
+}
+
+impl Default for LimitsSection {
+    fn default() -> Self {
+        Self {
+            max_pushes: 64,
+            push_idle_ms: 10_000,
+            push_deadline_ms: 60_000,
+            decode_reserve_blocks: 0,
+            max_pending_handles: 256,
+            h2_max_streams: 128,
+            keepalive_ms: 10_000,
+            keepalive_timeout_ms: 20_000,
+            small_message_bytes: 1 << 20,
+            header_read_ms: 10_000,
+            max_body_bytes: 2 << 20,
+            http_max_inflight: 256,
+            max_peer_channels: 256,
+            registry_max_workers: 1024,
+            drain_ms: 5_000,
+        }
+    }
+}
+
+impl LimitsSection {
+    /// The HTTP/2 bounds of every gRPC server.
+    #[must_use]
+    pub fn h2(&self) -> H2Limits {
+        H2Limits {
+            max_streams: self.h2_max_streams.max(1),
+            keepalive: Duration::from_millis(self.keepalive_ms.max(1)),
+            keepalive_timeout: Duration::from_millis(self.keepalive_timeout_ms.max(1)),
+        }
+    }
+
+    /// The KvTransfer service's deadlines and message bounds.
+    #[must_use]
+    pub fn service(&self) -> ServiceLimits {
+        ServiceLimits {
+            push_idle: Duration::from_millis(self.push_idle_ms.max(1)),
+            push_deadline: Duration::from_millis(self.push_deadline_ms.max(1)),
+            small_message: self.small_message_bytes.max(1024),
+        }
+    }
+
+    /// The bounds of every HTTP server.
+    #[must_use]
+    pub fn http(&self) -> HttpLimits {
+        HttpLimits {
+            header_read: Duration::from_millis(self.header_read_ms.max(1)),
+        }
+    }
+
+    /// Blocks kept from pushes in a pool of `n_blocks`.
+    #[must_use]
+    pub fn reserve(&self, n_blocks: u32) -> usize {
+        if self.decode_reserve_blocks == 0 {
+            (n_blocks / 8) as usize
+        } else {
+            self.decode_reserve_blocks.min(n_blocks) as usize
+        }
+    }
+
+    /// The drain deadline.
+    #[must_use]
+    pub fn drain(&self) -> Duration {
+        Duration::from_millis(self.drain_ms)
+    }
+}
