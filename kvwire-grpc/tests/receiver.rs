@@ -9,7 +9,7 @@ use bytes::Bytes;
 use kvwire::{CRC32C_RESIDUE, RecordIn, Shape, block_hash, crc32c, write_to_vec};
 use kvwire_grpc::memory::{LocalTransport, MemSnapshot, MemStore};
 use kvwire_grpc::pb::kv::{KvAck, KvChunk};
-use kvwire_grpc::{KvReceiver, KvStore, transfer};
+use kvwire_grpc::{KvReceiver, KvStore, ReceiverLimits, transfer};
 use tonic::{Code, Status};
 
 const TEST: Shape = Shape::v1(4, 2, 1, 4);
@@ -356,4 +356,47 @@ fn lease_expires_at_its_deadline() {
         d.rx.claim("h").is_none(),
         "an expired handle cannot be claimed"
     );
+}
+
+#[test]
+fn push_limits_refuse_before_taking_blocks() {
+    let store = Arc::new(MemStore::new(TEST, 16));
+    let limits = ReceiverLimits {
+        max_pushes: 2,
+        max_blocks: 3,
+        max_pending_handles: 2,
+    };
+    let rx = Arc::new(
+        KvReceiver::new(Arc::clone(&store) as Arc<dyn KvStore>, "fake").with_limits(limits),
+    );
+    let base = store.snapshot();
+    // Concurrent pushes: the third is refused before it reads a chunk.
+    let a = rx.begin_push().unwrap();
+    let b = rx.begin_push().unwrap();
+    let err = Status::from(rx.begin_push().unwrap_err());
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    assert_eq!(rx.stats().inflight, 2);
+    drop((a, b));
+    assert_eq!(rx.stats().inflight, 0);
+    // total above ceil(max context / B), and a HasBlocks that long: refused before any lookup.
+    let err = push(&rx, vec![chunk("t", 0, 4, 0, envelope(TEST, 0, 1, 1))]).unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert_eq!(store.snapshot(), base);
+    let err = Status::from(rx.has_blocks(&[1, 2, 3, 4], 1, "fake").unwrap_err());
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert_eq!(rx.has_blocks(&[1, 2, 3], 1, "fake").unwrap(), [false; 3]);
+    // Pending handles: two held, the third push is refused at its first chunk.
+    push(&rx, vec![chunk("h1", 0, 1, 0, envelope(TEST, 0, 1, 1))]).unwrap();
+    push(&rx, vec![chunk("h2", 0, 1, 0, envelope(TEST, 0, 1, 2))]).unwrap();
+    let held = store.snapshot();
+    let err = push(&rx, vec![chunk("h3", 0, 1, 0, envelope(TEST, 0, 1, 3))]).unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    assert_eq!(store.snapshot(), held, "the refused push took a block");
+    // Draining: no new push, but the held handles can still be claimed and released.
+    rx.start_drain();
+    let err = Status::from(rx.begin_push().unwrap_err());
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert!(rx.claim("h1").is_some());
+    assert!(rx.release("h2"));
+    assert_eq!(store.snapshot(), base);
 }
