@@ -188,3 +188,80 @@ async fn registry_and_engines_as_processes() {
         assert_eq!(proc.terminate(Duration::from_secs(5)), Some(0));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_exits_within_deadline_whatever_peers_do() {
+    use tokio::io::AsyncWriteExt;
+    let dir = std::env::temp_dir().join(format!("tl-sigterm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("engine.toml");
+    // A 500 ms drain; every peer below would hold the process far longer on its own.
+    std::fs::write(
+        &cfg,
+        "[engine]\nrole = \"decode\"\n[model]\ndecode_us_per_seq = 2000\n\
+         [limits]\ndrain_ms = 500\npush_idle_ms = 60000\nheader_read_ms = 60000\n",
+    )
+    .unwrap();
+    let d = Proc::start(&["engine", "--config", cfg.to_str().unwrap(), "--id", "D"]);
+    let (kv, http) = (d.addr("kv"), d.addr("http"));
+
+    // 1. A push that sends one chunk and then nothing.
+    let t = std::sync::Arc::new(kvwire_grpc::GrpcTransport::new(
+        kvwire_grpc::TransportConfig::for_envelope(172),
+    ));
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let t2 = std::sync::Arc::clone(&t);
+    let kv2 = kv.clone();
+    let _stalled_push = tokio::spawn(async move {
+        use kvwire_grpc::KvTransport;
+        t2.push(
+            &kv2,
+            Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)),
+        )
+        .await
+    });
+    let payload = {
+        let p = vec![1u8; 128];
+        let mut out = Vec::new();
+        let rec = kvwire::RecordIn {
+            hash: 0,
+            fill: 1,
+            payload: &p,
+        };
+        kvwire::write_to_vec(&kvwire::Shape::v1(4, 2, 1, 4), &[rec], &mut out).unwrap();
+        bytes::Bytes::from(out)
+    };
+    tx.send(kvwire_grpc::OutChunk::from(kvwire_grpc::pb::kv::KvChunk {
+        handle_id: "stall".into(),
+        total: 2,
+        kv_format: 1,
+        payload_crc32c: kvwire::crc32c(&payload),
+        payload,
+        ..Default::default()
+    }))
+    .await
+    .unwrap();
+    // 2. Half an HTTP request header, then silence.
+    let mut half = tokio::net::TcpStream::connect(&http).await.unwrap();
+    half.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+        .await
+        .unwrap();
+    // 3. A streaming generation whose reader never reads.
+    let mut deaf = tokio::net::TcpStream::connect(&http).await.unwrap();
+    let body = r#"{"prompt": [1, 2, 3], "max_tokens": 4000, "stream": true, "seed": 1}"#;
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    deaf.write_all(req.as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let t0 = Instant::now();
+    let code = d.terminate(Duration::from_secs(5));
+    let took = t0.elapsed();
+    assert_eq!(code, Some(0), "did not exit 0 within 5 s");
+    // drain_ms + 1 s.
+    assert!(took < Duration::from_millis(1500), "exit took {took:?}");
+    drop((tx, half, deaf));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -113,12 +113,18 @@ impl NodeState {
         self.runner.queue_depth() + self.inflight_prefills() as u32
     }
 
-    /// Work not finished: Prefill calls, queued and running sequences.
+    /// Work not finished: Prefill calls, queued and running sequences, pushes in progress and
+    /// handles waiting for a claim.
     #[must_use]
     pub fn remaining_work(&self) -> usize {
+        let kv = self.receiver.as_ref().map_or(0, |r| {
+            let s = r.stats();
+            s.pending + s.inflight
+        });
         self.inflight_prefills()
             + self.runner.queue_depth() as usize
             + self.runner.running() as usize
+            + kv
     }
 
     /// Refuses new work from now on and waits up to `deadline` for the work in flight to end;
