@@ -315,8 +315,7 @@ async fn freezing_proxy(upstream: String, frozen: Arc<AtomicBool>) -> String {
                     mut w: tokio::net::tcp::OwnedWriteHalf,
                     frozen: Arc<AtomicBool>| async move {
             let mut buf = vec![0u8; 16 * 1024];
-            loop {
-                let Ok(n) = r.read(&mut buf).await else { break };
+            while let Ok(n) = r.read(&mut buf).await {
                 if n == 0 {
                     break;
                 }
