@@ -193,8 +193,19 @@ fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     Ok(certs)
 }
 
+/// ring's provider, with AES-128-GCM preferred: a KV push is bulk data, and 128-bit AES is
+/// about a third cheaper per byte than 256-bit (10 rounds, not 14) at the same GCM cost.
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    use rustls::crypto::ring::cipher_suite::{
+        TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256,
+    };
+    let mut p = rustls::crypto::ring::default_provider();
+    p.cipher_suites = vec![
+        TLS13_AES_128_GCM_SHA256,
+        TLS13_AES_256_GCM_SHA384,
+        TLS13_CHACHA20_POLY1305_SHA256,
+    ];
+    Arc::new(p)
 }
 
 /// A process's TLS material, loaded once: its identity and the rustls configurations of its
@@ -263,6 +274,8 @@ impl Tls {
             .with_protocol_versions(&[&rustls::version::TLS13])?
             .with_client_cert_verifier(verifier)
             .with_single_cert(self.chain.clone(), self.key.clone_key())?;
+        // Our order (AES-128-GCM first), whatever a client's library prefers.
+        c.ignore_client_order = true;
         c.alpn_protocols = alpn.iter().map(|a| a.to_vec()).collect();
         Ok(Arc::new(c))
     }

@@ -3,6 +3,9 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
+use kvwire_grpc::{H2Limits, KvTransferService};
+use tl_engine::net::server::{Lifecycle, serve_grpc};
+use tl_engine::net::tls::{PeerRole, Tls};
 use tl_engine::node::store::PoolStore;
 use tl_engine_core::pool::{KvPool, SharedKv};
 
@@ -129,6 +132,57 @@ pub(crate) fn transfer(args: &TransferArgs) -> ExitCode {
     block_on(async { print_json(transfer_bench(args).await) })
 }
 
+/// The source of the pushes: a pool of filled blocks, and the receiver that frees what each
+/// push brought, so the next moves every block again.
+struct Pusher<'a> {
+    src: std::sync::Arc<dyn kvwire_grpc::KvStore>,
+    dst: std::sync::Arc<dyn kvwire_grpc::KvStore>,
+    rx: std::sync::Arc<kvwire_grpc::KvReceiver>,
+    ids: &'a [u32],
+    hashes: &'a [u64],
+}
+
+impl Pusher<'_> {
+    /// One push of the first `count` blocks over `transport`; its stats and seconds.
+    async fn push(
+        &self,
+        transport: &kvwire_grpc::GrpcTransport,
+        target: &str,
+        handle: &str,
+        count: usize,
+    ) -> Result<(kvwire_grpc::TransferStats, f64), BenchError> {
+        let start = Instant::now();
+        let st = kvwire_grpc::transfer(
+            transport,
+            target,
+            std::sync::Arc::clone(&self.src),
+            handle,
+            "fake",
+            &self.ids[..count],
+            &self.hashes[..count],
+        )
+        .await?;
+        let secs = start.elapsed().as_secs_f64();
+        if let Some(c) = self.rx.claim(handle) {
+            self.dst.release_forget(&c.into_ids());
+        }
+        Ok((st, secs))
+    }
+}
+
+/// The cipher suite a TLS client with `tls`'s settings negotiates with the server at `addr`.
+async fn negotiated_suite(tls: &Tls, addr: &str) -> Result<String, BenchError> {
+    let connector = tokio_rustls::TlsConnector::from(tls.client_config(&[b"h2"])?);
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1")?.to_owned();
+    let conn = connector.connect(name, tcp).await?;
+    Ok(conn
+        .get_ref()
+        .1
+        .negotiated_cipher_suite()
+        .map_or_else(|| "none".into(), |s| format!("{:?}", s.suite())))
+}
+
 async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchError> {
     use std::sync::Arc;
 
@@ -151,43 +205,69 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     ));
     let tcp_chunk = vec![7u8; shape.envelope_len(1).ok_or("overflow")?];
 
-    // One push; the decode side then frees and unregisters what it received, so the next run
-    // moves every block again.
-    let push = |handle: String, count: usize| {
-        let (transport, src_store, rx, dst_store, target) =
-            (&transport, &src_store, &rx, &dst_store, &target);
-        let (ids, hashes) = (&ids[..count], &hashes[..count]);
-        async move {
-            let start = Instant::now();
-            let st = kvwire_grpc::transfer(
-                transport,
-                target,
-                Arc::clone(src_store),
-                &handle,
-                "fake",
-                ids,
-                hashes,
-            )
-            .await?;
-            let secs = start.elapsed().as_secs_f64();
-            if let Some(c) = rx.claim(&handle) {
-                dst_store.release_forget(&c.into_ids());
-            }
-            Ok::<_, BenchError>((st, secs))
-        }
+    // The same receiver behind a second port with mutual TLS, and a sender with its own
+    // certificate: the push over TLS, against the same raw TCP baseline.
+    let certs = std::env::temp_dir().join(format!(
+        "tl-bench-certs-{}-{}",
+        std::process::id(),
+        tl_engine::net::tls::random_hex::<4>()
+    ));
+    let issue = |id: &str, role| -> Result<Tls, BenchError> {
+        Ok(Tls::load(
+            &tl_engine::net::tls::issue(&certs, id, role, &[])?.section(),
+        )?)
     };
+    let (d_tls, p_tls) = (
+        issue("D", PeerRole::Decode)?,
+        issue("P", PeerRole::Prefill)?,
+    );
+    let _ = std::fs::remove_dir_all(&certs);
+    let life = Lifecycle::new();
+    let tls_target = serve_grpc(
+        &life,
+        tokio::net::TcpListener::bind("127.0.0.1:0").await?,
+        KvTransferService::new(Arc::clone(&rx)).into_service(),
+        Some(d_tls.server_config(&[b"h2"])?),
+        H2Limits::default(),
+    )?
+    .to_string();
+    let tls_transport = GrpcTransport::new(TransportConfig::for_envelope(
+        shape.envelope_len(1).ok_or("overflow")?,
+    ))
+    .with_tls(Some(p_tls.tonic_client()));
+    let suite = negotiated_suite(&p_tls, &tls_target).await?;
 
+    let bench = Pusher {
+        src: Arc::clone(&src_store),
+        dst: Arc::clone(&dst_store),
+        rx: Arc::clone(&rx),
+        ids: &ids,
+        hashes: &hashes,
+    };
     // Warm-up: connections, allocator.
-    push("warm".into(), n.min(4)).await?;
-    let (mut grpc, mut tcp, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    bench.push(&transport, &target, "warm", n.min(4)).await?;
+    bench
+        .push(&tls_transport, &tls_target, "warm-tls", n.min(4))
+        .await?;
+    let (mut grpc, mut tls, mut tcp) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut ratios, mut tls_ratios) = (Vec::new(), Vec::new());
     for run in 0..args.runs.max(1) {
-        let (st, secs) = push(format!("run-{run}"), n).await?;
+        let (st, secs) = bench
+            .push(&transport, &target, &format!("run-{run}"), n)
+            .await?;
         let g = st.payload_bytes as f64 / secs / 1e9;
+        let (st, secs) = bench
+            .push(&tls_transport, &tls_target, &format!("tls-{run}"), n)
+            .await?;
+        let s = st.payload_bytes as f64 / secs / 1e9;
         let t = tcp_run(st.payload_bytes as usize, &tcp_chunk).await?;
         grpc.push(g);
+        tls.push(s);
         tcp.push(t);
         ratios.push(g / t);
+        tls_ratios.push(s / t);
     }
+    life.shutdown().await;
 
     // Peak RSS growth during a push, for a quarter of the blocks and for all of them (pools are
     // already resident, so growth is the transfer's own buffering).
@@ -195,7 +275,9 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     for count in [n.div_ceil(4), n] {
         let before = rss().map(|r| r.1);
         let reset = reset_peak_rss();
-        push(format!("rss-{count}"), count).await?;
+        bench
+            .push(&transport, &target, &format!("rss-{count}"), count)
+            .await?;
         let after = rss().map(|r| r.0);
         if let (true, Some(b), Some(a)) = (reset, before, after) {
             let key = format!("push_{}_mib", (count * p_bytes) >> 20);
@@ -248,6 +330,10 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
         "tcp_gbps": round3(median(&mut tcp.clone())),
         "grpc_over_tcp": round3(median(&mut ratios.clone())),
         "grpc_gbps_all": grpc.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+        "grpc_tls_gbps": round3(median(&mut tls.clone())),
+        "grpc_tls_over_tcp": round3(median(&mut tls_ratios.clone())),
+        "grpc_tls_gbps_all": tls.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+        "tls": { "version": "TLS 1.3, mutual", "cipher_suite": suite, "provider": "rustls + ring" },
         "tcp_gbps_all": tcp.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
         "peak_rss_growth_mib": rss_growth,
         "dedup_75pct_cached": {
