@@ -7,6 +7,8 @@ use tl_engine::api::sse::StreamEvent;
 use tl_engine::api::{CompletionRequest, GenerationParams, Prompt};
 use tl_engine::net::clients::{EventStream, HttpClient};
 
+use tl_engine::node::config::{Config, Role};
+
 use super::{BenchError, round3};
 use crate::run::{block_on, print_json};
 
@@ -176,46 +178,76 @@ pub(crate) fn serve(args: &ServeArgs) -> ExitCode {
     block_on(async { print_json(serve_bench(args).await) })
 }
 
-async fn serve_bench(a: &ServeArgs) -> Result<serde_json::Value, BenchError> {
+/// The gateway over one prefill and two decode engines, plaintext or with mutual TLS on every
+/// internal connection (certificates made in a temporary directory), under the load.
+async fn gateway_load(a: &ServeArgs, mtls: bool) -> Result<serde_json::Value, BenchError> {
     use tl_engine::gateway::GatewayNode;
-    use tl_engine::gateway::config::GatewaySection;
+    use tl_engine::gateway::config::{GatewayConfig, GatewaySection};
+    use tl_engine::net::tls::{PeerRole, issue};
     use tl_engine::node::EngineNode;
-    use tl_engine::node::config::{Config, Role};
 
-    let cfg = |id: &str, role: Role, reg: &str| {
-        let mut c = Config::for_worker(id, role, reg);
-        c.engine.heartbeat_ms = 100;
-        c.model.prefill_us_per_token = a.prefill_us_per_token;
-        c.model.decode_us_per_seq = a.decode_us_per_seq;
-        c.pool.n_blocks = 8192;
-        c
+    let certs = std::env::temp_dir().join(format!(
+        "tl-bench-serve-{}-{}",
+        std::process::id(),
+        tl_engine::net::tls::random_hex::<4>()
+    ));
+    let tls = |id: &str, role| -> Result<_, BenchError> {
+        Ok(if mtls {
+            Some(issue(&certs, id, role, &[])?.section())
+        } else {
+            None
+        })
     };
-    // (a) The gateway over one prefill and two decode engines.
-    let gw = GatewayNode::start(
-        &GatewaySection {
+    let gw = GatewayNode::start(&GatewayConfig {
+        gateway: GatewaySection {
             max_inflight: 4096,
             ..GatewaySection::default()
-        }
-        .into(),
-    )
+        },
+        tls: tls("gw", PeerRole::Gateway)?,
+        ..GatewayConfig::default()
+    })
     .await?;
     let reg = gw.registry_addr().to_string();
-    let nodes = [
-        EngineNode::start(&cfg("P", Role::Prefill, &reg)).await?,
-        EngineNode::start(&cfg("D1", Role::Decode, &reg)).await?,
-        EngineNode::start(&cfg("D2", Role::Decode, &reg)).await?,
-    ];
+    let mut nodes = Vec::new();
+    for (id, role, peer) in [
+        ("P", Role::Prefill, PeerRole::Prefill),
+        ("D1", Role::Decode, PeerRole::Decode),
+        ("D2", Role::Decode, PeerRole::Decode),
+    ] {
+        let mut c = engine_cfg(a, id, role, &reg);
+        c.tls = tls(id, peer)?;
+        nodes.push(EngineNode::start(&c).await?);
+    }
+    let _ = std::fs::remove_dir_all(&certs);
     let end = Instant::now() + Duration::from_secs(10);
     while gw.registry().list(Instant::now()).len() < 3 && Instant::now() < end {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let disagg = load(&gw.http_addr().to_string(), a).await?;
+    let figures = load(&gw.http_addr().to_string(), a).await?;
     for n in nodes {
         n.shutdown(Duration::from_secs(1)).await;
     }
     gw.stop().await;
+    Ok(figures)
+}
+
+fn engine_cfg(a: &ServeArgs, id: &str, role: Role, reg: &str) -> Config {
+    let mut c = Config::for_worker(id, role, reg);
+    c.engine.heartbeat_ms = 100;
+    c.model.prefill_us_per_token = a.prefill_us_per_token;
+    c.model.decode_us_per_seq = a.decode_us_per_seq;
+    c.pool.n_blocks = 8192;
+    c
+}
+
+async fn serve_bench(a: &ServeArgs) -> Result<serde_json::Value, BenchError> {
+    use tl_engine::node::EngineNode;
+
+    // (a) The gateway over one prefill and two decode engines, plaintext and over mutual TLS.
+    let disagg = gateway_load(a, false).await?;
+    let disagg_mtls = gateway_load(a, true).await?;
     // (b) One engine with role both, alone.
-    let single = EngineNode::start(&cfg("B", Role::Both, "")).await?;
+    let single = EngineNode::start(&engine_cfg(a, "B", Role::Both, "")).await?;
     let colocated = load(&single.addresses().http, a).await?;
     single.shutdown(Duration::from_secs(1)).await;
     let ratio = |k: &str| {
@@ -230,6 +262,7 @@ async fn serve_bench(a: &ServeArgs) -> Result<serde_json::Value, BenchError> {
             "shape": "test shape B=4 L=2 H=1 D=4, fake model, cost model by sleeping in the step loop",
         },
         "disaggregated_gateway_1p_2d": disagg,
+        "disaggregated_gateway_1p_2d_mtls": disagg_mtls,
         "single_engine_both": colocated,
         "disagg_over_single": {
             "tpot_ms_p99": ratio("tpot_ms_p99"),
