@@ -88,13 +88,36 @@ fn pretouch(pool: &SharedKv) {
     }
 }
 
-async fn tcp_run(bytes_total: usize, chunk: &[u8]) -> std::io::Result<f64> {
+/// A byte stream of either kind.
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+
+/// Mutual TLS settings of both ends of a raw stream.
+type TlsPair = (
+    std::sync::Arc<rustls::ServerConfig>,
+    std::sync::Arc<rustls::ClientConfig>,
+);
+
+/// Sends `bytes_total` bytes in `chunk`-sized writes over one loopback connection (raw TCP, or
+/// TLS over it) and waits for the receiver's one-byte ack; returns GB/s.
+async fn stream_run(
+    bytes_total: usize,
+    chunk: &[u8],
+    tls: Option<TlsPair>,
+) -> std::io::Result<f64> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
+    let server_tls = tls
+        .as_ref()
+        .map(|(s, _)| tokio_rustls::TlsAcceptor::from(s.clone()));
     let server = tokio::spawn(async move {
-        let (mut s, _) = listener.accept().await?;
+        let (s, _) = listener.accept().await?;
         s.set_nodelay(true)?;
+        let mut s: Box<dyn Io> = match server_tls {
+            Some(a) => Box::new(a.accept(s).await?),
+            None => Box::new(s),
+        };
         let mut buf = vec![0u8; 2 << 20];
         let mut got = 0;
         while got < bytes_total {
@@ -105,23 +128,39 @@ async fn tcp_run(bytes_total: usize, chunk: &[u8]) -> std::io::Result<f64> {
             got += n;
         }
         s.write_all(&[1]).await?;
+        s.flush().await?;
         Ok::<usize, std::io::Error>(got)
     });
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    tcp.set_nodelay(true)?;
+    // The handshake is outside the measurement, as a long-lived connection's would be.
+    let mut c: Box<dyn Io> = match tls {
+        Some((_, client)) => {
+            let name = rustls::pki_types::ServerName::try_from("127.0.0.1")
+                .map_err(std::io::Error::other)?
+                .to_owned();
+            Box::new(
+                tokio_rustls::TlsConnector::from(client)
+                    .connect(name, tcp)
+                    .await?,
+            )
+        }
+        None => Box::new(tcp),
+    };
     let start = Instant::now();
-    let mut c = tokio::net::TcpStream::connect(addr).await?;
-    c.set_nodelay(true)?;
     let mut sent = 0;
     while sent < bytes_total {
         let n = chunk.len().min(bytes_total - sent);
         c.write_all(&chunk[..n]).await?;
         sent += n;
     }
+    c.flush().await?;
     let mut ack = [0u8; 1];
     c.read_exact(&mut ack).await?;
     let secs = start.elapsed().as_secs_f64();
     let got = server.await.map_err(std::io::Error::other)??;
     if got != bytes_total {
-        return Err(std::io::Error::other("short TCP read"));
+        return Err(std::io::Error::other("short read"));
     }
     Ok(bytes_total as f64 / secs / 1e9)
 }
@@ -251,6 +290,11 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
         .await?;
     let (mut grpc, mut tls, mut tcp) = (Vec::new(), Vec::new(), Vec::new());
     let (mut ratios, mut tls_ratios) = (Vec::new(), Vec::new());
+    let (mut raw, mut raw_ratios) = (Vec::new(), Vec::new());
+    let raw_tls = (
+        d_tls.server_config(&[b"h2"])?,
+        p_tls.client_config(&[b"h2"])?,
+    );
     for run in 0..args.runs.max(1) {
         let (st, secs) = bench
             .push(&transport, &target, &format!("run-{run}"), n)
@@ -260,12 +304,15 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
             .push(&tls_transport, &tls_target, &format!("tls-{run}"), n)
             .await?;
         let s = st.payload_bytes as f64 / secs / 1e9;
-        let t = tcp_run(st.payload_bytes as usize, &tcp_chunk).await?;
+        let t = stream_run(st.payload_bytes as usize, &tcp_chunk, None).await?;
+        let r = stream_run(st.payload_bytes as usize, &tcp_chunk, Some(raw_tls.clone())).await?;
         grpc.push(g);
         tls.push(s);
         tcp.push(t);
+        raw.push(r);
         ratios.push(g / t);
         tls_ratios.push(s / t);
+        raw_ratios.push(r / t);
     }
     life.shutdown().await;
 
@@ -334,6 +381,8 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
         "grpc_tls_over_tcp": round3(median(&mut tls_ratios.clone())),
         "grpc_tls_gbps_all": tls.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
         "tls": { "version": "TLS 1.3, mutual", "cipher_suite": suite, "provider": "rustls + ring" },
+        "raw_tls_gbps": round3(median(&mut raw.clone())),
+        "raw_tls_over_tcp": round3(median(&mut raw_ratios.clone())),
         "tcp_gbps_all": tcp.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
         "peak_rss_growth_mib": rss_growth,
         "dedup_75pct_cached": {
