@@ -365,3 +365,46 @@ async fn vanished_peer_is_detected_by_keepalive() {
     drop(tx);
     d.shutdown(Duration::from_secs(1)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_front_bounds_requests_in_flight() {
+    let mut cfg = decode_cfg("D");
+    cfg.limits.http_max_inflight = 1;
+    cfg.model.decode_us_per_seq = 2000;
+    let d = EngineNode::start(&cfg).await.unwrap();
+    let http = HttpClient::default();
+    let addr = d.addresses().http;
+    let long = json!({ "prompt": [1, 2, 3], "max_tokens": 2000, "seed": 1, "stream": true });
+    let (status, body) = http
+        .post_streaming(&addr, "/v1/completions", &[], long.to_string())
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    let short = json!({ "prompt": [1, 2, 3], "max_tokens": 1, "seed": 1 });
+    let r = http
+        .post(&addr, "/v1/completions", &[], short.to_string())
+        .await
+        .unwrap();
+    assert_eq!(r.status, 429, "{}", String::from_utf8_lossy(&r.body));
+    // The client leaves: its sequence is cancelled, the slot and the blocks come back.
+    drop(body);
+    assert!(eventually(Duration::from_secs(3), || used(&d) == 0).await);
+    assert!(
+        eventually(Duration::from_secs(3), || d.runner().running() == 0).await,
+        "the abandoned sequence still runs"
+    );
+    let mut ok = false;
+    for _ in 0..50 {
+        let r = http
+            .post(&addr, "/v1/completions", &[], short.to_string())
+            .await
+            .unwrap();
+        if r.status == 200 {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(ok, "the slot was not given back");
+    d.shutdown(Duration::from_secs(1)).await;
+}

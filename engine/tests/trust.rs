@@ -11,6 +11,7 @@ use kvwire_grpc::pb::control::{Role as PbRole, WorkerStatus};
 use kvwire_grpc::pb::engine::PrefillRequest;
 use kvwire_grpc::pb::kv::{HasBlocksRequest, KvChunk};
 use kvwire_grpc::{GrpcTransport, KvTransport, OutChunk, TransportConfig};
+use rustls::pki_types::pem::PemObject;
 use tl_engine::gateway::GatewayNode;
 use tl_engine::gateway::config::GatewayConfig;
 use tl_engine::net::clients::{ControlClient, HttpClient, HttpResponse, RegistryClient};
@@ -398,4 +399,41 @@ async fn insecure_non_loopback_listen_is_refused() {
         assert!(addr.starts_with("localhost:"), "{addr}");
     }
     node.shutdown(Duration::from_secs(1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn public_endpoint_speaks_https_without_client_certificates() {
+    let certs = Certs::new("public");
+    let issued = issue(certs.path(), "public", PeerRole::Gateway, &[]).unwrap();
+    let mut cfg = GatewayConfig::default();
+    cfg.gateway.public_tls = Some(tl_engine::net::tls::PublicTls {
+        cert: issued.cert.clone(),
+        key: issued.key.clone(),
+    });
+    let gw = GatewayNode::start(&cfg).await.unwrap();
+    let addr = gw.http_addr().to_string();
+    // An end user's client: trusts the server's CA, presents no certificate.
+    let mut roots = rustls::RootCertStore::empty();
+    let ca = std::fs::read(&issued.ca).unwrap();
+    for c in rustls::pki_types::CertificateDer::pem_slice_iter(&ca) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let client = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let https = HttpClient::tls(std::sync::Arc::new(client));
+    let r = https.get(&addr, "/v1/models").await.unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    // Plain HTTP to the HTTPS port gets no answer.
+    assert!(
+        HttpClient::default()
+            .get(&addr, "/v1/models")
+            .await
+            .is_err()
+    );
+    gw.stop().await;
 }

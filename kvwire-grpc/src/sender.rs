@@ -577,6 +577,24 @@ pub async fn transfer<T: KvTransport + ?Sized>(
 mod tests {
     use std::sync::{Arc, Mutex};
 
+    #[tokio::test]
+    async fn channel_cache_is_bounded_least_recently_used_first() {
+        let mut cfg = super::TransportConfig::for_envelope(172);
+        cfg.max_channels = 2;
+        let t = super::GrpcTransport::new(cfg);
+        let a = t.channel("127.0.0.1:1").unwrap();
+        t.channel("127.0.0.1:2").unwrap();
+        // Use the first again: the second is now the least recently used.
+        t.channel("127.0.0.1:1").unwrap();
+        t.channel("127.0.0.1:3").unwrap();
+        assert_eq!(t.channels(), 2);
+        let cache = t.channels.lock().unwrap();
+        let mut kept: Vec<&str> = cache.map.keys().map(String::as_str).collect();
+        kept.sort_unstable();
+        assert_eq!(kept, ["127.0.0.1:1", "127.0.0.1:3"]);
+        drop(a);
+    }
+
     use bytes::BytesMut;
     use kvwire::{RecordIn, Shape, crc32c, write_to_vec};
     use prost::Message;

@@ -209,3 +209,32 @@ impl GatewayNode {
         self.life.shutdown().await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn request_ids_are_random_and_prefixed() {
+        let g = Gateway::new(
+            Arc::new(RegistryState::default()),
+            GatewaySection {
+                id: "gw-a".into(),
+                ..GatewaySection::default()
+            },
+            None,
+            keys::ApiKeys::default(),
+            &LimitsSection::default(),
+        )
+        .unwrap();
+        let ids: HashSet<String> = (0..1000).map(|_| g.request_id()).collect();
+        assert_eq!(ids.len(), 1000, "an id repeated");
+        for id in ids.iter().take(10) {
+            let hex = id.strip_prefix("gw-a-").unwrap();
+            assert_eq!(hex.len(), 32, "{id}: 128 bits");
+            assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+        }
+    }
+}
