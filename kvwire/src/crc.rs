@@ -14,8 +14,53 @@ use crc_fast::{CrcAlgorithm, Digest};
 /// right, so a receiver that already ran one pass for a chunk checksum need not run a second.
 pub const CRC32C_RESIDUE: u32 = 0x4867_4BC7;
 
-/// True when `crc-fast`'s AVX-512 VPCLMULQDQ path is available (it is then the faster crate).
+/// Which crate computes CRC-32C.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CrcImpl {
+    /// Chosen from the CPU's features (the default).
+    Auto,
+    /// The `crc32c` crate (SSE4.2 `crc32` instruction, three streams).
+    Crc32c,
+    /// The `crc-fast` crate (carry-less multiply folding; AVX-512 VPCLMULQDQ where present).
+    CrcFast,
+}
+
+impl std::str::FromStr for CrcImpl {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "crc32c" => Ok(Self::Crc32c),
+            "crc-fast" => Ok(Self::CrcFast),
+            other => Err(format!("{other:?}: expected auto, crc32c or crc-fast")),
+        }
+    }
+}
+
+/// 0 auto, 1 crc32c, 2 crc-fast.
+static CHOICE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Forces one implementation for the whole process (both give the same values), or returns to
+/// the automatic choice. For benchmarks that compare the two on one machine.
+pub fn set_crc_impl(choice: CrcImpl) {
+    let v = match choice {
+        CrcImpl::Auto => 0,
+        CrcImpl::Crc32c => 1,
+        CrcImpl::CrcFast => 2,
+    };
+    CHOICE.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// True when `crc-fast` computes (the override, else the CPU's features: its AVX-512 VPCLMULQDQ
+/// path makes it the faster crate).
 fn wide_folding() -> bool {
+    match CHOICE.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => return false,
+        2 => return true,
+        _ => {}
+    }
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512vl")
@@ -109,6 +154,24 @@ mod tests {
             assert_eq!(a, crc32c::crc32c(&data[..n]));
             assert_eq!(a, crc32c(&data[..n]));
         }
+    }
+
+    #[test]
+    fn forcing_an_implementation_changes_the_crate_not_the_value() {
+        let data: Vec<u8> = (0..3000u32).map(|i| (i * 31 + 5) as u8).collect();
+        let want = crc32c::crc32c(&data);
+        for (choice, name) in [(CrcImpl::Crc32c, "crc32c"), (CrcImpl::CrcFast, "crc-fast")] {
+            set_crc_impl(choice);
+            assert_eq!(crc32c_impl(), name);
+            assert_eq!(crc32c(&data), want, "{name}");
+            let mut c = Crc32c::new();
+            c.update(&data[..1000]);
+            c.update(&data[1000..]);
+            assert_eq!(c.finish(), want, "{name} incremental");
+        }
+        set_crc_impl(CrcImpl::Auto);
+        assert_eq!("crc-fast".parse::<CrcImpl>(), Ok(CrcImpl::CrcFast));
+        assert!("crc64".parse::<CrcImpl>().is_err());
     }
 
     #[test]

@@ -24,6 +24,9 @@ pub(crate) struct TransferArgs {
     /// gRPC / raw TCP pairs, interleaved.
     #[arg(long, default_value_t = 5)]
     runs: usize,
+    /// CRC-32C implementation on both sides: auto, crc32c or crc-fast.
+    #[arg(long, default_value = "auto")]
+    crc: kvwire::CrcImpl,
 }
 
 /// Peak and current resident set of this process, in bytes, from /proc (Linux).
@@ -168,6 +171,7 @@ async fn stream_run(
 /// Runs `tl bench transfer`.
 #[must_use]
 pub(crate) fn transfer(args: &TransferArgs) -> ExitCode {
+    kvwire::set_crc_impl(args.crc);
     block_on(async { print_json(transfer_bench(args).await) })
 }
 

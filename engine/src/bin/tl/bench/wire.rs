@@ -20,6 +20,9 @@ pub(crate) struct WireArgs {
     /// Milliseconds per measurement in each round.
     #[arg(long, default_value_t = 120)]
     ms: u64,
+    /// CRC-32C implementation for the envelope reader and writer: auto, crc32c or crc-fast.
+    #[arg(long, default_value = "auto")]
+    crc: kvwire::CrcImpl,
 }
 
 /// One size's figures.
@@ -39,7 +42,20 @@ fn wire_case(name: &str, shape: Shape, rounds: u32, budget: Duration) -> serde_j
     let mut dst = vec![0u8; len];
 
     let (mut crc, mut read, mut copy_crc, mut write) = (vec![], vec![], vec![], vec![]);
+    let (mut by_crc32c, mut by_crc_fast) = (vec![], vec![]);
+    let chosen = kvwire::crc32c_impl();
     for _ in 0..rounds {
+        // Both crates on this CPU, in the same round.
+        for (choice, out) in [
+            (kvwire::CrcImpl::Crc32c, &mut by_crc32c),
+            (kvwire::CrcImpl::CrcFast, &mut by_crc_fast),
+        ] {
+            kvwire::set_crc_impl(choice);
+            out.push(gbps(len, budget, || {
+                black_box(crc32c(black_box(&env[..len - 4])));
+            }));
+        }
+        kvwire::set_crc_impl(chosen.parse().unwrap_or(kvwire::CrcImpl::Auto));
         crc.push(gbps(len, budget, || {
             black_box(crc32c(black_box(&env[..len - 4])));
         }));
@@ -65,6 +81,10 @@ fn wire_case(name: &str, shape: Shape, rounds: u32, budget: Duration) -> serde_j
         "case": name,
         "envelope_bytes": len,
         "crc_gbps": round3(median(&mut crc.clone())),
+        "crc_gbps_by_impl": {
+            "crc32c": round3(median(&mut by_crc32c)),
+            "crc-fast": round3(median(&mut by_crc_fast)),
+        },
         "read_gbps": round3(median(&mut read.clone())),
         "read_over_crc": round3(ratios(&read, &crc)),
         "memcpy_crc_gbps": round3(median(&mut copy_crc.clone())),
@@ -76,6 +96,7 @@ fn wire_case(name: &str, shape: Shape, rounds: u32, budget: Duration) -> serde_j
 /// Runs `tl bench wire`.
 #[must_use]
 pub(crate) fn wire(args: &WireArgs) -> ExitCode {
+    kvwire::set_crc_impl(args.crc);
     let t = Instant::now();
     let budget = Duration::from_millis(args.ms.max(1));
     let rounds = args.rounds.max(1);
