@@ -61,6 +61,8 @@ enum BenchCmd {
     Ttft(bench::ttft::TtftArgs),
     /// Load over loopback HTTP: the gateway over 1 prefill + 2 decode against one engine alone.
     Serve(bench::serve::ServeArgs),
+    /// Info and HasBlocks latency, idle against while the engine decodes or imports.
+    Control(bench::control::ControlArgs),
 }
 
 /// Keeps glibc from handing multi-MiB buffers back to the kernel on every free.
@@ -107,6 +109,7 @@ fn main() -> ExitCode {
             BenchCmd::Transfer(args) => bench::transfer::transfer(&args),
             BenchCmd::Ttft(args) => bench::ttft::ttft(&args),
             BenchCmd::Serve(args) => bench::serve::serve(&args),
+            BenchCmd::Control(args) => bench::control::control(&args),
         },
     }
 }

@@ -1,6 +1,7 @@
 //! `tl bench`: quick benchmarks that print one JSON line. Figures are ratios against baselines
 //! measured in the same run, interleaved, because absolute speeds on a shared machine drift.
 
+pub(crate) mod control;
 pub(crate) mod serve;
 pub(crate) mod transfer;
 pub(crate) mod ttft;
