@@ -512,24 +512,26 @@ impl Engine {
         // From here the guard frees them on any error (it locks the pool itself, so it is
         // only ever dropped with the lock released).
         let blocks = Blocks::new(self.pool.clone(), ids);
-        // The model writes block by block, taking the lock for each, so a long prefill lets
-        // imports and lookups (a KvTransfer server on the same pool) in between.
+        // The model writes block by block, computing outside the lock and taking it for each
+        // block's copy, so a long prefill lets imports and lookups (a KvTransfer server on the
+        // same pool) in between.
         let start = reused * b;
         for from in (start..prompt.len()).step_by(b) {
             let to = (from + b).min(prompt.len());
-            let mut pool = self.pool.lock();
             self.model
-                .write(&mut pool, &prompt[from..to], from, blocks.ids())?;
+                .write_shared(&self.pool, &prompt[from..to], from, blocks.ids())?;
         }
-        let logits = {
+        // The logits pass reads the whole prompt's KV: the model takes the lock block by block.
+        let logits = self
+            .model
+            .logits_shared(&self.pool, prompt.len(), blocks.ids())?;
+        {
             let mut pool = self.pool.lock();
-            let logits = self.model.logits(&pool, prompt.len(), blocks.ids())?;
             for (i, &h) in hashes.iter().enumerate().skip(reused) {
                 // False when another sequence registered the same block first: ours stays private.
                 pool.register(blocks.ids()[i], h);
             }
-            logits
-        };
+        }
         seq.blocks = blocks;
         seq.hashes = hashes;
         seq.n_cached = seq.prompt_len;
@@ -544,12 +546,14 @@ impl Engine {
         let b = self.model.shape().block_tokens() as usize;
         let pos = seq.n_cached;
         let input = seq.tokens[pos];
+        // Under the lock: a block for the position, and the position's KV (one row per plane).
         let mut pool = self.pool.lock();
         if pos / b >= seq.blocks.len() {
             let id = pool.allocate(1)?[0];
             seq.blocks.push(id);
         }
-        let logits = self.model.decode(&mut pool, input, pos, seq.blocks.ids())?;
+        self.model
+            .write(&mut pool, &[input], pos, seq.blocks.ids())?;
         seq.n_cached += 1;
         if seq.n_cached.is_multiple_of(b) {
             let i = seq.n_cached / b - 1;
@@ -559,6 +563,10 @@ impl Engine {
             seq.hashes.push(h);
         }
         drop(pool);
+        // The pass over the sequence's whole KV takes the lock block by block.
+        let logits = self
+            .model
+            .logits_shared(&self.pool, seq.n_cached, seq.blocks.ids())?;
         let (token, draws) = seq.sampling.sample(&logits, &mut seq.rng);
         seq.draws += u64::from(draws);
         seq.tokens.push(token);

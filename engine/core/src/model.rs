@@ -4,7 +4,7 @@ use std::fmt;
 
 use kvwire::{Crc32c, Shape, f16, fnv1a64};
 
-use crate::pool::{BlockId, KvPool, PoolError};
+use crate::pool::{BlockId, KvPool, PoolError, SharedKv};
 use crate::rng::Pcg32;
 
 /// Byte tokens 0..=255, then these specials.
@@ -62,11 +62,41 @@ pub trait Model: Send + Sync + fmt::Debug {
         first_pos: usize,
         blocks: &[BlockId],
     ) -> Result<(), ModelError>;
+    /// [`write`](Self::write) on the shared pool. The default locks it for the whole call; a model
+    /// should compute outside the lock and take it only to copy into the blocks.
+    ///
+    /// # Errors
+    /// As [`write`](Self::write).
+    fn write_shared(
+        &self,
+        pool: &SharedKv,
+        tokens: &[u32],
+        first_pos: usize,
+        blocks: &[BlockId],
+    ) -> Result<(), ModelError> {
+        self.write(&mut pool.lock(), tokens, first_pos, blocks)
+    }
     /// The logits for the token after the first `n` positions, read from the KV in `blocks`.
     ///
     /// # Errors
     /// As [`write`](Self::write).
     fn logits(&self, pool: &KvPool, n: usize, blocks: &[BlockId]) -> Result<Vec<f32>, ModelError>;
+    /// The same logits, from the shared pool. The default locks it once for the whole pass; a
+    /// model that reads its blocks one at a time should take the lock per block, so a control
+    /// call (HasBlocks, an import) waits for one block's read, not a whole sequence's. That is
+    /// safe because the blocks of a running sequence change only on the engine thread: shared
+    /// prefix blocks are full and immutable, the tail is this sequence's alone.
+    ///
+    /// # Errors
+    /// As [`write`](Self::write).
+    fn logits_shared(
+        &self,
+        pool: &SharedKv,
+        n: usize,
+        blocks: &[BlockId],
+    ) -> Result<Vec<f32>, ModelError> {
+        self.logits(&pool.lock(), n, blocks)
+    }
     /// Writes the KV of `tokens[start..]` at positions `start..` (the KV of positions before
     /// `start` is already there, from cached prefix blocks) and returns the logits for the token
     /// after the last.
@@ -134,16 +164,37 @@ impl FakeModel {
         f16::from_f32((n as f32 - 32.0) / 16.0)
     }
 
-    fn write_kv(
-        &self,
-        pool: &mut KvPool,
-        token: u32,
-        pos: usize,
-        blocks: &[BlockId],
-    ) -> Result<(), ModelError> {
+    /// The KV rows of input `token` at `pos`: one row of `H x D` f16 per (layer, K or V), in
+    /// plane order, computed without touching the pool.
+    fn rows(&self, token: u32, pos: usize) -> Result<Vec<u8>, ModelError> {
         if token >= self.vocab {
             return Err(ModelError::BadToken(token));
         }
+        let d = self.shape.dims;
+        let row = d.n_kv_heads as usize * d.head_dim as usize * 2;
+        let mut out = Vec::with_capacity(row * 2 * d.n_layers as usize);
+        for layer in 0..d.n_layers {
+            for kv in 0..2u32 {
+                for head in 0..d.n_kv_heads {
+                    for dim in 0..d.head_dim {
+                        let v = Self::kv_value(token, pos, layer, kv, head, dim);
+                        out.extend_from_slice(&v.to_le_bytes());
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Copies the `rows` of position `pos` into its slot of the block table, and raises the
+    /// block's fill.
+    fn place(
+        &self,
+        pool: &mut KvPool,
+        rows: &[u8],
+        pos: usize,
+        blocks: &[BlockId],
+    ) -> Result<(), ModelError> {
         let b = self.shape.block_tokens() as usize;
         let id = *blocks.get(pos / b).ok_or(ModelError::NoBlock {
             pos,
@@ -154,19 +205,9 @@ impl FakeModel {
         let row = d.n_kv_heads as usize * d.head_dim as usize * 2;
         let plane = row * b;
         let payload = pool.payload_mut(id)?;
-        for layer in 0..d.n_layers {
-            for kv in 0..2u32 {
-                let at = (layer as usize * 2 + kv as usize) * plane + slot * row;
-                let dst = &mut payload[at..at + row];
-                let mut i = 0;
-                for head in 0..d.n_kv_heads {
-                    for dim in 0..d.head_dim {
-                        let v = Self::kv_value(token, pos, layer, kv, head, dim).to_le_bytes();
-                        dst[i..i + 2].copy_from_slice(&v);
-                        i += 2;
-                    }
-                }
-            }
+        for (p, src) in rows.chunks_exact(row).enumerate() {
+            let at = p * plane + slot * row;
+            payload[at..at + row].copy_from_slice(src);
         }
         let (_, fill, _) = pool.info(id)?;
         pool.set_fill(id, fill.max(slot as u32 + 1))?;
@@ -175,10 +216,11 @@ impl FakeModel {
 
     /// The logits after `n` positions: a PCG stream seeded by CRC-32C over every cached KV byte
     /// of positions `0..n` (block by block, plane by plane, the filled rows of each plane) and by
-    /// `n`, one value per vocabulary entry, `u32 * 8 / 2^32`, in [0, 8).
+    /// `n`, one value per vocabulary entry, `u32 * 8 / 2^32`, in [0, 8). `read` gives a block's
+    /// payload to a closure (under whatever lock the caller takes).
     fn logits_at(
         &self,
-        pool: &KvPool,
+        read: impl Fn(BlockId, &mut dyn FnMut(&[u8])) -> Result<(), ModelError>,
         n: usize,
         blocks: &[BlockId],
     ) -> Result<Vec<f32>, ModelError> {
@@ -194,10 +236,11 @@ impl FakeModel {
         let mut crc = Crc32c::new();
         for (i, &id) in blocks.iter().enumerate().take(n.div_ceil(b)) {
             let rows = (n - i * b).min(b);
-            let (payload, _) = pool.export(id)?;
-            for p in payload.chunks_exact(plane) {
-                crc.update(&p[..rows * row]);
-            }
+            read(id, &mut |payload: &[u8]| {
+                for p in payload.chunks_exact(plane) {
+                    crc.update(&p[..rows * row]);
+                }
+            })?;
         }
         let seed = u64::from(crc.finish()) << 32 | (n as u64 & 0xffff_ffff);
         let mut rng = Pcg32::new(seed, fnv1a64(b"fake-logits"));
@@ -233,13 +276,53 @@ impl Model for FakeModel {
         blocks: &[BlockId],
     ) -> Result<(), ModelError> {
         for (i, &t) in tokens.iter().enumerate() {
-            self.write_kv(pool, t, first_pos + i, blocks)?;
+            let rows = self.rows(t, first_pos + i)?;
+            self.place(pool, &rows, first_pos + i, blocks)?;
+        }
+        Ok(())
+    }
+
+    fn write_shared(
+        &self,
+        pool: &SharedKv,
+        tokens: &[u32],
+        first_pos: usize,
+        blocks: &[BlockId],
+    ) -> Result<(), ModelError> {
+        // The values are computed outside the lock; under it, only the copy into the slab.
+        let rows = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| self.rows(t, first_pos + i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut p = pool.lock();
+        for (i, r) in rows.iter().enumerate() {
+            self.place(&mut p, r, first_pos + i, blocks)?;
         }
         Ok(())
     }
 
     fn logits(&self, pool: &KvPool, n: usize, blocks: &[BlockId]) -> Result<Vec<f32>, ModelError> {
-        self.logits_at(pool, n, blocks)
+        let read = |id, f: &mut dyn FnMut(&[u8])| {
+            f(pool.export(id)?.0);
+            Ok(())
+        };
+        self.logits_at(read, n, blocks)
+    }
+
+    fn logits_shared(
+        &self,
+        pool: &SharedKv,
+        n: usize,
+        blocks: &[BlockId],
+    ) -> Result<Vec<f32>, ModelError> {
+        // The lock for one block's CRC at a time (about 60 us for 2 MiB), not the whole pass.
+        let read = |id, f: &mut dyn FnMut(&[u8])| {
+            let p = pool.lock();
+            f(p.export(id)?.0);
+            Ok(())
+        };
+        self.logits_at(read, n, blocks)
     }
 }
 

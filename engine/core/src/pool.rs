@@ -15,6 +15,7 @@
 //! `used + cached + free == total` always holds; [`KvPool::check`] verifies that and the index.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvwire::Shape;
@@ -502,26 +503,104 @@ impl KvPool {
 
 /// The pool shared by a server's tasks.
 ///
-/// The lock is held only for metadata updates and at most one block's memcpy (an import, an
-/// export into an envelope, the model writing one step); never across I/O or an `.await`, so a
-/// slow peer cannot stall the step loop. `std::sync::Mutex` fits: critical sections are short and
-/// never yield.
+/// The lock is held for metadata updates and at most one block's memcpy (an import, an export
+/// into an envelope, the model writing one step), and today also for the model's logits pass;
+/// never across I/O or an `.await`. `std::sync::Mutex` fits: critical sections never yield.
+///
+/// The counts are published to atomics whenever the lock is released, so the figures a control
+/// call reports ([`SharedKv::counts`]) never wait for the lock.
 #[derive(Clone, Debug)]
-pub struct SharedKv(Arc<Mutex<KvPool>>);
+pub struct SharedKv {
+    pool: Arc<Mutex<KvPool>>,
+    counts: Arc<PublishedCounts>,
+}
+
+/// The counts of [`PoolCounts`], as of the last release of the lock.
+#[derive(Debug, Default)]
+struct PublishedCounts {
+    total: AtomicUsize,
+    free: AtomicUsize,
+    used: AtomicUsize,
+    cached: AtomicUsize,
+    indexed: AtomicUsize,
+}
+
+impl PublishedCounts {
+    fn store(&self, c: PoolCounts) {
+        self.total.store(c.total, Ordering::Relaxed);
+        self.free.store(c.free, Ordering::Relaxed);
+        self.used.store(c.used, Ordering::Relaxed);
+        self.cached.store(c.cached, Ordering::Relaxed);
+        self.indexed.store(c.indexed, Ordering::Relaxed);
+    }
+
+    fn load(&self) -> PoolCounts {
+        PoolCounts {
+            total: self.total.load(Ordering::Relaxed),
+            free: self.free.load(Ordering::Relaxed),
+            used: self.used.load(Ordering::Relaxed),
+            cached: self.cached.load(Ordering::Relaxed),
+            indexed: self.indexed.load(Ordering::Relaxed),
+        }
+    }
+}
 
 impl SharedKv {
     /// Shares `pool`.
     #[must_use]
     pub fn new(pool: KvPool) -> Self {
-        Self(Arc::new(Mutex::new(pool)))
+        let counts = Arc::new(PublishedCounts::default());
+        counts.store(pool.counts());
+        Self {
+            pool: Arc::new(Mutex::new(pool)),
+            counts,
+        }
     }
 
     /// Locks the pool. A panic while holding the lock leaves the pool's counts consistent (each
     /// method updates them last), so a poisoned lock is taken over rather than propagated.
-    pub fn lock(&self) -> MutexGuard<'_, KvPool> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    pub fn lock(&self) -> PoolGuard<'_> {
+        PoolGuard {
+            guard: self
+                .pool
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            counts: &self.counts,
+        }
+    }
+
+    /// The counts as of the last release of the lock, without taking it: each figure is exact
+    /// at some instant (they may be from two consecutive releases).
+    #[must_use]
+    pub fn counts(&self) -> PoolCounts {
+        self.counts.load()
+    }
+}
+
+/// The locked pool; releasing it publishes the counts.
+#[derive(Debug)]
+pub struct PoolGuard<'a> {
+    guard: MutexGuard<'a, KvPool>,
+    counts: &'a PublishedCounts,
+}
+
+impl std::ops::Deref for PoolGuard<'_> {
+    type Target = KvPool;
+
+    fn deref(&self) -> &KvPool {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for PoolGuard<'_> {
+    fn deref_mut(&mut self) -> &mut KvPool {
+        &mut self.guard
+    }
+}
+
+impl Drop for PoolGuard<'_> {
+    fn drop(&mut self) {
+        self.counts.store(self.guard.counts());
     }
 }
 

@@ -364,3 +364,18 @@ fn prefill_writes_block_by_block_and_still_matches() {
     );
     assert_eq!(rec.vocab(), BYTE_VOCAB);
 }
+
+#[test]
+fn logits_read_block_by_block_equal_one_pass() {
+    let mut e = engine(32);
+    let prompt: Vec<u32> = (0..23).map(|i| (i * 11 % 256) as u32).collect();
+    let out = prefill(&mut e, &prompt, Sampling::GREEDY, 1);
+    let model = Arc::clone(e.model());
+    for n in [1, 4, 5, 22, 23] {
+        let whole = model.logits(&e.pool().lock(), n, out.blocks.ids()).unwrap();
+        let shared = model.logits_shared(e.pool(), n, out.blocks.ids()).unwrap();
+        assert_eq!(whole, shared, "n = {n}");
+    }
+    // A table too short for n is refused the same way.
+    assert!(model.logits_shared(e.pool(), 40, out.blocks.ids()).is_err());
+}

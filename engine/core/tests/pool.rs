@@ -308,3 +308,22 @@ proptest! {
         run(ops)?;
     }
 }
+
+#[test]
+fn published_counts_follow_every_release_without_the_lock() {
+    use tl_engine_core::pool::SharedKv;
+    let shared = SharedKv::new(KvPool::new(Shape::v1(4, 2, 1, 4), 8));
+    assert_eq!(shared.counts().free, 8);
+    let ids = shared.lock().allocate(3).unwrap();
+    assert_eq!((shared.counts().used, shared.counts().free), (3, 5));
+    {
+        let mut p = shared.lock();
+        assert!(p.register(ids[0], 42));
+        p.release(ids[0]).unwrap();
+        // While the lock is held the published figures are those of the last release.
+        assert_eq!(shared.counts().used, 3);
+    }
+    let c = shared.counts();
+    assert_eq!((c.used, c.cached, c.free, c.indexed), (2, 1, 5, 1));
+    assert_eq!(c, shared.lock().counts());
+}

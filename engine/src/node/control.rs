@@ -110,7 +110,8 @@ impl EngineControl {
         let runner = self.state.runner();
         let model = runner.model();
         let shape = model.shape();
-        let counts = runner.pool().lock().counts();
+        // Published at every release of the pool lock: Info never waits behind compute.
+        let counts = runner.pool().counts();
         InfoResponse {
             worker_id: self.state.id().to_owned(),
             roles: self.state.role().names(),

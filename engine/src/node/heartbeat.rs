@@ -61,7 +61,8 @@ pub fn worker_status(node: &NodeState, addrs: &Addresses, heartbeat_ms: u32) -> 
     let role = node.role();
     let runner = node.runner();
     let model = runner.model();
-    let counts = runner.pool().lock().counts();
+    // Published at every release of the pool lock: a beat never waits behind compute.
+    let counts = runner.pool().counts();
     // Only an engine that receives KV advertises where to push it and where to resume.
     let if_decodes = |a: &String| {
         if role.decodes() {
