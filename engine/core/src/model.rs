@@ -164,26 +164,34 @@ impl FakeModel {
         f16::from_f32((n as f32 - 32.0) / 16.0)
     }
 
-    /// The KV rows of input `token` at `pos`: one row of `H x D` f16 per (layer, K or V), in
-    /// plane order, computed without touching the pool.
-    fn rows(&self, token: u32, pos: usize) -> Result<Vec<u8>, ModelError> {
+    /// Appends the KV rows of input `token` at `pos` to `out`: one row of `H x D` f16 per
+    /// (layer, K or V), in plane order, computed without touching the pool.
+    fn rows(&self, token: u32, pos: usize, out: &mut Vec<u8>) -> Result<(), ModelError> {
         if token >= self.vocab {
             return Err(ModelError::BadToken(token));
         }
         let d = self.shape.dims;
         let row = d.n_kv_heads as usize * d.head_dim as usize * 2;
-        let mut out = Vec::with_capacity(row * 2 * d.n_layers as usize);
-        for layer in 0..d.n_layers {
-            for kv in 0..2u32 {
-                for head in 0..d.n_kv_heads {
-                    for dim in 0..d.head_dim {
-                        let v = Self::kv_value(token, pos, layer, kv, head, dim);
-                        out.extend_from_slice(&v.to_le_bytes());
-                    }
+        let start = out.len();
+        out.resize(start + self.rows_len(), 0);
+        for (p, dst) in out[start..].chunks_exact_mut(row).enumerate() {
+            let (layer, kv) = ((p / 2) as u32, (p % 2) as u32);
+            let mut i = 0;
+            for head in 0..d.n_kv_heads {
+                for dim in 0..d.head_dim {
+                    let v = Self::kv_value(token, pos, layer, kv, head, dim).to_le_bytes();
+                    dst[i..i + 2].copy_from_slice(&v);
+                    i += 2;
                 }
             }
         }
-        Ok(out)
+        Ok(())
+    }
+
+    /// Bytes of one position's rows.
+    fn rows_len(&self) -> usize {
+        let d = self.shape.dims;
+        d.n_kv_heads as usize * d.head_dim as usize * 2 * 2 * d.n_layers as usize
     }
 
     /// Copies the `rows` of position `pos` into its slot of the block table, and raises the
@@ -275,8 +283,10 @@ impl Model for FakeModel {
         first_pos: usize,
         blocks: &[BlockId],
     ) -> Result<(), ModelError> {
+        let mut rows = Vec::with_capacity(self.rows_len());
         for (i, &t) in tokens.iter().enumerate() {
-            let rows = self.rows(t, first_pos + i)?;
+            rows.clear();
+            self.rows(t, first_pos + i, &mut rows)?;
             self.place(pool, &rows, first_pos + i, blocks)?;
         }
         Ok(())
@@ -289,17 +299,24 @@ impl Model for FakeModel {
         first_pos: usize,
         blocks: &[BlockId],
     ) -> Result<(), ModelError> {
-        // The values are computed outside the lock; under it, only the copy into the slab.
-        let rows = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, &t)| self.rows(t, first_pos + i))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut p = pool.lock();
-        for (i, r) in rows.iter().enumerate() {
-            self.place(&mut p, r, first_pos + i, blocks)?;
+        // The values are computed outside the lock, into a buffer the calling thread keeps (a
+        // block's worth, allocated and faulted in once); under the lock, only the copy into
+        // the slab.
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
         }
-        Ok(())
+        SCRATCH.with_borrow_mut(|rows| {
+            rows.clear();
+            let per = self.rows_len();
+            for (i, &t) in tokens.iter().enumerate() {
+                self.rows(t, first_pos + i, rows)?;
+            }
+            let mut p = pool.lock();
+            for (i, r) in rows.chunks_exact(per.max(1)).enumerate() {
+                self.place(&mut p, r, first_pos + i, blocks)?;
+            }
+            Ok(())
+        })
     }
 
     fn logits(&self, pool: &KvPool, n: usize, blocks: &[BlockId]) -> Result<Vec<f32>, ModelError> {

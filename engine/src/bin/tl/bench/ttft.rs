@@ -45,6 +45,8 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         cfg.model.max_context = 16 * (n as u32 + 8);
         cfg.pool.block_tokens = 16;
         cfg.pool.n_blocks = n as u32 + 8;
+        // The push fills nearly the whole pool: keep only one block back for the decode step.
+        cfg.limits.decode_reserve_blocks = 1;
         cfg.engine.role = Role::Decode;
         cfg.validate()?;
         let shape = cfg.shape();
