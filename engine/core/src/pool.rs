@@ -15,7 +15,6 @@
 //! `used + cached + free == total` always holds; [`KvPool::check`] verifies that and the index.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvwire::Shape;
@@ -507,41 +506,33 @@ impl KvPool {
 /// into an envelope, the model writing one step), and today also for the model's logits pass;
 /// never across I/O or an `.await`. `std::sync::Mutex` fits: critical sections never yield.
 ///
-/// The counts are published to atomics whenever the lock is released, so the figures a control
-/// call reports ([`SharedKv::counts`]) never wait for the lock.
+/// The counts are published whenever the lock is released, so the figures a control call reports
+/// ([`SharedKv::counts`]) never wait for the pool's work.
 #[derive(Clone, Debug)]
 pub struct SharedKv {
     pool: Arc<Mutex<KvPool>>,
     counts: Arc<PublishedCounts>,
 }
 
-/// The counts of [`PoolCounts`], as of the last release of the lock.
+/// The counts as of the last release of the pool lock: a copy behind a lock of its own, held
+/// only to copy five words, so a reader never waits behind the pool's work and always sees one
+/// release's consistent figures.
 #[derive(Debug, Default)]
-struct PublishedCounts {
-    total: AtomicUsize,
-    free: AtomicUsize,
-    used: AtomicUsize,
-    cached: AtomicUsize,
-    indexed: AtomicUsize,
-}
+struct PublishedCounts(Mutex<PoolCounts>);
 
 impl PublishedCounts {
     fn store(&self, c: PoolCounts) {
-        self.total.store(c.total, Ordering::Relaxed);
-        self.free.store(c.free, Ordering::Relaxed);
-        self.used.store(c.used, Ordering::Relaxed);
-        self.cached.store(c.cached, Ordering::Relaxed);
-        self.indexed.store(c.indexed, Ordering::Relaxed);
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = c;
     }
 
     fn load(&self) -> PoolCounts {
-        PoolCounts {
-            total: self.total.load(Ordering::Relaxed),
-            free: self.free.load(Ordering::Relaxed),
-            used: self.used.load(Ordering::Relaxed),
-            cached: self.cached.load(Ordering::Relaxed),
-            indexed: self.indexed.load(Ordering::Relaxed),
-        }
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -569,8 +560,8 @@ impl SharedKv {
         }
     }
 
-    /// The counts as of the last release of the lock, without taking it: each figure is exact
-    /// at some instant (they may be from two consecutive releases).
+    /// The counts as of the last release of the lock, without taking it: one release's
+    /// consistent figures.
     #[must_use]
     pub fn counts(&self) -> PoolCounts {
         self.counts.load()
