@@ -72,10 +72,11 @@ fn worker(shared: &SharedKv, seed: u64) {
             3 if held.len() < 6 => {
                 if let Some(id) = p.lookup_ref(hash) {
                     // Ours already? Then it is a second reference: give it back at once.
-                    if held.contains_key(&id) {
-                        p.release(id).unwrap();
-                    } else {
-                        held.insert(id, None);
+                    match held.entry(id) {
+                        std::collections::hash_map::Entry::Occupied(_) => p.release(id).unwrap(),
+                        std::collections::hash_map::Entry::Vacant(v) => {
+                            v.insert(None);
+                        }
                     }
                 }
                 checked(&p, "lookup_ref");
