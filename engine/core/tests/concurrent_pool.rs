@@ -87,7 +87,7 @@ fn worker(shared: &SharedKv, seed: u64) {
                     let tagged = held.remove(&id).flatten();
                     // Only a block nobody else can hold may be forgotten: an unshared tag.
                     let shared_now = p.info(id).unwrap().2 > 1;
-                    if tagged.is_some() && !shared_now && r % 3 == 0 {
+                    if tagged.is_some() && !shared_now && r.is_multiple_of(3) {
                         p.release_forget(id).unwrap();
                     } else {
                         p.release(id).unwrap();
