@@ -27,6 +27,13 @@ pub const POLICY: Table = &[
     (path::INFO, ANY),
 ];
 
+/// Info, Cancel and Drain carry a few words: a larger message is refused by the decoder
+/// (OUT_OF_RANGE) before it is buffered. Prefill keeps tonic's 4 MiB (a prompt of token ids).
+const SMALL: Limits = Limits {
+    max_decode: 1 << 20,
+    max_encode: 1 << 20,
+};
+
 /// The EngineControl service of one node.
 #[derive(Debug)]
 pub struct EngineControl {
@@ -80,14 +87,14 @@ impl EngineControl {
 
     fn info(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
         let me = Arc::clone(self);
-        glue::serve_unary(req, Limits::default(), move |_: InfoRequest| async move {
+        glue::serve_unary(req, SMALL, move |_: InfoRequest| async move {
             Ok::<_, Status>(me.info_now())
         })
     }
 
     fn cancel(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
         let me = Arc::clone(self);
-        glue::serve_unary(req, Limits::default(), move |m: CancelRequest| async move {
+        glue::serve_unary(req, SMALL, move |m: CancelRequest| async move {
             let cancelled = me.prefill.as_ref().is_some_and(|p| p.cancel(&m.request_id));
             Ok::<_, Status>(CancelResponse { cancelled })
         })
@@ -95,7 +102,7 @@ impl EngineControl {
 
     fn drain(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
         let me = Arc::clone(self);
-        glue::serve_unary(req, Limits::default(), move |m: DrainRequest| async move {
+        glue::serve_unary(req, SMALL, move |m: DrainRequest| async move {
             let wait = Duration::from_millis(m.deadline_ms.max(0) as u64);
             let remaining = me.state.drain(wait).await;
             Ok::<_, Status>(DrainResponse {
