@@ -151,6 +151,20 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         "bench": "ttft",
         "shape": "B=16 L=32 H=8 D=128 (2 MiB blocks), fake model, greedy",
         "note": "disaggregated TTFT = prefill + HasBlocks + push (the first token returns with the KvHandle); resume = claim + one decode step + HTTP",
+        "single_block_push_over_streamed": single_over_streamed(&rows),
         "rows": rows,
     }))
+}
+
+/// The one-block push's time over the time per block inside the largest push of the run (null
+/// when the run has no one-block row or no larger one).
+fn single_over_streamed(rows: &[serde_json::Value]) -> Option<f64> {
+    let per_block = |r: &serde_json::Value| Some(r["push_ms"].as_f64()? / r["blocks"].as_f64()?);
+    let single = rows.iter().find(|r| r["blocks"] == 1).and_then(per_block)?;
+    let largest = rows
+        .iter()
+        .filter(|r| r["blocks"].as_u64().unwrap_or(0) > 1)
+        .max_by_key(|r| r["blocks"].as_u64().unwrap_or(0))
+        .and_then(per_block)?;
+    Some(round3(single / largest))
 }
