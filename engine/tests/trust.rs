@@ -437,3 +437,36 @@ async fn public_endpoint_speaks_https_without_client_certificates() {
     );
     gw.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_cannot_hold_more_than_the_handshake_slots() {
+    use tokio::io::AsyncReadExt;
+    let c = Cluster::start().await;
+    let addr = c.p.addresses().grpc;
+    // Peers that connect and never say a word take every handshake slot...
+    let mut silent = Vec::new();
+    for _ in 0..tl_engine::net::server::MAX_HANDSHAKES {
+        silent.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    // ...so the next connection is closed at once rather than queued.
+    let mut extra = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let mut buf = [0u8; 1];
+    let n = tokio::time::timeout(Duration::from_secs(2), extra.read(&mut buf))
+        .await
+        .expect("the connection beyond the slots was left open")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    // When they leave, the deployment's own peers get through again.
+    drop(silent);
+    let gw = Caller::new(&c, Some(&c.certs.tls("gw3", PeerRole::Gateway)));
+    let mut ok = false;
+    for _ in 0..50 {
+        if gw.ctl.info().await.is_ok() {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ok, "Info did not get through after the silent peers left");
+    c.stop().await;
+}

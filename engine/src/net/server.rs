@@ -84,6 +84,14 @@ pub async fn bind(addr: &str) -> std::io::Result<TcpListener> {
 /// How long a TLS handshake may take.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// TLS handshakes in progress per listener: a peer that opens connections and says nothing
+/// holds one slot each for at most [`HANDSHAKE_TIMEOUT`]; beyond this, new connections are
+/// closed at once.
+pub const MAX_HANDSHAKES: usize = 256;
+
+/// Open connections per HTTP listener; beyond this, new connections are closed at once.
+pub const MAX_HTTP_CONNECTIONS: usize = 4096;
+
 /// How long open connections get to finish after the stop signal before they are closed.
 pub const STOP_GRACE: Duration = Duration::from_millis(500);
 
@@ -103,6 +111,9 @@ fn tls_incoming(
             tokio::select! {
                 accepted = listener.accept() => {
                     let Ok((tcp, peer)) = accepted else { continue };
+                    if handshakes.len() >= MAX_HANDSHAKES {
+                        continue; // dropping `tcp` closes it
+                    }
                     let _ = tcp.set_nodelay(true);
                     let (acceptor, tx) = (acceptor.clone(), tx.clone());
                     handshakes.spawn(async move {
@@ -227,6 +238,11 @@ pub fn serve_http(
             tokio::select! {
                 accepted = listener.accept() => {
                     let Ok((tcp, peer)) = accepted else { continue };
+                    // Each connection is bounded in time (header reads, TLS handshakes); this
+                    // bounds how many there are.
+                    if conns.len() >= MAX_HTTP_CONNECTIONS {
+                        continue; // dropping `tcp` closes it
+                    }
                     // Server-sent events are many small writes: without TCP_NODELAY, Nagle's
                     // algorithm and the peer's delayed ACK hold each one back for ~40 ms.
                     let _ = tcp.set_nodelay(true);
