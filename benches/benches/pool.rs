@@ -19,7 +19,7 @@ fn import_export(c: &mut Criterion) {
     let p = REAL.payload_bytes().expect("fixed shape");
     let src: Vec<u8> = (0..p).map(|i| (i * 7 % 253) as u8).collect();
     let mut dst = vec![0u8; p];
-    let mut pool = KvPool::new(REAL, 4);
+    let pool = SharedKv::new(KvPool::new(REAL, 4));
     let mut g = c.benchmark_group("pool_2MiB");
     g.throughput(Throughput::Bytes(p as u64));
     g.bench_function("memcpy", |b| {
@@ -27,15 +27,15 @@ fn import_export(c: &mut Criterion) {
     });
     g.bench_function("import", |b| {
         b.iter(|| {
-            let id = pool.import(0, 16, black_box(&src)).expect("room");
-            pool.release(id).expect("held");
+            let id = pool.import(0, 16, black_box(&src), 0).expect("room");
+            pool.lock().release(id).expect("held");
         })
     });
-    let id = pool.import(0, 16, &src).expect("room");
+    let id = pool.import(0, 16, &src, 0).expect("room");
     g.bench_function("export_copy", |b| {
         b.iter(|| {
-            let (bytes, _) = pool.export(black_box(id)).expect("exists");
-            dst.copy_from_slice(bytes);
+            let bytes = pool.read(black_box(id)).expect("exists");
+            dst.copy_from_slice(&bytes);
         })
     });
     g.finish();

@@ -512,19 +512,16 @@ impl Engine {
         // From here the guard frees them on any error (it locks the pool itself, so it is
         // only ever dropped with the lock released).
         let blocks = Blocks::new(self.pool.clone(), ids);
-        // The model writes block by block, computing outside the lock and taking it for each
-        // block's copy, so a long prefill lets imports and lookups (a KvTransfer server on the
-        // same pool) in between.
+        // The model writes block by block, each under that block's lock only: imports, lookups
+        // and control calls on the same pool never wait for it.
         let start = reused * b;
         for from in (start..prompt.len()).step_by(b) {
             let to = (from + b).min(prompt.len());
             self.model
-                .write_shared(&self.pool, &prompt[from..to], from, blocks.ids())?;
+                .write(&self.pool, &prompt[from..to], from, blocks.ids())?;
         }
-        // The logits pass reads the whole prompt's KV: the model takes the lock block by block.
-        let logits = self
-            .model
-            .logits_shared(&self.pool, prompt.len(), blocks.ids())?;
+        // The logits pass reads the whole prompt's KV, one block's lock at a time.
+        let logits = self.model.logits(&self.pool, prompt.len(), blocks.ids())?;
         {
             let mut pool = self.pool.lock();
             for (i, &h) in hashes.iter().enumerate().skip(reused) {
@@ -546,27 +543,26 @@ impl Engine {
         let b = self.model.shape().block_tokens() as usize;
         let pos = seq.n_cached;
         let input = seq.tokens[pos];
-        // Under the lock: a block for the position, and the position's KV (one row per plane).
-        let mut pool = self.pool.lock();
+        // A block for the position when it starts one (the pool's lock, briefly), then the
+        // position's KV (one row per plane, under the block's own lock).
         if pos / b >= seq.blocks.len() {
-            let id = pool.allocate(1)?[0];
+            let id = self.pool.lock().allocate(1)?[0];
             seq.blocks.push(id);
         }
         self.model
-            .write(&mut pool, &[input], pos, seq.blocks.ids())?;
+            .write(&self.pool, &[input], pos, seq.blocks.ids())?;
         seq.n_cached += 1;
         if seq.n_cached.is_multiple_of(b) {
             let i = seq.n_cached / b - 1;
             let parent = if i == 0 { 0 } else { seq.hashes[i - 1] };
             let h = block_hash(parent, &seq.tokens[i * b..(i + 1) * b]);
-            pool.register(seq.blocks.ids()[i], h);
+            self.pool.lock().register(seq.blocks.ids()[i], h);
             seq.hashes.push(h);
         }
-        drop(pool);
-        // The pass over the sequence's whole KV takes the lock block by block.
+        // The pass over the sequence's whole KV, block by block.
         let logits = self
             .model
-            .logits_shared(&self.pool, seq.n_cached, seq.blocks.ids())?;
+            .logits(&self.pool, seq.n_cached, seq.blocks.ids())?;
         let (token, draws) = seq.sampling.sample(&logits, &mut seq.rng);
         seq.draws += u64::from(draws);
         seq.tokens.push(token);

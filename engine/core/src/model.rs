@@ -4,7 +4,7 @@ use std::fmt;
 
 use kvwire::{Crc32c, Shape, f16, fnv1a64};
 
-use crate::pool::{BlockId, KvPool, PoolError, SharedKv};
+use crate::pool::{BlockId, PoolError, SharedKv};
 use crate::rng::Pcg32;
 
 /// Byte tokens 0..=255, then these specials.
@@ -50,53 +50,30 @@ pub trait Model: Send + Sync + fmt::Debug {
     /// Longest sequence, prompt and completion together.
     fn max_context(&self) -> u32;
     /// Writes the KV of `tokens` at positions `first_pos..first_pos + tokens.len()` into
-    /// `blocks`, the sequence's block table. An engine may call it block by block, releasing the
-    /// pool between calls, so a long prefill does not hold the pool the whole time.
+    /// `blocks`, the sequence's block table, and raises the blocks' fills. An engine calls it
+    /// block by block. A model computes outside every lock and writes each block through
+    /// [`SharedKv::write`] (that block's lock only), then sets fills under the pool's lock, which
+    /// it holds for bookkeeping only.
     ///
     /// # Errors
     /// A [`ModelError`] when the table or the pool cannot hold the positions.
     fn write(
         &self,
-        pool: &mut KvPool,
+        pool: &SharedKv,
         tokens: &[u32],
         first_pos: usize,
         blocks: &[BlockId],
     ) -> Result<(), ModelError>;
-    /// [`write`](Self::write) on the shared pool. The default locks it for the whole call; a model
-    /// should compute outside the lock and take it only to copy into the blocks.
+    /// The logits for the token after the first `n` positions, read from the KV in `blocks`
+    /// through [`SharedKv::read`], one block's lock at a time and never the pool's: a control
+    /// call or an import never waits for a sequence's pass. The blocks of a running sequence
+    /// change only on the engine thread (shared prefix blocks are full and immutable, the tail
+    /// is this sequence's alone), so block-by-block reads see one consistent state.
     ///
     /// # Errors
     /// As [`write`](Self::write).
-    fn write_shared(
-        &self,
-        pool: &SharedKv,
-        tokens: &[u32],
-        first_pos: usize,
-        blocks: &[BlockId],
-    ) -> Result<(), ModelError> {
-        self.write(&mut pool.lock(), tokens, first_pos, blocks)
-    }
-    /// The logits for the token after the first `n` positions, read from the KV in `blocks`.
-    ///
-    /// # Errors
-    /// As [`write`](Self::write).
-    fn logits(&self, pool: &KvPool, n: usize, blocks: &[BlockId]) -> Result<Vec<f32>, ModelError>;
-    /// The same logits, from the shared pool. The default locks it once for the whole pass; a
-    /// model that reads its blocks one at a time should take the lock per block, so a control
-    /// call (HasBlocks, an import) waits for one block's read, not a whole sequence's. That is
-    /// safe because the blocks of a running sequence change only on the engine thread: shared
-    /// prefix blocks are full and immutable, the tail is this sequence's alone.
-    ///
-    /// # Errors
-    /// As [`write`](Self::write).
-    fn logits_shared(
-        &self,
-        pool: &SharedKv,
-        n: usize,
-        blocks: &[BlockId],
-    ) -> Result<Vec<f32>, ModelError> {
-        self.logits(&pool.lock(), n, blocks)
-    }
+    fn logits(&self, pool: &SharedKv, n: usize, blocks: &[BlockId])
+    -> Result<Vec<f32>, ModelError>;
     /// Writes the KV of `tokens[start..]` at positions `start..` (the KV of positions before
     /// `start` is already there, from cached prefix blocks) and returns the logits for the token
     /// after the last.
@@ -105,7 +82,7 @@ pub trait Model: Send + Sync + fmt::Debug {
     /// As [`write`](Self::write).
     fn prefill(
         &self,
-        pool: &mut KvPool,
+        pool: &SharedKv,
         tokens: &[u32],
         start: usize,
         blocks: &[BlockId],
@@ -119,7 +96,7 @@ pub trait Model: Send + Sync + fmt::Debug {
     /// As [`write`](Self::write).
     fn decode(
         &self,
-        pool: &mut KvPool,
+        pool: &SharedKv,
         token: u32,
         pos: usize,
         blocks: &[BlockId],
@@ -194,38 +171,64 @@ impl FakeModel {
         d.n_kv_heads as usize * d.head_dim as usize * 2 * 2 * d.n_layers as usize
     }
 
-    /// Copies the `rows` of position `pos` into its slot of the block table, and raises the
-    /// block's fill.
+    /// Copies the rows of positions `first_pos..` (`rows`, one position's rows after another)
+    /// into their slots of the block table, one block's lock at a time, then raises the fills
+    /// under the pool's lock.
     fn place(
         &self,
-        pool: &mut KvPool,
+        pool: &SharedKv,
         rows: &[u8],
-        pos: usize,
+        first_pos: usize,
         blocks: &[BlockId],
     ) -> Result<(), ModelError> {
         let b = self.shape.block_tokens() as usize;
-        let id = *blocks.get(pos / b).ok_or(ModelError::NoBlock {
-            pos,
-            blocks: blocks.len(),
-        })?;
-        let slot = pos % b;
         let d = self.shape.dims;
         let row = d.n_kv_heads as usize * d.head_dim as usize * 2;
         let plane = row * b;
-        let payload = pool.payload_mut(id)?;
-        for (p, src) in rows.chunks_exact(row).enumerate() {
-            let at = p * plane + slot * row;
-            payload[at..at + row].copy_from_slice(src);
+        let per = self.rows_len().max(1);
+        let n = rows.len() / per;
+        let table = |pos: usize| {
+            blocks.get(pos / b).copied().ok_or(ModelError::NoBlock {
+                pos,
+                blocks: blocks.len(),
+            })
+        };
+        // Check the whole range first: nothing is written when the table is short.
+        if n > 0 {
+            table(first_pos + n - 1)?;
         }
-        let (_, fill, _) = pool.info(id)?;
-        pool.set_fill(id, fill.max(slot as u32 + 1))?;
+        let mut fills: Vec<(BlockId, u32)> = Vec::new();
+        let mut at = 0;
+        while at < n {
+            let pos = first_pos + at;
+            let id = table(pos)?;
+            // The positions from `pos` that fall into its block.
+            let k = (b - pos % b).min(n - at);
+            let mut payload = pool.write(id)?;
+            for j in 0..k {
+                let slot = (pos + j) % b;
+                let src = &rows[(at + j) * per..(at + j + 1) * per];
+                for (p, r) in src.chunks_exact(row).enumerate() {
+                    let to = p * plane + slot * row;
+                    payload[to..to + row].copy_from_slice(r);
+                }
+            }
+            drop(payload);
+            fills.push((id, (pos % b + k) as u32));
+            at += k;
+        }
+        let mut p = pool.lock();
+        for (id, fill) in fills {
+            let (_, old, _) = p.info(id)?;
+            p.set_fill(id, old.max(fill))?;
+        }
         Ok(())
     }
 
     /// The logits after `n` positions: a PCG stream seeded by CRC-32C over every cached KV byte
     /// of positions `0..n` (block by block, plane by plane, the filled rows of each plane) and by
     /// `n`, one value per vocabulary entry, `u32 * 8 / 2^32`, in [0, 8). `read` gives a block's
-    /// payload to a closure (under whatever lock the caller takes).
+    /// payload to a closure.
     fn logits_at(
         &self,
         read: impl Fn(BlockId, &mut dyn FnMut(&[u8])) -> Result<(), ModelError>,
@@ -278,65 +281,34 @@ impl Model for FakeModel {
 
     fn write(
         &self,
-        pool: &mut KvPool,
-        tokens: &[u32],
-        first_pos: usize,
-        blocks: &[BlockId],
-    ) -> Result<(), ModelError> {
-        let mut rows = Vec::with_capacity(self.rows_len());
-        for (i, &t) in tokens.iter().enumerate() {
-            rows.clear();
-            self.rows(t, first_pos + i, &mut rows)?;
-            self.place(pool, &rows, first_pos + i, blocks)?;
-        }
-        Ok(())
-    }
-
-    fn write_shared(
-        &self,
         pool: &SharedKv,
         tokens: &[u32],
         first_pos: usize,
         blocks: &[BlockId],
     ) -> Result<(), ModelError> {
-        // The values are computed outside the lock, into a buffer the calling thread keeps (a
-        // block's worth, allocated and faulted in once); under the lock, only the copy into
-        // the slab.
+        // The values are computed outside every lock, into a buffer the calling thread keeps
+        // (a block's worth, allocated and faulted in once); then copied block by block.
         thread_local! {
             static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
         }
         SCRATCH.with_borrow_mut(|rows| {
             rows.clear();
-            let per = self.rows_len();
             for (i, &t) in tokens.iter().enumerate() {
                 self.rows(t, first_pos + i, rows)?;
             }
-            let mut p = pool.lock();
-            for (i, r) in rows.chunks_exact(per.max(1)).enumerate() {
-                self.place(&mut p, r, first_pos + i, blocks)?;
-            }
-            Ok(())
+            self.place(pool, rows, first_pos, blocks)
         })
     }
 
-    fn logits(&self, pool: &KvPool, n: usize, blocks: &[BlockId]) -> Result<Vec<f32>, ModelError> {
-        let read = |id, f: &mut dyn FnMut(&[u8])| {
-            f(pool.export(id)?.0);
-            Ok(())
-        };
-        self.logits_at(read, n, blocks)
-    }
-
-    fn logits_shared(
+    fn logits(
         &self,
         pool: &SharedKv,
         n: usize,
         blocks: &[BlockId],
     ) -> Result<Vec<f32>, ModelError> {
-        // The lock for one block's CRC at a time (about 60 us for 2 MiB), not the whole pass.
+        // One block's lock at a time (about 60 us of CRC for 2 MiB), never the pool's.
         let read = |id, f: &mut dyn FnMut(&[u8])| {
-            let p = pool.lock();
-            f(p.export(id)?.0);
+            f(&pool.read(id)?);
             Ok(())
         };
         self.logits_at(read, n, blocks)

@@ -13,9 +13,16 @@
 //!    entry removed) when an allocation finds no free block.
 //!
 //! `used + cached + free == total` always holds; [`KvPool::check`] verifies that and the index.
+//!
+//! The bookkeeping (reference counts, fills, the index, the free list, the LRU) and the block
+//! data are locked apart. [`SharedKv`] guards the bookkeeping with one mutex held for
+//! microseconds; each block's bytes sit behind a lock of their own ([`BlockRef`], [`BlockMut`]),
+//! so a model's pass over a sequence, an import's copy or a sender's CRC never holds the pool.
+//! Lock order: a block lock may be taken while the pool is locked, never the pool while a block
+//! is.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use kvwire::Shape;
 
@@ -81,12 +88,76 @@ pub struct PoolCounts {
     pub indexed: usize,
 }
 
+/// The blocks' bytes, each block behind its own lock.
+#[derive(Debug)]
+struct Slabs(Box<[RwLock<Box<[u8]>>]>);
+
+impl Slabs {
+    fn read(&self, id: BlockId) -> Result<BlockRef<'_>, PoolError> {
+        let lock = self.0.get(id as usize).ok_or(PoolError::NoSuchBlock(id))?;
+        Ok(BlockRef(
+            lock.read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        ))
+    }
+
+    fn write(&self, id: BlockId) -> Result<BlockMut<'_>, PoolError> {
+        let lock = self.0.get(id as usize).ok_or(PoolError::NoSuchBlock(id))?;
+        Ok(BlockMut(
+            lock.write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        ))
+    }
+}
+
+/// One block's bytes, read-locked (other readers may share it; a writer waits).
+#[derive(Debug)]
+pub struct BlockRef<'a>(RwLockReadGuard<'a, Box<[u8]>>);
+
+impl std::ops::Deref for BlockRef<'_> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl PartialEq for BlockRef<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl PartialEq<&[u8]> for BlockRef<'_> {
+    fn eq(&self, other: &&[u8]) -> bool {
+        **self == **other
+    }
+}
+
+/// One block's bytes, write-locked.
+#[derive(Debug)]
+pub struct BlockMut<'a>(RwLockWriteGuard<'a, Box<[u8]>>);
+
+impl std::ops::Deref for BlockMut<'_> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for BlockMut<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
 /// A fixed pool of KV blocks of one [`Shape`].
 #[derive(Debug)]
 pub struct KvPool {
     shape: Shape,
     payload: usize,
-    slab: Vec<u8>,
+    data: Arc<Slabs>,
     meta: Vec<Meta>,
     index: HashMap<u64, BlockId>,
     free: Vec<BlockId>,
@@ -108,11 +179,14 @@ impl KvPool {
         assert!(shape.is_valid(), "every dimension must be >= 1");
         assert!(n_blocks < NIL as usize, "too many blocks");
         let payload = shape.payload_bytes().expect("block size overflows");
-        let bytes = payload.checked_mul(n_blocks).expect("pool size overflows");
+        payload.checked_mul(n_blocks).expect("pool size overflows");
+        let data = (0..n_blocks)
+            .map(|_| RwLock::new(vec![0; payload].into_boxed_slice()))
+            .collect();
         Self {
             shape,
             payload,
-            slab: vec![0; bytes],
+            data: Arc::new(Slabs(data)),
             meta: vec![
                 Meta {
                     refs: 0,
@@ -138,8 +212,13 @@ impl KvPool {
     /// import or prefill that lands there (a 2 MiB block is 512 page faults). Engines call this
     /// at start, as serving engines reserve their KV memory up front.
     pub fn prefault(&mut self) {
-        for page in self.slab.chunks_mut(4096) {
-            page[0] = std::hint::black_box(0);
+        for block in &self.data.0 {
+            let mut b = block
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for page in b.chunks_mut(4096) {
+                page[0] = std::hint::black_box(0);
+            }
         }
     }
 
@@ -339,26 +418,24 @@ impl KvPool {
         self.meta(id).map(|m| (m.hash, m.fill, m.refs))
     }
 
-    /// A block's payload bytes and fill.
+    /// A block's payload bytes (read-locked) and fill.
     ///
     /// # Errors
     /// When the block does not exist.
-    pub fn export(&self, id: BlockId) -> Result<(&[u8], u32), PoolError> {
+    pub fn export(&self, id: BlockId) -> Result<(BlockRef<'_>, u32), PoolError> {
         let fill = self.meta(id)?.fill;
-        let at = id as usize * self.payload;
-        Ok((&self.slab[at..at + self.payload], fill))
+        Ok((self.data.read(id)?, fill))
     }
 
-    /// A used block's payload, for the model to write.
+    /// A used block's payload (write-locked), for the model to write.
     ///
     /// # Errors
     /// When the block does not exist or is not referenced.
-    pub fn payload_mut(&mut self, id: BlockId) -> Result<&mut [u8], PoolError> {
+    pub fn payload_mut(&mut self, id: BlockId) -> Result<BlockMut<'_>, PoolError> {
         if self.meta(id)?.refs == 0 {
             return Err(PoolError::NotReferenced(id));
         }
-        let at = id as usize * self.payload;
-        Ok(&mut self.slab[at..at + self.payload])
+        self.data.write(id)
     }
 
     /// Sets a used block's fill.
@@ -380,22 +457,31 @@ impl KvPool {
     /// [`PoolError::BadImport`] for a wrong size or fill, [`PoolError::Exhausted`] with no free
     /// or evictable block; the pool is unchanged.
     pub fn import(&mut self, hash: u64, fill: u32, payload: &[u8]) -> Result<BlockId, PoolError> {
-        if payload.len() != self.payload || fill == 0 || fill > self.shape.block_tokens() {
+        self.check_import(fill, payload.len())?;
+        let id = self.allocate(1)?[0];
+        self.data.write(id)?.copy_from_slice(payload);
+        self.finish_import(id, hash, fill);
+        Ok(id)
+    }
+
+    fn check_import(&self, fill: u32, len: usize) -> Result<(), PoolError> {
+        if len != self.payload || fill == 0 || fill > self.shape.block_tokens() {
             return Err(PoolError::BadImport {
-                len: payload.len(),
+                len,
                 fill,
                 payload: self.payload,
             });
         }
-        let id = self.allocate(1)?[0];
-        let at = id as usize * self.payload;
-        self.slab[at..at + self.payload].copy_from_slice(payload);
+        Ok(())
+    }
+
+    /// An imported block's fill and name, once its bytes are in.
+    fn finish_import(&mut self, id: BlockId, hash: u64, fill: u32) {
         self.meta[id as usize].fill = fill;
         if hash != 0 && !self.index.contains_key(&hash) {
             self.index.insert(hash, id);
             self.meta[id as usize].hash = hash;
         }
-        Ok(id)
     }
 
     fn lru_unlink(&mut self, id: BlockId) {
@@ -500,17 +586,21 @@ impl KvPool {
     }
 }
 
-/// The pool shared by a server's tasks.
+/// The pool shared by a server's tasks and the engine thread.
 ///
-/// The lock is held for metadata updates and at most one block's memcpy (an import, an export
-/// into an envelope, the model writing one step), and today also for the model's logits pass;
-/// never across I/O or an `.await`. `std::sync::Mutex` fits: critical sections never yield.
+/// [`lock`](Self::lock) is for bookkeeping: reference counts, fills, lookups, registration,
+/// allocation. Block bytes are read and written through [`read`](Self::read),
+/// [`write`](Self::write) and [`import`](Self::import) without that lock, each block behind its
+/// own. Whoever touches a block's bytes holds a reference on it (a [`Blocks`] guard, a lease):
+/// the reference keeps the block from being reused, the block's lock keeps the access
+/// race-free. Never call [`lock`](Self::lock) while holding a [`BlockRef`] or [`BlockMut`].
 ///
 /// The counts are published whenever the lock is released, so the figures a control call reports
 /// ([`SharedKv::counts`]) never wait for the pool's work.
 #[derive(Clone, Debug)]
 pub struct SharedKv {
     pool: Arc<Mutex<KvPool>>,
+    data: Arc<Slabs>,
     counts: Arc<PublishedCounts>,
 }
 
@@ -543,9 +633,58 @@ impl SharedKv {
         let counts = Arc::new(PublishedCounts::default());
         counts.store(pool.counts());
         Self {
+            data: Arc::clone(&pool.data),
             pool: Arc::new(Mutex::new(pool)),
             counts,
         }
+    }
+
+    /// A block's bytes, read-locked, without the pool's lock. The caller holds a reference on
+    /// the block.
+    ///
+    /// # Errors
+    /// When the block does not exist.
+    pub fn read(&self, id: BlockId) -> Result<BlockRef<'_>, PoolError> {
+        self.data.read(id)
+    }
+
+    /// A block's bytes, write-locked, without the pool's lock. The caller holds a reference on
+    /// the block and is its only writer (a block being filled is not yet in the index).
+    ///
+    /// # Errors
+    /// When the block does not exist.
+    pub fn write(&self, id: BlockId) -> Result<BlockMut<'_>, PoolError> {
+        self.data.write(id)
+    }
+
+    /// [`KvPool::import`] with the copy outside the pool's lock: a block is taken (refcount 1,
+    /// not yet named), filled under its own lock, then given its fill and name. Refused with
+    /// [`PoolError::Exhausted`] when it would leave `reserve` or fewer blocks free or evictable.
+    /// Nobody can find the block by its hash before its bytes are in.
+    ///
+    /// # Errors
+    /// As [`KvPool::import`]; the pool is unchanged.
+    pub fn import(
+        &self,
+        hash: u64,
+        fill: u32,
+        payload: &[u8],
+        reserve: usize,
+    ) -> Result<BlockId, PoolError> {
+        let id = {
+            let mut pool = self.lock();
+            pool.check_import(fill, payload.len())?;
+            if pool.available() <= reserve {
+                return Err(PoolError::Exhausted {
+                    requested: reserve + 1,
+                    available: pool.available(),
+                });
+            }
+            pool.allocate(1)?[0]
+        };
+        self.data.write(id)?.copy_from_slice(payload);
+        self.lock().finish_import(id, hash, fill);
+        Ok(id)
     }
 
     /// Locks the pool. A panic while holding the lock leaves the pool's counts consistent (each

@@ -43,24 +43,34 @@ fn worker(shared: &SharedKv, seed: u64) {
             ids.get(r as usize % ids.len().max(1)).copied()
         };
         let r = rng.next_u32();
-        let mut p = shared.lock();
-        match rng.next_u32() % 6 {
-            // The engine: a fresh block, written with our tag.
+        let op = rng.next_u32() % 6;
+        // The engine and the receiver write block bytes outside the pool's lock.
+        match op {
+            // The engine: a fresh block (bookkeeping under the lock), written with our tag under
+            // the block's lock only, then its fill under the pool's lock again.
             0 if held.len() < 6 => {
-                if let Ok(ids) = p.allocate(1) {
-                    p.payload_mut(ids[0]).unwrap().fill(tag);
+                let got = shared.lock().allocate(1);
+                if let Ok(ids) = got {
+                    shared.write(ids[0]).unwrap().fill(tag);
+                    let mut p = shared.lock();
                     p.set_fill(ids[0], 4).unwrap();
+                    checked(&p, "allocate");
                     held.insert(ids[0], Some(tag));
                 }
-                checked(&p, "allocate");
             }
-            // The receiver: an import, registered when the hash is free.
+            // The receiver: an import (the copy outside the pool's lock), registered when the
+            // hash is free.
             1 if held.len() < 6 => {
-                if let Ok(id) = p.import(hash, 4, &vec![tag; payload]) {
+                if let Ok(id) = shared.import(hash, 4, &vec![tag; payload], 0) {
                     held.insert(id, Some(tag));
                 }
-                checked(&p, "import");
+                checked(&shared.lock(), "import");
             }
+            _ => {}
+        }
+        let mut p = shared.lock();
+        match op {
+            0 | 1 => {}
             // Naming one of ours, so other threads can share it.
             2 => {
                 if let Some(id) = pick(&held, r) {
@@ -100,16 +110,19 @@ fn worker(shared: &SharedKv, seed: u64) {
                 checked(&p, "lookup");
             }
         }
-        // What we wrote is still there: nobody writes or reuses a block we hold.
-        for (&id, &tag) in &held {
-            let (bytes, _) = p.export(id).unwrap();
+        for &id in held.keys() {
             assert!(p.info(id).unwrap().2 >= 1, "block {id} lost our reference");
+        }
+        drop(p);
+        // What we wrote is still there, read without the pool's lock: nobody writes or reuses
+        // a block we hold.
+        for (&id, &tag) in &held {
             if let Some(t) = tag {
                 // Shared blocks (registered and taken by others) keep their bytes too.
+                let bytes = shared.read(id).unwrap();
                 assert!(bytes.iter().all(|&b| b == t), "block {id} was overwritten");
             }
         }
-        drop(p);
         // The counts a control call reads without the lock are some release's exact figures.
         let c = shared.counts();
         assert_eq!(c.used + c.cached + c.free, c.total, "{c:?}");

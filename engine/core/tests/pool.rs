@@ -55,7 +55,9 @@ fn allocate_is_all_or_nothing_and_import_registers() {
     let payload: Vec<u8> = (0..128).map(|i| i as u8).collect();
     let id = pool.import(77, 4, &payload).unwrap();
     assert_eq!(pool.lookup(77), Some(id));
-    assert_eq!(pool.export(id).unwrap(), (&payload[..], 4));
+    let (bytes, fill) = pool.export(id).unwrap();
+    assert_eq!((&*bytes, fill), (&payload[..], 4));
+    drop(bytes);
     // A second import of the same hash is a private copy, not registered.
     let id2 = pool.import(77, 4, &payload).unwrap();
     assert_eq!(pool.lookup(77), Some(id));

@@ -1,7 +1,7 @@
 //! The node's pool as the transfer sees it: [`PoolStore`] implements `kvwire_grpc::KvStore` over
 //! the core's [`SharedKv`]. The core knows nothing of gRPC; this adapter is the only place the two
-//! meet. Each method locks once, briefly; `write_envelope` holds the lock for one block's copy
-//! and CRC, never across I/O.
+//! meet. The pool's lock is held for bookkeeping only; an import's copy and an envelope's copy
+//! and CRC run under the one block's lock.
 
 use kvwire::Shape;
 use kvwire_grpc::{BlockId, KvStore, StoreError};
@@ -33,8 +33,13 @@ impl KvStore for PoolStore {
     }
 
     fn contains(&self, hashes: &[u64]) -> Vec<bool> {
-        let pool = self.0.lock();
-        hashes.iter().map(|&h| pool.lookup(h).is_some()).collect()
+        // A few thousand lookups per lock at most, whatever the request's size.
+        let mut out = Vec::with_capacity(hashes.len());
+        for part in hashes.chunks(1024) {
+            let pool = self.0.lock();
+            out.extend(part.iter().map(|&h| pool.lookup(h).is_some()));
+        }
+        out
     }
 
     fn take_ref(&self, hash: u64) -> Option<BlockId> {
@@ -42,11 +47,9 @@ impl KvStore for PoolStore {
     }
 
     fn import(&self, hash: u64, fill: u32, payload: &[u8]) -> Result<BlockId, StoreError> {
-        let mut pool = self.0.lock();
-        if pool.available() <= self.1 {
-            return Err(StoreError::Exhausted);
-        }
-        pool.import(hash, fill, payload).map_err(store_error)
+        self.0
+            .import(hash, fill, payload, self.1)
+            .map_err(store_error)
     }
 
     fn release(&self, ids: &[BlockId]) {
@@ -70,18 +73,24 @@ impl KvStore for PoolStore {
         id: BlockId,
         mut out: &mut dyn bytes::BufMut,
     ) -> Result<u64, StoreError> {
-        let pool = self.0.lock();
-        let (hash, _, refs) = pool.info(id).map_err(|_| StoreError::NotHeld(id))?;
+        let (shape, (hash, fill, refs)) = {
+            let pool = self.0.lock();
+            (
+                pool.shape(),
+                pool.info(id).map_err(|_| StoreError::NotHeld(id))?,
+            )
+        };
         if refs == 0 {
             return Err(StoreError::NotHeld(id));
         }
-        let (payload, fill) = pool.export(id).map_err(|_| StoreError::NotHeld(id))?;
+        // The copy and CRC under the block's lock only; the caller's reference keeps it ours.
+        let payload = self.0.read(id).map_err(|_| StoreError::NotHeld(id))?;
         kvwire::write_envelope(
-            &pool.shape(),
+            &shape,
             &[kvwire::RecordIn {
                 hash,
                 fill,
-                payload,
+                payload: &payload,
             }],
             &mut out,
         )

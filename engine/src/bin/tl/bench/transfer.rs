@@ -57,7 +57,7 @@ fn filled_pool(shape: kvwire::Shape, n: usize) -> (SharedKv, Vec<u32>, Vec<u64>)
         let ids = p.allocate(n).unwrap_or_default();
         let mut parent = 0;
         for (i, &id) in ids.iter().enumerate() {
-            if let Ok(bytes) = p.payload_mut(id) {
+            if let Ok(mut bytes) = p.payload_mut(id) {
                 for (j, b) in bytes.iter_mut().enumerate() {
                     *b = (i * 131 + j * 7) as u8;
                 }
@@ -81,7 +81,7 @@ fn pretouch(pool: &SharedKv) {
     let n = p.counts().total;
     if let Ok(ids) = p.allocate(n) {
         for &id in &ids {
-            if let Ok(b) = p.payload_mut(id) {
+            if let Ok(mut b) = p.payload_mut(id) {
                 b.fill(1);
             }
         }
