@@ -565,3 +565,131 @@ async fn resume_refusals_and_client_abort() {
     p.shutdown(Duration::from_secs(1)).await;
     d.shutdown(Duration::from_secs(1)).await;
 }
+
+/// The same requests through a prefill engine that streams each block as soon as it is written
+/// and through one that pushes after the whole prefill: every KvHandle field (but the random
+/// handle id), every token and every byte moved must be equal, greedy and seeded, for a fresh
+/// prompt, a prompt both sides hold already, one sharing a cached prefix with an earlier one and
+/// one without a partial tail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_push_equals_serial_push() {
+    async fn run(pipelined: bool) -> Vec<(KvHandle, Vec<u32>)> {
+        let mut pc = config("P", Role::Prefill);
+        pc.engine.push_while_prefilling = pipelined;
+        let p = EngineNode::start(&pc).await.unwrap();
+        let d = EngineNode::start(&config("D", Role::Decode)).await.unwrap();
+        let ctl = ControlClient::new(&p.addresses().grpc).unwrap();
+        let (target, dhttp) = (d.addresses().kv, d.addresses().http);
+        let http = HttpClient::default();
+        let fresh: Vec<u32> = (0..37).collect();
+        let prompts: [Vec<u32>; 4] = [
+            fresh.clone(),
+            fresh.clone(),
+            (0..20).chain(200..217).collect(),
+            (50..82).collect(),
+        ];
+        let mut out = Vec::new();
+        for (i, prompt) in prompts.iter().enumerate() {
+            for (j, (t, seed)) in [(0.0, 1), (0.9, 0xbeef)].into_iter().enumerate() {
+                let mut h = ctl
+                    .prefill(PrefillRequest {
+                        request_id: format!("r{i}-{j}"),
+                        prompt_tokens: prompt.clone(),
+                        sampling: sampling(t, 1.0, 0, Some(seed), 8),
+                        decode_target: target.clone(),
+                    })
+                    .await
+                    .unwrap();
+                let r = resume(
+                    &http,
+                    &dhttp,
+                    &h.handle_id,
+                    resume_body(prompt, &h, t, 1.0, 0, 8, false),
+                )
+                .await;
+                assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                let tokens: Vec<u32> = r.json()["choices"][0]["tokens"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_u64().unwrap() as u32)
+                    .collect();
+                assert_eq!(tokens, colocated(prompt, t, 1.0, 0, seed, 8));
+                h.handle_id.clear();
+                h.decode_target.clear();
+                out.push((h, tokens));
+            }
+        }
+        assert!(eventually(Duration::from_secs(2), || d.runner().running() == 0).await);
+        assert_eq!(d.receiver().unwrap().pending(), 0);
+        assert_eq!(d.runner().pool().lock().counts().used, 0);
+        assert_eq!(p.runner().pool().lock().counts().used, 0);
+        p.runner().pool().lock().check().unwrap();
+        d.runner().pool().lock().check().unwrap();
+        p.shutdown(Duration::from_secs(1)).await;
+        d.shutdown(Duration::from_secs(1)).await;
+        out
+    }
+    let pipelined = run(true).await;
+    let serial = run(false).await;
+    assert_eq!(pipelined, serial);
+    // The cases did cover a fresh push, a wholly deduped one and a partly deduped one.
+    let sent_dedup: Vec<(u32, u32)> = pipelined
+        .iter()
+        .map(|(h, _)| (h.blocks_sent, h.blocks_deduped))
+        .collect();
+    assert_eq!(sent_dedup[0], (10, 0));
+    assert_eq!(sent_dedup[2], (1, 9));
+    assert_eq!(sent_dedup[4], (5, 5));
+    assert_eq!(sent_dedup[6], (8, 0));
+}
+
+/// A prefill cancelled while its blocks stream out: the decode side has imported some of them
+/// when the cancel lands; the stream is reset, the decode side undoes the push, and neither pool
+/// keeps a reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_prefill_undoes_a_push_midway() {
+    let mut pc = config("P", Role::Prefill);
+    // 20 ms per token: 80 ms per block of a 10-block prompt, the blocks reported as they fill.
+    pc.model.prefill_us_per_token = 20_000;
+    let p = EngineNode::start(&pc).await.unwrap();
+    let d = EngineNode::start(&config("D", Role::Decode)).await.unwrap();
+    let ctl = ControlClient::new(&p.addresses().grpc).unwrap();
+    let req = PrefillRequest {
+        request_id: "slow".into(),
+        prompt_tokens: (0..40).collect(),
+        sampling: sampling(0.0, 1.0, 0, Some(1), 4),
+        decode_target: d.addresses().kv,
+    };
+    let c2 = ctl.clone();
+    let call = tokio::spawn(async move { c2.prefill(req).await });
+    // Blocks arrive on the decode side while the prefill still runs.
+    let dpool = d.runner().pool().clone();
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            d.receiver().unwrap().stats().inflight == 1 && dpool.counts().used >= 1
+        })
+        .await,
+        "no block arrived before the prefill ended"
+    );
+    assert!(ctl.cancel("slow").await.unwrap());
+    assert_eq!(call.await.unwrap().unwrap_err().code(), Code::Cancelled);
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            let s = d.receiver().unwrap().stats();
+            s.inflight == 0 && s.pending == 0 && dpool.counts().used == 0
+        })
+        .await,
+        "the decode side kept the push: {:?}",
+        dpool.counts()
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || p.runner().pool().counts().used
+            == 0)
+        .await
+    );
+    p.runner().pool().lock().check().unwrap();
+    d.runner().pool().lock().check().unwrap();
+    p.shutdown(Duration::from_secs(1)).await;
+    d.shutdown(Duration::from_secs(1)).await;
+}

@@ -21,7 +21,8 @@ pub mod store;
 
 pub use receiver::{Claimed, KvReceiver, PushState, ReceiverLimits, RecvError};
 pub use sender::{
-    GrpcTransport, KvTransport, OutChunk, TransferError, TransferStats, TransportConfig, transfer,
+    BlockFeed, GrpcTransport, KvTransport, OutChunk, Push, TransferError, TransferStats,
+    TransportConfig, transfer, transfer_streaming,
 };
 pub use server::{H2Limits, KvServerHandle, KvTransferService, ServiceLimits, serve_kv};
 pub use store::{BlockId, KvStore, StoreError};

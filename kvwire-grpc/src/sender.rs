@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -410,6 +411,10 @@ pub enum TransferError {
     /// The caller's arguments do not describe a prompt.
     #[error("{0}")]
     BadRequest(String),
+    /// The blocks' producer (a prefill) stopped before writing every block; the push ended
+    /// short and the target undid it.
+    #[error("the prefill stopped before every block was written: the push was undone")]
+    SourceStopped,
 }
 
 impl TransferError {
@@ -420,6 +425,7 @@ impl TransferError {
             TransferError::Rpc(s) => s.code(),
             TransferError::Store(_) => Code::Internal,
             TransferError::BadRequest(_) => Code::InvalidArgument,
+            TransferError::SourceStopped => Code::Aborted,
         }
     }
 }
@@ -433,36 +439,84 @@ impl From<TransferError> for Status {
     }
 }
 
+/// The blocks of a prompt as a prefill writes them: the value is the ids of the blocks written
+/// so far, in order, each final (full blocks as they fill, the partial tail after the prompt's
+/// last token). The producer holds a reference on each published block until the push ends.
+/// A sender dropped before every block is published stops the push.
+pub type BlockFeed = tokio::sync::watch::Receiver<Vec<BlockId>>;
+
+/// Where a push finds its blocks.
+#[derive(Clone, Debug)]
+enum Source {
+    /// Every block is written already.
+    Ready(Arc<[BlockId]>),
+    /// Blocks arrive as a prefill writes them.
+    Feed(BlockFeed),
+}
+
 /// What one push sends.
 #[derive(Clone, Debug)]
 struct PushPlan {
     store: Arc<dyn KvStore>,
     handle_id: String,
     model: String,
-    ids: Arc<[BlockId]>,
+    source: Source,
+    total: u32,
     hashes: Arc<[u64]>,
     /// Per chunk: send it empty (the target holds the block).
     skip: Arc<[bool]>,
     /// Set when a block could not be exported (the push then fails).
     failed: Arc<Mutex<Option<StoreError>>>,
+    /// Set when the feed stopped before every block was written (the push then ends short, and
+    /// the target undoes it).
+    stopped: Arc<std::sync::atomic::AtomicBool>,
     envelope_len: usize,
 }
 
 impl PushPlan {
     /// The chunks, built one at a time as the transport asks for them: at most the chunks the
-    /// HTTP/2 windows admit are ever materialised, however long the prompt.
+    /// HTTP/2 windows admit are ever materialised, however long the prompt. From a feed, a
+    /// chunk with a payload waits until its block is written; a deduped one goes at once.
     fn stream(&self) -> ChunkStream {
         let plan = self.clone();
-        let total = self.ids.len() as u32;
-        Box::pin(tokio_stream::iter(0..total).map(move |i| plan.chunk(i, total)))
+        let total = self.total;
+        match &self.source {
+            Source::Ready(ids) => {
+                let ids = Arc::clone(ids);
+                Box::pin(tokio_stream::iter(0..total).map(move |i| plan.chunk(i, ids[i as usize])))
+            }
+            Source::Feed(feed) => {
+                let feed = feed.clone();
+                Box::pin(
+                    tokio_stream::iter(0..total)
+                        .then(move |i| {
+                            let (plan, mut feed) = (plan.clone(), feed.clone());
+                            async move {
+                                if plan.skip[i as usize] {
+                                    return Some(plan.chunk(i, 0));
+                                }
+                                match feed.wait_for(|ids| ids.len() > i as usize).await {
+                                    Ok(ids) => Some(plan.chunk(i, ids[i as usize])),
+                                    Err(_) => {
+                                        plan.stopped.store(true, Ordering::Relaxed);
+                                        None
+                                    }
+                                }
+                            }
+                        })
+                        .map_while(|c| c),
+                )
+            }
+        }
     }
 
-    fn chunk(&self, index: u32, total: u32) -> OutChunk {
+    /// Chunk `index`, lazily holding block `id` unless it is deduped.
+    fn chunk(&self, index: u32, id: BlockId) -> OutChunk {
         let i = index as usize;
         let chunk = KvChunk {
             handle_id: self.handle_id.clone(),
             index,
-            total,
+            total: self.total,
             hash: self.hashes.get(i).copied().unwrap_or(0),
             kv_format: KV_FORMAT_V1,
             payload: bytes::Bytes::new(),
@@ -471,18 +525,22 @@ impl PushPlan {
         };
         let block = (!self.skip[i]).then(|| LazyBlock {
             store: Arc::clone(&self.store),
-            id: self.ids[i],
+            id,
             envelope_len: self.envelope_len,
             failed: Arc::clone(&self.failed),
         });
         OutChunk { chunk, block }
     }
 
-    fn take_failure(&self) -> Option<StoreError> {
+    fn take_failure(&self) -> Option<TransferError> {
+        if self.stopped.load(Ordering::Relaxed) {
+            return Some(TransferError::SourceStopped);
+        }
         self.failed
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take()
+            .map(TransferError::Store)
     }
 }
 
@@ -506,12 +564,63 @@ pub async fn transfer<T: KvTransport + ?Sized>(
     ids: &[BlockId],
     hashes: &[u64],
 ) -> Result<TransferStats, TransferError> {
+    let source = Source::Ready(ids.into());
+    let push = Push {
+        target,
+        handle_id,
+        model,
+        hashes,
+        n_blocks: ids.len(),
+    };
+    run_push(transport, store, push, source).await
+}
+
+/// [`transfer`] while a prefill still writes the blocks: HasBlocks first (the hashes depend
+/// only on the prompt's tokens), then each missing block streamed as soon as `feed` publishes
+/// it, in index order, deduped blocks as empty chunks in their places. The prompt has `n_blocks`
+/// blocks (`hashes.len()` full ones, plus a partial tail when one more).
+///
+/// Dropping the returned future mid-push resets the stream, and the target undoes the push.
+///
+/// # Errors
+/// As [`transfer`], and [`TransferError::SourceStopped`] when the feed closes before every block
+/// was written (the target undoes the push).
+pub async fn transfer_streaming<T: KvTransport + ?Sized>(
+    transport: &T,
+    store: Arc<dyn KvStore>,
+    push: Push<'_>,
+    feed: BlockFeed,
+) -> Result<TransferStats, TransferError> {
+    run_push(transport, store, push, Source::Feed(feed)).await
+}
+
+/// What a push is: where it goes, under which handle, and the prompt's blocks.
+#[derive(Clone, Copy, Debug)]
+pub struct Push<'a> {
+    /// The decode engine's KvTransfer address.
+    pub target: &'a str,
+    /// The handle the blocks are held under there.
+    pub handle_id: &'a str,
+    /// The model the KV belongs to.
+    pub model: &'a str,
+    /// The chained hashes of the prompt's full blocks.
+    pub hashes: &'a [u64],
+    /// The prompt's blocks: `hashes.len()`, plus one for a partial tail.
+    pub n_blocks: usize,
+}
+
+async fn run_push<T: KvTransport + ?Sized>(
+    transport: &T,
+    store: Arc<dyn KvStore>,
+    p: Push<'_>,
+    source: Source,
+) -> Result<TransferStats, TransferError> {
     let shape = store.shape();
     let b = shape.block_tokens();
-    if ids.is_empty() || hashes.len() > ids.len() || ids.len() > hashes.len() + 1 {
+    let (n, hashes) = (p.n_blocks, p.hashes);
+    if n == 0 || hashes.len() > n || n > hashes.len() + 1 {
         return Err(TransferError::BadRequest(format!(
-            "{} blocks and {} full-block hashes do not describe a prompt (B = {b})",
-            ids.len(),
+            "{n} blocks and {} full-block hashes do not describe a prompt (B = {b})",
             hashes.len()
         )));
     }
@@ -521,49 +630,56 @@ pub async fn transfer<T: KvTransport + ?Sized>(
         let req = HasBlocksRequest {
             hashes: hashes.to_vec(),
             kv_format: KV_FORMAT_V1,
-            model: model.to_owned(),
+            model: p.model.to_owned(),
         };
-        let p = transport.has_blocks(target, req).await?;
-        if p.len() != hashes.len() {
+        let got = transport.has_blocks(p.target, req).await?;
+        if got.len() != hashes.len() {
             return Err(TransferError::Rpc(Status::internal(format!(
                 "HasBlocks answered {} flags for {} hashes",
-                p.len(),
+                got.len(),
                 hashes.len()
             ))));
         }
-        p
+        got
     };
-    let skip: Vec<bool> = (0..ids.len())
+    let skip: Vec<bool> = (0..n)
         .map(|i| present.get(i).copied().unwrap_or(false))
         .collect();
+    if let Source::Feed(feed) = &source {
+        // The stream opens once the prefill has begun (its first block written), so a prefill
+        // queued behind others does not hold an idle push open on the target.
+        feed.clone()
+            .wait_for(|ids| !ids.is_empty())
+            .await
+            .map_err(|_| TransferError::SourceStopped)?;
+    }
     let mut plan = PushPlan {
         store,
-        handle_id: handle_id.to_owned(),
-        model: model.to_owned(),
-        ids: ids.into(),
+        handle_id: p.handle_id.to_owned(),
+        model: p.model.to_owned(),
+        source,
+        total: n as u32,
         hashes: hashes.into(),
         skip: skip.into(),
         failed: Arc::new(Mutex::new(None)),
+        stopped: Arc::default(),
         envelope_len: shape
             .envelope_len(1)
             .ok_or_else(|| TransferError::BadRequest("the block shape overflows".into()))?,
     };
     let mut resent = 0;
-    let ack = match transport.push(target, plan.stream()).await {
+    let ack = match transport.push(p.target, plan.stream()).await {
         Ok(ack) => ack,
         Err(s) if s.code() == Code::NotFound && plan.take_failure().is_none() => {
-            plan.skip = vec![false; ids.len()].into();
-            resent = ids.len() as u32;
-            transport.push(target, plan.stream()).await?
+            // Every block was written by now (the first push read them all).
+            plan.skip = vec![false; n].into();
+            resent = n as u32;
+            transport.push(p.target, plan.stream()).await?
         }
-        Err(s) => {
-            return Err(plan
-                .take_failure()
-                .map_or(TransferError::Rpc(s), TransferError::Store));
-        }
+        Err(s) => return Err(plan.take_failure().unwrap_or(TransferError::Rpc(s))),
     };
     if let Some(e) = plan.take_failure() {
-        return Err(TransferError::Store(e));
+        return Err(e);
     }
     Ok(TransferStats {
         sent: ack.blocks_received,

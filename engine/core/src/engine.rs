@@ -84,6 +84,16 @@ pub struct Request {
     pub mode: Mode,
 }
 
+/// Told, on the engine thread, as a prefill's blocks become final, so a transfer can stream
+/// them while the prefill goes on (the push overlaps the compute).
+pub trait PrefillProgress: Send + Sync + std::fmt::Debug {
+    /// `blocks` is the prompt's whole block table; `blocks[..written]` now hold their final KV
+    /// (cached prefix blocks at once, then each block as the model finishes it, the partial
+    /// tail last). Called with `written` growing, while the sequence holds its references: an
+    /// observer that keeps a block past this call takes a reference of its own.
+    fn written(&self, blocks: &[BlockId], written: usize);
+}
+
 /// The result of a prefill-only request.
 #[derive(Debug)]
 pub struct PrefillOutput {
@@ -164,6 +174,7 @@ struct Seq {
     seed: u64,
     max_tokens: u32,
     mode: Mode,
+    progress: Option<Arc<dyn PrefillProgress>>,
 }
 
 impl Seq {
@@ -291,6 +302,18 @@ impl Engine {
     /// # Errors
     /// A [`RequestError`] before anything is queued or allocated.
     pub fn submit(&mut self, req: Request) -> Result<SeqId, RequestError> {
+        self.submit_observed(req, None)
+    }
+
+    /// [`submit`](Self::submit), with `progress` told as the prefill's blocks are written.
+    ///
+    /// # Errors
+    /// As [`submit`](Self::submit).
+    pub fn submit_observed(
+        &mut self,
+        req: Request,
+        progress: Option<Arc<dyn PrefillProgress>>,
+    ) -> Result<SeqId, RequestError> {
         self.validate_prompt(&req.prompt)?;
         if req.max_tokens == 0 {
             return Err(RequestError::ZeroMaxTokens);
@@ -310,6 +333,7 @@ impl Engine {
             seed: req.seed,
             max_tokens: req.max_tokens,
             mode: req.mode,
+            progress,
         });
         Ok(id)
     }
@@ -368,6 +392,7 @@ impl Engine {
             seed,
             max_tokens,
             mode: Mode::Generate,
+            progress: None,
         });
         Ok(id)
     }
@@ -515,20 +540,27 @@ impl Engine {
         // The model writes block by block, each under that block's lock only: imports, lookups
         // and control calls on the same pool never wait for it.
         let start = reused * b;
+        let told = |written| {
+            if let Some(p) = &seq.progress {
+                p.written(blocks.ids(), written);
+            }
+        };
+        told(reused);
         for from in (start..prompt.len()).step_by(b) {
             let to = (from + b).min(prompt.len());
+            let i = from / b;
             self.model
                 .write(&self.pool, &prompt[from..to], from, blocks.ids())?;
+            // A full block is final once written: named now, so a push streaming it sends the
+            // same envelope as one sent after the prefill. False when another sequence
+            // registered the same block first: ours stays private.
+            if let Some(&h) = hashes.get(i) {
+                self.pool.lock().register(blocks.ids()[i], h);
+            }
+            told(i + 1);
         }
         // The logits pass reads the whole prompt's KV, one block's lock at a time.
         let logits = self.model.logits(&self.pool, prompt.len(), blocks.ids())?;
-        {
-            let mut pool = self.pool.lock();
-            for (i, &h) in hashes.iter().enumerate().skip(reused) {
-                // False when another sequence registered the same block first: ours stays private.
-                pool.register(blocks.ids()[i], h);
-            }
-        }
         seq.blocks = blocks;
         seq.hashes = hashes;
         seq.n_cached = seq.prompt_len;

@@ -147,6 +147,9 @@ pub struct EngineSection {
     /// The host (IP or DNS name) peers reach this engine at, advertised to the registry with
     /// the bound ports; empty: the bound address (which must then not be unspecified).
     pub advertise_address: String,
+    /// Prefill role: stream each block to the decode engine as soon as the prefill has written
+    /// it (true), or push after the whole prefill (false).
+    pub push_while_prefilling: bool,
 }
 
 impl Default for EngineSection {
@@ -160,6 +163,7 @@ impl Default for EngineSection {
             gateway_registry: String::new(),
             heartbeat_ms: 2000,
             advertise_address: String::new(),
+            push_while_prefilling: true,
         }
     }
 }

@@ -133,7 +133,11 @@ impl EngineNode {
                 Duration::from_millis(limits.keepalive_timeout_ms.max(1)),
             ));
             let transport = GrpcTransport::new(tc).with_tls(client_tls.clone());
-            Arc::new(PrefillService::new(Arc::clone(&state), transport))
+            Arc::new(PrefillService::new(
+                Arc::clone(&state),
+                transport,
+                cfg.engine.push_while_prefilling,
+            ))
         });
 
         let control = EngineControl::new(Arc::clone(&state), prefill, receiver.clone());

@@ -1,18 +1,26 @@
 //! The prefill service, built only on engines with the prefill role: runs one prefill on the
 //! engine thread, ships the KV with the deduplicating transfer, drops its own references (full
 //! blocks stay cached) and answers a [`KvHandle`]; on any failure it drops them before answering.
+//!
+//! The push overlaps the prefill: HasBlocks is asked as soon as the prefill starts (the hashes
+//! depend only on the prompt), and each missing block is streamed as soon as the model has
+//! written it ([`Feed`]). A prefill that fails or is cancelled midway drops the push, whose
+//! stream is reset, and the decode side undoes it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use kvwire::prompt_hashes;
 use kvwire_grpc::pb::engine::{KvHandle, PrefillRequest};
-use kvwire_grpc::{GrpcTransport, KV_FORMAT_V1, KvStore, TransferError};
-use tl_engine_core::engine::{Mode, Request, SeqError};
-use tl_engine_core::pool::PoolError;
+use kvwire_grpc::{
+    BlockId, GrpcTransport, KV_FORMAT_V1, KvStore, KvTransport, Push, TransferError,
+};
+use tl_engine_core::engine::{Mode, PrefillProgress, Request, SeqError};
+use tl_engine_core::pool::{PoolError, SharedKv};
 use tl_engine_core::request::{Limits, Params, RequestError};
 use tl_engine_core::rng::entropy_seed;
 use tl_engine_core::sampler::{Sampling, SamplingRequest};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 use tonic::{Code, Status};
 
 use super::runner::SeqEvent;
@@ -38,8 +46,62 @@ pub fn seq_status(e: &SeqError) -> Status {
 #[derive(Debug)]
 pub struct PrefillService {
     state: Arc<NodeState>,
-    transport: GrpcTransport,
+    transport: Arc<GrpcTransport>,
     inflight: Mutex<HashMap<String, oneshot::Sender<()>>>,
+    pipelined: bool,
+}
+
+/// The prefill's blocks as they are written, for the push: each published block carries a
+/// reference of the feed's own (taken on the engine thread, under the pool's lock, while the
+/// sequence still holds its own), so a block being sent is never reused, whatever the prefill
+/// does next. The references go when the feed does.
+#[derive(Debug)]
+struct Feed {
+    pool: SharedKv,
+    tx: watch::Sender<Vec<BlockId>>,
+}
+
+impl Feed {
+    fn new(pool: SharedKv) -> Self {
+        Self {
+            pool,
+            tx: watch::Sender::new(Vec::new()),
+        }
+    }
+}
+
+impl PrefillProgress for Feed {
+    fn written(&self, blocks: &[BlockId], written: usize) {
+        self.tx.send_if_modified(|held| {
+            let from = held.len();
+            if written <= from {
+                return false;
+            }
+            let mut pool = self.pool.lock();
+            for &id in &blocks[from..written.min(blocks.len())] {
+                // The sequence holds a reference, so this cannot fail.
+                if pool.retain(id).is_err() {
+                    break;
+                }
+                held.push(id);
+            }
+            held.len() > from
+        });
+    }
+}
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        let held = self.tx.send_replace(Vec::new());
+        if held.is_empty() {
+            return;
+        }
+        let mut pool = self.pool.lock();
+        for id in held {
+            let res = pool.release(id);
+            debug_assert!(res.is_ok(), "feed block {id}: {res:?}");
+        }
+    }
 }
 
 /// Removes a request from the in-flight table however its Prefill call ends.
@@ -57,11 +119,14 @@ impl Drop for Registered<'_> {
 impl PrefillService {
     /// The prefill service of `state`'s engine, pushing KV with `transport`.
     #[must_use]
-    pub fn new(state: Arc<NodeState>, transport: GrpcTransport) -> Self {
+    /// With `pipelined`, each block is streamed as soon as it is written; otherwise the push
+    /// starts after the whole prefill.
+    pub fn new(state: Arc<NodeState>, transport: GrpcTransport, pipelined: bool) -> Self {
         Self {
             state,
-            transport,
+            transport: Arc::new(transport),
             inflight: Mutex::new(HashMap::new()),
+            pipelined,
         }
     }
 
@@ -132,30 +197,13 @@ impl PrefillService {
             .and_then(|s| s.seed)
             .unwrap_or_else(entropy_seed);
         let runner = self.state.runner();
-        let (key, mut events) = runner.submit(Request {
+        let request = Request {
             prompt: req.prompt_tokens.clone(),
             sampling,
             seed,
             max_tokens: 1,
             mode: Mode::PrefillOnly,
-        });
-        let output = loop {
-            tokio::select! {
-                ev = events.recv() => match ev {
-                    Some(SeqEvent::Prefilled(out)) => break out,
-                    Some(SeqEvent::Refused(e)) => return Err(request_status(&e)),
-                    Some(SeqEvent::Failed(e)) => return Err(seq_status(&e)),
-                    Some(_) => {}
-                    None => return Err(Status::unavailable("the engine stopped")),
-                },
-                _ = &mut cancelled => {
-                    runner.cancel(key);
-                    return Err(Status::cancelled(format!("request {} was cancelled", req.request_id)));
-                }
-            }
         };
-
-        // The output's references are dropped when it goes out of scope, on every path below.
         let handle_id = format!(
             "{}-{}-{:016x}",
             self.state.id(),
@@ -164,14 +212,93 @@ impl PrefillService {
         );
         let store: Arc<dyn KvStore> = Arc::new(PoolStore::new(runner.pool().clone()));
         let model = runner.model().name().to_owned();
-        let moved = tokio::select! {
-            r = kvwire_grpc::transfer(&self.transport, &req.decode_target, store, &handle_id, &model, output.blocks.ids(), &output.hashes) => r,
-            _ = &mut cancelled => {
-                // The push is abandoned mid-stream; the decode side undoes it.
-                return Err(Status::cancelled(format!("request {} was cancelled", req.request_id)));
-            }
+        let b = runner.model().shape().block_tokens() as usize;
+        let hashes = prompt_hashes(&req.prompt_tokens, b);
+        let push = Push {
+            target: &req.decode_target,
+            handle_id: &handle_id,
+            model: &model,
+            hashes: &hashes,
+            n_blocks: req.prompt_tokens.len().div_ceil(b),
         };
-        let stats = moved.map_err(transfer_status)?;
+        let cancelled_status =
+            || Status::cancelled(format!("request {} was cancelled", req.request_id));
+
+        // Whatever ends this call early (a failure, a cancel, the client going away) drops the
+        // prefill's output and the push: the blocks' references go, the stream is reset, and
+        // the decode side undoes what it imported.
+        let (output, moved) = if self.pipelined {
+            let feed = Arc::new(Feed::new(runner.pool().clone()));
+            let blocks = feed.tx.subscribe();
+            // The feed (and its references) lives until this call returns: the push may still
+            // be sending blocks after the sequence has left the engine.
+            let (key, mut events) = runner.submit_observed(request, Some(feed.clone()));
+            let push = kvwire_grpc::transfer_streaming(&*self.transport, store, push, blocks);
+            tokio::pin!(push);
+            let (mut output, mut moved) = (None, None);
+            let ended: Result<(), Status> = loop {
+                if output.is_some() && moved.is_some() {
+                    break Ok(());
+                }
+                tokio::select! {
+                    ev = events.recv(), if output.is_none() => match ev {
+                        Some(SeqEvent::Prefilled(out)) => output = Some(out),
+                        Some(SeqEvent::Refused(e)) => break Err(request_status(&e)),
+                        Some(SeqEvent::Failed(e)) => break Err(seq_status(&e)),
+                        Some(_) => {}
+                        None => break Err(Status::unavailable("the engine stopped")),
+                    },
+                    r = &mut push, if moved.is_none() => match r {
+                        Ok(stats) => moved = Some(stats),
+                        Err(e) => {
+                            // The decode side refused: no reason to go on computing.
+                            runner.cancel(key);
+                            break Err(transfer_status(e));
+                        }
+                    },
+                    _ = &mut cancelled => {
+                        runner.cancel(key);
+                        break Err(cancelled_status());
+                    }
+                }
+            };
+            if let Err(e) = ended {
+                if moved.is_some() {
+                    // The push completed before the prefill failed or was cancelled: the decode
+                    // side holds a handle nobody will claim. Release it now rather than at the
+                    // end of its lease.
+                    self.release_abandoned(&req.decode_target, &handle_id);
+                }
+                return Err(e);
+            }
+            (output, moved)
+        } else {
+            let (key, mut events) = runner.submit(request);
+            let output = loop {
+                tokio::select! {
+                    ev = events.recv() => match ev {
+                        Some(SeqEvent::Prefilled(out)) => break out,
+                        Some(SeqEvent::Refused(e)) => return Err(request_status(&e)),
+                        Some(SeqEvent::Failed(e)) => return Err(seq_status(&e)),
+                        Some(_) => {}
+                        None => return Err(Status::unavailable("the engine stopped")),
+                    },
+                    _ = &mut cancelled => {
+                        runner.cancel(key);
+                        return Err(cancelled_status());
+                    }
+                }
+            };
+            let moved = tokio::select! {
+                r = kvwire_grpc::transfer(&*self.transport, push.target, store, push.handle_id, push.model, output.blocks.ids(), &output.hashes) => r,
+                _ = &mut cancelled => return Err(cancelled_status()),
+            };
+            (Some(output), Some(moved.map_err(transfer_status)?))
+        };
+        let (Some(output), Some(stats)) = (output, moved) else {
+            return Err(Status::internal("prefill ended without output"));
+        };
+        debug_assert_eq!(output.hashes, hashes);
         Ok(KvHandle {
             handle_id,
             first_token: output.first_token,
@@ -185,6 +312,17 @@ impl PrefillService {
             payload_bytes: stats.payload_bytes,
             kv_format: KV_FORMAT_V1,
         })
+    }
+
+    /// Releases, in the background and bounded by the transport's call timeout, a handle the
+    /// decode side holds for a push whose Prefill failed afterwards.
+    fn release_abandoned(&self, target: &str, handle_id: &str) {
+        let transport = Arc::clone(&self.transport);
+        let (target, handle_id) = (target.to_owned(), handle_id.to_owned());
+        tokio::spawn(async move {
+            // Best effort: the lease frees it anyway if this fails.
+            let _ = transport.release(&target, &handle_id).await;
+        });
     }
 
     /// Stops a queued or running prefill; `true` when one was found.

@@ -10,12 +10,13 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use tl_engine_core::engine::{
-    Engine, Event, FinishReason, PrefillOutput, Request, Resume, SeqError, SeqId,
+    Engine, Event, FinishReason, PrefillOutput, PrefillProgress, Request, Resume, SeqError, SeqId,
 };
 use tl_engine_core::model::Model;
-use tl_engine_core::pool::SharedKv;
+use tl_engine_core::pool::{BlockId, SharedKv};
 use tl_engine_core::request::RequestError;
 use tokio::sync::{Notify, mpsc as tmpsc};
 
@@ -56,7 +57,11 @@ impl Load {
 }
 
 enum Cmd {
-    Submit(u64, Box<Request>, tmpsc::UnboundedSender<SeqEvent>),
+    Submit(
+        u64,
+        Box<(Request, Option<Arc<dyn PrefillProgress>>)>,
+        tmpsc::UnboundedSender<SeqEvent>,
+    ),
     Resume(u64, Box<Resume>, tmpsc::UnboundedSender<SeqEvent>),
     Cancel(u64),
     Stop,
@@ -178,7 +183,18 @@ impl Runner {
     /// cancels the request.
     #[must_use]
     pub fn submit(&self, req: Request) -> (Key, tmpsc::UnboundedReceiver<SeqEvent>) {
-        self.start_seq(|key, tx| Cmd::Submit(key, Box::new(req), tx))
+        self.submit_observed(req, None)
+    }
+
+    /// [`submit`](Self::submit), with `progress` told on the engine thread as the prefill's
+    /// blocks are written.
+    #[must_use]
+    pub fn submit_observed(
+        &self,
+        req: Request,
+        progress: Option<Arc<dyn PrefillProgress>>,
+    ) -> (Key, tmpsc::UnboundedReceiver<SeqEvent>) {
+        self.start_seq(|key, tx| Cmd::Submit(key, Box::new((req, progress)), tx))
     }
 
     /// Starts a sequence from transferred blocks; as [`submit`](Self::submit).
@@ -210,7 +226,61 @@ impl Runner {
     }
 }
 
+/// An observed prefill under a simulated cost: each block is reported only after the simulated
+/// time of its tokens has passed (cached prefix blocks cost nothing), as a real model's blocks
+/// would be, and the time slept is counted so the step's own sleep leaves it out.
+#[derive(Debug)]
+struct Paced {
+    inner: Arc<dyn PrefillProgress>,
+    per_token: Duration,
+    block_tokens: usize,
+    prompt_len: usize,
+    /// Tokens accounted for so far; `None` before the first report (the cached prefix).
+    done: std::sync::Mutex<Option<usize>>,
+    slept: Arc<AtomicU64>,
+}
+
+fn paced(
+    inner: Arc<dyn PrefillProgress>,
+    engine: &Engine,
+    req: &Request,
+    slept: &Arc<AtomicU64>,
+) -> Arc<dyn PrefillProgress> {
+    let per_token = engine.cost().prefill_per_token;
+    if per_token.is_zero() {
+        return inner;
+    }
+    Arc::new(Paced {
+        inner,
+        per_token,
+        block_tokens: engine.model().shape().block_tokens() as usize,
+        prompt_len: req.prompt.len(),
+        done: std::sync::Mutex::new(None),
+        slept: Arc::clone(slept),
+    })
+}
+
+impl PrefillProgress for Paced {
+    fn written(&self, blocks: &[BlockId], written: usize) {
+        let tokens = (written * self.block_tokens).min(self.prompt_len);
+        let mut done = self
+            .done
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(before) = *done {
+            let cost = self.per_token * tokens.saturating_sub(before) as u32;
+            std::thread::sleep(cost);
+            self.slept
+                .fetch_add(cost.as_nanos() as u64, Ordering::Relaxed);
+        }
+        *done = Some(tokens);
+        drop(done);
+        self.inner.written(blocks, written);
+    }
+}
+
 fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
+    let slept = Arc::new(AtomicU64::new(0));
     let mut subs: HashMap<SeqId, (Key, tmpsc::UnboundedSender<SeqEvent>)> = HashMap::new();
     let mut seq_of: HashMap<Key, SeqId> = HashMap::new();
     loop {
@@ -226,15 +296,19 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
         let mut next = first;
         while let Some(CmdBox(cmd)) = next {
             match cmd {
-                Cmd::Submit(key, req, tx) => match engine.submit(*req) {
-                    Ok(seq) => {
-                        subs.insert(seq, (key, tx));
-                        seq_of.insert(key, seq);
+                Cmd::Submit(key, req, tx) => {
+                    let (request, progress) = *req;
+                    let progress = progress.map(|p| paced(p, &engine, &request, &slept));
+                    match engine.submit_observed(request, progress) {
+                        Ok(seq) => {
+                            subs.insert(seq, (key, tx));
+                            seq_of.insert(key, seq);
+                        }
+                        Err(e) => {
+                            let _ = tx.send(SeqEvent::Refused(e));
+                        }
                     }
-                    Err(e) => {
-                        let _ = tx.send(SeqEvent::Refused(e));
-                    }
-                },
+                }
                 Cmd::Resume(key, r, tx) => match engine.resume(*r) {
                     Ok(seq) => {
                         subs.insert(seq, (key, tx));
@@ -259,8 +333,11 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
             continue;
         }
         let (events, stats) = engine.step();
-        // Simulated compute happens before its results exist: sleep, then deliver.
-        let cost = engine.simulated_cost(stats);
+        // Simulated compute happens before its results exist: sleep, then deliver. A prefill
+        // whose blocks are observed (a streaming push) already slept block by block.
+        let cost = engine
+            .simulated_cost(stats)
+            .saturating_sub(Duration::from_nanos(slept.swap(0, Ordering::Relaxed)));
         if !cost.is_zero() {
             std::thread::sleep(cost);
         }
