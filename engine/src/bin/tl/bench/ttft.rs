@@ -15,6 +15,15 @@ pub(crate) struct TtftArgs {
     /// Prompt sizes, in blocks of 16 tokens at the realistic shape.
     #[arg(long, value_delimiter = ',', default_values_t = [1usize, 16, 256])]
     blocks: Vec<usize>,
+    /// Keep one core busy with a spinning thread for the whole run (the loaded-machine case).
+    #[arg(long)]
+    busy_core: bool,
+    /// Runs of each TTFT measurement (colocated, serial and pipelined RPC); the median is kept.
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+    /// Warm one-block pushes timed after the first (one-block row only).
+    #[arg(long, default_value_t = 9)]
+    single_pushes: usize,
 }
 
 /// Runs `tl bench ttft`.
@@ -36,6 +45,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
     use tl_engine_core::engine::{Engine, Event, Mode, Request};
     use tl_engine_core::sampler::Sampling;
 
+    let spin = args.busy_core.then(Spinner::start);
     let mut rows = Vec::new();
     for &n in &args.blocks {
         let mut cfg = Config::default();
@@ -60,11 +70,15 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         };
 
         // Colocated: prefill and first token on one engine.
-        let mut solo = Engine::new(cfg.build_model(), cfg.build_pool());
-        let t = Instant::now();
-        let colocated_first = solo.generate(req(Mode::Generate))?;
-        let colocated = t.elapsed();
-        drop(solo);
+        let mut colocated_runs = Vec::new();
+        let mut colocated_first = Vec::new();
+        for _ in 0..args.repeat.max(1) {
+            let mut solo = Engine::new(cfg.build_model(), cfg.build_pool());
+            let t = Instant::now();
+            colocated_first = solo.generate(req(Mode::Generate))?;
+            colocated_runs.push(t.elapsed());
+        }
+        let colocated = median(&mut colocated_runs);
 
         // Disaggregated, step by step: prefill here, transfer to a decode engine, resume there.
         let d = EngineNode::start(&cfg).await?;
@@ -113,6 +127,43 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         )
         .await?;
         let transfer = t.elapsed();
+        // Warm one-block pushes: the tail of a 15-token prompt (no full block, so no HasBlocks
+        // and nothing to dedup), five times on the now-warm connection, each handle released.
+        let mut warm_single = Vec::new();
+        if n == 1 {
+            let tail: Vec<u32> = (0..15).collect();
+            let mut q = Engine::new(cfg.build_model(), cfg.build_pool());
+            q.submit(Request {
+                prompt: tail,
+                ..req(Mode::PrefillOnly)
+            })?;
+            let small = q
+                .step()
+                .0
+                .into_iter()
+                .find_map(|e| match e {
+                    Event::Prefilled { output, .. } => Some(output),
+                    _ => None,
+                })
+                .ok_or("prefill produced no output")?;
+            let qstore: Arc<dyn KvStore> = Arc::new(PoolStore::new(q.pool().clone()));
+            for i in 0..args.single_pushes {
+                let handle = format!("warm-{i}");
+                let t = Instant::now();
+                kvwire_grpc::transfer(
+                    &transport,
+                    &kv,
+                    Arc::clone(&qstore),
+                    &handle,
+                    "fake",
+                    small.blocks.ids(),
+                    &[],
+                )
+                .await?;
+                warm_single.push(t.elapsed());
+                transport.release(&kv, &handle).await?;
+            }
+        }
         let first = out.first_token;
         drop(out);
         let body = serde_json::json!({
@@ -131,6 +182,14 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         if r.status != 200 {
             return Err(format!("resume answered {}", r.status).into());
         }
+        // The same prompt through a prefill engine's Prefill RPC, the push after the prefill
+        // (serial) and overlapping it (pipelined). Each uses a prompt the decode side does not
+        // hold (the tokens shifted), so every block moves.
+        let mut rpc = Vec::new();
+        for pipelined in [false, true] {
+            let mut runs = prefill_rpc(&cfg, &d, pipelined, &prompt, args.repeat.max(1)).await?;
+            rpc.push(median(&mut runs));
+        }
         d.shutdown(Duration::from_secs(1)).await;
         let disagg = prefill + transfer;
         rows.push(serde_json::json!({
@@ -141,26 +200,124 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
             "prefill_ms": ms(prefill),
             "has_blocks_ms": ms(has_blocks),
             "push_ms": ms(transfer.saturating_sub(has_blocks)),
-            "disaggregated_ttft_ms": ms(disagg),
-            "ttft_ratio": round3(disagg.as_secs_f64() / colocated.as_secs_f64()),
+            "warm_single_push_ms": warm_single.iter().map(|d| ms(*d)).collect::<Vec<_>>(),
+            "warm_single_push_p50_ms": (!warm_single.is_empty()).then(|| ms(median(&mut warm_single.clone()))),
+            "stepwise_ttft_ms": ms(disagg),
+            "prefill_rpc_serial_ms": ms(rpc[0]),
+            "prefill_rpc_pipelined_ms": ms(rpc[1]),
+            "ttft_ratio_serial": round3(rpc[0].as_secs_f64() / colocated.as_secs_f64()),
+            "ttft_ratio": round3(rpc[1].as_secs_f64() / colocated.as_secs_f64()),
             "resume_first_decode_ms": ms(resume),
             "first_token_equal": colocated_first.first() == Some(&first),
         }));
     }
+    drop(spin);
     Ok(serde_json::json!({
         "bench": "ttft",
         "shape": "B=16 L=32 H=8 D=128 (2 MiB blocks), fake model, greedy",
-        "note": "disaggregated TTFT = prefill + HasBlocks + push (the first token returns with the KvHandle); resume = claim + one decode step + HTTP",
-        "single_block_push_over_streamed": single_over_streamed(&rows),
+        "busy_core": args.busy_core,
+        "note": "stepwise: prefill, HasBlocks and push timed apart on an in-process engine (push after prefill); prefill_rpc_*: a prefill engine's whole Prefill RPC (the first token returns with the KvHandle), pushing after the prefill (serial) or each block as it is written (pipelined); ttft_ratio = pipelined RPC / colocated (medians of --repeat runs); single_block_push_over_streamed = median warm one-block push / per-block time of the largest stepwise push, first_push_over_streamed the same for the first push on the connection; resume = claim + one decode step + HTTP",
+        "single_block_push_over_streamed": single_over_streamed(&rows, "warm_single_push_p50_ms"),
+        "first_push_over_streamed": single_over_streamed(&rows, "push_ms"),
         "rows": rows,
     }))
 }
 
-/// The one-block push's time over the time per block inside the largest push of the run (null
-/// when the run has no one-block row or no larger one).
-fn single_over_streamed(rows: &[serde_json::Value]) -> Option<f64> {
+fn median(v: &mut [Duration]) -> Duration {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+/// `runs` Prefill RPCs of `prompt` (its tokens shifted each run, so the decode side never holds
+/// them) on a fresh prefill engine to `d`, each timed from call to KvHandle, on a warm
+/// connection (a one-token prefill to `d` first); every handle is released.
+async fn prefill_rpc(
+    cfg: &tl_engine::node::config::Config,
+    d: &tl_engine::node::EngineNode,
+    pipelined: bool,
+    prompt: &[u32],
+    runs: usize,
+) -> Result<Vec<Duration>, BenchError> {
+    use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
+    use kvwire_grpc::{GrpcTransport, KvTransport, TransportConfig};
+    use tl_engine::net::clients::ControlClient;
+    use tl_engine::node::EngineNode;
+    use tl_engine::node::config::Role;
+
+    let mut pc = cfg.clone();
+    pc.engine.role = Role::Prefill;
+    pc.engine.id = "P".into();
+    pc.engine.push_while_prefilling = pipelined;
+    let p = EngineNode::start(&pc).await?;
+    let ctl = ControlClient::new(&p.addresses().grpc)?;
+    let kv = d.addresses().kv;
+    let request = |id: &str, prompt: Vec<u32>| PrefillRequest {
+        request_id: id.into(),
+        prompt_tokens: prompt,
+        sampling: Some(SamplingParams {
+            seed: Some(1),
+            max_tokens: 2,
+            ..SamplingParams::default()
+        }),
+        decode_target: kv.clone(),
+    };
+    let release = GrpcTransport::new(TransportConfig::for_envelope(1 << 10));
+    let warm = ctl.prefill(request("warm", vec![7])).await?;
+    release.release(&kv, &warm.handle_id).await?;
+    let mut took = Vec::new();
+    for run in 0..runs {
+        let k = 1 + run as u32 + if pipelined { 100 } else { 0 };
+        let shifted: Vec<u32> = prompt.iter().map(|&t| (t + k) % 256).collect();
+        let t = Instant::now();
+        let h = ctl.prefill(request(&format!("timed-{run}"), shifted)).await?;
+        took.push(t.elapsed());
+        release.release(&kv, &h.handle_id).await?;
+    }
+    p.shutdown(Duration::from_secs(1)).await;
+    Ok(took)
+}
+
+/// A thread spinning on one core until dropped.
+struct Spinner {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Spinner {
+    fn start() -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s = std::sync::Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let mut x = 0u64;
+            while !s.load(std::sync::atomic::Ordering::Relaxed) {
+                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+            }
+        });
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Spinner {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A one-block push's time (the one-block row's `key`: the warm median, or the first push on
+/// the connection) over the time per block inside the largest push of the run (null when the
+/// run has no one-block row or no larger one).
+fn single_over_streamed(rows: &[serde_json::Value], key: &str) -> Option<f64> {
     let per_block = |r: &serde_json::Value| Some(r["push_ms"].as_f64()? / r["blocks"].as_f64()?);
-    let single = rows.iter().find(|r| r["blocks"] == 1).and_then(per_block)?;
+    let single = rows
+        .iter()
+        .find(|r| r["blocks"] == 1)
+        .and_then(|r| r[key].as_f64())?;
     let largest = rows
         .iter()
         .filter(|r| r["blocks"].as_u64().unwrap_or(0) > 1)
