@@ -10,9 +10,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use kvwire::{RecordIn, Shape, block_hash, crc32c, write_to_vec};
+use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
 use kvwire_grpc::pb::kv::{HasBlocksRequest, KvAck, KvChunk};
 use kvwire_grpc::sender::ChunkStream;
 use kvwire_grpc::{GrpcTransport, KvTransport, OutChunk, transfer};
+use tl_engine::net::clients::ControlClient;
+use tl_engine::node::EngineNode;
+use tl_engine::node::config::{Config, Role};
 use tokio_stream::StreamExt;
 use tonic::{Code, Status};
 
@@ -291,62 +295,101 @@ async fn cutting_proxy(upstream: String, limit: usize) -> String {
     addr
 }
 
+/// An engine of `role` at a 16 KiB-block shape (B=4, L=8, H=4, D=32), so a cut lands in the
+/// middle of the payloads.
+async fn node(id: &str, role: Role) -> EngineNode {
+    let mut c = Config::for_worker(id, role, "");
+    c.model.n_layers = 8;
+    c.model.n_kv_heads = 4;
+    c.model.head_dim = 32;
+    c.pool.n_blocks = 64;
+    EngineNode::start(&c).await.unwrap()
+}
+
+/// A push started by a real Prefill (EngineControl on P) and cut mid-stream by a proxy in front
+/// of D, then one refused by D: each time P's pool returns to its baseline, D's too (counts and
+/// index), and the next Prefill goes through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transfer_reset_frees_both_sides() {
-    // 16 KiB blocks so the cut lands in the middle of the payloads.
-    let shape = Shape::v1(4, 8, 4, 32);
-    let d = decode_side(shape, 64, LEASE).await;
-    let mut p = engine(shape, 64);
-    let d_base = snapshot(&d.pool);
-    let p_base = snapshot(p.pool());
-    let long = prompt(5, 40); // 10 blocks, 160 KiB
-    let proxy = cutting_proxy(d.addr.clone(), 60 * 1024).await;
-    let t = transport(shape);
-    let out = prefill(&mut p, &long);
-    let err = transfer(
-        &t,
-        &proxy,
-        store(p.pool()),
-        "cut",
-        "fake",
-        out.blocks.ids(),
-        &out.hashes,
-    )
-    .await
-    .unwrap_err();
-    drop(out);
-    // A connection lost mid-push is UNAVAILABLE (the gateway may retry elsewhere).
+    let p = node("P", Role::Prefill).await;
+    let d = node("D", Role::Decode).await;
+    let (pool_p, pool_d) = (p.runner().pool().clone(), d.runner().pool().clone());
+    let rx = d.receiver().unwrap();
+    let ctl = ControlClient::new(&p.addresses().grpc).unwrap();
+    let kv = d.addresses().kv;
+    let (p_base, d_base) = (snapshot(&pool_p), snapshot(&pool_d));
+    let request = |id: &str, seed: u32, target: &str| PrefillRequest {
+        request_id: id.into(),
+        prompt_tokens: prompt(seed, 40), // 10 blocks, 160 KiB
+        sampling: Some(SamplingParams {
+            seed: Some(1),
+            max_tokens: 4,
+            ..SamplingParams::default()
+        }),
+        decode_target: target.into(),
+    };
+    // P's prompts stay cached there (refcount 0): the baseline to return to is "nothing used".
+    let p_back = |what: &str| {
+        let now = snapshot(&pool_p);
+        assert_eq!(
+            now.counts.used, p_base.counts.used,
+            "P after {what}: {now:?}"
+        );
+    };
+    let d_back = |what: &str| {
+        let now = snapshot(&pool_d);
+        assert_eq!(now, d_base, "D after {what}");
+        assert_eq!(
+            (rx.pending(), rx.stats().inflight),
+            (0, 0),
+            "D after {what}"
+        );
+    };
+
+    // Cut mid-stream: a connection lost mid-push is UNAVAILABLE (the gateway may retry
+    // elsewhere); the decode side notices the broken stream and undoes the push.
+    let proxy = cutting_proxy(kv.clone(), 60 * 1024).await;
+    let err = ctl.prefill(request("cut", 5, &proxy)).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err}");
-    // The server notices the broken stream and undoes the push.
     assert!(
-        eventually(Duration::from_secs(5), || d.rx.stats().inflight == 0).await,
+        eventually(Duration::from_secs(5), || rx.stats().inflight == 0).await,
         "push still in flight"
     );
-    let after = snapshot(&d.pool);
-    assert_eq!(
-        after.counts, d_base.counts,
-        "decode pool not back to baseline: {err}"
+    assert!(
+        eventually(Duration::from_secs(5), || pool_p.counts().used
+            == p_base.counts.used)
+        .await
     );
-    assert_eq!(after.index, d_base.index);
-    assert_eq!(d.rx.pending(), 0);
-    assert_eq!(snapshot(p.pool()).counts.used, p_base.counts.used);
+    p_back("a cut push");
+    d_back("a cut push");
+
+    // Refused by D: every block it could take is taken, so the import is RESOURCE_EXHAUSTED.
+    let room = pool_d.lock().available();
+    let hog = pool_d.lock().allocate(room).unwrap();
+    let err = ctl.prefill(request("refused", 6, &kv)).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    {
+        let mut pool = pool_d.lock();
+        for id in hog {
+            pool.release(id).unwrap();
+        }
+    }
+    assert!(
+        eventually(Duration::from_secs(5), || pool_p.counts().used
+            == p_base.counts.used)
+        .await
+    );
+    p_back("a refused push");
+    d_back("a refused push");
+
     // Both sides keep serving: the same prompt goes through directly.
-    let out = prefill(&mut p, &long);
-    let st = transfer(
-        &t,
-        &d.addr,
-        store(p.pool()),
-        "after-cut",
-        "fake",
-        out.blocks.ids(),
-        &out.hashes,
-    )
-    .await
-    .unwrap();
-    assert_eq!(st.sent, 10);
-    assert!(d.rx.release("after-cut"));
-    drop(out);
-    assert_eq!(snapshot(&d.pool).counts.used, 0);
+    let h = ctl.prefill(request("after", 5, &kv)).await.unwrap();
+    assert_eq!((h.blocks_sent, h.blocks_deduped), (10, 0));
+    assert!(rx.release(&h.handle_id));
+    p_back("a good push");
+    assert_eq!(snapshot(&pool_d).counts.used, 0);
+    p.shutdown(Duration::from_secs(1)).await;
+    d.shutdown(Duration::from_secs(1)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -531,8 +574,11 @@ async fn handle_lease_expires() {
     assert_eq!(d.rx.stats().leases_expired, 1);
 }
 
+/// HasBlocks is free on the decode side's real path: the engine's `KvStore` (`PoolStore`), the
+/// receiver's handler and the RPC each answer without taking a reference or changing any count,
+/// the index or the LRU; the pool's own lookup likewise.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn has_blocks_takes_no_reference_over_rpc() {
+async fn has_blocks_takes_no_reference() {
     let d = decode_side(TEST, 32, LEASE).await;
     let t = transport(TEST);
     let mut p = engine(TEST, 32);
@@ -550,8 +596,31 @@ async fn has_blocks_takes_no_reference_over_rpc() {
     .unwrap();
     d.rx.release("hb");
     let before = snapshot(&d.pool);
+    // Both full blocks are cached (refcount 0) on the decode side now.
+    assert_eq!((before.counts.used, before.counts.cached), (0, 2));
     let mut hashes = out.hashes.clone();
     hashes.push(424_242);
+    // In process: the pool, the store and the receiver, each asked three times.
+    for _ in 0..3 {
+        {
+            let pool = d.pool.lock();
+            let found: Vec<bool> = hashes.iter().map(|&h| pool.lookup(h).is_some()).collect();
+            assert_eq!(found, [true, true, false]);
+        }
+        assert_eq!(d.rx.store().contains(&hashes), [true, true, false]);
+        assert_eq!(
+            d.rx.has_blocks(&hashes, 1, "fake").unwrap(),
+            [true, true, false]
+        );
+        assert_eq!(
+            snapshot(&d.pool),
+            before,
+            "an in-process HasBlocks changed the pool"
+        );
+    }
+    // A lookup does not refresh the LRU: the first cached block is still the next eviction.
+    let lru_first = d.pool.lock().lookup(hashes[0]).unwrap();
+    // Over the RPC.
     for _ in 0..3 {
         let req = HasBlocksRequest {
             hashes: hashes.clone(),
@@ -577,6 +646,14 @@ async fn has_blocks_takes_no_reference_over_rpc() {
         assert_eq!(t.has_blocks(&d.addr, req).await.unwrap_err().code(), code);
     }
     assert_eq!(snapshot(&d.pool), before);
+    let free = before.counts.free;
+    let taken = d.pool.lock().allocate(free + 1).unwrap();
+    assert_eq!(taken[free], lru_first, "HasBlocks refreshed the LRU");
+    let mut pool = d.pool.lock();
+    for id in taken {
+        pool.release(id).unwrap();
+    }
+    drop(pool);
     drop(out);
 }
 

@@ -92,6 +92,46 @@ fn envelope_reader_rules() {
     let good = one_block(hash, 4);
     assert_eq!(read_no_alloc(&reader, &good), Ok((1, 4)));
 
+    // What the writer made reads back record by record: every hash, fill and payload, in
+    // order (full blocks named, the partial tail unnamed).
+    let p = TEST.payload_bytes().unwrap();
+    let payloads: Vec<Vec<u8>> = (0..3u8)
+        .map(|k| {
+            (0..p)
+                .map(|i| (i as u8).wrapping_mul(3).wrapping_add(k))
+                .collect()
+        })
+        .collect();
+    let h0 = block_hash(0, &[1, 2, 3, 4]);
+    let h1 = block_hash(h0, &[5, 6, 7, 8]);
+    let written = [(h0, 4), (h1, 4), (0, 2)];
+    let recs: Vec<RecordIn> = written
+        .iter()
+        .zip(&payloads)
+        .map(|(&(hash, fill), payload)| RecordIn {
+            hash,
+            fill,
+            payload,
+        })
+        .collect();
+    let mut many = Vec::new();
+    write_to_vec(&TEST, &recs, &mut many).unwrap();
+    let env = reader.read(&many).unwrap();
+    let read: Vec<(u64, u32)> = env.records().map(|r| (r.hash, r.n_tokens)).collect();
+    assert_eq!(read, written);
+    for (r, payload) in env.records().zip(&payloads) {
+        let rows = TEST.row_bytes().unwrap() * r.n_tokens as usize;
+        // Each plane's filled rows are the writer's input; the rest of a partial block is zero.
+        for (got, want) in r
+            .payload
+            .chunks(p / TEST.planes())
+            .zip(payload.chunks(p / TEST.planes()))
+        {
+            assert_eq!(got[..rows], want[..rows]);
+            assert!(got[rows..].iter().all(|&b| b == 0));
+        }
+    }
+
     let expect = |buf: &[u8], r: &Reader, rule: u8, kind: ErrorKind| {
         let err = read_no_alloc(r, buf).unwrap_err();
         assert_eq!((err.rule(), err.kind()), (rule, kind), "{err}");

@@ -1,4 +1,5 @@
-//! The block pool: lookups are free, and a model-based property test of every operation.
+//! The block pool: lookups are free (HasBlocks on the real path: `engine/tests/transfer.rs`,
+//! `has_blocks_takes_no_reference`), and a model-based property test of every operation.
 
 use std::collections::HashMap;
 
@@ -9,7 +10,7 @@ use tl_engine_core::pool::{BlockId, KvPool, PoolCounts, PoolError};
 const TEST: Shape = Shape::v1(4, 2, 1, 4);
 
 #[test]
-fn has_blocks_takes_no_reference() {
+fn pool_lookup_takes_no_reference() {
     let mut pool = KvPool::new(TEST, 8);
     let ids = pool.allocate(3).unwrap();
     assert!(pool.register(ids[0], 11));

@@ -269,7 +269,9 @@ async fn prefill_rpc(
         let k = 1 + run as u32 + if pipelined { 100 } else { 0 };
         let shifted: Vec<u32> = prompt.iter().map(|&t| (t + k) % 256).collect();
         let t = Instant::now();
-        let h = ctl.prefill(request(&format!("timed-{run}"), shifted)).await?;
+        let h = ctl
+            .prefill(request(&format!("timed-{run}"), shifted))
+            .await?;
         took.push(t.elapsed());
         release.release(&kv, &h.handle_id).await?;
     }
