@@ -311,15 +311,10 @@ async fn prefill_refuses_bad_requests_before_any_work() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prefill_on_a_decode_engine_or_to_an_unreachable_target() {
+async fn prefill_to_an_unreachable_target() {
     let pair = Pair::start().await;
-    let (p, ctl, dctl) = (&pair.p, &pair.ctl, &pair.dctl);
+    let (p, ctl) = (&pair.p, &pair.ctl);
     let good = || pair.good();
-    // A decode-only engine refuses Prefill.
-    assert_eq!(
-        dctl.prefill(good()).await.unwrap_err().code(),
-        Code::FailedPrecondition
-    );
     // An unreachable decode target: UNAVAILABLE, and the prefill pool holds no reference.
     let closed = {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -339,9 +334,17 @@ async fn prefill_on_a_decode_engine_or_to_an_unreachable_target() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn info_reports_roles_shape_and_pool() {
+async fn prefill_rpc_validation_and_info() {
     let pair = Pair::start().await;
     let (d, ctl, dctl) = (&pair.d, &pair.ctl, &pair.dctl);
+    // A decode-only engine refuses Prefill before any work: its pool and its receiver are as
+    // they were, and nothing was pushed anywhere.
+    let d_before = d.runner().pool().lock().counts();
+    let err = dctl.prefill(pair.good()).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert_eq!(d.runner().pool().lock().counts(), d_before);
+    assert_eq!(d.receiver().unwrap().pending(), 0);
+    assert_eq!(d.state().inflight_prefills(), 0);
     // One accepted prompt of one full block and a tail, its handle released.
     let h = ctl.prefill(pair.good()).await.unwrap();
     assert!(d.receiver().unwrap().release(&h.handle_id));
