@@ -114,7 +114,7 @@ impl KvTransferService {
                 // `push` on any early return (refusal, broken stream, cancelled call, a
                 // deadline) undoes what it imported.
                 let mut push = rx.begin_push()?;
-                let whole = async {
+                let whole = async move {
                     loop {
                         let next = tokio::time::timeout(t.push_idle, s.message())
                             .await
@@ -125,12 +125,22 @@ impl KvTransferService {
                                 ))
                             })?;
                         match next? {
+                            // A block's checksum and copy into the pool (a few hundred
+                            // microseconds for 2 MiB) run off the async workers, so HasBlocks
+                            // and control calls never queue behind an import.
+                            Some(chunk) if chunk.payload.len() >= OFFLOAD_BYTES => {
+                                push = tokio::task::spawn_blocking(move || {
+                                    push.accept(chunk).map(|()| push)
+                                })
+                                .await
+                                .map_err(|e| Status::internal(format!("import task: {e}")))??;
+                            }
                             Some(chunk) => push.accept(chunk)?,
-                            None => return Ok::<_, Status>(()),
+                            None => return Ok::<_, Status>(push),
                         }
                     }
                 };
-                tokio::time::timeout(t.push_deadline, whole)
+                let push = tokio::time::timeout(t.push_deadline, whole)
                     .await
                     .map_err(|_| {
                         Status::deadline_exceeded(format!(
@@ -158,6 +168,9 @@ impl KvTransferService {
         Dispatch::new(Arc::new(self))
     }
 }
+
+/// Chunks at least this large are checked and imported on the blocking pool.
+const OFFLOAD_BYTES: usize = 64 << 10;
 
 /// HTTP/2 bounds of a server (CONTRACTS section 8).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -133,28 +133,47 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
         let t = GrpcTransport::new(TransportConfig::for_envelope(
             shape.envelope_len(1).ok_or("overflow")?,
         ));
-        tokio::spawn(async move {
-            let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let h = format!("load-{n}");
-                // Fresh hashes every push, so nothing is deduplicated: every block is imported.
-                let hashes: Vec<u64> = (0..ids.len() as u64).map(|i| (n << 20) + i + 1).collect();
-                let r =
-                    kvwire_grpc::transfer(&t, &kv, Arc::clone(&store), &h, "fake", &ids, &hashes)
-                        .await;
-                if r.is_err() {
-                    break;
+        // The pusher runs on a thread and runtime of its own, as a prefill engine in another
+        // process would: it shares the machine's cores with the engine, not its tokio workers.
+        std::thread::spawn(move || -> u64 {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return 0;
+            };
+            rt.block_on(async move {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let h = format!("load-{n}");
+                    // Fresh hashes every push, so nothing is deduplicated: every block is
+                    // imported.
+                    let hashes: Vec<u64> =
+                        (0..ids.len() as u64).map(|i| (n << 20) + i + 1).collect();
+                    let r = kvwire_grpc::transfer(
+                        &t,
+                        &kv,
+                        Arc::clone(&store),
+                        &h,
+                        "fake",
+                        &ids,
+                        &hashes,
+                    )
+                    .await;
+                    if r.is_err() {
+                        break;
+                    }
+                    rx.release(&h);
+                    n += 1;
                 }
-                rx.release(&h);
-                n += 1;
-            }
-            n
+                n
+            })
         })
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
     let while_importing = probe(&ctl, &t, &kv, a.calls).await?;
     stop.store(true, Ordering::Relaxed);
-    let pushes = pusher.await?;
+    let pushes = pusher.join().map_err(|_| "the pusher panicked")?;
     d.shutdown(Duration::from_secs(2)).await;
 
     let idle_p99 = |k: &str| idle[k].as_f64().unwrap_or(f64::NAN);
