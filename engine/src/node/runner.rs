@@ -226,17 +226,20 @@ impl Runner {
     }
 }
 
-/// An observed prefill under a simulated cost: each block is reported only after the simulated
-/// time of its tokens has passed (cached prefix blocks cost nothing), as a real model's blocks
-/// would be, and the time slept is counted so the step's own sleep leaves it out.
+/// An observed prefill under a simulated cost: each block is reported only once the simulated
+/// time of the tokens before it has passed (cached prefix blocks cost nothing), as a real
+/// model's blocks would be. The targets are absolute (from the first report), so a sleep's
+/// overshoot is not added up block after block; the simulated time covered is counted so the
+/// step's own sleep leaves it out.
 #[derive(Debug)]
 struct Paced {
     inner: Arc<dyn PrefillProgress>,
     per_token: Duration,
     block_tokens: usize,
     prompt_len: usize,
-    /// Tokens accounted for so far; `None` before the first report (the cached prefix).
-    done: std::sync::Mutex<Option<usize>>,
+    /// When the first report came, the tokens it covered (the cached prefix), and the
+    /// simulated time counted into `slept` so far.
+    start: std::sync::Mutex<Option<(std::time::Instant, usize, Duration)>>,
     slept: Arc<AtomicU64>,
 }
 
@@ -255,7 +258,7 @@ fn paced(
         per_token,
         block_tokens: engine.model().shape().block_tokens() as usize,
         prompt_len: req.prompt.len(),
-        done: std::sync::Mutex::new(None),
+        start: std::sync::Mutex::new(None),
         slept: Arc::clone(slept),
     })
 }
@@ -263,18 +266,26 @@ fn paced(
 impl PrefillProgress for Paced {
     fn written(&self, blocks: &[BlockId], written: usize) {
         let tokens = (written * self.block_tokens).min(self.prompt_len);
-        let mut done = self
-            .done
+        let mut start = self
+            .start
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(before) = *done {
-            let cost = self.per_token * tokens.saturating_sub(before) as u32;
-            std::thread::sleep(cost);
-            self.slept
-                .fetch_add(cost.as_nanos() as u64, Ordering::Relaxed);
+        match &mut *start {
+            None => *start = Some((std::time::Instant::now(), tokens, Duration::ZERO)),
+            Some((at, base, counted)) => {
+                let covered = self.per_token * tokens.saturating_sub(*base) as u32;
+                let target = *at + covered;
+                let now = std::time::Instant::now();
+                if target > now {
+                    std::thread::sleep(target - now);
+                }
+                let more = covered.saturating_sub(*counted);
+                *counted = covered;
+                self.slept
+                    .fetch_add(more.as_nanos() as u64, Ordering::Relaxed);
+            }
         }
-        *done = Some(tokens);
-        drop(done);
+        drop(start);
         self.inner.written(blocks, written);
     }
 }
