@@ -16,7 +16,7 @@ use crate::glue::{self, Dispatch, Handler, Limits, ResponseFuture, Routes};
 use crate::pb::kv::{
     HasBlocksRequest, HasBlocksResponse, KvChunk, ReleaseRequest, ReleaseResponse, path,
 };
-use crate::receiver::KvReceiver;
+use crate::receiver::{KvReceiver, PushState, RecvError};
 
 /// Deadlines and message limits of the `KvTransfer` service (CONTRACTS section 8).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,17 +125,7 @@ impl KvTransferService {
                                 ))
                             })?;
                         match next? {
-                            // A block's checksum and copy into the pool (a few hundred
-                            // microseconds for 2 MiB) run off the async workers, so HasBlocks
-                            // and control calls never queue behind an import.
-                            Some(chunk) if chunk.payload.len() >= OFFLOAD_BYTES => {
-                                push = tokio::task::spawn_blocking(move || {
-                                    push.accept(chunk).map(|()| push)
-                                })
-                                .await
-                                .map_err(|e| Status::internal(format!("import task: {e}")))??;
-                            }
-                            Some(chunk) => push.accept(chunk)?,
+                            Some(chunk) => import(&mut push, chunk)?,
                             None => return Ok::<_, Status>(push),
                         }
                     }
@@ -169,8 +159,22 @@ impl KvTransferService {
     }
 }
 
-/// Chunks at least this large are checked and imported on the blocking pool.
+/// Chunks at least this large are checked and imported off the async scheduler.
 const OFFLOAD_BYTES: usize = 64 << 10;
+
+/// Accepts one chunk. A large chunk's checksum and copy into the pool (a few hundred
+/// microseconds for 2 MiB) run in place on this thread, but with the worker's other tasks
+/// handed to another thread first (`block_in_place`), so HasBlocks and control calls never
+/// queue behind an import. On a current-thread runtime (tests) it simply runs.
+fn import(push: &mut PushState, chunk: KvChunk) -> Result<(), RecvError> {
+    let multi = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if multi && chunk.payload.len() >= OFFLOAD_BYTES {
+        tokio::task::block_in_place(|| push.accept(chunk))
+    } else {
+        push.accept(chunk)
+    }
+}
 
 /// HTTP/2 bounds of a server (CONTRACTS section 8).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
