@@ -42,7 +42,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
     use tl_engine::node::EngineNode;
     use tl_engine::node::config::{Config, Role};
     use tl_engine::node::store::PoolStore;
-    use tl_engine_core::engine::{Engine, Event, Mode, Request};
+    use tl_engine_core::engine::{Engine, Mode, Request};
     use tl_engine_core::sampler::Sampling;
 
     let spin = args.busy_core.then(Spinner::start);
@@ -85,16 +85,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         let kv = d.addresses().kv;
         let mut p = Engine::new(cfg.build_model(), cfg.build_pool());
         let t = Instant::now();
-        p.submit(req(Mode::PrefillOnly))?;
-        let out = p
-            .step()
-            .0
-            .into_iter()
-            .find_map(|e| match e {
-                Event::Prefilled { output, .. } => Some(output),
-                _ => None,
-            })
-            .ok_or("prefill produced no output")?;
+        let out = prefill_only(&mut p, req(Mode::PrefillOnly))?;
         let prefill = t.elapsed();
         let transport = GrpcTransport::new(TransportConfig::for_envelope(
             shape.envelope_len(1).unwrap_or(0),
@@ -133,19 +124,13 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         if n == 1 {
             let tail: Vec<u32> = (0..15).collect();
             let mut q = Engine::new(cfg.build_model(), cfg.build_pool());
-            q.submit(Request {
-                prompt: tail,
-                ..req(Mode::PrefillOnly)
-            })?;
-            let small = q
-                .step()
-                .0
-                .into_iter()
-                .find_map(|e| match e {
-                    Event::Prefilled { output, .. } => Some(output),
-                    _ => None,
-                })
-                .ok_or("prefill produced no output")?;
+            let small = prefill_only(
+                &mut q,
+                Request {
+                    prompt: tail,
+                    ..req(Mode::PrefillOnly)
+                },
+            )?;
             let qstore: Arc<dyn KvStore> = Arc::new(PoolStore::new(q.pool().clone()));
             for i in 0..args.single_pushes {
                 let handle = format!("warm-{i}");
@@ -221,6 +206,23 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         "first_push_over_streamed": single_over_streamed(&rows, "push_ms"),
         "rows": rows,
     }))
+}
+
+/// Submits a prefill-only request to `e` and runs the step that prefills it.
+fn prefill_only(
+    e: &mut tl_engine_core::engine::Engine,
+    req: tl_engine_core::engine::Request,
+) -> Result<tl_engine_core::engine::PrefillOutput, BenchError> {
+    use tl_engine_core::engine::Event;
+    e.submit(req)?;
+    Ok(e.step()
+        .0
+        .into_iter()
+        .find_map(|ev| match ev {
+            Event::Prefilled { output, .. } => Some(output),
+            _ => None,
+        })
+        .ok_or("prefill produced no output")?)
 }
 
 fn median(v: &mut [Duration]) -> Duration {
