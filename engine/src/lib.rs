@@ -16,4 +16,5 @@ pub mod api;
 pub mod gateway;
 pub mod net;
 pub mod node;
+pub mod telemetry;
 pub mod toml_file;

@@ -24,7 +24,9 @@ pub use sender::{
     BlockFeed, GrpcTransport, KvTransport, OutChunk, Push, TransferError, TransferStats,
     TransportConfig, transfer, transfer_streaming,
 };
-pub use server::{H2Limits, KvServerHandle, KvTransferService, ServiceLimits, serve_kv};
+pub use server::{
+    H2Limits, KvServerHandle, KvTransferService, PushObserver, ServiceLimits, serve_kv,
+};
 pub use store::{BlockId, KvStore, StoreError};
 
 /// The `kv_format` of `kv.wire.v1`.

@@ -14,7 +14,7 @@ use tonic::{Status, Streaming};
 
 use crate::glue::{self, Dispatch, Handler, Limits, ResponseFuture, Routes};
 use crate::pb::kv::{
-    HasBlocksRequest, HasBlocksResponse, KvChunk, ReleaseRequest, ReleaseResponse, path,
+    HasBlocksRequest, HasBlocksResponse, KvAck, KvChunk, ReleaseRequest, ReleaseResponse, path,
 };
 use crate::receiver::{KvReceiver, PushState, RecvError};
 
@@ -39,6 +39,15 @@ impl Default for ServiceLimits {
     }
 }
 
+/// Told of every push's outcome on the receiving side (for metrics): an accepted push with its
+/// ack and how long it took from the call to the ack, or a refusal with its code.
+pub trait PushObserver: Send + Sync + std::fmt::Debug {
+    /// The push was accepted and is held under its handle.
+    fn accepted(&self, ack: &KvAck, took: Duration);
+    /// The push was refused or broken, and undone.
+    fn refused(&self, code: tonic::Code);
+}
+
 /// The `KvTransfer` service: moves messages into the receiver and its errors out as statuses.
 #[derive(Clone, Debug)]
 pub struct KvTransferService {
@@ -46,6 +55,7 @@ pub struct KvTransferService {
     push: Limits,
     small: Limits,
     timeouts: ServiceLimits,
+    observer: Option<Arc<dyn PushObserver>>,
 }
 
 impl KvTransferService {
@@ -75,7 +85,15 @@ impl KvTransferService {
             },
             timeouts: limits,
             rx,
+            observer: None,
         }
+    }
+
+    /// Tells `observer` of every push's outcome.
+    #[must_use]
+    pub fn observed(mut self, observer: Arc<dyn PushObserver>) -> Self {
+        self.observer = Some(observer);
+        self
     }
 
     /// The message limits of PushKv, and of HasBlocks and Release.
@@ -106,41 +124,55 @@ impl KvTransferService {
     fn push_kv(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
         let rx = Arc::clone(&self.rx);
         let t = self.timeouts;
-        glue::serve_client_streaming(
-            req,
-            self.push,
-            move |mut s: Streaming<KvChunk>| async move {
-                // Counted (and refused when too many) before a byte of it is read. Dropping
-                // `push` on any early return (refusal, broken stream, cancelled call, a
-                // deadline) undoes what it imported.
-                let mut push = rx.begin_push()?;
-                let whole = async move {
-                    loop {
-                        let next = tokio::time::timeout(t.push_idle, s.message())
-                            .await
-                            .map_err(|_| {
-                                Status::deadline_exceeded(format!(
-                                    "no chunk for {:?}: the push is undone",
-                                    t.push_idle
-                                ))
-                            })?;
-                        match next? {
-                            Some(chunk) => import(&mut push, chunk)?,
-                            None => return Ok::<_, Status>(push),
-                        }
-                    }
-                };
-                let push = tokio::time::timeout(t.push_deadline, whole)
+        let observer = self.observer.clone();
+        glue::serve_client_streaming(req, self.push, move |s: Streaming<KvChunk>| async move {
+            let started = Instant::now();
+            let r = Self::receive(rx, t, s).await;
+            if let Some(o) = &observer {
+                match &r {
+                    Ok(ack) => o.accepted(ack, started.elapsed()),
+                    Err(status) => o.refused(status.code()),
+                }
+            }
+            r
+        })
+    }
+
+    /// One push, from its first chunk to its ack.
+    async fn receive(
+        rx: Arc<KvReceiver>,
+        t: ServiceLimits,
+        mut s: Streaming<KvChunk>,
+    ) -> Result<KvAck, Status> {
+        // Counted (and refused when too many) before a byte of it is read. Dropping
+        // `push` on any early return (refusal, broken stream, cancelled call, a
+        // deadline) undoes what it imported.
+        let mut push = rx.begin_push()?;
+        let whole = async move {
+            loop {
+                let next = tokio::time::timeout(t.push_idle, s.message())
                     .await
                     .map_err(|_| {
                         Status::deadline_exceeded(format!(
-                            "the push took longer than {:?}: it is undone",
-                            t.push_deadline
+                            "no chunk for {:?}: the push is undone",
+                            t.push_idle
                         ))
-                    })??;
-                Ok(push.finish()?)
-            },
-        )
+                    })?;
+                match next? {
+                    Some(chunk) => import(&mut push, chunk)?,
+                    None => return Ok::<_, Status>(push),
+                }
+            }
+        };
+        let push = tokio::time::timeout(t.push_deadline, whole)
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded(format!(
+                    "the push took longer than {:?}: it is undone",
+                    t.push_deadline
+                ))
+            })??;
+        Ok(push.finish()?)
     }
 
     fn release(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {

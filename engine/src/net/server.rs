@@ -182,7 +182,7 @@ async fn bounded_stop<E: std::fmt::Display>(
         () = async { stop.cancelled().await; tokio::time::sleep(STOP_GRACE).await } => Ok(()),
     };
     if let Err(e) = res {
-        eprintln!("grpc server on {addr}: {e}");
+        tracing::error!(%addr, error = %e, "grpc server stopped");
     }
 }
 

@@ -11,6 +11,8 @@
 //! gateway_registry = ""         # host:port of the gateway's WorkerRegistry; empty: no heartbeat
 //! heartbeat_ms = 2000           # heartbeat interval
 //! advertise_address = ""        # host peers reach this engine at; empty: the bound address
+//! push_while_prefilling = true  # prefill roles: stream each block as soon as it is written
+//! metrics_listen = "127.0.0.1:0" # GET /metrics (Prometheus text), plaintext, any address
 //!
 //! [model]
 //! kind = "fake"                 # the only kind: the deterministic fake model, named "fake"
@@ -150,6 +152,9 @@ pub struct EngineSection {
     /// Prefill role: stream each block to the decode engine as soon as the prefill has written
     /// it (true), or push after the whole prefill (false).
     pub push_while_prefilling: bool,
+    /// `GET /metrics` listen address (plaintext: metrics carry no secrets, and a scraper
+    /// usually reaches it from outside, so it may be any address).
+    pub metrics_listen: String,
 }
 
 impl Default for EngineSection {
@@ -164,6 +169,7 @@ impl Default for EngineSection {
             heartbeat_ms: 2000,
             advertise_address: String::new(),
             push_while_prefilling: true,
+            metrics_listen: "127.0.0.1:0".into(),
         }
     }
 }

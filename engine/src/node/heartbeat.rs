@@ -100,6 +100,7 @@ pub struct Heartbeat<R> {
     registry: R,
     timeout: Duration,
     failures: AtomicU32,
+    failed_total: AtomicU64,
     beats: AtomicU64,
     drain: AtomicBool,
 }
@@ -111,6 +112,7 @@ impl<R: Registry> Heartbeat<R> {
             registry,
             timeout,
             failures: AtomicU32::new(0),
+            failed_total: AtomicU64::new(0),
             beats: AtomicU64::new(0),
             drain: AtomicBool::new(false),
         }
@@ -119,6 +121,11 @@ impl<R: Registry> Heartbeat<R> {
     /// Consecutive failed beats (0 after a success).
     pub fn failures(&self) -> u32 {
         self.failures.load(Ordering::SeqCst)
+    }
+
+    /// Failed beats since the start.
+    pub fn failed_total(&self) -> u64 {
+        self.failed_total.load(Ordering::Relaxed)
     }
 
     /// Beats attempted.
@@ -155,6 +162,7 @@ impl<R: Registry> Heartbeat<R> {
             }
             Err(e) => {
                 self.failures.fetch_add(1, Ordering::SeqCst);
+                self.failed_total.fetch_add(1, Ordering::Relaxed);
                 Err(e)
             }
         }

@@ -43,6 +43,7 @@ use crate::net::authz::{HttpPolicy, RolePolicy, Table, require_roles};
 use crate::net::clients::RegistryClient;
 use crate::net::server::{Lifecycle, bind, serve_grpc, serve_http};
 use crate::net::tls::{PeerRole, Tls};
+use crate::telemetry::metrics::{self, KvObserver, Metrics, SharedMetrics};
 
 /// Who may call KvTransfer (CONTRACTS section 7).
 pub const KV_POLICY: Table = &[
@@ -69,6 +70,8 @@ fn invalid(e: impl std::fmt::Display) -> std::io::Error {
 pub struct EngineNode {
     state: Arc<NodeState>,
     addrs: Addresses,
+    metrics_addr: String,
+    metrics: SharedMetrics,
     receiver: Option<Arc<KvReceiver>>,
     life: Lifecycle,
     _stop_on_drop: DropGuard,
@@ -123,6 +126,21 @@ impl EngineNode {
         let life = Lifecycle::new();
         let stop_on_drop = life.guard();
         let client_tls = tls.as_ref().map(Tls::tonic_client);
+        let metrics: SharedMetrics = Arc::new(Metrics::new());
+        {
+            let pool = pool.clone();
+            metrics.on_scrape(move |m| {
+                let c = pool.counts();
+                m.set_pool(c.free, c.used, c.cached);
+            });
+        }
+        if let Some(rx) = receiver.clone() {
+            metrics.on_scrape(move |m| {
+                let s = rx.stats();
+                m.kv_handles_pending.set(s.pending as i64);
+                Metrics::catch_up(&m.kv_handle_leases_expired, s.leases_expired);
+            });
+        }
 
         let prefill = role.prefills().then(|| {
             let mut tc =
@@ -137,6 +155,7 @@ impl EngineNode {
                 Arc::clone(&state),
                 transport,
                 cfg.engine.push_while_prefilling,
+                Arc::clone(&metrics),
             ))
         });
 
@@ -158,6 +177,7 @@ impl EngineNode {
         };
         if let Some(rx) = receiver.clone() {
             let kv = KvTransferService::with_limits(Arc::clone(&rx), limits.service())
+                .observed(Arc::new(KvObserver(Arc::clone(&metrics))))
                 .into_service()
                 .with_auth(RolePolicy(KV_POLICY).when(mtls));
             let kv = serve_grpc(
@@ -205,6 +225,12 @@ impl EngineNode {
             )
             .map_err(|s| invalid(s.message()))?;
             let hb = Arc::new(Heartbeat::new(registry, timeout));
+            {
+                let hb = Arc::clone(&hb);
+                metrics.on_scrape(move |m| {
+                    Metrics::catch_up(&m.heartbeat_failures, hb.failed_total());
+                });
+            }
             let (s1, s2, a) = (Arc::clone(&state), Arc::clone(&state), addrs.clone());
             life.spawn(hb.run(
                 interval,
@@ -214,9 +240,19 @@ impl EngineNode {
                 life.token().clone(),
             ));
         }
+        let metrics_listener = serve_http(
+            &life,
+            bind(&cfg.engine.metrics_listen).await?,
+            metrics::router(Arc::clone(&metrics)),
+            None,
+            limits.http(),
+        )?;
+        let metrics_addr = advertised(metrics_listener, advertise)?;
         Ok(Self {
             state,
             addrs,
+            metrics_addr,
+            metrics,
             receiver,
             life,
             _stop_on_drop: stop_on_drop,
@@ -248,6 +284,18 @@ impl EngineNode {
         self.addrs.clone()
     }
 
+    /// The `GET /metrics` address.
+    #[must_use]
+    pub fn metrics_address(&self) -> &str {
+        &self.metrics_addr
+    }
+
+    /// This engine's metrics.
+    #[must_use]
+    pub fn metrics(&self) -> &SharedMetrics {
+        &self.metrics
+    }
+
     /// The first line a process prints: the addresses it bound (keys for what it serves).
     #[must_use]
     pub fn listening_line(&self) -> String {
@@ -261,6 +309,7 @@ impl EngineNode {
         if !self.addrs.http.is_empty() {
             m.insert("http".into(), self.addrs.http.clone().into());
         }
+        m.insert("metrics".into(), self.metrics_addr.clone().into());
         serde_json::Value::Object(m).to_string()
     }
 

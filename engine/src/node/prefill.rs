@@ -26,6 +26,7 @@ use tonic::{Code, Status};
 use super::runner::SeqEvent;
 use super::state::NodeState;
 use super::store::PoolStore;
+use crate::telemetry::metrics::SharedMetrics;
 
 /// The one mapping of a refused request to gRPC.
 #[must_use]
@@ -49,6 +50,7 @@ pub struct PrefillService {
     transport: Arc<GrpcTransport>,
     inflight: Mutex<HashMap<String, oneshot::Sender<()>>>,
     pipelined: bool,
+    metrics: SharedMetrics,
 }
 
 /// The prefill's blocks as they are written, for the push: each published block carries a
@@ -121,12 +123,18 @@ impl PrefillService {
     #[must_use]
     /// With `pipelined`, each block is streamed as soon as it is written; otherwise the push
     /// starts after the whole prefill.
-    pub fn new(state: Arc<NodeState>, transport: GrpcTransport, pipelined: bool) -> Self {
+    pub fn new(
+        state: Arc<NodeState>,
+        transport: GrpcTransport,
+        pipelined: bool,
+        metrics: SharedMetrics,
+    ) -> Self {
         Self {
             state,
             transport: Arc::new(transport),
             inflight: Mutex::new(HashMap::new()),
             pipelined,
+            metrics,
         }
     }
 
@@ -221,6 +229,7 @@ impl PrefillService {
             hashes: &hashes,
             n_blocks: req.prompt_tokens.len().div_ceil(b),
         };
+        let started = std::time::Instant::now();
         let cancelled_status =
             || Status::cancelled(format!("request {} was cancelled", req.request_id));
 
@@ -263,6 +272,14 @@ impl PrefillService {
                 }
             };
             if let Err(e) = ended {
+                tracing::warn!(
+                    request_id = %req.request_id,
+                    handle_id = %handle_id,
+                    worker_id = %self.state.id(),
+                    code = ?e.code(),
+                    error = %e.message(),
+                    "prefill failed"
+                );
                 if moved.is_some() {
                     // The push completed before the prefill failed or was cancelled: the decode
                     // side holds a handle nobody will claim. Release it now rather than at the
@@ -299,6 +316,21 @@ impl PrefillService {
             return Err(Status::internal("prefill ended without output"));
         };
         debug_assert_eq!(output.hashes, hashes);
+        self.metrics.push_sent(
+            stats.sent,
+            stats.deduped,
+            stats.payload_bytes,
+            started.elapsed(),
+        );
+        tracing::info!(
+            request_id = %req.request_id,
+            handle_id = %handle_id,
+            worker_id = %self.state.id(),
+            blocks_sent = stats.sent,
+            blocks_deduped = stats.deduped,
+            payload_bytes = stats.payload_bytes,
+            "prefilled and pushed"
+        );
         Ok(KvHandle {
             handle_id,
             first_token: output.first_token,

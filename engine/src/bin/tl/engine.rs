@@ -31,6 +31,9 @@ pub(crate) struct EngineArgs {
     /// HTTP listen address.
     #[arg(long)]
     http_listen: Option<String>,
+    /// `GET /metrics` listen address.
+    #[arg(long)]
+    metrics_listen: Option<String>,
     /// The gateway's WorkerRegistry (host:port).
     #[arg(long)]
     gateway_registry: Option<String>,
@@ -64,6 +67,7 @@ impl EngineArgs {
         set(&mut c.engine.grpc_listen, &self.grpc_listen);
         set(&mut c.engine.kv_listen, &self.kv_listen);
         set(&mut c.engine.http_listen, &self.http_listen);
+        set(&mut c.engine.metrics_listen, &self.metrics_listen);
         set(&mut c.engine.gateway_registry, &self.gateway_registry);
         set(&mut c.engine.advertise_address, &self.advertise_address);
         self.tls.apply(&mut c.tls, &mut c.allow_insecure);
@@ -89,16 +93,17 @@ pub(crate) fn engine(args: &EngineArgs) -> ExitCode {
     serve_until_terminated(
         EngineNode::start(&cfg),
         |node| {
-            eprintln!(
-                "engine {id} ({:?}) serving; SIGTERM drains and exits",
-                cfg.engine.role
+            tracing::info!(
+                worker_id = %id,
+                role = ?cfg.engine.role,
+                "engine serving; SIGTERM drains and exits"
             );
             node.listening_line()
         },
         async |node| {
-            eprintln!("engine {id}: draining");
+            tracing::info!(worker_id = %id, "draining");
             let left = node.shutdown(drain).await;
-            eprintln!("engine {id}: stopped ({left} unfinished)");
+            tracing::info!(worker_id = %id, unfinished = left, "stopped");
         },
     )
 }

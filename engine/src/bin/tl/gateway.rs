@@ -49,7 +49,7 @@ pub(crate) fn gateway(args: &GatewayArgs) -> ExitCode {
     serve_until_terminated(
         GatewayNode::start(&cfg),
         |node| {
-            eprintln!("gateway serving; SIGTERM stops it");
+            tracing::info!("gateway serving; SIGTERM stops it");
             node.listening_line()
         },
         async |node| node.stop().await,

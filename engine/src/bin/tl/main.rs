@@ -13,6 +13,7 @@ mod run;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use tl_engine::telemetry::{LogFormat, init_logs};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -21,6 +22,9 @@ use clap::{Parser, Subcommand};
     about = "kvwire engine: inspect envelopes, run engines, benchmark"
 )]
 struct Cli {
+    /// Log lines on stderr as text or JSON; `RUST_LOG` filters them (default `info`).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -96,6 +100,7 @@ fn main() -> ExitCode {
             return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
         }
     };
+    init_logs(cli.log_format);
     match cli.cmd {
         Cmd::Inspect(args) => inspect::inspect(&args),
         Cmd::Generate(args) => generate::generate(&args),

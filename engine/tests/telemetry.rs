@@ -1,0 +1,159 @@
+//! Metrics: every engine serves Prometheus text on its own listener, and the counters move by
+//! exactly what a push moved or what a refusal refused.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
+use tl_engine::net::clients::{ControlClient, HttpClient};
+use tl_engine::node::EngineNode;
+use tl_engine::node::config::{Config, Role};
+use tonic::Code;
+
+/// Scrapes `addr` and parses the text with a Prometheus parser: each sample by its name and
+/// sorted labels (histograms as their `_count` and `_sum`).
+async fn scrape(addr: &str) -> HashMap<String, f64> {
+    let r = HttpClient::default().get(addr, "/metrics").await.unwrap();
+    assert_eq!(r.status, 200);
+    let text = String::from_utf8(r.body.to_vec()).unwrap();
+    let lines = text.lines().map(|l| Ok(l.to_owned()));
+    let parsed = prometheus_parse::Scrape::parse(lines).expect("valid Prometheus text");
+    let mut out = HashMap::new();
+    for s in parsed.samples {
+        let mut labels: Vec<String> = s.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        labels.sort();
+        let key = format!("{}{{{}}}", s.metric, labels.join(","));
+        let v = match s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => v,
+            prometheus_parse::Value::Histogram(h) => {
+                out.insert(
+                    format!("{}_count{{}}", s.metric),
+                    h.iter().map(|b| b.count).fold(0.0, f64::max),
+                );
+                continue;
+            }
+            prometheus_parse::Value::Summary(_) => continue,
+        };
+        out.insert(key, v);
+    }
+    out
+}
+
+fn get(m: &HashMap<String, f64>, key: &str) -> f64 {
+    m.get(key).copied().unwrap_or(0.0)
+}
+
+/// The counters that changed between two scrapes, with their deltas (gauges left out).
+fn moved(before: &HashMap<String, f64>, after: &HashMap<String, f64>) -> Vec<(String, f64)> {
+    let mut v: Vec<(String, f64)> = after
+        .iter()
+        .filter(|(k, _)| k.contains("_total") || k.ends_with("_count{}"))
+        .map(|(k, &a)| (k.clone(), a - get(before, k)))
+        .filter(|(_, d)| *d != 0.0)
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_what_moved() {
+    let mut pc = Config::for_worker("P", Role::Prefill, "");
+    pc.pool.n_blocks = 64;
+    let mut dc = Config::for_worker("D", Role::Decode, "");
+    dc.pool.n_blocks = 64;
+    let p = EngineNode::start(&pc).await.unwrap();
+    let d = EngineNode::start(&dc).await.unwrap();
+    let ctl = ControlClient::new(&p.addresses().grpc).unwrap();
+    let request = |id: &str, prompt: Vec<u32>| PrefillRequest {
+        request_id: id.into(),
+        prompt_tokens: prompt,
+        sampling: Some(SamplingParams {
+            seed: Some(1),
+            max_tokens: 4,
+            ..SamplingParams::default()
+        }),
+        decode_target: d.addresses().kv,
+    };
+    // The listening line names the metrics listener.
+    let line: serde_json::Value = serde_json::from_str(&p.listening_line()).unwrap();
+    assert_eq!(line["metrics"], p.metrics_address());
+
+    // A push of 5 blocks (4 full and a tail), then the same prompt again (4 deduped).
+    let prompt: Vec<u32> = (0..18).collect();
+    let (p0, d0) = (
+        scrape(p.metrics_address()).await,
+        scrape(d.metrics_address()).await,
+    );
+    let h = ctl.prefill(request("a", prompt.clone())).await.unwrap();
+    assert!(d.receiver().unwrap().release(&h.handle_id));
+    let h2 = ctl.prefill(request("b", prompt.clone())).await.unwrap();
+    assert_eq!((h.blocks_sent, h.blocks_deduped), (5, 0));
+    assert_eq!((h2.blocks_sent, h2.blocks_deduped), (1, 4));
+    let bytes = (h.payload_bytes + h2.payload_bytes) as f64;
+    let (p1, d1) = (
+        scrape(p.metrics_address()).await,
+        scrape(d.metrics_address()).await,
+    );
+    assert_eq!(
+        moved(&p0, &p1),
+        [
+            ("tl_kv_blocks_deduped_total{}".to_owned(), 4.0),
+            ("tl_kv_blocks_sent_total{}".to_owned(), 6.0),
+            (
+                "tl_kv_payload_bytes_total{direction=sent}".to_owned(),
+                bytes
+            ),
+            ("tl_kv_push_seconds_count{}".to_owned(), 2.0),
+        ]
+    );
+    assert_eq!(
+        moved(&d0, &d1),
+        [
+            (
+                "tl_kv_payload_bytes_total{direction=received}".to_owned(),
+                bytes
+            ),
+            ("tl_kv_push_seconds_count{}".to_owned(), 2.0),
+        ]
+    );
+    assert_eq!(get(&d1, "tl_kv_handles_pending{}"), 1.0);
+    let pool = d.runner().pool().counts();
+    assert_eq!(get(&d1, "tl_pool_blocks{state=used}"), pool.used as f64);
+    assert_eq!(
+        get(&d1, "tl_pool_blocks{state=free}") + get(&d1, "tl_pool_blocks{state=cached}"),
+        (pool.free + pool.cached) as f64
+    );
+    assert!(d.receiver().unwrap().release(&h2.handle_id));
+
+    // A refused push: the decode pool is full, so D refuses with RESOURCE_EXHAUSTED. Nothing
+    // else moves on either side.
+    let room = d.runner().pool().lock().available();
+    let hog = d.runner().pool().lock().allocate(room).unwrap();
+    let err = ctl
+        .prefill(request("c", (100..118).collect()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    let (p2, d2) = (
+        scrape(p.metrics_address()).await,
+        scrape(d.metrics_address()).await,
+    );
+    assert_eq!(moved(&p1, &p2), []);
+    assert_eq!(
+        moved(&d1, &d2),
+        [(
+            "tl_kv_push_refused_total{code=RESOURCE_EXHAUSTED}".to_owned(),
+            1.0
+        )]
+    );
+    {
+        let mut pool = d.runner().pool().lock();
+        for id in hog {
+            pool.release(id).unwrap();
+        }
+    }
+    p.shutdown(Duration::from_secs(1)).await;
+    d.shutdown(Duration::from_secs(1)).await;
+}
