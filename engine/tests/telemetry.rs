@@ -157,3 +157,73 @@ async fn metrics_count_what_moved() {
     p.shutdown(Duration::from_secs(1)).await;
     d.shutdown(Duration::from_secs(1)).await;
 }
+
+/// The gateway counts requests by endpoint and status, times first tokens and later tokens,
+/// counts its routing decisions and reports live workers by role.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_metrics_count_requests() {
+    use tl_engine::gateway::GatewayNode;
+    use tl_engine::gateway::config::GatewayConfig;
+
+    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
+    let reg = gw.registry_addr().to_string();
+    let cfg = |id: &str, role| {
+        let mut c = Config::for_worker(id, role, &reg);
+        c.engine.heartbeat_ms = 100;
+        c.pool.n_blocks = 64;
+        c
+    };
+    let p = EngineNode::start(&cfg("P", Role::Prefill)).await.unwrap();
+    let d = EngineNode::start(&cfg("D", Role::Decode)).await.unwrap();
+    let metrics = gw.metrics_addr().to_string();
+    let live = |m: &HashMap<String, f64>| {
+        (
+            get(m, "tl_workers{role=prefill}"),
+            get(m, "tl_workers{role=decode}"),
+            get(m, "tl_workers{role=both}"),
+        )
+    };
+    let mut before = HashMap::new();
+    for _ in 0..200 {
+        before = scrape(&metrics).await;
+        if live(&before) == (1.0, 1.0, 0.0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(live(&before), (1.0, 1.0, 0.0));
+    let http = HttpClient::default();
+    let addr = gw.http_addr().to_string();
+    let body = serde_json::json!({ "prompt": [1, 2, 3, 4, 5], "max_tokens": 6, "seed": 3 });
+    let r = http
+        .post(&addr, "/v1/completions", &[], body.to_string())
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let bad = serde_json::json!({ "prompt": [1, 2], "max_tokens": 0 });
+    let r = http
+        .post(&addr, "/v1/completions", &[], bad.to_string())
+        .await
+        .unwrap();
+    assert_eq!(r.status, 400);
+    let after = scrape(&metrics).await;
+    assert_eq!(
+        moved(&before, &after),
+        [
+            (
+                "tl_requests_total{endpoint=/v1/completions,status=200}".to_owned(),
+                1.0
+            ),
+            (
+                "tl_requests_total{endpoint=/v1/completions,status=400}".to_owned(),
+                1.0
+            ),
+            ("tl_route_decisions_total{reason=by_load}".to_owned(), 1.0),
+            ("tl_time_per_output_token_seconds_count{}".to_owned(), 1.0),
+            ("tl_time_to_first_token_seconds_count{}".to_owned(), 1.0),
+        ]
+    );
+    p.shutdown(Duration::from_secs(1)).await;
+    d.shutdown(Duration::from_secs(1)).await;
+    gw.stop().await;
+}

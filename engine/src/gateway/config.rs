@@ -46,6 +46,8 @@ pub struct GatewaySection {
     pub http_listen: String,
     /// Registry listen address.
     pub registry_listen: String,
+    /// `GET /metrics` listen address (plaintext, any address).
+    pub metrics_listen: String,
     /// Requests in flight before 429.
     pub max_inflight: usize,
     /// Request timeout in milliseconds (504).
@@ -64,6 +66,7 @@ impl Default for GatewaySection {
             public_tls: None,
             http_listen: "127.0.0.1:0".into(),
             registry_listen: "127.0.0.1:0".into(),
+            metrics_listen: "127.0.0.1:0".into(),
             max_inflight: 256,
             request_timeout_ms: 60_000,
             has_blocks_timeout_ms: 250,

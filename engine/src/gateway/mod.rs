@@ -39,6 +39,7 @@ use crate::net::authz::RolePolicy;
 use crate::net::limits::LimitsSection;
 use crate::net::server::{Lifecycle, bind, serve_grpc, serve_http};
 use crate::net::tls::{PublicTls, Tls, TlsError};
+use crate::telemetry::metrics::{Metrics, SharedMetrics};
 
 /// The gateway's shared state.
 #[derive(Debug)]
@@ -49,6 +50,7 @@ pub struct Gateway {
     permits: Arc<Semaphore>,
     inflight: Arc<InFlight>,
     api_keys: keys::ApiKeys,
+    metrics: SharedMetrics,
 }
 
 impl Gateway {
@@ -74,7 +76,14 @@ impl Gateway {
             cfg,
             inflight: Arc::new(InFlight::default()),
             api_keys,
+            metrics: Arc::new(Metrics::new()),
         })
+    }
+
+    /// The gateway's metrics.
+    #[must_use]
+    pub fn metrics(&self) -> &SharedMetrics {
+        &self.metrics
     }
 
     /// The live workers.
@@ -102,12 +111,30 @@ impl Gateway {
     }
 }
 
+/// Sets `tl_workers{role}` from the live workers, every role reported (0 when none is live).
+pub fn workers_by_role(m: &Metrics, live: &[WorkerStatus]) {
+    use kvwire_grpc::pb::control::Role as PbRole;
+    for (role, pb) in [
+        ("prefill", PbRole::Prefill),
+        ("decode", PbRole::Decode),
+        ("both", PbRole::Both),
+    ] {
+        let n = live.iter().filter(|w| w.role == pb as i32).count();
+        m.workers
+            .get_or_create(&crate::telemetry::metrics::Role {
+                role: role.to_owned(),
+            })
+            .set(n as i64);
+    }
+}
+
 /// A running gateway: registry and HTTP front.
 #[derive(Debug)]
 pub struct GatewayNode {
     gateway: Arc<Gateway>,
     registry_addr: SocketAddr,
     http_addr: SocketAddr,
+    metrics_addr: SocketAddr,
     life: Lifecycle,
     _stop_on_drop: DropGuard,
 }
@@ -165,10 +192,22 @@ impl GatewayNode {
             public_tls,
             cfg.limits.http(),
         )?;
+        let registry = Arc::clone(&gateway.registry);
+        gateway
+            .metrics
+            .on_scrape(move |m| workers_by_role(m, &registry.list(Instant::now())));
+        let metrics_addr = serve_http(
+            &life,
+            bind(&g.metrics_listen).await?,
+            crate::telemetry::metrics::router(Arc::clone(&gateway.metrics)),
+            None,
+            cfg.limits.http(),
+        )?;
         Ok(Self {
             gateway,
             registry_addr,
             http_addr,
+            metrics_addr,
             _stop_on_drop: life.guard(),
             life,
         })
@@ -198,10 +237,22 @@ impl GatewayNode {
         self.registry_addr
     }
 
+    /// `GET /metrics` address.
+    #[must_use]
+    pub fn metrics_addr(&self) -> SocketAddr {
+        self.metrics_addr
+    }
+
     /// The listening line.
     #[must_use]
     pub fn listening_line(&self) -> String {
-        serde_json::json!({ "event": "listening", "http": self.http_addr.to_string(), "registry": self.registry_addr.to_string() }).to_string()
+        serde_json::json!({
+            "event": "listening",
+            "http": self.http_addr.to_string(),
+            "registry": self.registry_addr.to_string(),
+            "metrics": self.metrics_addr.to_string(),
+        })
+        .to_string()
     }
 
     /// Stops both servers.

@@ -26,6 +26,7 @@ use crate::api::{
     ApiError, ChatRequest, CompletionRequest, ErrorDetail, Flavor, GenerationParams, ResponseMeta,
     completion_id, parse, render_chat,
 };
+use crate::telemetry::metrics::{RequestLabels, SharedMetrics};
 
 /// What the gateway can check without an engine: the byte-level tokenizer's vocabulary. The
 /// context length is the engine's to check, with the same validation and message.
@@ -46,7 +47,66 @@ pub fn router(g: Arc<Gateway>) -> axum::Router {
             g.api_keys.clone(),
             super::keys::require_key,
         ))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&g.metrics),
+            count_requests,
+        ))
         .with_state(g)
+}
+
+/// Counts every request by endpoint and status (`tl_requests_total`); a path the router does
+/// not serve counts under `other`, so a scanner cannot grow the label set.
+async fn count_requests(
+    State(m): State<SharedMetrics>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let endpoint = match req.uri().path() {
+        p
+        @ ("/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health" | "/workers") => {
+            p.to_owned()
+        }
+        _ => "other".to_owned(),
+    };
+    let r = next.run(req).await;
+    m.requests
+        .get_or_create(&RequestLabels {
+            endpoint,
+            status: r.status().as_u16(),
+        })
+        .inc();
+    r
+}
+
+/// A request's token timing: time to first token from its arrival, then time per output token
+/// after the first, recorded when it ends.
+struct Meter {
+    metrics: SharedMetrics,
+    first_at: Instant,
+    tokens: u32,
+}
+
+impl Meter {
+    fn first(metrics: SharedMetrics, arrived: Instant) -> Self {
+        let now = Instant::now();
+        metrics.ttft_seconds.observe((now - arrived).as_secs_f64());
+        Self {
+            metrics,
+            first_at: now,
+            tokens: 1,
+        }
+    }
+
+    fn token(&mut self) {
+        self.tokens += 1;
+    }
+
+    fn done(&self) {
+        if self.tokens > 1 {
+            let per = self.first_at.elapsed().as_secs_f64() / f64::from(self.tokens - 1);
+            self.metrics.tpot_seconds.observe(per);
+        }
+    }
 }
 
 async fn completions(State(g): State<Arc<Gateway>>, body: axum::body::Bytes) -> Response {
@@ -100,6 +160,7 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
             "too many requests in flight",
         ));
     };
+    let arrived = Instant::now();
     let (tx, mut rx) = mpsc::channel::<Out>(64);
     let timeout = Duration::from_millis(g.cfg.request_timeout_ms);
     let stream = job.params.streams();
@@ -140,14 +201,21 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
         }
         None => return Err(timed_out()),
     };
+    let mut meter = Meter::first(Arc::clone(&g.metrics), arrived);
     if stream {
-        return Ok(relay_stream(meta, first, rx));
+        return Ok(relay_stream(meta, first, rx, meter));
     }
     let mut tokens = vec![first];
     let finish = loop {
         match rx.recv().await {
-            Some(Out::Token(t)) => tokens.push(t),
-            Some(Out::Done { finish }) => break finish,
+            Some(Out::Token(t)) => {
+                meter.token();
+                tokens.push(t);
+            }
+            Some(Out::Done { finish }) => {
+                meter.done();
+                break finish;
+            }
             Some(Out::Broken(e)) => {
                 return Err(ApiError::new(
                     StatusCode::BAD_GATEWAY,
@@ -162,7 +230,12 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
     Ok(Json(meta.whole(tokens, finish)).into_response())
 }
 
-fn relay_stream(meta: ResponseMeta, first: u32, mut rx: mpsc::Receiver<Out>) -> Response {
+fn relay_stream(
+    meta: ResponseMeta,
+    first: u32,
+    mut rx: mpsc::Receiver<Out>,
+    mut meter: Meter,
+) -> Response {
     let (tx, response) = sse::channel(64);
     tokio::spawn(async move {
         let chunk = |tokens, finish| StreamEvent::Chunk(Box::new(meta.chunk(tokens, finish)));
@@ -171,8 +244,12 @@ fn relay_stream(meta: ResponseMeta, first: u32, mut rx: mpsc::Receiver<Out>) -> 
         }
         loop {
             let event = match rx.recv().await {
-                Some(Out::Token(t)) => chunk(vec![t], None),
+                Some(Out::Token(t)) => {
+                    meter.token();
+                    chunk(vec![t], None)
+                }
                 Some(Out::Done { finish }) => {
+                    meter.done();
                     if tx.send(&chunk(vec![], Some(finish))).await {
                         tx.send(&StreamEvent::Done).await;
                     }

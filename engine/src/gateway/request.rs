@@ -116,6 +116,22 @@ impl Gateway {
             .cached_prefixes(&job.prompt, &has_blocks_targets(&workers))
             .await;
         let plan = plan(&workers, &cached, &self.inflight.snapshot(), self.policy());
+        let reason = match (plan.decode.first(), &plan.fallback) {
+            (Some(d), _) if plan.prefill.is_some() => match d.reason {
+                Reason::PrefixHit { .. } => "prefix_hit",
+                Reason::ByLoad => "by_load",
+                Reason::Colocated => "colocated",
+            },
+            (_, Some(_)) => "colocated",
+            _ => "none",
+        };
+        self.metrics
+            .route_decisions
+            .get_or_create(&crate::telemetry::metrics::Reason {
+                reason: reason.to_owned(),
+            })
+            .inc();
+        tracing::debug!(request_id = %id, reason, "routed");
         let mut retries = 0;
         if let Some(p) = &plan.prefill
             && let Ok(ctl) = self.upstream.control(&p.grpc_address)
