@@ -228,7 +228,9 @@ fn registry_evicts_after_three_missed_beats() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_registry_roundtrip() {
-    let node = RegistryNode::start("127.0.0.1:0", None).await.unwrap();
+    let node = RegistryNode::start("127.0.0.1:0", None, "127.0.0.1:0")
+        .await
+        .unwrap();
     let addr = node.addr().to_string();
     let client = RegistryClient::new(&addr, Duration::from_millis(500)).unwrap();
     let hb = Heartbeat::new(client.clone(), Duration::from_millis(500));

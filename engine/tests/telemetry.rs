@@ -227,3 +227,93 @@ async fn gateway_metrics_count_requests() {
     d.shutdown(Duration::from_secs(1)).await;
     gw.stop().await;
 }
+
+/// Every series the ready Grafana dashboard queries is one the processes publish: the names
+/// come from the `# TYPE` lines of a real exposition (a counter's `_total`, a histogram's
+/// `_bucket`, `_sum` and `_count`), and every expression's brackets balance.
+#[test]
+fn dashboard_queries_name_real_metrics() {
+    use tl_engine::telemetry::metrics::{CodeLabel, Metrics, RequestLabels};
+    // Families with open label sets print their TYPE line once a series exists: make one of
+    // each, as a serving process would.
+    let m = Metrics::new();
+    m.set_pool(1, 2, 3);
+    tl_engine::gateway::workers_by_role(&m, &[]);
+    m.kv_push_refused
+        .get_or_create(&CodeLabel {
+            code: "RESOURCE_EXHAUSTED".into(),
+        })
+        .inc();
+    m.requests
+        .get_or_create(&RequestLabels {
+            endpoint: "/v1/completions".into(),
+            status: 200,
+        })
+        .inc();
+    let text = m.encode();
+    let mut series = std::collections::HashSet::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        if (words.next(), words.next()) != (Some("#"), Some("TYPE")) {
+            continue;
+        }
+        let (Some(name), Some(kind)) = (words.next(), words.next()) else {
+            continue;
+        };
+        match kind {
+            "counter" => {
+                series.insert(format!("{name}_total"));
+            }
+            "histogram" => {
+                for s in ["_bucket", "_sum", "_count"] {
+                    series.insert(format!("{name}{s}"));
+                }
+            }
+            _ => {
+                series.insert(name.to_owned());
+            }
+        }
+    }
+    assert!(series.contains("tl_kv_blocks_sent_total"), "{series:?}");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/grafana/kvwire.json");
+    let dash: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut exprs = Vec::new();
+    for p in dash["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().unwrap() {
+            exprs.push(t["expr"].as_str().unwrap().to_owned());
+        }
+    }
+    assert!(exprs.len() >= 11);
+    let mut used = std::collections::HashSet::new();
+    for e in &exprs {
+        let mut depth = 0i32;
+        for c in e.chars() {
+            match c {
+                '(' | '[' | '{' => depth += 1,
+                ')' | ']' | '}' => depth -= 1,
+                _ => {}
+            }
+            assert!(depth >= 0, "unbalanced: {e}");
+        }
+        assert_eq!(depth, 0, "unbalanced: {e}");
+        for word in e.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if word.starts_with("tl_") {
+                assert!(series.contains(word), "{word} is not published (in {e})");
+                used.insert(word.to_owned());
+            }
+        }
+    }
+    // The panels the issue asks for: TTFT/TPOT, bytes and dedup, refusals, pool, workers.
+    for name in [
+        "tl_time_to_first_token_seconds_bucket",
+        "tl_time_per_output_token_seconds_bucket",
+        "tl_kv_payload_bytes_total",
+        "tl_kv_blocks_deduped_total",
+        "tl_kv_push_refused_total",
+        "tl_pool_blocks",
+        "tl_workers",
+    ] {
+        assert!(used.contains(name), "no panel queries {name}");
+    }
+}

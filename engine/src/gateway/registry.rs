@@ -291,16 +291,22 @@ impl RegistryService {
 pub struct RegistryNode {
     state: Arc<RegistryState>,
     addr: SocketAddr,
+    metrics_addr: SocketAddr,
     life: Lifecycle,
     _stop_on_drop: DropGuard,
 }
 
 impl RegistryNode {
-    /// Serves a registry on `listen`, over mutual TLS when `tls` is given.
+    /// Serves a registry on `listen`, over mutual TLS when `tls` is given, and its metrics
+    /// (`tl_workers{role}`) on `metrics_listen`.
     ///
     /// # Errors
-    /// When the address cannot be bound.
-    pub async fn start(listen: &str, tls: Option<&Tls>) -> std::io::Result<Self> {
+    /// When an address cannot be bound.
+    pub async fn start(
+        listen: &str,
+        tls: Option<&Tls>,
+        metrics_listen: &str,
+    ) -> std::io::Result<Self> {
         let state = Arc::new(RegistryState::default());
         let life = Lifecycle::new();
         let svc = Dispatch::new(Arc::new(RegistryService::new(Arc::clone(&state))))
@@ -316,9 +322,20 @@ impl RegistryNode {
             server_tls,
             H2Limits::default(),
         )?;
+        let metrics = Arc::new(crate::telemetry::metrics::Metrics::new());
+        let live = Arc::clone(&state);
+        metrics.on_scrape(move |m| super::workers_by_role(m, &live.list(Instant::now())));
+        let metrics_addr = crate::net::server::serve_http(
+            &life,
+            bind(metrics_listen).await?,
+            crate::telemetry::metrics::router(metrics),
+            None,
+            crate::net::server::HttpLimits::default(),
+        )?;
         Ok(Self {
             state,
             addr,
+            metrics_addr,
             _stop_on_drop: life.guard(),
             life,
         })
@@ -334,6 +351,12 @@ impl RegistryNode {
     #[must_use]
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// `GET /metrics` address.
+    #[must_use]
+    pub fn metrics_addr(&self) -> SocketAddr {
+        self.metrics_addr
     }
 
     /// Stops the server.

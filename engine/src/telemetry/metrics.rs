@@ -209,6 +209,20 @@ impl Metrics {
             "Routing decisions by reason",
             m.route_decisions.clone(),
         );
+        // Series with a closed set of label values exist from the start, at 0, so a rate over
+        // them is defined before the first event.
+        for direction in ["sent", "received"] {
+            m.kv_payload_bytes
+                .get_or_create(&Direction { direction })
+                .inc_by(0);
+        }
+        for reason in ["prefix_hit", "by_load", "colocated", "none"] {
+            m.route_decisions
+                .get_or_create(&Reason {
+                    reason: reason.to_owned(),
+                })
+                .inc_by(0);
+        }
         m
     }
 

@@ -21,6 +21,9 @@ pub(crate) struct GatewayArgs {
     /// WorkerRegistry listen address.
     #[arg(long)]
     registry_listen: Option<String>,
+    /// `GET /metrics` listen address (plaintext).
+    #[arg(long)]
+    metrics_listen: Option<String>,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -40,6 +43,9 @@ pub(crate) fn gateway(args: &GatewayArgs) -> ExitCode {
     }
     if let Some(r) = &args.registry_listen {
         cfg.gateway.registry_listen.clone_from(r);
+    }
+    if let Some(m) = &args.metrics_listen {
+        cfg.gateway.metrics_listen.clone_from(m);
     }
     args.tls.apply(&mut cfg.tls, &mut cfg.allow_insecure);
     if let Err(e) = cfg.validate() {

@@ -16,6 +16,9 @@ pub(crate) struct RegistryArgs {
     /// Listen address.
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
+    /// `GET /metrics` listen address (plaintext).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    metrics_listen: String,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -40,10 +43,14 @@ pub(crate) fn registry(args: &RegistryArgs) -> ExitCode {
         }
     };
     serve_until_terminated(
-        RegistryNode::start(&args.listen, tls.as_ref()),
+        RegistryNode::start(&args.listen, tls.as_ref(), &args.metrics_listen),
         |node| {
-            serde_json::json!({ "event": "listening", "registry": node.addr().to_string() })
-                .to_string()
+            serde_json::json!({
+                "event": "listening",
+                "registry": node.addr().to_string(),
+                "metrics": node.metrics_addr().to_string(),
+            })
+            .to_string()
         },
         async |node| node.stop().await,
     )
