@@ -74,6 +74,32 @@ pub struct Dispatch<S> {
     auth: Option<Arc<dyn Authorize>>,
 }
 
+/// Trace context across calls, set once per process by whoever owns tracing (this crate does
+/// not name a tracing backend): `inject` writes the current span's context into an outgoing
+/// call's headers; `server_span` makes the span an incoming call of `path` runs in, a child of
+/// the context its headers carry.
+#[derive(Clone, Copy, Debug)]
+pub struct Propagation {
+    /// Adds the current trace context (W3C `traceparent`) to outgoing headers.
+    pub inject: fn(&mut http::HeaderMap),
+    /// The span for an incoming call, or `None` for none.
+    pub server_span: fn(&str, &http::HeaderMap) -> Option<tracing::Span>,
+}
+
+static PROPAGATION: std::sync::OnceLock<Propagation> = std::sync::OnceLock::new();
+
+/// Sets the process's [`Propagation`]; `false` when one was set already (the first stays).
+pub fn set_propagation(p: Propagation) -> bool {
+    PROPAGATION.set(p).is_ok()
+}
+
+/// Writes the current trace context into `headers` when a [`Propagation`] is set.
+pub fn inject_context(headers: &mut http::HeaderMap) {
+    if let Some(p) = PROPAGATION.get() {
+        (p.inject)(headers);
+    }
+}
+
 impl<S> std::fmt::Debug for Dispatch<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Dispatch")
@@ -136,7 +162,19 @@ impl<S: Routes> tower_service::Service<http::Request<Body>> for Dispatch<S> {
             let resp = status.into_http();
             return Box::pin(async move { Ok(resp) });
         }
-        handler(&self.state, req)
+        let span = PROPAGATION
+            .get()
+            .and_then(|p| (p.server_span)(&path, req.headers()));
+        match span {
+            Some(span) => {
+                use tracing::Instrument;
+                let _entered = span.enter();
+                let fut = handler(&self.state, req);
+                drop(_entered);
+                Box::pin(fut.instrument(span))
+            }
+            None => handler(&self.state, req),
+        }
     }
 }
 
@@ -290,6 +328,8 @@ where
     Req: prost::Message + Send + Sync + 'static,
     Resp: prost::Message + Default + Send + Sync + 'static,
 {
+    let mut req = req;
+    inject_context(req.metadata_mut().as_mut());
     let mut grpc = client(channel, limits);
     grpc.ready()
         .await
@@ -343,6 +383,8 @@ where
     C::Encode: Send + Sync + 'static,
     C::Decode: Send + Sync + 'static,
 {
+    let mut req = req;
+    inject_context(req.metadata_mut().as_mut());
     let mut grpc = client(channel, limits);
     grpc.ready()
         .await

@@ -22,6 +22,7 @@ use tl_engine_core::rng::entropy_seed;
 use tl_engine_core::sampler::{Sampling, SamplingRequest};
 use tokio::sync::{oneshot, watch};
 use tonic::{Code, Status};
+use tracing::Instrument;
 
 use super::runner::SeqEvent;
 use super::state::NodeState;
@@ -242,7 +243,16 @@ impl PrefillService {
             // The feed (and its references) lives until this call returns: the push may still
             // be sending blocks after the sequence has left the engine.
             let (key, mut events) = runner.submit_observed(request, Some(feed.clone()));
-            let push = kvwire_grpc::transfer_streaming(&*self.transport, store, push, blocks);
+            // The compute (submit to first token) and the push (HasBlocks to ack) overlap:
+            // two sibling spans under the call's own.
+            let mut computing = Some(tracing::info_span!(
+                "engine.prefill",
+                otel.kind = "internal",
+                prompt_tokens = req.prompt_tokens.len()
+            ));
+            let transfer = transfer_span(&handle_id);
+            let push = kvwire_grpc::transfer_streaming(&*self.transport, store, push, blocks)
+                .instrument(transfer.clone());
             tokio::pin!(push);
             let (mut output, mut moved) = (None, None);
             let ended: Result<(), Status> = loop {
@@ -251,15 +261,22 @@ impl PrefillService {
                 }
                 tokio::select! {
                     ev = events.recv(), if output.is_none() => match ev {
-                        Some(SeqEvent::Prefilled(out)) => output = Some(out),
+                        Some(SeqEvent::Prefilled(out)) => {
+                            computing = None;
+                            output = Some(out);
+                        }
                         Some(SeqEvent::Refused(e)) => break Err(request_status(&e)),
                         Some(SeqEvent::Failed(e)) => break Err(seq_status(&e)),
                         Some(_) => {}
                         None => break Err(Status::unavailable("the engine stopped")),
                     },
                     r = &mut push, if moved.is_none() => match r {
-                        Ok(stats) => moved = Some(stats),
+                        Ok(stats) => {
+                            record_transfer(&transfer, Ok(&stats));
+                            moved = Some(stats);
+                        }
                         Err(e) => {
+                            record_transfer(&transfer, Err(e.code()));
                             // The decode side refused: no reason to go on computing.
                             runner.cancel(key);
                             break Err(transfer_status(e));
@@ -271,6 +288,7 @@ impl PrefillService {
                     }
                 }
             };
+            drop(computing);
             if let Err(e) = ended {
                 tracing::warn!(
                     request_id = %req.request_id,
@@ -362,6 +380,35 @@ impl PrefillService {
         match self.inflight().remove(request_id) {
             Some(tx) => tx.send(()).is_ok(),
             None => false,
+        }
+    }
+}
+
+/// The prefill side's `kv.transfer` span (kind CLIENT); the decode side's SERVER span is its
+/// child, through the `traceparent` the push carries.
+fn transfer_span(handle_id: &str) -> tracing::Span {
+    tracing::info_span!(
+        "kv.transfer",
+        otel.kind = "client",
+        kv.handle_id = handle_id,
+        kv.blocks_sent = tracing::field::Empty,
+        kv.blocks_deduped = tracing::field::Empty,
+        kv.payload_bytes = tracing::field::Empty,
+        rpc.grpc.status_code = tracing::field::Empty,
+    )
+}
+
+/// What a transfer moved, or its code, on its span.
+fn record_transfer(span: &tracing::Span, r: Result<&kvwire_grpc::TransferStats, Code>) {
+    match r {
+        Ok(st) => {
+            span.record("kv.blocks_sent", st.sent);
+            span.record("kv.blocks_deduped", st.deduped);
+            span.record("kv.payload_bytes", st.payload_bytes);
+            span.record("rpc.grpc.status_code", 0);
+        }
+        Err(code) => {
+            span.record("rpc.grpc.status_code", code as i32);
         }
     }
 }

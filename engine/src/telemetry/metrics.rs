@@ -314,6 +314,13 @@ pub struct KvObserver(pub SharedMetrics);
 
 impl kvwire_grpc::PushObserver for KvObserver {
     fn accepted(&self, ack: &kvwire_grpc::pb::kv::KvAck, took: Duration) {
+        // The push runs in its `kv.transfer` SERVER span (when traced): its figures go there.
+        let span = tracing::Span::current();
+        span.record("kv.handle_id", ack.handle_id.as_str());
+        span.record("kv.blocks_sent", ack.blocks_received);
+        span.record("kv.blocks_deduped", ack.blocks_deduped);
+        span.record("kv.payload_bytes", ack.payload_bytes);
+        span.record("rpc.grpc.status_code", 0);
         self.0
             .kv_payload_bytes
             .get_or_create(&Direction {
@@ -324,6 +331,7 @@ impl kvwire_grpc::PushObserver for KvObserver {
     }
 
     fn refused(&self, code: tonic::Code) {
+        tracing::Span::current().record("rpc.grpc.status_code", code as i32);
         self.0
             .kv_push_refused
             .get_or_create(&CodeLabel {

@@ -2,6 +2,7 @@
 //! or JSON) and Prometheus metrics ([`metrics`]). The names are CONTRACTS section 9.
 
 pub mod metrics;
+pub mod trace;
 
 use tracing_subscriber::EnvFilter;
 
@@ -19,17 +20,36 @@ pub enum LogFormat {
 /// stdout stays free for the listening line and command output. A second call does nothing (the
 /// first subscriber stays), so tests and commands can both call it.
 pub fn init_logs(format: LogFormat) {
+    init(format, None);
+}
+
+/// [`init_logs`], and with `tracer`, spans exported through OpenTelemetry too; trace context
+/// then crosses every gRPC call of `kvwire_grpc` (see [`trace`]).
+pub fn init(format: LogFormat, tracer: Option<opentelemetry_sdk::trace::Tracer>) {
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_target(true);
-    let _ = match format {
-        LogFormat::Text => builder.with_ansi(false).try_init(),
-        LogFormat::Json => builder
+    let fmt: Box<dyn Layer<_> + Send + Sync> = match format {
+        LogFormat::Text => fmt.with_ansi(false).boxed(),
+        LogFormat::Json => fmt
             .json()
             .flatten_event(true)
             .with_current_span(false)
-            .try_init(),
+            .boxed(),
     };
+    let otel = tracer.map(|t| tracing_opentelemetry::layer().with_tracer(t));
+    let installed = tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt)
+        .with(otel)
+        .try_init()
+        .is_ok();
+    if installed {
+        kvwire_grpc::glue::set_propagation(trace::propagation());
+    }
 }
