@@ -18,6 +18,7 @@ use serde_json::json;
 use tl_engine_core::model::{BYTE_VOCAB, encode_text};
 use tl_engine_core::request::Limits;
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use super::Gateway;
 use super::request::{Job, Out};
@@ -109,14 +110,36 @@ impl Meter {
     }
 }
 
-async fn completions(State(g): State<Arc<Gateway>>, body: axum::body::Bytes) -> Response {
+async fn completions(
+    State(g): State<Arc<Gateway>>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let span = request_span("POST /v1/completions", &headers);
     match parse::<CompletionRequest>(&body) {
-        Ok(r) => start(g, r.prompt.tokens(), r.params, Flavor::Completion).await,
+        Ok(r) => {
+            start(g, r.prompt.tokens(), r.params, Flavor::Completion)
+                .instrument(span)
+                .await
+        }
         Err(e) => e.into_response(),
     }
 }
 
-async fn chat(State(g): State<Arc<Gateway>>, body: axum::body::Bytes) -> Response {
+/// The gateway's SERVER span of one request, a child of the client's own `traceparent` when
+/// it sends one.
+fn request_span(name: &'static str, headers: &axum::http::HeaderMap) -> tracing::Span {
+    let span = tracing::info_span!("http", otel.name = name, otel.kind = "server");
+    crate::telemetry::trace::adopt(&span, headers);
+    span
+}
+
+async fn chat(
+    State(g): State<Arc<Gateway>>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let span = request_span("POST /v1/chat/completions", &headers);
     let r: ChatRequest = match parse(&body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
@@ -125,7 +148,9 @@ async fn chat(State(g): State<Arc<Gateway>>, body: axum::body::Bytes) -> Respons
         return ApiError::bad_request("no messages").into_response();
     }
     let prompt = encode_text(&render_chat(&r.messages));
-    start(g, prompt, r.params, Flavor::Chat).await
+    start(g, prompt, r.params, Flavor::Chat)
+        .instrument(span)
+        .await
 }
 
 /// Validates, then serves: nothing reaches an engine before the request is known to be valid.
@@ -165,14 +190,17 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
     let timeout = Duration::from_millis(g.cfg.request_timeout_ms);
     let stream = job.params.streams();
     let prompt_tokens = job.prompt.len();
-    tokio::spawn({
-        let g = Arc::clone(&g);
-        async move {
-            let _permit = permit;
-            // On timeout the drive future is dropped; the handler then answers 504.
-            let _ = tokio::time::timeout(timeout, g.drive(job, tx)).await;
+    tokio::spawn(
+        {
+            let g = Arc::clone(&g);
+            async move {
+                let _permit = permit;
+                // On timeout the drive future is dropped; the handler then answers 504.
+                let _ = tokio::time::timeout(timeout, g.drive(job, tx)).await;
+            }
         }
-    });
+        .instrument(tracing::Span::current()),
+    );
     // Wait for the first token (or the failure) before answering anything.
     let (first, meta) = match rx.recv().await {
         Some(Out::First {

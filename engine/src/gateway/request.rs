@@ -13,6 +13,8 @@ use kvwire_grpc::pb::control::WorkerStatus;
 use kvwire_grpc::pb::engine::{KvHandle, PrefillRequest, SamplingParams};
 use tokio::sync::mpsc;
 use tonic::Code;
+use tracing::Instrument;
+use tracing::field::Empty;
 
 use super::Gateway;
 use super::plan::{Ranked, Reason, has_blocks_targets, plan};
@@ -111,9 +113,11 @@ impl Gateway {
                 .await;
             return;
         }
+        let route_span = tracing::info_span!("route", otel.kind = "internal", reason = Empty);
         let cached = self
             .upstream
             .cached_prefixes(&job.prompt, &has_blocks_targets(&workers))
+            .instrument(route_span.clone())
             .await;
         let plan = plan(&workers, &cached, &self.inflight.snapshot(), self.policy());
         let reason = match (plan.decode.first(), &plan.fallback) {
@@ -131,6 +135,8 @@ impl Gateway {
                 reason: reason.to_owned(),
             })
             .inc();
+        route_span.record("reason", reason);
+        drop(route_span);
         tracing::debug!(request_id = %id, reason, "routed");
         let mut retries = 0;
         if let Some(p) = &plan.prefill

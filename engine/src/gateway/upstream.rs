@@ -121,8 +121,18 @@ impl Upstream {
         handle: Option<&str>,
         req: &CompletionRequest,
     ) -> Result<EventStream, OpenError> {
-        let headers: Vec<(&str, &str)> =
+        // The current span's trace context travels to the decode engine's `engine.decode`.
+        let mut traced = http::HeaderMap::new();
+        crate::telemetry::trace::inject(&mut traced);
+        let traceparent = traced
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let mut headers: Vec<(&str, &str)> =
             handle.map(|h| (KV_HANDLE_HEADER, h)).into_iter().collect();
+        if let Some(tp) = &traceparent {
+            headers.push(("traceparent", tp));
+        }
         // Serializing a plain request struct cannot fail.
         let body = serde_json::to_vec(req).unwrap_or_default();
         let (status, body) = self

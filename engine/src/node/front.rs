@@ -17,6 +17,7 @@ use tl_engine_core::request::Limits;
 use tl_engine_core::rng::entropy_seed;
 use tl_engine_core::sampler::Sampling;
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use super::runner::SeqEvent;
 use super::state::NodeState;
@@ -194,8 +195,20 @@ async fn completions(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
+    // The decode side of a request, a child of the caller's span (the gateway's) when its
+    // `traceparent` says so.
+    let span = tracing::info_span!(
+        "engine.decode",
+        otel.kind = "internal",
+        kv.handle_id = headers
+            .get(KV_HANDLE_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default(),
+    );
+    crate::telemetry::trace::adopt(&span, &headers);
     front
         .complete(&headers, &body)
+        .instrument(span)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
