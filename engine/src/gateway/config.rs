@@ -87,6 +87,8 @@ pub struct GatewayConfig {
     pub allow_insecure: bool,
     /// `[limits]`: what one peer can take (CONTRACTS section 8).
     pub limits: LimitsSection,
+    /// `[telemetry]`: where spans are exported (CONTRACTS section 9).
+    pub telemetry: crate::telemetry::TelemetrySection,
 }
 
 impl From<GatewaySection> for GatewayConfig {

@@ -126,6 +126,8 @@ pub struct Config {
     pub allow_insecure: bool,
     /// `[limits]`: what one peer can take (CONTRACTS section 8).
     pub limits: LimitsSection,
+    /// `[telemetry]`: where spans are exported (CONTRACTS section 9).
+    pub telemetry: crate::telemetry::TelemetrySection,
 }
 
 /// `[engine]`.

@@ -106,6 +106,8 @@ pub struct Metrics {
     pub workers: Family<Role, Gauge>,
     /// Routing decisions, by reason.
     pub route_decisions: Family<Reason, Counter>,
+    /// Spans the OTLP exporter dropped (failed or timed-out exports).
+    pub trace_spans_dropped: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -141,6 +143,7 @@ impl Metrics {
             heartbeat_failures: Counter::default(),
             workers: Family::default(),
             route_decisions: Family::default(),
+            trace_spans_dropped: Counter::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -209,6 +212,11 @@ impl Metrics {
             "Routing decisions by reason",
             m.route_decisions.clone(),
         );
+        r.register(
+            "tl_trace_spans_dropped",
+            "Spans the OTLP exporter dropped: export failed or timed out",
+            m.trace_spans_dropped.clone(),
+        );
         // Series with a closed set of label values exist from the start, at 0, so a rate over
         // them is defined before the first event.
         for direction in ["sent", "received"] {
@@ -245,6 +253,7 @@ impl Metrics {
         {
             f(self);
         }
+        Self::catch_up(&self.trace_spans_dropped, super::export::spans_dropped());
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);

@@ -1,10 +1,59 @@
 //! What an operator sees of a process: logs (`tracing`, on stderr, filtered by `RUST_LOG`, text
 //! or JSON) and Prometheus metrics ([`metrics`]). The names are CONTRACTS section 9.
 
+pub mod export;
 pub mod metrics;
 pub mod trace;
 
+use serde::Deserialize;
 use tracing_subscriber::EnvFilter;
+
+/// `[telemetry]` of an engine's or gateway's configuration.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetrySection {
+    /// OTLP/gRPC collector (`host:port`); empty: `OTEL_EXPORTER_OTLP_ENDPOINT`, else no export.
+    pub otlp_endpoint: String,
+}
+
+impl TelemetrySection {
+    /// Where spans go, if anywhere.
+    #[must_use]
+    pub fn endpoint(&self) -> Option<String> {
+        if !self.otlp_endpoint.is_empty() {
+            return Some(self.otlp_endpoint.clone());
+        }
+        std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .ok()
+            .filter(|e| !e.is_empty())
+    }
+}
+
+/// Starts logs and, when an endpoint is configured, span export for a long-running process
+/// named `service` (`tl-engine`, `tl-gateway`, `tl-registry`) with id `instance`. Keep the
+/// returned provider and shut it down at exit, which flushes what is queued.
+pub fn start(
+    format: LogFormat,
+    endpoint: Option<&str>,
+    service: &str,
+    instance: &str,
+) -> Option<opentelemetry_sdk::trace::SdkTracerProvider> {
+    match endpoint.map(|e| export::otlp(e, service, instance)) {
+        Some(Ok((tracer, provider))) => {
+            init(format, Some(tracer));
+            Some(provider)
+        }
+        Some(Err(e)) => {
+            init(format, None);
+            tracing::error!(error = %e, "span export is off");
+            None
+        }
+        None => {
+            init(format, None);
+            None
+        }
+    }
+}
 
 /// How log lines are written.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]

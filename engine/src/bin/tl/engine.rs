@@ -3,12 +3,14 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+
 use std::time::Duration;
+use tl_engine::telemetry::{self, LogFormat};
 
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, ConfigError, Role};
 
-use crate::run::{TlsArgs, serve_until_terminated};
+use crate::run::{AndFlush, TlsArgs, serve_until_terminated};
 
 /// Arguments of `tl engine`; flags override the file's keys.
 #[derive(clap::Args, Debug)]
@@ -78,7 +80,7 @@ impl EngineArgs {
 
 /// Runs `tl engine`.
 #[must_use]
-pub(crate) fn engine(args: &EngineArgs) -> ExitCode {
+pub(crate) fn engine(args: &EngineArgs, log_format: LogFormat) -> ExitCode {
     let cfg = match args.config() {
         Ok(c) => c,
         Err(e) => {
@@ -87,6 +89,12 @@ pub(crate) fn engine(args: &EngineArgs) -> ExitCode {
         }
     };
     let id = &cfg.engine.id;
+    let traces = telemetry::start(
+        log_format,
+        cfg.telemetry.endpoint().as_deref(),
+        "tl-engine",
+        id,
+    );
     let drain = args
         .drain_seconds
         .map_or(cfg.limits.drain(), |s| Duration::from_secs_f64(s.max(0.0)));
@@ -106,4 +114,5 @@ pub(crate) fn engine(args: &EngineArgs) -> ExitCode {
             tracing::info!(worker_id = %id, unfinished = left, "stopped");
         },
     )
+    .and_flush(traces)
 }

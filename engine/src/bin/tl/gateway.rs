@@ -4,10 +4,12 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use tl_engine::telemetry::{self, LogFormat};
+
 use tl_engine::gateway::GatewayNode;
 use tl_engine::gateway::config::GatewayConfig;
 
-use crate::run::{TlsArgs, serve_until_terminated};
+use crate::run::{AndFlush, TlsArgs, serve_until_terminated};
 
 /// Arguments of `tl gateway`; flags override the file's keys.
 #[derive(clap::Args, Debug)]
@@ -30,7 +32,7 @@ pub(crate) struct GatewayArgs {
 
 /// Runs `tl gateway`.
 #[must_use]
-pub(crate) fn gateway(args: &GatewayArgs) -> ExitCode {
+pub(crate) fn gateway(args: &GatewayArgs, log_format: LogFormat) -> ExitCode {
     let mut cfg = match GatewayConfig::load_or_default(args.config.as_deref()) {
         Ok(c) => c,
         Err(e) => {
@@ -52,6 +54,12 @@ pub(crate) fn gateway(args: &GatewayArgs) -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
+    let traces = telemetry::start(
+        log_format,
+        cfg.telemetry.endpoint().as_deref(),
+        "tl-gateway",
+        &cfg.gateway.id,
+    );
     serve_until_terminated(
         GatewayNode::start(&cfg),
         |node| {
@@ -60,4 +68,5 @@ pub(crate) fn gateway(args: &GatewayArgs) -> ExitCode {
         },
         async |node| node.stop().await,
     )
+    .and_flush(traces)
 }

@@ -100,15 +100,18 @@ fn main() -> ExitCode {
             return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
         }
     };
-    init_logs(cli.log_format);
+    // The servers start their own logs, with span export when configured.
+    if !matches!(cli.cmd, Cmd::Engine(_) | Cmd::Gateway(_) | Cmd::Registry(_)) {
+        init_logs(cli.log_format);
+    }
     match cli.cmd {
         Cmd::Inspect(args) => inspect::inspect(&args),
         Cmd::Generate(args) => generate::generate(&args),
         Cmd::Certs(args) => certs::certs(&args),
         Cmd::Demo(args) => demo::demo(&args),
-        Cmd::Engine(args) => engine::engine(&args),
-        Cmd::Registry(args) => registry::registry(&args),
-        Cmd::Gateway(args) => gateway::gateway(&args),
+        Cmd::Engine(args) => engine::engine(&args, cli.log_format),
+        Cmd::Registry(args) => registry::registry(&args, cli.log_format),
+        Cmd::Gateway(args) => gateway::gateway(&args, cli.log_format),
         Cmd::Bench { which } => match which {
             BenchCmd::Wire(args) => bench::wire::wire(&args),
             BenchCmd::Transfer(args) => bench::transfer::transfer(&args),

@@ -3,6 +3,8 @@
 
 use std::process::ExitCode;
 
+use tl_engine::telemetry::LogFormat;
+
 use tl_engine::gateway::registry::RegistryNode;
 
 use tl_engine::net::is_loopback_listen;
@@ -25,7 +27,8 @@ pub(crate) struct RegistryArgs {
 
 /// Runs `tl registry`.
 #[must_use]
-pub(crate) fn registry(args: &RegistryArgs) -> ExitCode {
+pub(crate) fn registry(args: &RegistryArgs, log_format: LogFormat) -> ExitCode {
+    tl_engine::telemetry::init_logs(log_format);
     let (mut section, mut allow) = (None, false);
     args.tls.apply(&mut section, &mut allow);
     if section.is_none() && !allow && !is_loopback_listen(&args.listen) {

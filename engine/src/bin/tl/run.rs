@@ -131,3 +131,18 @@ impl TlsArgs {
         *allow_insecure |= self.allow_insecure;
     }
 }
+
+/// Flushes and stops span export after a server's run.
+pub(crate) trait AndFlush {
+    /// Shuts `provider` down (flushing queued spans) and passes the exit code on.
+    fn and_flush(self, provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>) -> Self;
+}
+
+impl AndFlush for ExitCode {
+    fn and_flush(self, provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>) -> Self {
+        if let Some(p) = provider {
+            let _ = p.shutdown();
+        }
+        self
+    }
+}
