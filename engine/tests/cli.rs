@@ -184,3 +184,31 @@ fn demo_runs_and_every_request_matches() {
     assert!(!out.contains(" NO"), "{out}");
     assert!(out.contains("prefix hit"), "{out}");
 }
+
+/// `tl demo --trace`: one request's spans from every part of the path, gathered by the demo's
+/// own OTLP receiver, printed as a waterfall under the right processes.
+#[test]
+fn demo_trace_prints_the_waterfall() {
+    let (code, out, err) = tl(&["demo", "--trace", "--max-tokens", "4"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let tail = &out[out
+        .find("trace ")
+        .unwrap_or_else(|| panic!("no waterfall: {out}"))..];
+    let line = |name: &str| {
+        tail.lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} line in {tail}"))
+            .to_owned()
+    };
+    assert!(line("POST /v1/completions [server]").contains(" gw "));
+    assert!(line("route").contains(" gw "));
+    assert!(line("EngineControl/Prefill [server]").contains(" prefill-0 "));
+    assert!(line("engine.prefill").contains(" prefill-0 "));
+    assert!(line("kv.transfer [client]").contains(" prefill-0 "));
+    assert!(line("kv.transfer [server]").contains(" decode-"));
+    assert!(line("engine.decode").contains(" decode-"));
+    // Nesting: the decode side's transfer span sits deeper than the prefill side's.
+    let indent = |l: String| l.len() - l.trim_start().len();
+    assert!(indent(line("kv.transfer [server]")) > indent(line("kv.transfer [client]")));
+    assert!(tail.contains('#'), "no bars: {tail}");
+}

@@ -46,6 +46,8 @@ pub trait PushObserver: Send + Sync + std::fmt::Debug {
     fn accepted(&self, ack: &KvAck, took: Duration);
     /// The push was refused or broken, and undone.
     fn refused(&self, code: tonic::Code);
+    /// Any call (HasBlocks, PushKv, Release) begins; called inside its span, if it has one.
+    fn serving(&self) {}
 }
 
 /// The `KvTransfer` service: moves messages into the receiver and its errors out as statuses.
@@ -89,6 +91,12 @@ impl KvTransferService {
         }
     }
 
+    fn serving(&self) {
+        if let Some(o) = &self.observer {
+            o.serving();
+        }
+    }
+
     /// Tells `observer` of every push's outcome.
     #[must_use]
     pub fn observed(mut self, observer: Arc<dyn PushObserver>) -> Self {
@@ -114,6 +122,7 @@ impl Routes for KvTransferService {
 
 impl KvTransferService {
     fn has_blocks(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
+        self.serving();
         let rx = Arc::clone(&self.rx);
         glue::serve_unary(req, self.small, move |m: HasBlocksRequest| async move {
             let present = rx.has_blocks(&m.hashes, m.kv_format, &m.model)?;
@@ -122,6 +131,7 @@ impl KvTransferService {
     }
 
     fn push_kv(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
+        self.serving();
         let rx = Arc::clone(&self.rx);
         let t = self.timeouts;
         let observer = self.observer.clone();
@@ -176,6 +186,7 @@ impl KvTransferService {
     }
 
     fn release(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
+        self.serving();
         let rx = Arc::clone(&self.rx);
         glue::serve_unary(req, self.small, move |m: ReleaseRequest| async move {
             Ok::<_, Status>(ReleaseResponse {

@@ -115,7 +115,7 @@ async fn completions(
     headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let span = request_span("POST /v1/completions", &headers);
+    let span = request_span("POST /v1/completions", &g.cfg.id, &headers);
     match parse::<CompletionRequest>(&body) {
         Ok(r) => {
             start(g, r.prompt.tokens(), r.params, Flavor::Completion)
@@ -128,8 +128,17 @@ async fn completions(
 
 /// The gateway's SERVER span of one request, a child of the client's own `traceparent` when
 /// it sends one.
-fn request_span(name: &'static str, headers: &axum::http::HeaderMap) -> tracing::Span {
-    let span = tracing::info_span!("http", otel.name = name, otel.kind = "server");
+fn request_span(
+    name: &'static str,
+    gateway: &str,
+    headers: &axum::http::HeaderMap,
+) -> tracing::Span {
+    let span = tracing::info_span!(
+        "http",
+        otel.name = name,
+        otel.kind = "server",
+        tl.worker = gateway
+    );
     crate::telemetry::trace::adopt(&span, headers);
     span
 }
@@ -139,7 +148,7 @@ async fn chat(
     headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let span = request_span("POST /v1/chat/completions", &headers);
+    let span = request_span("POST /v1/chat/completions", &g.cfg.id, &headers);
     let r: ChatRequest = match parse(&body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),

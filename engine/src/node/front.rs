@@ -200,6 +200,7 @@ async fn completions(
     let span = tracing::info_span!(
         "engine.decode",
         otel.kind = "internal",
+        tl.worker = front.state.id(),
         kv.handle_id = headers
             .get(KV_HANDLE_HEADER)
             .and_then(|v| v.to_str().ok())

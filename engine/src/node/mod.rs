@@ -177,7 +177,10 @@ impl EngineNode {
         };
         if let Some(rx) = receiver.clone() {
             let kv = KvTransferService::with_limits(Arc::clone(&rx), limits.service())
-                .observed(Arc::new(KvObserver(Arc::clone(&metrics))))
+                .observed(Arc::new(KvObserver(
+                    Arc::clone(&metrics),
+                    cfg.engine.id.clone(),
+                )))
                 .into_service()
                 .with_auth(RolePolicy(KV_POLICY).when(mtls));
             let kv = serve_grpc(

@@ -184,6 +184,8 @@ impl PrefillService {
     /// The contract's codes: INVALID_ARGUMENT, UNAVAILABLE (draining, or the target unreachable),
     /// ALREADY_EXISTS, CANCELLED, RESOURCE_EXHAUSTED, and the decode side's verdict unchanged.
     pub async fn prefill(&self, req: PrefillRequest) -> Result<KvHandle, Status> {
+        // The call's own span (EngineControl/Prefill), when traced, names this worker.
+        tracing::Span::current().record("tl.worker", self.state.id());
         let sampling = self.validate(&req)?;
         let (cancel_tx, mut cancelled) = oneshot::channel();
         {
@@ -248,9 +250,10 @@ impl PrefillService {
             let mut computing = Some(tracing::info_span!(
                 "engine.prefill",
                 otel.kind = "internal",
+                tl.worker = self.state.id(),
                 prompt_tokens = req.prompt_tokens.len()
             ));
-            let transfer = transfer_span(&handle_id);
+            let transfer = transfer_span(&handle_id, self.state.id());
             let push = kvwire_grpc::transfer_streaming(&*self.transport, store, push, blocks)
                 .instrument(transfer.clone());
             tokio::pin!(push);
@@ -386,10 +389,11 @@ impl PrefillService {
 
 /// The prefill side's `kv.transfer` span (kind CLIENT); the decode side's SERVER span is its
 /// child, through the `traceparent` the push carries.
-fn transfer_span(handle_id: &str) -> tracing::Span {
+fn transfer_span(handle_id: &str, worker: &str) -> tracing::Span {
     tracing::info_span!(
         "kv.transfer",
         otel.kind = "client",
+        tl.worker = worker,
         kv.handle_id = handle_id,
         kv.blocks_sent = tracing::field::Empty,
         kv.blocks_deduped = tracing::field::Empty,

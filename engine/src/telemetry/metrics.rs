@@ -316,15 +316,16 @@ pub fn code_name(code: tonic::Code) -> &'static str {
     }
 }
 
-/// The decode side's push outcomes into the metrics: bytes received and push time for an
-/// accepted push, the code for a refused one.
+/// The decode side's push outcomes into the metrics (bytes received and push time for an
+/// accepted push, the code for a refused one) and into the push's span, with the worker's id.
 #[derive(Debug)]
-pub struct KvObserver(pub SharedMetrics);
+pub struct KvObserver(pub SharedMetrics, pub String);
 
 impl kvwire_grpc::PushObserver for KvObserver {
     fn accepted(&self, ack: &kvwire_grpc::pb::kv::KvAck, took: Duration) {
         // The push runs in its `kv.transfer` SERVER span (when traced): its figures go there.
         let span = tracing::Span::current();
+        span.record("tl.worker", self.1.as_str());
         span.record("kv.handle_id", ack.handle_id.as_str());
         span.record("kv.blocks_sent", ack.blocks_received);
         span.record("kv.blocks_deduped", ack.blocks_deduped);
@@ -337,6 +338,10 @@ impl kvwire_grpc::PushObserver for KvObserver {
             })
             .inc_by(ack.payload_bytes);
         self.0.kv_push_seconds.observe(took.as_secs_f64());
+    }
+
+    fn serving(&self) {
+        tracing::Span::current().record("tl.worker", self.1.as_str());
     }
 
     fn refused(&self, code: tonic::Code) {

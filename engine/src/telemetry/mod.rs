@@ -3,6 +3,7 @@
 
 pub mod export;
 pub mod metrics;
+pub mod receiver;
 pub mod trace;
 
 use serde::Deserialize;

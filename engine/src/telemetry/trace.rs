@@ -60,6 +60,7 @@ pub fn server_span(path: &str, headers: &http::HeaderMap) -> Option<tracing::Spa
         tracing::info_span!(
             "kv.transfer",
             otel.kind = "server",
+            tl.worker = Empty,
             kv.handle_id = Empty,
             kv.blocks_sent = Empty,
             kv.blocks_deduped = Empty,
@@ -73,7 +74,12 @@ pub fn server_span(path: &str, headers: &http::HeaderMap) -> Option<tracing::Spa
             .rsplit_once('.')
             .map_or(path, |(_, m)| m)
             .to_owned();
-        tracing::info_span!("rpc", otel.name = name, otel.kind = "server")
+        tracing::info_span!(
+            "rpc",
+            otel.name = name,
+            otel.kind = "server",
+            tl.worker = Empty
+        )
     };
     adopt(&span, headers);
     Some(span)

@@ -19,6 +19,9 @@ use tl_engine_core::engine::{Engine, GenerateError, Mode, Request};
 use tl_engine_core::model::encode_text;
 use tl_engine_core::sampler::{Sampling, SamplingError, SamplingRequest};
 
+use tl_engine::telemetry::receiver::{ReceivedSpan, Receiver};
+use tl_engine::telemetry::{self, LogFormat};
+
 use crate::run::block_on;
 
 /// A directory removed when dropped.
@@ -52,6 +55,10 @@ pub(crate) struct DemoArgs {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 12)]
     max_tokens: u32,
+    /// Trace the last request and print its spans as a waterfall, gathered from an OTLP
+    /// receiver the demo runs itself.
+    #[arg(long)]
+    trace: bool,
 }
 
 /// Why the demo could not run.
@@ -105,9 +112,9 @@ fn config(id: &str, role: Role, registry: &str, certs: &Path) -> Result<Config, 
 
 /// Runs `tl demo`.
 #[must_use]
-pub(crate) fn demo(args: &DemoArgs) -> ExitCode {
+pub(crate) fn demo(args: &DemoArgs, log_format: LogFormat) -> ExitCode {
     block_on(async {
-        match run(args).await {
+        match run(args, log_format).await {
             Ok(true) => ExitCode::SUCCESS,
             Ok(false) => ExitCode::from(1),
             Err(e) => {
@@ -130,11 +137,12 @@ async fn stream_once(
     http: &HttpClient,
     addr: &str,
     req: &CompletionRequest,
+    headers: &[(&str, &str)],
 ) -> Result<(Vec<u32>, RouteInfo, Duration), DemoError> {
     let start = Instant::now();
     let body = serde_json::to_vec(req).unwrap_or_default();
     let (status, body) = http
-        .post_streaming(addr, "/v1/completions", &[], body)
+        .post_streaming(addr, "/v1/completions", headers, body)
         .await?;
     if status != 200 {
         return Err(DemoError::Status(status));
@@ -157,7 +165,23 @@ async fn stream_once(
     Ok((tokens, route, ttft.unwrap_or_default()))
 }
 
-async fn run(args: &DemoArgs) -> Result<bool, DemoError> {
+async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> {
+    // With --trace: an OTLP receiver here, and every span exported to it.
+    let traced = if args.trace {
+        let receiver = Receiver::start().await?;
+        let endpoint = receiver.addr().to_string();
+        // The exporter owns a runtime of its own: build it off this one.
+        let provider = std::thread::scope(|s| {
+            s.spawn(|| telemetry::start(log_format, Some(&endpoint), "tl-demo", "demo"))
+                .join()
+                .ok()
+                .flatten()
+        });
+        provider.map(|p| (receiver, p))
+    } else {
+        telemetry::init_logs(log_format);
+        None
+    };
     // Every internal connection is mutual TLS, with certificates made here for this run.
     let certs = TempDir::new()?;
     let gw_cfg = GatewayConfig {
@@ -203,6 +227,12 @@ async fn run(args: &DemoArgs) -> Result<bool, DemoError> {
     let http = HttpClient::default();
     let cfg = Config::default();
     let mut rows = Vec::new();
+    // The traced request carries a trace context of the demo's own: its id finds the spans.
+    let trace_id = tl_engine::net::tls::random_hex::<16>();
+    let traceparent = format!(
+        "00-{trace_id}-{}-01",
+        tl_engine::net::tls::random_hex::<8>()
+    );
     for (n, (system, q)) in REQUESTS.iter().enumerate() {
         let prompt = encode_text(&format!("{system}Q: {q}\nA:"));
         let (t, seed) = if n % 2 == 0 {
@@ -221,7 +251,12 @@ async fn run(args: &DemoArgs) -> Result<bool, DemoError> {
             },
             tl_resume: None,
         };
-        let (got, route, ttft) = stream_once(&http, &addr, &req).await?;
+        let headers: &[(&str, &str)] = if traced.is_some() && n + 1 == REQUESTS.len() {
+            &[("traceparent", traceparent.as_str())]
+        } else {
+            &[]
+        };
+        let (got, route, ttft) = stream_once(&http, &addr, &req, headers).await?;
         let sampling = Sampling::new(
             SamplingRequest {
                 temperature: t,
@@ -292,5 +327,118 @@ async fn run(args: &DemoArgs) -> Result<bool, DemoError> {
         node.shutdown(Duration::from_secs(1)).await;
     }
     gw.stop().await;
+    if let Some((receiver, provider)) = traced {
+        let spans = gather(&receiver, provider, &trace_id).await;
+        println!();
+        print!("{}", waterfall(&trace_id, &spans));
+    }
     Ok(matched == rows.len())
+}
+
+/// The spans of `trace_id`, once every process's part of the request has arrived (or after
+/// 5 s), the exporter flushed first.
+async fn gather(
+    receiver: &Receiver,
+    provider: opentelemetry_sdk::trace::SdkTracerProvider,
+    trace_id: &str,
+) -> Vec<ReceivedSpan> {
+    let _ = tokio::task::spawn_blocking(move || {
+        let _ = provider.force_flush();
+        let _ = provider.shutdown();
+    })
+    .await;
+    let wanted = ["engine.decode", "kv.transfer", "EngineControl/Prefill"];
+    let end = Instant::now() + Duration::from_secs(5);
+    loop {
+        let spans: Vec<ReceivedSpan> = receiver
+            .spans()
+            .into_iter()
+            .filter(|s| s.trace_id == trace_id)
+            .collect();
+        if wanted.iter().all(|w| spans.iter().any(|s| s.name == *w)) || Instant::now() > end {
+            return spans;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// One trace as a terminal waterfall: each span under its parent, the process it ran in, its
+/// start offset and duration, and a bar scaled to the whole request.
+fn waterfall(trace_id: &str, spans: &[ReceivedSpan]) -> String {
+    use std::fmt::Write as _;
+    const BAR: usize = 40;
+    let mut out = String::new();
+    let ids: std::collections::HashSet<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
+    // Roots: spans whose parent is not in the trace (the demo's own client span).
+    let mut roots: Vec<&ReceivedSpan> = spans
+        .iter()
+        .filter(|s| !ids.contains(s.parent_span_id.as_str()))
+        .collect();
+    roots.sort_by_key(|s| s.start_ns);
+    let (Some(t0), Some(t1)) = (
+        spans.iter().map(|s| s.start_ns).min(),
+        spans.iter().map(|s| s.end_ns).max(),
+    ) else {
+        let _ = writeln!(out, "trace {trace_id}: no spans arrived");
+        return out;
+    };
+    let whole = (t1 - t0).max(1) as f64;
+    let _ = writeln!(
+        out,
+        "trace {trace_id}: {} spans, {:.2} ms",
+        spans.len(),
+        whole / 1e6
+    );
+    let _ = writeln!(
+        out,
+        "{:<38} {:<10} {:>9} {:>9}  timeline",
+        "span", "process", "start ms", "dur ms"
+    );
+    fn walk<'a>(
+        s: &'a ReceivedSpan,
+        depth: usize,
+        process: &str,
+        spans: &'a [ReceivedSpan],
+        rows: &mut Vec<(&'a ReceivedSpan, usize, String)>,
+    ) {
+        let process = s.attr("tl.worker").unwrap_or(process).to_owned();
+        rows.push((s, depth, process.clone()));
+        let mut children: Vec<&ReceivedSpan> = spans
+            .iter()
+            .filter(|c| c.parent_span_id == s.span_id)
+            .collect();
+        children.sort_by_key(|c| c.start_ns);
+        for c in children {
+            walk(c, depth + 1, &process, spans, rows);
+        }
+    }
+    let mut rows = Vec::new();
+    for r in roots {
+        walk(r, 0, "?", spans, &mut rows);
+    }
+    for (s, depth, process) in rows {
+        let kind = match s.kind {
+            2 => " [server]",
+            3 => " [client]",
+            _ => "",
+        };
+        let name = format!("{}{}{kind}", "  ".repeat(depth), s.name);
+        let start = (s.start_ns - t0) as f64;
+        let dur = (s.end_ns.saturating_sub(s.start_ns)) as f64;
+        let from = ((start / whole) * BAR as f64).floor() as usize;
+        let len = (((dur / whole) * BAR as f64).ceil() as usize).clamp(1, BAR - from.min(BAR - 1));
+        let bar = format!(
+            "|{}{}{}|",
+            " ".repeat(from.min(BAR - 1)),
+            "#".repeat(len),
+            " ".repeat(BAR - from.min(BAR - 1) - len)
+        );
+        let _ = writeln!(
+            out,
+            "{name:<38} {process:<10} {:>9.2} {:>9.2}  {bar}",
+            start / 1e6,
+            dur / 1e6
+        );
+    }
+    out
 }

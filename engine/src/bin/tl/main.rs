@@ -101,14 +101,17 @@ fn main() -> ExitCode {
         }
     };
     // The servers start their own logs, with span export when configured.
-    if !matches!(cli.cmd, Cmd::Engine(_) | Cmd::Gateway(_) | Cmd::Registry(_)) {
+    if !matches!(
+        cli.cmd,
+        Cmd::Engine(_) | Cmd::Gateway(_) | Cmd::Registry(_) | Cmd::Demo(_)
+    ) {
         init_logs(cli.log_format);
     }
     match cli.cmd {
         Cmd::Inspect(args) => inspect::inspect(&args),
         Cmd::Generate(args) => generate::generate(&args),
         Cmd::Certs(args) => certs::certs(&args),
-        Cmd::Demo(args) => demo::demo(&args),
+        Cmd::Demo(args) => demo::demo(&args, cli.log_format),
         Cmd::Engine(args) => engine::engine(&args, cli.log_format),
         Cmd::Registry(args) => registry::registry(&args, cli.log_format),
         Cmd::Gateway(args) => gateway::gateway(&args, cli.log_format),
