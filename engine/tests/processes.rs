@@ -22,8 +22,13 @@ struct Proc {
 
 impl Proc {
     fn start(args: &[&str]) -> Proc {
+        Self::start_env(args, &[])
+    }
+
+    fn start_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
         let mut child = Command::new(env!("CARGO_BIN_EXE_tl"))
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -264,4 +269,121 @@ async fn sigterm_exits_within_deadline_whatever_peers_do() {
     assert!(took < Duration::from_millis(1500), "exit took {took:?}");
     drop((tx, half, deaf));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A client's request with its own `traceparent` through `tl gateway`, a prefill and a decode
+/// `tl engine`, each a process exporting spans over OTLP/gRPC to a receiver this test runs: one
+/// trace holds the gateway's SERVER span, P's Prefill, `engine.prefill` and `kv.transfer`
+/// spans, and D's `kv.transfer` and `engine.decode` spans, each under the right parent, from
+/// the right service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trace_context_crosses_processes() {
+    use tl_engine::telemetry::receiver::Receiver;
+
+    let receiver = Receiver::start().await.unwrap();
+    let otlp = receiver.addr().to_string();
+    let env = [("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.as_str())];
+    let gw = Proc::start_env(
+        &[
+            "gateway",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--registry-listen",
+            "127.0.0.1:0",
+        ],
+        &env,
+    );
+    let reg = gw.addr("registry");
+    let engine = |role: &str, id: &str| {
+        Proc::start_env(
+            &[
+                "engine",
+                "--role",
+                role,
+                "--id",
+                id,
+                "--gateway-registry",
+                &reg,
+            ],
+            &env,
+        )
+    };
+    let (_p, _d) = (engine("prefill", "P"), engine("decode", "D"));
+    let http = HttpClient::default();
+    let addr = gw.addr("http");
+    let end = Instant::now() + Duration::from_secs(15);
+    loop {
+        let r = http.get(&addr, "/workers").await.unwrap();
+        if r.json()["workers"].as_array().map_or(0, Vec::len) == 2 {
+            break;
+        }
+        assert!(Instant::now() < end, "engines never registered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let trace_id = "0af7651916cd43dd8448eb211c80319c";
+    let client_span = "b7ad6b7169203331";
+    let traceparent = format!("00-{trace_id}-{client_span}-01");
+    let body = json!({ "prompt": (0..18).collect::<Vec<u32>>(), "max_tokens": 4, "seed": 9 });
+    let r = http
+        .post(
+            &addr,
+            "/v1/completions",
+            &[("traceparent", &traceparent)],
+            body.to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+
+    let wanted = [
+        "POST /v1/completions",
+        "route",
+        "EngineControl/Prefill",
+        "engine.prefill",
+        "engine.decode",
+    ];
+    let end = Instant::now() + Duration::from_secs(10);
+    let spans = loop {
+        let spans: Vec<_> = receiver
+            .spans()
+            .into_iter()
+            .filter(|s| s.trace_id == trace_id)
+            .collect();
+        let complete = wanted.iter().all(|w| spans.iter().any(|s| s.name == *w))
+            && spans.iter().filter(|s| s.name == "kv.transfer").count() == 2;
+        if complete || Instant::now() > end {
+            break spans;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let find = |name: &str, kind: i32| {
+        spans
+            .iter()
+            .find(|s| s.name == name && s.kind == kind)
+            .unwrap_or_else(|| panic!("no {name} (kind {kind}) in {spans:#?}"))
+    };
+    let (internal, server, client) = (1, 2, 3);
+    let request = find("POST /v1/completions", server);
+    let route = find("route", internal);
+    let call = find("EngineControl/Prefill", server);
+    let compute = find("engine.prefill", internal);
+    let push = find("kv.transfer", client);
+    let receive = find("kv.transfer", server);
+    let decode = find("engine.decode", internal);
+    assert_eq!(request.parent_span_id, client_span);
+    assert_eq!(route.parent_span_id, request.span_id);
+    assert_eq!(call.parent_span_id, request.span_id);
+    assert_eq!(compute.parent_span_id, call.span_id);
+    assert_eq!(push.parent_span_id, call.span_id);
+    assert_eq!(receive.parent_span_id, push.span_id);
+    assert_eq!(decode.parent_span_id, request.span_id);
+    assert_eq!(request.service, "tl-gateway");
+    for s in [call, compute, push, receive, decode] {
+        assert_eq!(s.service, "tl-engine", "{}", s.name);
+    }
+    assert_eq!(push.attr("tl.worker"), Some("P"));
+    assert_eq!(receive.attr("tl.worker"), Some("D"));
+    assert_eq!(decode.attr("tl.worker"), Some("D"));
+    assert_eq!(receive.attr("kv.blocks_sent"), push.attr("kv.blocks_sent"));
+    assert_eq!(push.attr("kv.blocks_sent"), Some("5"));
 }
