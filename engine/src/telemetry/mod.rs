@@ -70,33 +70,110 @@ pub enum LogFormat {
 /// stdout stays free for the listening line and command output. A second call does nothing (the
 /// first subscriber stays), so tests and commands can both call it.
 pub fn init_logs(format: LogFormat) {
-    init(format, None);
+    if let Some(switch) = init_switchable(format) {
+        let _ = SWITCH.set(switch);
+    }
 }
 
-/// [`init_logs`], and with `tracer`, spans exported through OpenTelemetry too; trace context
-/// then crosses every gRPC call of `kvwire_grpc` (see [`trace`]).
-pub fn init(format: LogFormat, tracer: Option<opentelemetry_sdk::trace::Tracer>) {
-    use tracing_subscriber::Layer;
+static SWITCH: std::sync::OnceLock<TraceSwitch> = std::sync::OnceLock::new();
+
+/// Starts exporting spans to `tracer` in a process whose logs began with [`init_logs`];
+/// `false` when they did not.
+pub fn enable_spans(tracer: opentelemetry_sdk::trace::Tracer) -> bool {
+    SWITCH.get().map(|s| s.enable(tracer)).is_some()
+}
+
+/// Stops exporting spans (after [`enable_spans`]).
+pub fn disable_spans() {
+    if let Some(s) = SWITCH.get() {
+        s.disable();
+    }
+}
+
+/// Turns span export on in a process started without it (benchmarks compare both in one run).
+pub struct TraceSwitch(
+    tracing_subscriber::reload::Handle<
+        Option<
+            tracing_opentelemetry::OpenTelemetryLayer<
+                tracing_subscriber::Registry,
+                opentelemetry_sdk::trace::Tracer,
+            >,
+        >,
+        tracing_subscriber::Registry,
+    >,
+);
+
+impl std::fmt::Debug for TraceSwitch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TraceSwitch")
+    }
+}
+
+impl TraceSwitch {
+    /// From now on, spans go to `tracer`.
+    pub fn enable(&self, tracer: opentelemetry_sdk::trace::Tracer) {
+        let _ = self
+            .0
+            .reload(Some(tracing_opentelemetry::layer().with_tracer(tracer)));
+    }
+
+    /// From now on, spans go nowhere.
+    pub fn disable(&self) {
+        let _ = self.0.reload(None);
+    }
+}
+
+/// [`init_logs`], with a span exporter that can be switched on later; `None` when a subscriber
+/// was installed already.
+#[must_use]
+pub fn init_switchable(format: LogFormat) -> Option<TraceSwitch> {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
 
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let (otel, handle) = tracing_subscriber::reload::Layer::new(None);
+    let installed = tracing_subscriber::registry()
+        .with(otel)
+        .with(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with(fmt_layer(format))
+        .try_init()
+        .is_ok();
+    if !installed {
+        return None;
+    }
+    kvwire_grpc::glue::set_propagation(trace::propagation());
+    Some(TraceSwitch(handle))
+}
+
+fn fmt_layer<S>(format: LogFormat) -> Box<dyn tracing_subscriber::Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    use tracing_subscriber::Layer;
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_target(true);
-    let fmt: Box<dyn Layer<_> + Send + Sync> = match format {
+    match format {
         LogFormat::Text => fmt.with_ansi(false).boxed(),
         LogFormat::Json => fmt
             .json()
             .flatten_event(true)
             .with_current_span(false)
             .boxed(),
-    };
+    }
+}
+
+/// [`init_logs`], and with `tracer`, spans exported through OpenTelemetry too; trace context
+/// then crosses every gRPC call of `kvwire_grpc` (see [`trace`]).
+pub fn init(format: LogFormat, tracer: Option<opentelemetry_sdk::trace::Tracer>) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let otel = tracer.map(|t| tracing_opentelemetry::layer().with_tracer(t));
     let installed = tracing_subscriber::registry()
-        .with(filter)
-        .with(fmt)
         .with(otel)
+        .with(filter)
+        .with(fmt_layer(format))
         .try_init()
         .is_ok();
     if installed {

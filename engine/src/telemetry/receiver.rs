@@ -136,17 +136,33 @@ impl Receiver {
     /// # Errors
     /// When it cannot bind.
     pub async fn start() -> std::io::Result<Self> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
+        Self::start_on(&tokio::runtime::Handle::current())
+    }
+
+    /// Starts a receiver on `127.0.0.1:0`, served by the runtime of `handle` (a collector's
+    /// work off the measured process's own workers, in a benchmark).
+    ///
+    /// # Errors
+    /// When it cannot bind.
+    pub fn start_on(handle: &tokio::runtime::Handle) -> std::io::Result<Self> {
+        let std_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        std_listener.set_nonblocking(true)?;
+        let addr = std_listener.local_addr()?;
         let store = Arc::new(Store::default());
         let stop = CancellationToken::new();
-        let server = tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(Service(Arc::clone(&store))))
-            .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(listener),
-                stop.clone().cancelled_owned(),
-            );
-        tokio::spawn(server);
+        let (svc, token) = (Service(Arc::clone(&store)), stop.clone());
+        handle.spawn(async move {
+            let Ok(listener) = tokio::net::TcpListener::from_std(std_listener) else {
+                return;
+            };
+            let _ = tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(svc))
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(listener),
+                    token.cancelled_owned(),
+                )
+                .await;
+        });
         Ok(Self { store, addr, stop })
     }
 

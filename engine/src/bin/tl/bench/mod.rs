@@ -54,3 +54,68 @@ pub(crate) fn round3(x: f64) -> f64 {
 pub(crate) fn ms(d: Duration) -> f64 {
     round3(d.as_secs_f64() * 1e3)
 }
+
+/// Span export switched on mid-run (the runs before it are the baseline): an OTLP receiver in
+/// this process, the exporter sending to it.
+pub(crate) struct Tracing {
+    receiver: tl_engine::telemetry::receiver::Receiver,
+    provider: opentelemetry_sdk::trace::SdkTracerProvider,
+    tracer: opentelemetry_sdk::trace::Tracer,
+    /// The receiver's own runtime: a collector is another process, not the measured one's
+    /// workers.
+    collector: Option<tokio::runtime::Runtime>,
+}
+
+impl Tracing {
+    /// Starts the receiver and turns export on.
+    pub(crate) async fn start() -> Result<Self, BenchError> {
+        let collector = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()?;
+        let receiver = tl_engine::telemetry::receiver::Receiver::start_on(collector.handle())?;
+        let endpoint = receiver.addr().to_string();
+        // The exporter owns a runtime of its own: build it off this one.
+        let (tracer, provider) = std::thread::spawn(move || {
+            tl_engine::telemetry::export::otlp(&endpoint, "tl-bench", "bench")
+        })
+        .join()
+        .map_err(|_| "the exporter thread panicked")??;
+        if !tl_engine::telemetry::enable_spans(tracer.clone()) {
+            return Err("span export could not be switched on".into());
+        }
+        tl_engine::telemetry::disable_spans();
+        Ok(Self {
+            receiver,
+            provider,
+            tracer,
+            collector: Some(collector),
+        })
+    }
+
+    /// Runs `f` with span export on, then switches it off again.
+    pub(crate) async fn traced<T>(&self, f: impl std::future::Future<Output = T>) -> T {
+        tl_engine::telemetry::enable_spans(self.tracer.clone());
+        let out = f.await;
+        tl_engine::telemetry::disable_spans();
+        out
+    }
+
+    /// Flushes and stops export; returns the spans received and those the exporter dropped.
+    pub(crate) async fn finish(mut self) -> serde_json::Value {
+        let provider = self.provider;
+        let _ = tokio::task::spawn_blocking(move || {
+            let _ = provider.force_flush();
+            let _ = provider.shutdown();
+        })
+        .await;
+        if let Some(rt) = self.collector.take() {
+            rt.shutdown_background();
+        }
+        serde_json::json!({
+            "spans_received": self.receiver.spans().len(),
+            "spans_dropped": tl_engine::telemetry::export::spans_dropped(),
+            "exporter": "OTLP/gRPC to an in-process receiver, batches of up to 512 every 200 ms",
+        })
+    }
+}

@@ -18,6 +18,10 @@ pub(crate) struct ServeArgs {
     /// Print the result as one JSON line (the only output format).
     #[arg(long)]
     json: bool,
+    /// After the runs above, switch span export on (to an in-process OTLP receiver) and run the
+    /// disaggregated load again: `traced_over_off`.
+    #[arg(long)]
+    trace: bool,
     /// Concurrent clients.
     #[arg(long, default_value_t = 8)]
     clients: usize,
@@ -253,7 +257,42 @@ async fn serve_bench(a: &ServeArgs) -> Result<serde_json::Value, BenchError> {
     let ratio = |k: &str| {
         round3(disagg[k].as_f64().unwrap_or(f64::NAN) / colocated[k].as_f64().unwrap_or(f64::NAN))
     };
+    // (c) With span export on: the same disaggregated load, traced.
+    // Pairs, off then on, so that a later run's drift is not read as tracing's cost.
+    let traced = if a.trace {
+        let tracing = super::Tracing::start().await?;
+        let mut pairs = Vec::new();
+        for _ in 0..3 {
+            let off = gateway_load(a, false).await?;
+            let on = tracing.traced(gateway_load(a, false)).await?;
+            pairs.push((off, on));
+        }
+        let over = |k: &str| {
+            let mut r: Vec<f64> = pairs
+                .iter()
+                .map(|(off, on)| {
+                    on[k].as_f64().unwrap_or(f64::NAN) / off[k].as_f64().unwrap_or(f64::NAN)
+                })
+                .collect();
+            serde_json::json!({
+                "median": round3(super::median(&mut r.clone())),
+                "all": r.iter_mut().map(|x| round3(*x)).collect::<Vec<_>>(),
+            })
+        };
+        Some(serde_json::json!({
+            "pairs": 3,
+            "traced_over_off": {
+                "tpot_ms_p99": over("tpot_ms_p99"),
+                "ttft_ms_p99": over("ttft_ms_p99"),
+                "tokens_per_s": over("tokens_per_s"),
+            },
+            "export": tracing.finish().await,
+        }))
+    } else {
+        None
+    };
     Ok(serde_json::json!({
+        "tracing": traced,
         "bench": "serve",
         "settings": {
             "clients": a.clients, "requests": a.requests, "long_fraction": a.long_fraction, "long_tokens": a.long_tokens,

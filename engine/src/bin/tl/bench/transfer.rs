@@ -27,6 +27,10 @@ pub(crate) struct TransferArgs {
     /// CRC-32C implementation on both sides: auto, crc32c or crc-fast.
     #[arg(long, default_value = "auto")]
     crc: kvwire::CrcImpl,
+    /// After the runs above, switch span export on (to an in-process OTLP receiver) and run as
+    /// many gRPC / raw TCP pairs again, each push in a `kv.transfer` span: `traced_over_off`.
+    #[arg(long)]
+    trace: bool,
 }
 
 /// Peak and current resident set of this process, in bytes, from /proc (Linux).
@@ -318,6 +322,41 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
         tls_ratios.push(s / t);
         raw_ratios.push(r / t);
     }
+    // With span export on: the same pairs again, each push in a client span (the server's
+    // spans come from the service itself).
+    let traced = if args.trace {
+        let tracing = super::Tracing::start().await?;
+        // Pairs, off then on (each push in a client span), each against its own raw TCP run.
+        let (mut on_ratios, mut off_ratios) = (Vec::new(), Vec::new());
+        for run in 0..args.runs.max(1) {
+            use tracing::Instrument;
+            let (st, secs) = bench
+                .push(&transport, &target, &format!("untraced-{run}"), n)
+                .await?;
+            let t = stream_run(st.payload_bytes as usize, &tcp_chunk, None).await?;
+            off_ratios.push(st.payload_bytes as f64 / secs / 1e9 / t);
+            let span = tracing::info_span!("kv.transfer", otel.kind = "client");
+            let (st, secs) = tracing
+                .traced(
+                    bench
+                        .push(&transport, &target, &format!("traced-{run}"), n)
+                        .instrument(span),
+                )
+                .await?;
+            let t = stream_run(st.payload_bytes as usize, &tcp_chunk, None).await?;
+            on_ratios.push(st.payload_bytes as f64 / secs / 1e9 / t);
+        }
+        let on = median(&mut on_ratios.clone());
+        let off = median(&mut off_ratios.clone());
+        Some(serde_json::json!({
+            "grpc_traced_over_tcp": round3(on),
+            "grpc_untraced_over_tcp": round3(off),
+            "traced_over_off": round3(on / off),
+            "export": tracing.finish().await,
+        }))
+    } else {
+        None
+    };
     life.shutdown().await;
 
     // Peak RSS growth during a push, for a quarter of the blocks and for all of them (pools are
@@ -372,6 +411,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     drop(server);
 
     Ok(serde_json::json!({
+        "tracing": traced,
         "bench": "transfer",
         "shape": "B=16 L=32 H=8 D=128 (2 MiB blocks)",
         "blocks_per_push": n,
