@@ -1,8 +1,8 @@
 //! OTLP/gRPC export of spans, off every request's path: spans go to the SDK's batch processor
 //! (a bounded queue drained by a thread of its own, full queue: spans dropped), which hands
-//! batches to an exporter that runs on a one-thread Tokio runtime of its own (tonic needs a
-//! reactor; the batch thread has none). An export that fails or takes longer than its timeout
-//! drops its batch, and the spans are counted.
+//! batches to an exporter that runs on a current-thread Tokio runtime of its own (tonic needs a
+//! reactor; the batch thread has none). A span that finds the queue full, and a batch whose
+//! export fails or takes longer than its timeout, are dropped and counted.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -16,8 +16,12 @@ use opentelemetry_sdk::trace::{
     BatchConfigBuilder, BatchSpanProcessor, SdkTracerProvider, SpanData, SpanExporter, Tracer,
 };
 
-/// Spans in batches whose export failed or timed out, since the start.
+/// Spans dropped since the start: in batches whose export failed or timed out, or refused
+/// because the queue was full.
 static DROPPED: AtomicU64 = AtomicU64::new(0);
+
+/// Spans handed to the batch processor and not yet exported (or dropped by it).
+static QUEUED: AtomicU64 = AtomicU64::new(0);
 
 /// Spans dropped by the exporter since the start (`tl_trace_spans_dropped_total`).
 #[must_use]
@@ -40,6 +44,10 @@ struct OnRuntime {
 impl SpanExporter for OnRuntime {
     fn export(&self, batch: Vec<SpanData>) -> impl Future<Output = OTelSdkResult> + Send {
         let n = batch.len() as u64;
+        // Whatever the outcome, these spans have left the queue.
+        let _ = QUEUED.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |q| {
+            Some(q.saturating_sub(n))
+        });
         let r = self.rt.block_on(async {
             match tokio::time::timeout(EXPORT_TIMEOUT, self.inner.export(batch)).await {
                 Ok(r) => r,
@@ -61,6 +69,43 @@ impl SpanExporter for OnRuntime {
 
     fn set_resource(&mut self, resource: &Resource) {
         self.inner.set_resource(resource);
+    }
+}
+
+/// The batch processor behind a queue bound of our own: a span that would make the queue longer
+/// than [`MAX_QUEUE`] is dropped here and counted (the SDK's own bound, set above ours, then
+/// never drops one uncounted).
+#[derive(Debug)]
+struct Bounded(BatchSpanProcessor);
+
+impl opentelemetry_sdk::trace::SpanProcessor for Bounded {
+    fn on_start(&self, span: &mut opentelemetry_sdk::trace::Span, cx: &opentelemetry::Context) {
+        self.0.on_start(span, cx);
+    }
+
+    fn on_end(&self, span: SpanData) {
+        let admitted = QUEUED
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |q| {
+                (q < MAX_QUEUE as u64).then_some(q + 1)
+            })
+            .is_ok();
+        if admitted {
+            self.0.on_end(span);
+        } else {
+            DROPPED.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.0.force_flush()
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.0.shutdown_with_timeout(timeout)
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.0.set_resource(resource);
     }
 }
 
@@ -109,7 +154,7 @@ pub fn otlp(
     let processor = BatchSpanProcessor::builder(OnRuntime { inner, rt })
         .with_batch_config(
             BatchConfigBuilder::default()
-                .with_max_queue_size(MAX_QUEUE)
+                .with_max_queue_size(2 * MAX_QUEUE)
                 .with_max_export_batch_size(512)
                 .with_scheduled_delay(Duration::from_millis(200))
                 .build(),
@@ -120,7 +165,7 @@ pub fn otlp(
         .with_attribute(KeyValue::new("service.instance.id", instance.to_owned()))
         .build();
     let provider = SdkTracerProvider::builder()
-        .with_span_processor(processor)
+        .with_span_processor(Bounded(processor))
         .with_resource(resource)
         .build();
     Ok((provider.tracer("tl"), provider))
