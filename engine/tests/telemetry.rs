@@ -154,6 +154,26 @@ async fn metrics_count_what_moved() {
             pool.release(id).unwrap();
         }
     }
+    // The decode engine's HTTP front counts its requests too.
+    let body = serde_json::json!({ "prompt": [1, 2, 3], "max_tokens": 2 });
+    let r = HttpClient::default()
+        .post(
+            &d.addresses().http,
+            "/v1/completions",
+            &[],
+            body.to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let d3 = scrape(d.metrics_address()).await;
+    assert_eq!(
+        moved(&d2, &d3),
+        [(
+            "tl_requests_total{endpoint=/v1/completions,status=200}".to_owned(),
+            1.0
+        )]
+    );
     p.shutdown(Duration::from_secs(1)).await;
     d.shutdown(Duration::from_secs(1)).await;
 }

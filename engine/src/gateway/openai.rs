@@ -27,7 +27,7 @@ use crate::api::{
     ApiError, ChatRequest, CompletionRequest, ErrorDetail, Flavor, GenerationParams, ResponseMeta,
     completion_id, parse, render_chat,
 };
-use crate::telemetry::metrics::{RequestLabels, SharedMetrics};
+use crate::telemetry::metrics::SharedMetrics;
 
 /// What the gateway can check without an engine: the byte-level tokenizer's vocabulary. The
 /// context length is the engine's to check, with the same validation and message.
@@ -50,33 +50,9 @@ pub fn router(g: Arc<Gateway>) -> axum::Router {
         ))
         .layer(axum::middleware::from_fn_with_state(
             Arc::clone(&g.metrics),
-            count_requests,
+            crate::telemetry::metrics::count_requests,
         ))
         .with_state(g)
-}
-
-/// Counts every request by endpoint and status (`tl_requests_total`); a path the router does
-/// not serve counts under `other`, so a scanner cannot grow the label set.
-async fn count_requests(
-    State(m): State<SharedMetrics>,
-    req: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let endpoint = match req.uri().path() {
-        p
-        @ ("/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health" | "/workers") => {
-            p.to_owned()
-        }
-        _ => "other".to_owned(),
-    };
-    let r = next.run(req).await;
-    m.requests
-        .get_or_create(&RequestLabels {
-            endpoint,
-            status: r.status().as_u16(),
-        })
-        .inc();
-    r
 }
 
 /// A request's token timing: time to first token from its arrival, then time per output token

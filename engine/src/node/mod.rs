@@ -207,6 +207,10 @@ impl EngineNode {
             let app = front
                 .router()
                 .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
+                .layer(axum::middleware::from_fn_with_state(
+                    Arc::clone(&metrics),
+                    metrics::count_requests,
+                ))
                 .layer(axum::middleware::from_fn_with_state(policy, require_roles));
             let http = serve_http(
                 &life,

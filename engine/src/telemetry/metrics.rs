@@ -355,6 +355,31 @@ impl kvwire_grpc::PushObserver for KvObserver {
     }
 }
 
+/// Counts every request by endpoint and status (`tl_requests_total`): an axum middleware for
+/// the gateway's and the engines' HTTP fronts. A path nobody serves counts under `other`, so a
+/// scanner cannot grow the label set.
+pub async fn count_requests(
+    axum::extract::State(m): axum::extract::State<SharedMetrics>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let endpoint = match req.uri().path() {
+        p
+        @ ("/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health" | "/workers") => {
+            p.to_owned()
+        }
+        _ => "other".to_owned(),
+    };
+    let r = next.run(req).await;
+    m.requests
+        .get_or_create(&RequestLabels {
+            endpoint,
+            status: r.status().as_u16(),
+        })
+        .inc();
+    r
+}
+
 /// `GET /metrics`: the text exposition.
 pub fn router(metrics: SharedMetrics) -> axum::Router {
     axum::Router::new().route(
