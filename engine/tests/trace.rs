@@ -34,6 +34,14 @@ fn traced() -> &'static (InMemorySpanExporter, SdkTracerProvider) {
     })
 }
 
+/// The span named `name` of `kind`.
+fn find<'a>(spans: &'a [SpanData], name: &str, kind: SpanKind) -> &'a SpanData {
+    spans
+        .iter()
+        .find(|s| s.name == name && s.span_kind == kind)
+        .unwrap_or_else(|| panic!("no {name} {kind:?} span in {spans:#?}"))
+}
+
 /// The finished spans once `done` holds of them (or after 2 s).
 async fn spans_when(done: impl Fn(&[SpanData]) -> bool) -> Vec<SpanData> {
     let (exporter, provider) = traced();
@@ -98,12 +106,7 @@ async fn kv_transfer_spans_link_prefill_and_decode() {
         .into_iter()
         .filter(|s| s.span_context.trace_id() == trace)
         .collect();
-    let find = |name: &str, kind: SpanKind| {
-        spans
-            .iter()
-            .find(|s| s.name == name && s.span_kind == kind)
-            .unwrap_or_else(|| panic!("no {name} {kind:?} span in {spans:#?}"))
-    };
+    let find = |name: &str, kind: SpanKind| find(&spans, name, kind);
     let call = find("EngineControl/Prefill", SpanKind::Server);
     let compute = find("engine.prefill", SpanKind::Internal);
     let client = find("kv.transfer", SpanKind::Client);
@@ -206,12 +209,7 @@ async fn request_trace_covers_gateway_prefill_and_decode() {
     .into_iter()
     .filter(|s| ours(s))
     .collect();
-    let find = |name: &str, kind: SpanKind| {
-        spans
-            .iter()
-            .find(|s| s.name == name && s.span_kind == kind)
-            .unwrap_or_else(|| panic!("no {name} {kind:?} span in {spans:#?}"))
-    };
+    let find = |name: &str, kind: SpanKind| find(&spans, name, kind);
     let request = find("POST /v1/completions", SpanKind::Server);
     let route = find("route", SpanKind::Internal);
     let call = find("EngineControl/Prefill", SpanKind::Server);
