@@ -459,7 +459,15 @@ impl KvPool {
     pub fn import(&mut self, hash: u64, fill: u32, payload: &[u8]) -> Result<BlockId, PoolError> {
         self.check_import(fill, payload.len())?;
         let id = self.allocate(1)?[0];
-        self.data.write(id)?.copy_from_slice(payload);
+        let copied = self
+            .data
+            .write(id)
+            .map(|mut block| block.copy_from_slice(payload));
+        if let Err(e) = copied {
+            // Cannot happen for a block just allocated; if it did, give the block back.
+            let _ = self.release(id);
+            return Err(e);
+        }
         self.finish_import(id, hash, fill);
         Ok(id)
     }
@@ -682,7 +690,14 @@ impl SharedKv {
             }
             pool.allocate(1)?[0]
         };
-        self.data.write(id)?.copy_from_slice(payload);
+        match self.data.write(id) {
+            Ok(mut block) => block.copy_from_slice(payload),
+            Err(e) => {
+                // Cannot happen for a block just allocated; if it did, give the block back.
+                let _ = self.lock().release(id);
+                return Err(e);
+            }
+        }
         self.lock().finish_import(id, hash, fill);
         Ok(id)
     }
