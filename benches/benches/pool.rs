@@ -101,6 +101,7 @@ fn decode_step(c: &mut Criterion) {
                         seed: u64::from(i),
                         max_tokens: 100,
                         mode: Mode::Generate,
+                        draws_offset: 0,
                     })
                     .expect("valid");
                 }

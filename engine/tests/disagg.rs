@@ -39,6 +39,7 @@ fn colocated(prompt: &[u32], t: f32, p: f32, k: u32, seed: u64, n: u32) -> Vec<u
         seed,
         max_tokens: n,
         mode: Mode::Generate,
+        draws_offset: 0,
     })
     .unwrap()
 }
@@ -105,6 +106,7 @@ async fn disaggregated_equals_colocated() {
                     prompt_tokens: prompt.clone(),
                     sampling: sampling(t, tp, k, seed, 12),
                     decode_target: da.kv.clone(),
+                    rng_draws_offset: 0,
                 })
                 .await
                 .unwrap();
@@ -192,6 +194,7 @@ impl Pair {
             prompt_tokens: vec![1, 2, 3, 4, 5],
             sampling: sampling(0.0, 1.0, 0, Some(1), 4),
             decode_target: self.target.clone(),
+            rng_draws_offset: 0,
         }
     }
 
@@ -459,6 +462,7 @@ async fn resume_refusals_and_client_abort() {
         prompt_tokens: prompt.clone(),
         sampling: sampling(0.0, 1.0, 0, Some(5), 8),
         decode_target: da.kv.clone(),
+        rng_draws_offset: 0,
     };
     let h = ctl.prefill(pre("a")).await.unwrap();
     // Unknown handle: 404. Another prompt: 409 and the handle is still there.
@@ -600,6 +604,7 @@ async fn pipelined_push_equals_serial_push() {
                         prompt_tokens: prompt.clone(),
                         sampling: sampling(t, 1.0, 0, Some(seed), 8),
                         decode_target: target.clone(),
+                        rng_draws_offset: 0,
                     })
                     .await
                     .unwrap();
@@ -663,6 +668,7 @@ async fn cancelled_prefill_undoes_a_push_midway() {
         prompt_tokens: (0..40).collect(),
         sampling: sampling(0.0, 1.0, 0, Some(1), 4),
         decode_target: d.addresses().kv,
+        rng_draws_offset: 0,
     };
     let c2 = ctl.clone();
     let call = tokio::spawn(async move { c2.prefill(req).await });

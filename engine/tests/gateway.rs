@@ -55,6 +55,7 @@ fn colocated(prompt: &[u32], t: f32, seed: u64, n: u32) -> Vec<u32> {
             seed,
             max_tokens: n,
             mode: Mode::Generate,
+            draws_offset: 0,
         })
         .unwrap()
 }
@@ -183,6 +184,7 @@ async fn routing_prefers_the_cached_prefix_unless_far_more_loaded() {
             prompt_tokens: prompt[..128].to_vec(),
             sampling: Some(SamplingParams::default()),
             decode_target: d2.addresses().kv,
+            rng_draws_offset: 0,
         })
         .await
         .unwrap();

@@ -144,6 +144,7 @@ async fn registry_and_engines_as_processes() {
                 max_tokens: 12,
             }),
             decode_target: dec.kv_address.clone(),
+            rng_draws_offset: 0,
         })
         .await
         .unwrap();
@@ -184,6 +185,7 @@ async fn registry_and_engines_as_processes() {
             seed: 99,
             max_tokens: 12,
             mode: Mode::Generate,
+            draws_offset: 0,
         })
         .unwrap();
     assert_eq!(got, want);

@@ -78,6 +78,7 @@ async fn kv_transfer_spans_link_prefill_and_decode() {
                 ..SamplingParams::default()
             }),
             decode_target: d.addresses().kv,
+            rng_draws_offset: 0,
         })
         .await
         .unwrap();

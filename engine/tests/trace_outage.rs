@@ -42,6 +42,7 @@ async fn exporter_outage_never_blocks_requests() {
                     ..SamplingParams::default()
                 }),
                 decode_target: d.addresses().kv,
+                rng_draws_offset: 0,
             })
             .await
             .unwrap();

@@ -327,6 +327,7 @@ async fn transfer_reset_frees_both_sides() {
             ..SamplingParams::default()
         }),
         decode_target: target.into(),
+        rng_draws_offset: 0,
     };
     // P's prompts stay cached there (refcount 0): the baseline to return to is "nothing used".
     let p_back = |what: &str| {

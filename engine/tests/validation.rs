@@ -161,6 +161,7 @@ async fn one_validation_for_every_door() {
                     max_tokens: c.max_tokens,
                 }),
                 decode_target: d.addresses().kv,
+                rng_draws_offset: 0,
             };
             let s = ctl.prefill(req).await.unwrap_err();
             assert_eq!(s.code(), Code::InvalidArgument, "{s}");

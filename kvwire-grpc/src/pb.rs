@@ -104,6 +104,9 @@ pub mod engine {
         pub sampling: Option<SamplingParams>,
         #[prost(string, tag = "4")]
         pub decode_target: String,
+        /// Draws already consumed by earlier tokens of the same request (failover; 0 normally).
+        #[prost(uint32, tag = "5")]
+        pub rng_draws_offset: u32,
     }
 
     #[derive(Clone, PartialEq, prost::Message)]

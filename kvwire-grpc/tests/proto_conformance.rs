@@ -181,6 +181,7 @@ fn proto_matches_hand_written_messages() {
             prompt_tokens: vec![1, 2],
             sampling: Some(sp),
             decode_target: "d:1".into(),
+            rng_draws_offset: 7,
         },
         &[
             ("request_id", String("r".into())),
@@ -190,6 +191,7 @@ fn proto_matches_hand_written_messages() {
                 Message(dynamic(&p, "tl.engine.v1.SamplingParams", &sp_fields)),
             ),
             ("decode_target", String("d:1".into())),
+            ("rng_draws_offset", U32(7)),
         ],
     );
     conform(

@@ -21,7 +21,7 @@ use kvwire::{block_hash, prompt_hashes};
 use crate::model::{Model, ModelError};
 use crate::pool::{BlockId, Blocks, KvPool, PoolError, SharedKv};
 use crate::request::{Limits, RequestError, validate_prompt};
-use crate::rng::{Pcg32, SAMPLE_LABEL, resume_rng, stream};
+use crate::rng::{Pcg32, resume_rng};
 use crate::sampler::Sampling;
 use crate::scheduler::Scheduler;
 
@@ -82,6 +82,10 @@ pub struct Request {
     pub max_tokens: u32,
     /// Whole generation or prefill only.
     pub mode: Mode,
+    /// Draws of the seed's stream already consumed by earlier tokens of the same request (a
+    /// request continued on another engine after a failover; 0 normally). The first token
+    /// samples from `resume_rng(seed, draws_offset)`.
+    pub draws_offset: u64,
 }
 
 /// Told, on the engine thread, as a prefill's blocks become final, so a transfer can stream
@@ -103,7 +107,8 @@ pub struct PrefillOutput {
     pub blocks: Blocks,
     /// The chained hash of each full block of the prompt.
     pub hashes: Vec<u64>,
-    /// Draws the first token consumed (0 greedy, 1 otherwise).
+    /// Draws consumed once the first token is sampled: the request's `draws_offset` plus the
+    /// first token's (0 greedy, 1 otherwise).
     pub draws: u32,
     /// The seed.
     pub seed: u64,
@@ -328,8 +333,8 @@ impl Engine {
             hashes: Vec::new(),
             n_cached: 0,
             sampling: req.sampling,
-            rng: stream(req.seed, SAMPLE_LABEL),
-            draws: 0,
+            rng: resume_rng(req.seed, req.draws_offset),
+            draws: req.draws_offset,
             seed: req.seed,
             max_tokens: req.max_tokens,
             mode: req.mode,
@@ -609,6 +614,7 @@ impl Engine {
     pub fn generate(&mut self, req: Request) -> Result<Vec<u32>, GenerateError> {
         let id = self.submit(Request {
             mode: Mode::Generate,
+            draws_offset: 0,
             ..req
         })?;
         self.collect(id)

@@ -35,6 +35,7 @@ fn req(prompt: &[u32], sampling: Sampling, seed: u64, max_tokens: u32, mode: Mod
         seed,
         max_tokens,
         mode,
+        draws_offset: 0,
     }
 }
 

@@ -10,6 +10,8 @@
 //! request_timeout_ms = 60000       # whole request; beyond it 504
 //! has_blocks_timeout_ms = 250      # per decode engine when routing; a slower one is skipped
 //! load_penalty_tokens = 64         # routing: cached prefix tokens one in-flight sequence is worth
+//! stall_timeout_ms = 3000          # a decode stream with no event for this long has failed over
+//! max_failovers = 2                # times one request may continue on another decode engine
 //!
 //! [gateway.public_tls]             # HTTPS on the public endpoint (no client certificates)
 //! cert = "public.pem"
@@ -56,6 +58,11 @@ pub struct GatewaySection {
     pub has_blocks_timeout_ms: u64,
     /// Routing weight of load against cached prefix (see [`super::plan::score`]).
     pub load_penalty_tokens: f64,
+    /// A decode engine's stream that sends nothing for this long (milliseconds) is given up and
+    /// the request continues on another decode engine.
+    pub stall_timeout_ms: u64,
+    /// How many times one request may continue on another decode engine (0: never).
+    pub max_failovers: u32,
 }
 
 impl Default for GatewaySection {
@@ -71,6 +78,8 @@ impl Default for GatewaySection {
             request_timeout_ms: 60_000,
             has_blocks_timeout_ms: 250,
             load_penalty_tokens: 64.0,
+            stall_timeout_ms: 3_000,
+            max_failovers: 2,
         }
     }
 }

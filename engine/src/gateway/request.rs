@@ -97,6 +97,70 @@ fn prefill_failure(s: &tonic::Status) -> ApiError {
     }
 }
 
+/// A Prefill that went through: the handle, the decode engine holding it, and the route.
+struct Prefilled {
+    handle: KvHandle,
+    decode: WorkerStatus,
+    route: RouteInfo,
+}
+
+/// Why no Prefill went through.
+enum PrefillEnd {
+    /// The client left; the prefill was cancelled and any handle released.
+    Gone,
+    /// The engine refused the request itself (its fault, or a full pool): tell the client.
+    Refused(tonic::Status),
+    /// No decode engine took the push, or the prefill engine could not be reached.
+    NoDecode {
+        /// Decode engines tried.
+        retries: u32,
+    },
+}
+
+/// Why a relayed stream stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Relayed {
+    /// Finished, ended by the engine's own error event, or the client left: nothing more to do.
+    Over,
+    /// The engine went away: the stream broke, ended early or was refused (`reset`), or sent
+    /// nothing within the stall timeout (`stall`). Worth continuing elsewhere.
+    Lost(&'static str),
+}
+
+/// A disaggregated request after its first token: what the client has, and how to continue it
+/// on another decode engine if this one is lost.
+struct Continuation<'a> {
+    job: &'a Job,
+    /// The request id; Prefills are `<id>-<n>`.
+    id: &'a str,
+    /// Prefills sent so far (the next one's `n`).
+    attempts: u32,
+    /// Every token the client has, in order.
+    sent: Vec<u32>,
+    /// The seed the first Prefill reported.
+    seed: u64,
+    /// Draws one token consumes: 0 greedy, 1 otherwise (every token the same, `spec/pcg32.md`).
+    draws_per_token: u32,
+    /// Decode engines this request lost.
+    lost: Vec<String>,
+}
+
+impl Continuation<'_> {
+    /// The prompt a decode engine holds once it holds the prompt and every sent token but the
+    /// last (which it takes as its first input).
+    fn resume_prompt(&self) -> Vec<u32> {
+        let mut p = self.job.prompt.clone();
+        p.extend_from_slice(&self.sent[..self.sent.len().saturating_sub(1)]);
+        p
+    }
+
+    /// Tokens still to generate, the one being resumed from included.
+    fn resume_max_tokens(&self) -> u32 {
+        let before = self.sent.len().saturating_sub(1) as u32;
+        self.job.params.max_tokens().saturating_sub(before)
+    }
+}
+
 impl Gateway {
     /// Runs one request, sending what happens to `out`. Returns when the request is over or the
     /// client has gone (then after cleaning up).
@@ -139,45 +203,41 @@ impl Gateway {
         drop(route_span);
         tracing::debug!(request_id = %id, reason, "routed");
         let mut retries = 0;
-        if let Some(p) = &plan.prefill
-            && let Ok(ctl) = self.upstream.control(&p.grpc_address)
-        {
-            for d in plan.decode.iter().take(2) {
-                let req = PrefillRequest {
-                    request_id: format!("{id}-{retries}"),
-                    prompt_tokens: job.prompt.clone(),
-                    sampling: Some(sampling(&job.params)),
-                    decode_target: d.worker.kv_address.clone(),
-                };
-                let route = route(p, d, retries);
-                let _counted = self.inflight.enter(&d.worker.worker_id);
-                let call = ctl.prefill(req.clone());
-                tokio::pin!(call);
-                let res = tokio::select! {
-                    r = &mut call => r,
-                    () = out.closed() => {
-                        // The client left during Prefill: cancel it, and keep waiting for the
-                        // call, so that a handle that still arrives (the push had finished) is
-                        // released rather than left to its lease.
-                        let _ = ctl.cancel(&req.request_id).await;
-                        if let Ok(Ok(h)) = tokio::time::timeout(Duration::from_secs(5), &mut call).await {
-                            self.upstream.release(&d.worker.kv_address, &h.handle_id).await;
-                        }
-                        return;
-                    }
-                };
-                match res {
-                    Ok(h) => {
-                        self.finish_disaggregated(&job, h, &d.worker, route, &out)
-                            .await;
-                        return;
-                    }
-                    Err(s) if retryable(s.code()) => retries += 1,
-                    Err(s) => {
-                        let _ = out.send(Out::Fail(prefill_failure(&s))).await;
-                        return;
-                    }
+        if let Some(p) = &plan.prefill {
+            let mut attempts = 0;
+            let sp = sampling(&job.params);
+            match self
+                .prefill(
+                    &id,
+                    &mut attempts,
+                    p,
+                    &plan.decode,
+                    &job.prompt,
+                    sp,
+                    0,
+                    &out,
+                )
+                .await
+            {
+                Ok(done) => {
+                    let c = Continuation {
+                        job: &job,
+                        id: &id,
+                        attempts,
+                        sent: Vec::new(),
+                        seed: done.handle.seed,
+                        draws_per_token: done.handle.rng_draws_consumed,
+                        lost: Vec::new(),
+                    };
+                    self.finish_disaggregated(c, done, &out).await;
+                    return;
                 }
+                Err(PrefillEnd::Gone) => return,
+                Err(PrefillEnd::Refused(s)) => {
+                    let _ = out.send(Out::Fail(prefill_failure(&s))).await;
+                    return;
+                }
+                Err(PrefillEnd::NoDecode { retries: r }) => retries = r,
             }
         }
         // No prefill engine, or no decode engine left: an engine with role both, colocated.
@@ -201,67 +261,272 @@ impl Gateway {
             .await;
     }
 
+    /// A Prefill of `prompt` on `p`, pushing to the first of (at most two of) `decode` that
+    /// takes it. `draws_offset` is `PrefillRequest.rng_draws_offset`; `attempts` numbers the
+    /// Prefills of this request, so each has its own request id.
+    #[allow(clippy::too_many_arguments)]
+    async fn prefill(
+        &self,
+        id: &str,
+        attempts: &mut u32,
+        p: &WorkerStatus,
+        decode: &[Ranked],
+        prompt: &[u32],
+        sampling: SamplingParams,
+        draws_offset: u32,
+        out: &mpsc::Sender<Out>,
+    ) -> Result<Prefilled, PrefillEnd> {
+        let Ok(ctl) = self.upstream.control(&p.grpc_address) else {
+            return Err(PrefillEnd::NoDecode { retries: 0 });
+        };
+        let mut retries = 0;
+        for d in decode.iter().take(2) {
+            let req = PrefillRequest {
+                request_id: format!("{id}-{attempts}"),
+                prompt_tokens: prompt.to_vec(),
+                sampling: Some(sampling),
+                decode_target: d.worker.kv_address.clone(),
+                rng_draws_offset: draws_offset,
+            };
+            *attempts += 1;
+            let _counted = self.inflight.enter(&d.worker.worker_id);
+            let call = ctl.prefill(req.clone());
+            tokio::pin!(call);
+            let res = tokio::select! {
+                r = &mut call => r,
+                () = out.closed() => {
+                    // The client left during Prefill: cancel it, and keep waiting for the
+                    // call, so that a handle that still arrives (the push had finished) is
+                    // released rather than left to its lease.
+                    let _ = ctl.cancel(&req.request_id).await;
+                    if let Ok(Ok(h)) = tokio::time::timeout(Duration::from_secs(5), &mut call).await {
+                        self.upstream.release(&d.worker.kv_address, &h.handle_id).await;
+                    }
+                    return Err(PrefillEnd::Gone);
+                }
+            };
+            match res {
+                Ok(handle) => {
+                    return Ok(Prefilled {
+                        handle,
+                        decode: d.worker.clone(),
+                        route: route(p, d, retries),
+                    });
+                }
+                Err(s) if retryable(s.code()) => retries += 1,
+                Err(s) => return Err(PrefillEnd::Refused(s)),
+            }
+        }
+        Err(PrefillEnd::NoDecode { retries })
+    }
+
+    /// Sends the first token, then relays the decode engine's stream; when that engine is lost,
+    /// continues the request on another one (up to `max_failovers` times), so that the client
+    /// sees one unbroken stream.
     async fn finish_disaggregated(
         self: &Arc<Self>,
-        job: &Job,
-        h: KvHandle,
-        d: &WorkerStatus,
-        mut route: RouteInfo,
+        mut c: Continuation<'_>,
+        first: Prefilled,
         out: &mpsc::Sender<Out>,
     ) {
-        let unclaimed = Unclaimed::new(Arc::clone(&self.upstream), &d.kv_address, &h.handle_id);
+        let Prefilled {
+            handle: h,
+            decode,
+            mut route,
+        } = first;
         route.blocks_sent = Some(h.blocks_sent);
         route.blocks_deduped = Some(h.blocks_deduped);
         route.payload_bytes = Some(h.payload_bytes);
         let first = Out::First {
             token: h.first_token,
             seed: h.seed,
-            model: d.model.clone(),
+            model: decode.model.clone(),
             route,
         };
-        let max_tokens = job.params.max_tokens();
-        if out.send(first).await.is_err() || max_tokens <= 1 {
-            // Gone before the decode engine claimed the handle (or nothing left to decode).
-            unclaimed.release().await;
-            if max_tokens <= 1 {
+        let mut current = (h, decode);
+        let mut next = Some(first);
+        let mut failovers = 0;
+        loop {
+            let (h, d) = &current;
+            let unclaimed = Unclaimed::new(Arc::clone(&self.upstream), &d.kv_address, &h.handle_id);
+            // Announce the handle's first token (a new token: the first of the request, or the
+            // one a failover's Prefill sampled).
+            let msg = next.take().unwrap_or(Out::Token(h.first_token));
+            if out.send(msg).await.is_err() {
+                // Gone before the decode engine claimed the handle.
+                unclaimed.release().await;
+                return;
+            }
+            c.sent.push(h.first_token);
+            if c.sent.len() >= c.job.params.max_tokens() as usize {
+                unclaimed.release().await;
                 let _ = out
                     .send(Out::Done {
                         finish: "length".into(),
                     })
                     .await;
+                return;
             }
-            return;
+            let cause = match self.resume(&mut c, h, d, unclaimed, out).await {
+                Relayed::Over => return,
+                Relayed::Lost(cause) => cause,
+            };
+            tracing::warn!(
+                request_id = %c.id,
+                worker = %d.worker_id,
+                cause,
+                tokens_sent = c.sent.len(),
+                "decode stream lost"
+            );
+            c.lost.push(d.worker_id.clone());
+            let counted = |outcome| {
+                self.metrics
+                    .failovers
+                    .get_or_create(&crate::telemetry::metrics::FailoverLabels { cause, outcome })
+                    .inc();
+            };
+            if failovers >= self.cfg.max_failovers {
+                counted("gave_up");
+                let _ = out
+                    .send(broken(format!(
+                        "decode engine lost ({cause}) after {} tokens, and {failovers} failovers were allowed",
+                        c.sent.len()
+                    )))
+                    .await;
+                return;
+            }
+            failovers += 1;
+            match self.continue_elsewhere(&mut c, out).await {
+                Ok(p) => {
+                    counted("resumed");
+                    current = (p.handle, p.decode);
+                }
+                Err(None) => return,
+                Err(Some(why)) => {
+                    counted("gave_up");
+                    let _ = out
+                        .send(broken(format!(
+                            "decode engine lost ({cause}) after {} tokens; no failover: {why}",
+                            c.sent.len()
+                        )))
+                        .await;
+                    return;
+                }
+            }
         }
+    }
+
+    /// Resumes handle `h` on decode engine `d` and relays its stream.
+    async fn resume(
+        &self,
+        c: &mut Continuation<'_>,
+        h: &KvHandle,
+        d: &WorkerStatus,
+        unclaimed: Unclaimed,
+        out: &mpsc::Sender<Out>,
+    ) -> Relayed {
         let req = CompletionRequest {
-            prompt: Prompt::Tokens(job.prompt.clone()),
+            prompt: Prompt::Tokens(c.resume_prompt()),
             params: GenerationParams {
                 model: None,
                 seed: Some(h.seed),
                 stream: Some(true),
-                ..job.params.clone()
+                max_tokens: Some(c.resume_max_tokens()),
+                ..c.job.params.clone()
             },
             tl_resume: Some(TlResume {
                 first_token: h.first_token,
                 rng_draws_consumed: h.rng_draws_consumed,
             }),
         };
-        match self
-            .upstream
-            .stream(&d.http_address, Some(&h.handle_id), &req)
-            .await
-        {
-            Ok(events) => {
+        let stall = self.stall_timeout();
+        let opened = tokio::select! {
+            r = tokio::time::timeout(
+                stall,
+                self.upstream.stream(&d.http_address, Some(&h.handle_id), &req),
+            ) => r,
+            () = out.closed() => {
+                unclaimed.release().await;
+                return Relayed::Over;
+            }
+        };
+        match opened {
+            Ok(Ok(events)) => {
                 // A 200 means the decode engine claimed the handle; from here, dropping the
                 // stream is what frees its blocks. Its first chunk repeats first_token, which
                 // the client already has.
                 unclaimed.claimed();
-                relay(events, out, First::Drop).await;
+                relay(events, out, First::Drop, stall, &mut c.sent).await
             }
-            Err(e) => {
-                unclaimed.release().await;
-                let _ = out.send(broken(format!("decode engine: {e}"))).await;
+            // Refused, unreachable, or silent: the handle is released in the background (a
+            // partitioned engine must not hold up the failover).
+            Ok(Err(_)) => Relayed::Lost("reset"),
+            Err(_) => Relayed::Lost("stall"),
+        }
+    }
+
+    /// After decode engines in `c.lost` were lost: a Prefill of the prompt and every token sent
+    /// on a prefill engine, with the generator advanced past the draws those tokens used, pushed
+    /// to another decode engine. `Err(None)` when the client left meanwhile.
+    async fn continue_elsewhere(
+        &self,
+        c: &mut Continuation<'_>,
+        out: &mpsc::Sender<Out>,
+    ) -> Result<Prefilled, Option<String>> {
+        let workers: Vec<_> = self
+            .registry
+            .snapshot(Instant::now())
+            .into_iter()
+            .filter(|w| !c.lost.contains(&w.status.worker_id))
+            .collect();
+        let mut prompt = c.job.prompt.clone();
+        prompt.extend_from_slice(&c.sent);
+        let cached = self
+            .upstream
+            .cached_prefixes(&prompt, &has_blocks_targets(&workers))
+            .await;
+        let plan = plan(&workers, &cached, &self.inflight.snapshot(), self.policy());
+        let Some(p) = &plan.prefill else {
+            return Err(Some("no prefill engine is live".into()));
+        };
+        if plan.decode.is_empty() {
+            return Err(Some("no other decode engine answered".into()));
+        }
+        let max_tokens = c
+            .job
+            .params
+            .max_tokens()
+            .saturating_sub(c.sent.len() as u32);
+        let mut sp = sampling(&c.job.params);
+        sp.seed = Some(c.seed);
+        sp.max_tokens = max_tokens;
+        let offset = c.draws_per_token.saturating_mul(c.sent.len() as u32);
+        match self
+            .prefill(
+                c.id,
+                &mut c.attempts,
+                p,
+                &plan.decode,
+                &prompt,
+                sp,
+                offset,
+                out,
+            )
+            .await
+        {
+            Ok(p) => Ok(p),
+            Err(PrefillEnd::Gone) => Err(None),
+            Err(PrefillEnd::Refused(s)) => {
+                Err(Some(format!("prefill engine refused: {}", s.message())))
+            }
+            Err(PrefillEnd::NoDecode { retries }) => {
+                Err(Some(format!("{retries} decode engines refused the push")))
             }
         }
+    }
+
+    fn stall_timeout(&self) -> Duration {
+        Duration::from_millis(self.cfg.stall_timeout_ms.max(1))
     }
 
     async fn finish_colocated(
@@ -281,7 +546,19 @@ impl Gateway {
             tl_resume: None,
         };
         match self.upstream.stream(&b.http_address, None, &req).await {
-            Ok(events) => relay(events, out, First::Announce(route)).await,
+            Ok(events) => {
+                // No failover for a colocated request (nothing else holds its state): a lost
+                // stream is reported; the whole request's timeout bounds a silent one.
+                let quiet = Duration::from_millis(self.cfg.request_timeout_ms.max(1));
+                let mut sent = Vec::new();
+                if let Relayed::Lost(cause) =
+                    relay(events, out, First::Announce(route), quiet, &mut sent).await
+                {
+                    let _ = out
+                        .send(broken(format!("engine stream lost ({cause})")))
+                        .await;
+                }
+            }
             Err(e) => {
                 let status = match e {
                     super::upstream::OpenError::Status(_) => StatusCode::BAD_GATEWAY,
@@ -327,44 +604,54 @@ fn route(p: &WorkerStatus, d: &Ranked, retries: u32) -> RouteInfo {
 }
 
 /// Forwards an engine's stream as [`Out`] messages; `first` says what becomes of the first
-/// token. Dropping `events` on return closes the engine's request, which cancels its sequence.
-async fn relay(mut events: EventStream, out: &mpsc::Sender<Out>, first: First) {
+/// token. Every token the client was sent is appended to `sent`. Dropping `events` on return
+/// closes the engine's request, which cancels its sequence.
+async fn relay(
+    mut events: EventStream,
+    out: &mpsc::Sender<Out>,
+    first: First,
+    stall: Duration,
+    sent: &mut Vec<u32>,
+) -> Relayed {
     let mut first = Some(first);
     loop {
         let event = tokio::select! {
-            e = events.next() => e,
-            () = out.closed() => return,
+            e = tokio::time::timeout(stall, events.next()) => e,
+            () = out.closed() => return Relayed::Over,
         };
-        let msgs: Vec<Out> = match event {
-            Some(Ok(StreamEvent::Chunk(c))) => {
-                let mut msgs = Vec::new();
-                for choice in &c.choices {
-                    for &t in &choice.tokens {
-                        match first.take() {
-                            None => msgs.push(Out::Token(t)),
-                            Some(First::Drop) => {}
-                            Some(First::Announce(route)) => msgs.push(Out::First {
-                                token: t,
-                                seed: c.seed,
-                                model: c.model.clone(),
-                                route,
-                            }),
-                        }
-                    }
-                    if let Some(f) = &choice.finish_reason {
-                        msgs.push(Out::Done { finish: f.clone() });
-                    }
-                }
-                msgs
+        let chunk = match event {
+            Err(_) => return Relayed::Lost("stall"),
+            Ok(Some(Ok(StreamEvent::Chunk(c)))) => c,
+            // An engine ends a stream after the chunk with its finish reason; a [DONE] before
+            // it is a stream cut short.
+            Ok(Some(Ok(StreamEvent::Done)) | Some(Err(_)) | None) => {
+                return Relayed::Lost("reset");
             }
-            Some(Ok(StreamEvent::Done)) => return,
-            Some(Ok(StreamEvent::Error(e))) => vec![Out::Broken(e)],
-            Some(Err(_)) | None => vec![broken("engine stream ended early")],
+            Ok(Some(Ok(StreamEvent::Error(e)))) => {
+                let _ = out.send(Out::Broken(e)).await;
+                return Relayed::Over;
+            }
         };
-        for m in msgs {
-            let end = matches!(m, Out::Broken(_));
-            if out.send(m).await.is_err() || end {
-                return;
+        for choice in &chunk.choices {
+            for &t in &choice.tokens {
+                let msg = match first.take() {
+                    None => Out::Token(t),
+                    Some(First::Drop) => continue,
+                    Some(First::Announce(route)) => Out::First {
+                        token: t,
+                        seed: chunk.seed,
+                        model: chunk.model.clone(),
+                        route,
+                    },
+                };
+                if out.send(msg).await.is_err() {
+                    return Relayed::Over;
+                }
+                sent.push(t);
+            }
+            if let Some(f) = &choice.finish_reason {
+                let _ = out.send(Out::Done { finish: f.clone() }).await;
+                return Relayed::Over;
             }
         }
     }

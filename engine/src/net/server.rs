@@ -35,6 +35,8 @@ use super::tls::PeerId;
 #[derive(Clone, Debug, Default)]
 pub struct Lifecycle {
     stop: CancellationToken,
+    /// Fired before `stop` for an abrupt end: no grace for what is in flight.
+    abort: CancellationToken,
     tasks: TaskTracker,
 }
 
@@ -61,6 +63,13 @@ impl Lifecycle {
     /// Runs `task` until it ends; it must end soon after [`token`](Self::token) fires.
     pub fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
         self.tasks.spawn(task);
+    }
+
+    /// Stops as a killed process would, as far as peers can tell: connections in flight are
+    /// cut at once instead of given [`STOP_GRACE`]. For failover tests in one process.
+    pub async fn abort(&self) {
+        self.abort.cancel();
+        self.shutdown().await;
     }
 
     /// Fires the stop signal and waits until every task has ended.
@@ -227,6 +236,7 @@ pub fn serve_http(
 ) -> std::io::Result<SocketAddr> {
     let addr = listener.local_addr()?;
     let stop = life.token().clone();
+    let abort = life.abort.clone();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read);
@@ -274,8 +284,10 @@ pub fn serve_http(
             }
         }
         // Stop accepting; let responses in flight end, then close what is left (dropping the
-        // set aborts its tasks).
-        let _ = tokio::time::timeout(STOP_GRACE, graceful.shutdown()).await;
+        // set aborts its tasks). An abort closes them at once.
+        if !abort.is_cancelled() {
+            let _ = tokio::time::timeout(STOP_GRACE, graceful.shutdown()).await;
+        }
         drop(conns);
     });
     Ok(addr)

@@ -168,6 +168,7 @@ impl DecodeFront {
                     seed,
                     max_tokens: req.params.max_tokens(),
                     mode: Mode::Generate,
+                    draws_offset: 0,
                 });
                 (seed, None, ev)
             }

@@ -320,6 +320,13 @@ impl EngineNode {
         serde_json::Value::Object(m).to_string()
     }
 
+    /// Stops at once, as `kill -9` would look to peers: no drain, HTTP streams in flight cut,
+    /// no more beats. The engine thread is joined.
+    pub async fn kill(self) {
+        self.life.abort().await;
+        self.thread.join().await;
+    }
+
     /// Drains (refusing new work, waiting up to `deadline` for work in flight), then stops every
     /// server and task and joins the engine thread. Returns the work that remained.
     pub async fn shutdown(self, deadline: Duration) -> usize {

@@ -214,6 +214,7 @@ impl PrefillService {
             seed,
             max_tokens: 1,
             mode: Mode::PrefillOnly,
+            draws_offset: u64::from(req.rng_draws_offset),
         };
         let handle_id = format!(
             "{}-{}-{:016x}",

@@ -57,6 +57,16 @@ pub struct RequestLabels {
     pub status: u16,
 }
 
+/// `{cause, outcome}` of a failover: why the decode stream was lost (`reset`, `stall`) and
+/// whether the request went on elsewhere (`resumed`) or ended with an error (`gave_up`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FailoverLabels {
+    /// `reset` (the stream broke or the engine refused the resume) or `stall`.
+    pub cause: &'static str,
+    /// `resumed` or `gave_up`.
+    pub outcome: &'static str,
+}
+
 /// `{role}` of live workers.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Role {
@@ -108,6 +118,8 @@ pub struct Metrics {
     pub route_decisions: Family<Reason, Counter>,
     /// Spans the OTLP exporter dropped (failed or timed-out exports).
     pub trace_spans_dropped: Counter,
+    /// Decode streams lost mid-request, by cause and outcome.
+    pub failovers: Family<FailoverLabels, Counter>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -144,6 +156,7 @@ impl Metrics {
             workers: Family::default(),
             route_decisions: Family::default(),
             trace_spans_dropped: Counter::default(),
+            failovers: Family::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -217,12 +230,24 @@ impl Metrics {
             "Spans the OTLP exporter dropped: export failed or timed out",
             m.trace_spans_dropped.clone(),
         );
+        r.register(
+            "tl_failovers",
+            "Decode streams lost mid-request, by cause, and whether the request resumed elsewhere",
+            m.failovers.clone(),
+        );
         // Series with a closed set of label values exist from the start, at 0, so a rate over
         // them is defined before the first event.
         for direction in ["sent", "received"] {
             m.kv_payload_bytes
                 .get_or_create(&Direction { direction })
                 .inc_by(0);
+        }
+        for cause in ["reset", "stall"] {
+            for outcome in ["resumed", "gave_up"] {
+                m.failovers
+                    .get_or_create(&FailoverLabels { cause, outcome })
+                    .inc_by(0);
+            }
         }
         for reason in ["prefix_hit", "by_load", "colocated", "none"] {
             m.route_decisions

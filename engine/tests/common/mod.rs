@@ -28,6 +28,7 @@ pub fn prefill(e: &mut Engine, prompt: &[u32]) -> PrefillOutput {
         seed: 0,
         max_tokens: 1,
         mode: Mode::PrefillOnly,
+        draws_offset: 0,
     })
     .unwrap();
     for ev in e.step().0 {

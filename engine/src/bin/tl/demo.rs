@@ -271,6 +271,7 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
             seed,
             max_tokens: args.max_tokens,
             mode: Mode::Generate,
+            draws_offset: 0,
         })?;
         rows.push(Row {
             prompt_tokens: prompt.len(),

@@ -74,6 +74,7 @@ pub(crate) fn generate(args: &GenerateArgs) -> ExitCode {
         seed,
         max_tokens: args.max_tokens,
         mode: Mode::Generate,
+        draws_offset: 0,
     };
     match engine.generate(req) {
         Ok(tokens) => {

@@ -67,6 +67,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
             seed: 1,
             max_tokens: 1,
             mode,
+            draws_offset: 0,
         };
 
         // Colocated: prefill and first token on one engine.
@@ -262,6 +263,7 @@ async fn prefill_rpc(
             ..SamplingParams::default()
         }),
         decode_target: kv.clone(),
+        rng_draws_offset: 0,
     };
     let release = GrpcTransport::new(TransportConfig::for_envelope(1 << 10));
     let warm = ctl.prefill(request("warm", vec![7])).await?;

@@ -1,0 +1,285 @@
+//! Transparent failover: a decode engine lost mid-stream (killed, or silent past the stall
+//! timeout) and the gateway continues the request on another one. The client's tokens equal a
+//! colocated run's, with no gap and no repeat; beyond the bound it gets a clean error event.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::eventually;
+use serde_json::{Value, json};
+use tl_engine::api::sse::StreamEvent;
+use tl_engine::gateway::GatewayNode;
+use tl_engine::gateway::config::{GatewayConfig, GatewaySection};
+use tl_engine::net::clients::{EventStream, HttpClient};
+use tl_engine::node::EngineNode;
+use tl_engine::node::config::{Config, Role};
+use tl_engine_core::engine::{Engine, Mode, Request};
+use tl_engine_core::sampler::{Sampling, SamplingRequest};
+
+const MAX_TOKENS: u32 = 14;
+
+/// An engine beating every 100 ms; decode engines take 15 ms a step, so that a test can act
+/// between tokens.
+fn engine_cfg(id: &str, role: Role, registry: &str) -> Config {
+    let mut c = Config::for_worker(id, role, registry);
+    c.engine.heartbeat_ms = 100;
+    c.pool.n_blocks = 256;
+    if role == Role::Decode {
+        c.model.decode_us_per_seq = 15_000;
+    }
+    c
+}
+
+fn colocated(prompt: &[u32], t: f32, seed: u64, n: u32) -> Vec<u32> {
+    let cfg = Config::default();
+    let sampling = Sampling::new(
+        SamplingRequest {
+            temperature: t,
+            top_p: 1.0,
+            top_k: 0,
+        },
+        cfg.model.vocab,
+    )
+    .unwrap();
+    Engine::new(cfg.build_model(), cfg.build_pool())
+        .generate(Request {
+            prompt: prompt.to_vec(),
+            sampling,
+            seed,
+            max_tokens: n,
+            mode: Mode::Generate,
+            draws_offset: 0,
+        })
+        .unwrap()
+}
+
+struct Cluster {
+    gw: GatewayNode,
+    p: EngineNode,
+    d: Vec<Option<EngineNode>>,
+}
+
+impl Cluster {
+    async fn start(decoders: usize, gateway: GatewaySection) -> Self {
+        let gw = GatewayNode::start(&GatewayConfig::from(gateway))
+            .await
+            .unwrap();
+        let reg = gw.registry_addr().to_string();
+        let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
+            .await
+            .unwrap();
+        let mut d = Vec::new();
+        for i in 0..decoders {
+            let node = EngineNode::start(&engine_cfg(&format!("D{i}"), Role::Decode, &reg))
+                .await
+                .unwrap();
+            d.push(Some(node));
+        }
+        assert!(
+            eventually(Duration::from_secs(10), || gw
+                .registry()
+                .list(Instant::now())
+                .len()
+                == 1 + decoders)
+            .await,
+            "workers never registered"
+        );
+        Self { gw, p, d }
+    }
+
+    /// The decode engine running a sequence now.
+    fn busy(&self) -> Option<usize> {
+        self.d
+            .iter()
+            .position(|n| n.as_ref().is_some_and(|n| n.runner().running() > 0))
+    }
+
+    async fn kill(&mut self, i: usize) {
+        self.d[i].take().expect("killed twice").kill().await;
+    }
+
+    fn failovers(&self, cause: &str, outcome: &str) -> String {
+        let text = self.gw.gateway().metrics().encode();
+        let key = format!("tl_failovers_total{{cause=\"{cause}\",outcome=\"{outcome}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .unwrap_or("missing")
+            .to_owned()
+    }
+
+    /// Every live engine's pool holds no block in use once the sequences have ended.
+    async fn settled(&self) -> bool {
+        eventually(Duration::from_secs(5), || {
+            self.p.runner().pool().lock().counts().used == 0
+                && self.d.iter().flatten().all(|n| {
+                    n.runner().running() == 0 && n.runner().pool().lock().counts().used == 0
+                })
+        })
+        .await
+    }
+}
+
+fn body(prompt: &[u32], t: f32, seed: u64, stream: bool) -> String {
+    json!({ "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": t, "seed": seed, "stream": stream })
+        .to_string()
+}
+
+/// A streamed completion read event by event.
+async fn open(gw: &GatewayNode, body: String) -> EventStream {
+    let (status, b) = HttpClient::default()
+        .post_streaming(&gw.http_addr().to_string(), "/v1/completions", &[], body)
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    EventStream::new(b)
+}
+
+/// What a stream delivered: tokens, finish reasons, the error event if any, and whether
+/// `[DONE]` ended it.
+#[derive(Debug, Default)]
+struct Read {
+    tokens: Vec<u32>,
+    finish: Vec<String>,
+    error: Option<String>,
+    done: bool,
+    decode: Option<String>,
+}
+
+/// Reads `events` until it ends, or until `stop_after` tokens (then returns early).
+async fn read(events: &mut EventStream, into: &mut Read, stop_after: Option<usize>) {
+    while let Some(e) = tokio::time::timeout(Duration::from_secs(20), events.next())
+        .await
+        .expect("the stream went silent")
+    {
+        match e.unwrap() {
+            StreamEvent::Chunk(c) => {
+                if let Some(r) = &c.tl_route {
+                    into.decode = Some(r.decode.clone());
+                }
+                for ch in &c.choices {
+                    into.tokens.extend(&ch.tokens);
+                    into.finish.extend(ch.finish_reason.clone());
+                }
+                if stop_after.is_some_and(|n| into.tokens.len() >= n) {
+                    return;
+                }
+            }
+            StreamEvent::Error(e) => into.error = Some(e.message),
+            StreamEvent::Done => {
+                into.done = true;
+                return;
+            }
+        }
+    }
+}
+
+fn index_of(id: &str) -> usize {
+    id.strip_prefix('D').unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_continues_the_stream_exactly() {
+    let prompt: Vec<u32> = (40..61).collect(); // 5 full blocks and a tail at B = 4
+    for (t, seed) in [(0.0f32, 5u64), (0.8, 6)] {
+        let want = colocated(&prompt, t, seed, MAX_TOKENS);
+        // SSE: kill the decode engine once the client has three tokens.
+        let mut c = Cluster::start(2, GatewaySection::default()).await;
+        let mut events = open(&c.gw, body(&prompt, t, seed, true)).await;
+        let mut got = Read::default();
+        read(&mut events, &mut got, Some(3)).await;
+        let victim = index_of(got.decode.as_deref().unwrap());
+        c.kill(victim).await;
+        read(&mut events, &mut got, None).await;
+        assert_eq!(got.error, None, "t={t}");
+        assert!(got.done, "t={t}: no [DONE]");
+        assert_eq!(got.tokens, want, "t={t}: stream differs from colocated");
+        assert_eq!(got.finish, ["length"]);
+        assert_eq!(c.failovers("reset", "resumed"), "1", "t={t}");
+        assert!(c.settled().await, "t={t}: blocks left in use");
+        drop(events);
+
+        // JSON: kill the engine decoding while the request is in flight, after a few steps.
+        let mut c = Cluster::start(2, GatewaySection::default()).await;
+        let addr = c.gw.http_addr().to_string();
+        let b = body(&prompt, t, seed, false);
+        let call = tokio::spawn(async move {
+            HttpClient::default()
+                .post(&addr, "/v1/completions", &[], b)
+                .await
+        });
+        assert!(
+            eventually(Duration::from_secs(5), || c.busy().is_some()).await,
+            "no decode engine took the request"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let victim = c.busy().expect("the sequence ended before the kill");
+        c.kill(victim).await;
+        let r = call.await.unwrap().unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v: Value = r.json();
+        let tokens: Vec<u32> = v["choices"][0]["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(tokens, want, "t={t}: JSON differs from colocated");
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+        assert_eq!(v["usage"]["completion_tokens"], MAX_TOKENS);
+        assert_eq!(c.failovers("reset", "resumed"), "1", "t={t}");
+        assert!(c.settled().await, "t={t}: blocks left in use");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_gives_up_after_the_bound() {
+    let prompt: Vec<u32> = (7..30).collect();
+    // Two decode engines, both killed one after the other: the second loss finds no engine
+    // left, and the client gets an error event, never a silently truncated stream.
+    let mut c = Cluster::start(2, GatewaySection::default()).await;
+    let mut events = open(&c.gw, body(&prompt, 0.7, 9, true)).await;
+    let mut got = Read::default();
+    read(&mut events, &mut got, Some(3)).await;
+    c.kill(index_of(got.decode.as_deref().unwrap())).await;
+    read(&mut events, &mut got, Some(6)).await;
+    let other = c.busy().expect("the request did not continue");
+    c.kill(other).await;
+    read(&mut events, &mut got, None).await;
+    let want = colocated(&prompt, 0.7, 9, MAX_TOKENS);
+    let err = got.error.expect("no error event");
+    assert!(err.contains("no failover"), "{err}");
+    assert!(!got.done, "[DONE] after an error");
+    assert!(got.tokens.len() >= 6 && got.tokens.len() < want.len());
+    assert_eq!(
+        got.tokens[..],
+        want[..got.tokens.len()],
+        "tokens before the error"
+    );
+    assert_eq!(c.failovers("reset", "resumed"), "1");
+    assert_eq!(c.failovers("reset", "gave_up"), "1");
+    assert!(c.settled().await);
+
+    // A bound of 1 with three engines: the second loss is not failed over although an engine
+    // is left.
+    let mut c = Cluster::start(
+        3,
+        GatewaySection {
+            max_failovers: 1,
+            ..GatewaySection::default()
+        },
+    )
+    .await;
+    let mut events = open(&c.gw, body(&prompt, 0.0, 1, true)).await;
+    let mut got = Read::default();
+    read(&mut events, &mut got, Some(3)).await;
+    c.kill(index_of(got.decode.as_deref().unwrap())).await;
+    read(&mut events, &mut got, Some(6)).await;
+    c.kill(c.busy().expect("the request did not continue"))
+        .await;
+    read(&mut events, &mut got, None).await;
+    let err = got.error.expect("no error event");
+    assert!(err.contains("1 failovers were allowed"), "{err}");
+    assert_eq!(c.failovers("reset", "gave_up"), "1");
+    assert!(c.settled().await);
+}
