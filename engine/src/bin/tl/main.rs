@@ -3,6 +3,7 @@
 mod bench;
 mod certs;
 mod demo;
+mod drill;
 mod engine;
 mod gateway;
 mod generate;
@@ -42,6 +43,10 @@ enum Cmd {
     /// Registry, one prefill and two decode engines on loopback; requests sharing a system prompt,
     /// each checked against a colocated run. Exit 0 only if every request matched.
     Demo(demo::DemoArgs),
+    /// The ops.01 failover drill: gateway, 1 prefill and 2 decode engines as processes under
+    /// streaming load; one decode engine killed (or stopped) at T/3 and back at 2T/3. Prints
+    /// one JSON line; exit 0 only if no request was lost or failed.
+    Drill(drill::DrillArgs),
     /// Run an engine (prefill, decode or both) until SIGTERM.
     Engine(engine::EngineArgs),
     /// Run the gateway (OpenAI-compatible HTTP front and the worker registry) until SIGTERM.
@@ -112,6 +117,7 @@ fn main() -> ExitCode {
         Cmd::Generate(args) => generate::generate(&args),
         Cmd::Certs(args) => certs::certs(&args),
         Cmd::Demo(args) => demo::demo(&args, cli.log_format),
+        Cmd::Drill(args) => drill::drill(&args),
         Cmd::Engine(args) => engine::engine(&args, cli.log_format),
         Cmd::Registry(args) => registry::registry(&args, cli.log_format),
         Cmd::Gateway(args) => gateway::gateway(&args, cli.log_format),

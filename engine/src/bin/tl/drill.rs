@@ -1,0 +1,610 @@
+//! `tl drill`: the ops.01 failover drill. It starts a gateway, one prefill and two decode engines
+//! as processes, drives concurrent streaming clients (greedy and seeded mixed), and at T/3 takes
+//! one decode engine away (`kill -9`, or `SIGSTOP` for a hung engine); at 2T/3 it brings it back
+//! (a fresh process under the same id, or `SIGCONT`). Every request's tokens are compared with a
+//! colocated run of the same request. It prints one JSON line; exit status 0 only when nothing
+//! was lost or failed, both pools went back to baseline and the engine rejoined.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, ExitCode, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tl_engine::api::sse::StreamEvent;
+use tl_engine::net::clients::{ControlClient, EventStream, HttpClient, RegistryClient};
+use tl_engine::node::config::Config;
+use tl_engine_core::engine::{Engine, Mode, Request};
+use tl_engine_core::rng::stream;
+use tl_engine_core::sampler::{Sampling, SamplingRequest};
+
+use crate::run::{block_on, print_json};
+
+/// What happens to the decode engine at T/3.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Fault {
+    /// `kill -9`; a fresh process under the same id at 2T/3.
+    Kill,
+    /// `SIGSTOP` (a hung engine: the stall timeout fails its streams over); `SIGCONT` at 2T/3.
+    Sigstop,
+}
+
+/// Arguments of `tl drill`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct DrillArgs {
+    /// Concurrent streaming clients.
+    #[arg(long, default_value_t = 8)]
+    clients: usize,
+    /// Seconds of load.
+    #[arg(long, default_value_t = 15.0)]
+    seconds: f64,
+    /// What happens to the decode engine at T/3.
+    #[arg(long, value_enum, default_value_t = Fault::Kill)]
+    fault: Fault,
+    /// Tokens per request.
+    #[arg(long, default_value_t = 24)]
+    max_tokens: u32,
+    /// Simulated decode cost per sequence per step, in microseconds (so streams are in flight
+    /// when the fault lands).
+    #[arg(long, default_value_t = 1500)]
+    decode_us: u64,
+    /// The gateway's stall timeout, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    stall_ms: u64,
+    /// Heartbeat interval of the engines, in milliseconds.
+    #[arg(long, default_value_t = 200)]
+    heartbeat_ms: u32,
+}
+
+/// Runs `tl drill`.
+#[must_use]
+pub(crate) fn drill(args: &DrillArgs) -> ExitCode {
+    block_on(async {
+        match run(args).await {
+            Ok((v, ok)) => {
+                let code = print_json(Ok::<_, String>(v));
+                if ok { code } else { ExitCode::from(1) }
+            }
+            Err(e) => print_json(Err::<Value, _>(e)),
+        }
+    })
+}
+
+/// A child process of the drill, killed on drop.
+struct Proc {
+    child: Child,
+    listening: Value,
+    _stdout: BufReader<ChildStdout>,
+}
+
+impl Proc {
+    fn start(args: &[&str], log: &Path) -> Result<Self, String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let stderr = std::fs::File::create(log).map_err(|e| e.to_string())?;
+        let mut child = Command::new(exe)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .map_err(|e| format!("spawning tl {args:?}: {e}"))?;
+        let mut out = BufReader::new(child.stdout.take().ok_or("no stdout")?);
+        let mut line = String::new();
+        out.read_line(&mut line).map_err(|e| e.to_string())?;
+        let listening: Value = serde_json::from_str(&line)
+            .map_err(|e| format!("tl {args:?} printed {line:?}: {e} (log: {})", log.display()))?;
+        Ok(Self {
+            child,
+            listening,
+            _stdout: out,
+        })
+    }
+
+    fn addr(&self, key: &str) -> String {
+        self.listening[key].as_str().unwrap_or_default().to_owned()
+    }
+
+    fn signal(&self, sig: &str) {
+        let _ = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.child.id().to_string())
+            .status();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.signal("CONT");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One request as the client saw it.
+#[derive(Debug)]
+struct Outcome {
+    started: Duration,
+    ended: Duration,
+    verdict: Verdict,
+    ttft: Option<Duration>,
+    tpot: Option<Duration>,
+    max_gap: Duration,
+    decode: String,
+}
+
+#[derive(Debug, PartialEq)]
+enum Verdict {
+    Equal,
+    Failed(String),
+    Lost(String),
+}
+
+/// The prompts: one of three shared system prefixes, then a suffix of its own.
+fn prompt(client: usize, n: usize) -> Vec<u32> {
+    let mut rng = stream((client as u64) << 32 | n as u64, "drill");
+    let system = (rng.next_u32() % 3) as u8;
+    let mut p: Vec<u32> = format!("system prompt {system}: be brief and exact. ")
+        .bytes()
+        .map(u32::from)
+        .collect();
+    let extra = 5 + rng.next_u32() % 20;
+    p.extend((0..extra).map(|_| 32 + rng.next_u32() % 90));
+    p
+}
+
+fn colocated(prompt: &[u32], temperature: f32, seed: u64, max_tokens: u32) -> Vec<u32> {
+    let cfg = Config::default();
+    let sampling = Sampling::new(
+        SamplingRequest {
+            temperature,
+            top_p: 1.0,
+            top_k: 0,
+        },
+        cfg.model.vocab,
+    );
+    let Ok(sampling) = sampling else {
+        return Vec::new();
+    };
+    Engine::new(cfg.build_model(), cfg.build_pool())
+        .generate(Request {
+            prompt: prompt.to_vec(),
+            sampling,
+            seed,
+            max_tokens,
+            mode: Mode::Generate,
+            draws_offset: 0,
+        })
+        .unwrap_or_default()
+}
+
+/// One client: requests back to back until `end`.
+async fn client(
+    i: usize,
+    http: String,
+    t0: Instant,
+    end: Instant,
+    max_tokens: u32,
+    out: Arc<Mutex<Vec<Outcome>>>,
+) {
+    let client = HttpClient::default();
+    let mut n = 0;
+    while Instant::now() < end {
+        let p = prompt(i, n);
+        let (t, seed) = if (i + n).is_multiple_of(2) {
+            (0.0, 0)
+        } else {
+            (0.8, (i * 10_000 + n) as u64)
+        };
+        n += 1;
+        let body = json!({ "prompt": p, "max_tokens": max_tokens, "temperature": t, "seed": seed, "stream": true });
+        let started = Instant::now();
+        let outcome = one_request(&client, &http, body.to_string()).await;
+        let want = colocated(&p, t, seed, max_tokens);
+        let (verdict, tokens, times, decode) = outcome;
+        let verdict = match verdict {
+            None if tokens == want => Verdict::Equal,
+            None => Verdict::Lost(format!(
+                "tokens differ from colocated ({} vs {})",
+                tokens.len(),
+                want.len()
+            )),
+            Some(v) => v,
+        };
+        let gaps: Vec<Duration> = times.windows(2).map(|w| w[1] - w[0]).collect();
+        let o = Outcome {
+            started: started - t0,
+            ended: t0.elapsed(),
+            verdict,
+            ttft: times.first().map(|t| *t - started),
+            tpot: (times.len() > 1)
+                .then(|| (times[times.len() - 1] - times[0]) / (times.len() as u32 - 1)),
+            max_gap: gaps.iter().max().copied().unwrap_or_default(),
+            decode,
+        };
+        if let Ok(mut v) = out.lock() {
+            v.push(o);
+        }
+    }
+}
+
+/// Sends one streamed request; returns the verdict if already decided (failed, lost), the
+/// tokens, when each arrived, and the decode engine the route named.
+async fn one_request(
+    client: &HttpClient,
+    http: &str,
+    body: String,
+) -> (Option<Verdict>, Vec<u32>, Vec<Instant>, String) {
+    let mut tokens = Vec::new();
+    let mut times = Vec::new();
+    let mut decode = String::new();
+    let (status, body) = match tokio::time::timeout(
+        Duration::from_secs(30),
+        client.post_streaming(http, "/v1/completions", &[], body),
+    )
+    .await
+    {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            return (
+                Some(Verdict::Lost(format!("no answer: {e}"))),
+                tokens,
+                times,
+                decode,
+            );
+        }
+        Err(_) => {
+            return (
+                Some(Verdict::Lost("no answer in 30 s".into())),
+                tokens,
+                times,
+                decode,
+            );
+        }
+    };
+    if status != 200 {
+        return (
+            Some(Verdict::Failed(format!("http_{status}"))),
+            tokens,
+            times,
+            decode,
+        );
+    }
+    let mut events = EventStream::new(body);
+    let mut finished = false;
+    loop {
+        let e = match tokio::time::timeout(Duration::from_secs(30), events.next()).await {
+            Err(_) => {
+                return (
+                    Some(Verdict::Lost("stream silent for 30 s".into())),
+                    tokens,
+                    times,
+                    decode,
+                );
+            }
+            Ok(None) => {
+                return (
+                    Some(Verdict::Lost("stream truncated without an error".into())),
+                    tokens,
+                    times,
+                    decode,
+                );
+            }
+            Ok(Some(Err(e))) => {
+                return (
+                    Some(Verdict::Lost(format!("stream broke: {e}"))),
+                    tokens,
+                    times,
+                    decode,
+                );
+            }
+            Ok(Some(Ok(e))) => e,
+        };
+        match e {
+            StreamEvent::Chunk(c) => {
+                if let Some(r) = &c.tl_route {
+                    decode.clone_from(&r.decode);
+                }
+                let now = Instant::now();
+                for ch in &c.choices {
+                    for &t in &ch.tokens {
+                        tokens.push(t);
+                        times.push(now);
+                    }
+                    finished |= ch.finish_reason.is_some();
+                }
+            }
+            StreamEvent::Error(e) => {
+                return (
+                    Some(Verdict::Failed(format!("error_event: {}", e.message))),
+                    tokens,
+                    times,
+                    decode,
+                );
+            }
+            StreamEvent::Done => {
+                return (
+                    (!finished).then(|| Verdict::Lost("[DONE] without a finish reason".into())),
+                    tokens,
+                    times,
+                    decode,
+                );
+            }
+        }
+    }
+}
+
+fn p99_ms(mut v: Vec<Duration>) -> Value {
+    if v.is_empty() {
+        return Value::Null;
+    }
+    v.sort();
+    let i = ((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1;
+    json!((v[i].as_secs_f64() * 1e5).round() / 100.0)
+}
+
+fn p50_ms(mut v: Vec<Duration>) -> Value {
+    if v.is_empty() {
+        return Value::Null;
+    }
+    v.sort();
+    json!((v[v.len() / 2].as_secs_f64() * 1e5).round() / 100.0)
+}
+
+/// Used blocks and pending handles of the engine at `grpc`, once both reach 0 (within 10 s).
+async fn back_to_baseline(grpc: &str) -> bool {
+    let Ok(c) = ControlClient::new(grpc) else {
+        return false;
+    };
+    let end = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < end {
+        if let Ok(i) = c.info().await
+            && i.used_blocks == 0
+            && i.pending_handles == 0
+            && i.running == 0
+        {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// The index of a decode engine running sequences (polled up to 2 s; the first otherwise).
+async fn busy_decoder(decoders: &[Proc; 2]) -> usize {
+    let clients: Vec<_> = decoders
+        .iter()
+        .map(|d| ControlClient::new(&d.addr("grpc")).ok())
+        .collect();
+    let end = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < end {
+        for (i, c) in clients.iter().enumerate() {
+            if let Some(c) = c
+                && c.info().await.is_ok_and(|i| i.running > 0)
+            {
+                return i;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    0
+}
+
+/// The sum of `tl_failovers_total` series with `outcome`.
+async fn failovers(metrics: &str, outcome: &str) -> u64 {
+    let Ok(r) = HttpClient::default().get(metrics, "/metrics").await else {
+        return 0;
+    };
+    let text = String::from_utf8_lossy(&r.body).into_owned();
+    let needle = format!("outcome=\"{outcome}\"");
+    text.lines()
+        .filter(|l| l.starts_with("tl_failovers_total{") && l.contains(&needle))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+fn engine_toml(
+    dir: &Path,
+    id: &str,
+    role: &str,
+    registry: &str,
+    a: &DrillArgs,
+) -> Result<PathBuf, String> {
+    let path = dir.join(format!("{id}.toml"));
+    let decode = if role == "decode" { a.decode_us } else { 0 };
+    let text = format!(
+        "[engine]\nid = \"{id}\"\nrole = \"{role}\"\ngateway_registry = \"{registry}\"\nheartbeat_ms = {hb}\n\n[model]\ndecode_us_per_seq = {decode}\nprefill_us_per_token = 20\n",
+        hb = a.heartbeat_ms
+    );
+    std::fs::write(&path, text).map_err(|e| e.to_string())?;
+    Ok(path)
+}
+
+async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
+    let dir = std::env::temp_dir().join(format!(
+        "tl-drill-{}-{}",
+        std::process::id(),
+        tl_engine::net::tls::random_hex::<4>()
+    ));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let _cleanup = RemoveOnDrop(dir.clone());
+    let gw_toml = dir.join("gateway.toml");
+    std::fs::write(
+        &gw_toml,
+        format!(
+            "[gateway]\nstall_timeout_ms = {}\nmax_failovers = 2\n",
+            a.stall_ms
+        ),
+    )
+    .map_err(|e| e.to_string())?;
+    let gw = Proc::start(
+        &["gateway", "--config", &gw_toml.to_string_lossy()],
+        &dir.join("gateway.log"),
+    )?;
+    let (http, registry, gw_metrics) = (gw.addr("http"), gw.addr("registry"), gw.addr("metrics"));
+    let start_engine = |id: &str, role: &str| -> Result<Proc, String> {
+        let cfg = engine_toml(&dir, id, role, &registry, a)?;
+        Proc::start(
+            &["engine", "--config", &cfg.to_string_lossy()],
+            &dir.join(format!("{id}.log")),
+        )
+    };
+    let p = start_engine("P", "prefill")?;
+    let mut decoders = [start_engine("D1", "decode")?, start_engine("D2", "decode")?];
+    let reg = RegistryClient::new(&registry, Duration::from_secs(1)).map_err(|e| e.to_string())?;
+    let end = Instant::now() + Duration::from_secs(10);
+    while reg.list_workers().await.map(|w| w.len()).unwrap_or(0) < 3 {
+        if Instant::now() > end {
+            return Err("the engines never registered".into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let t0 = Instant::now();
+    let total = Duration::from_secs_f64(a.seconds.max(1.0));
+    let (fault_at, restore_at) = (total / 3, total * 2 / 3);
+    let outcomes = Arc::new(Mutex::new(Vec::new()));
+    let mut clients = tokio::task::JoinSet::new();
+    for i in 0..a.clients.max(1) {
+        clients.spawn(client(
+            i,
+            http.clone(),
+            t0,
+            t0 + total,
+            a.max_tokens,
+            Arc::clone(&outcomes),
+        ));
+    }
+
+    tokio::time::sleep_until((t0 + fault_at).into()).await;
+    // The victim: a decode engine with streams in flight (so that the fault hits requests).
+    let v = busy_decoder(&decoders).await;
+    let (victim_id, survivor_id) = (["D1", "D2"][v], ["D1", "D2"][1 - v]);
+    let fault_time = t0.elapsed();
+    match a.fault {
+        Fault::Kill => decoders[v].signal("KILL"),
+        Fault::Sigstop => decoders[v].signal("STOP"),
+    }
+    // The registry forgets it after 3 missed beats.
+    let mut evicted_ms = None;
+    while t0.elapsed() < restore_at {
+        let live = reg.list_workers().await.unwrap_or_default();
+        if !live.iter().any(|w| w.worker_id == victim_id) {
+            evicted_ms = Some((t0.elapsed() - fault_time).as_secs_f64() * 1e3);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep_until((t0 + restore_at).into()).await;
+    let restore_time = t0.elapsed();
+    match a.fault {
+        Fault::Kill => decoders[v] = start_engine(victim_id, "decode")?,
+        Fault::Sigstop => decoders[v].signal("CONT"),
+    }
+    while clients.join_next().await.is_some() {}
+
+    let prefill_back = back_to_baseline(&p.addr("grpc")).await;
+    let survivor_back = back_to_baseline(&decoders[1 - v].addr("grpc")).await;
+    let restored_back = back_to_baseline(&decoders[v].addr("grpc")).await;
+    let resumed = failovers(&gw_metrics, "resumed").await;
+    let gave_up = failovers(&gw_metrics, "gave_up").await;
+
+    let outcomes = std::mem::take(&mut *outcomes.lock().map_err(|e| e.to_string())?);
+    let mut failed: BTreeMap<String, u64> = BTreeMap::new();
+    let mut lost: BTreeMap<String, u64> = BTreeMap::new();
+    let mut equal = 0;
+    for o in &outcomes {
+        match &o.verdict {
+            Verdict::Equal => equal += 1,
+            Verdict::Failed(c) => *failed.entry(c.clone()).or_default() += 1,
+            Verdict::Lost(c) => *lost.entry(c.clone()).or_default() += 1,
+        }
+    }
+    let phase = |o: &&Outcome| {
+        if o.started < fault_time {
+            "before"
+        } else if o.started < restore_time {
+            "during"
+        } else {
+            "after"
+        }
+    };
+    let mut ttft = serde_json::Map::new();
+    let mut tpot = serde_json::Map::new();
+    let mut routes = serde_json::Map::new();
+    for ph in ["before", "during", "after"] {
+        let mut by: BTreeMap<&str, u64> = BTreeMap::new();
+        for o in outcomes.iter().filter(|o| phase(o) == ph) {
+            *by.entry(o.decode.as_str()).or_default() += 1;
+        }
+        routes.insert(ph.into(), json!(by));
+        let of = |f: &dyn Fn(&Outcome) -> Option<Duration>| {
+            outcomes
+                .iter()
+                .filter(|o| phase(o) == ph)
+                .filter_map(f)
+                .collect::<Vec<_>>()
+        };
+        ttft.insert(ph.into(), p99_ms(of(&|o| o.ttft)));
+        tpot.insert(ph.into(), p99_ms(of(&|o| o.tpot)));
+    }
+    // Requests in flight when the fault landed: their longest wait between two tokens (the
+    // failover's cost, for those that failed over) against that of undisturbed requests.
+    let hit: Vec<Duration> = outcomes
+        .iter()
+        .filter(|o| o.started < fault_time && o.ended > fault_time && o.decode == victim_id)
+        .map(|o| o.max_gap)
+        .collect();
+    let undisturbed: Vec<Duration> = outcomes
+        .iter()
+        .filter(|o| o.ended < fault_time)
+        .map(|o| o.max_gap)
+        .collect();
+    let rejoined = outcomes
+        .iter()
+        .any(|o| o.started > restore_time && o.decode == victim_id && o.verdict == Verdict::Equal);
+    let n_failed: u64 = failed.values().sum();
+    let n_lost: u64 = lost.values().sum();
+    let ok = n_failed == 0 && n_lost == 0 && prefill_back && survivor_back && rejoined;
+    let v = json!({
+        "drill": "ops.01",
+        "fault": format!("{:?}", a.fault).to_lowercase(),
+        "mode": "processes",
+        "clients": a.clients,
+        "seconds": a.seconds,
+        "requests": outcomes.len(),
+        "completed_equal": equal,
+        "failed": n_failed,
+        "failed_by_cause": failed,
+        "lost": n_lost,
+        "lost_by_cause": lost,
+        "failovers": resumed,
+        "failovers_gave_up": gave_up,
+        "p99_ttft_ms": ttft,
+        "p99_tpot_ms": tpot,
+        "first_routes": routes,
+        "in_flight_at_fault_on_victim": hit.len(),
+        "p50_max_gap_ms_in_flight_at_fault": p50_ms(hit),
+        "p50_max_gap_ms_undisturbed": p50_ms(undisturbed),
+        "prefill_pool_back_to_baseline": prefill_back,
+        "survivor_pool_back_to_baseline": survivor_back,
+        "restored_pool_back_to_baseline": restored_back,
+        "victim": victim_id,
+        "survivor": survivor_id,
+        "heartbeat_ms": a.heartbeat_ms,
+        "evicted_after_ms": evicted_ms,
+        "evicted_within_beats": evicted_ms.map(|ms| (ms / f64::from(a.heartbeat_ms) * 100.0).round() / 100.0),
+        "rejoined": rejoined,
+    });
+    drop((gw, p, decoders));
+    Ok((v, ok))
+}
+
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

@@ -1,0 +1,67 @@
+//! `tl drill` as processes: a gateway, one prefill and two decode engines under streaming load,
+//! one decode engine killed (or hung) at T/3 and back at 2T/3. Nothing may be lost or failed,
+//! every request's tokens equal a colocated run, and both pools go back to baseline.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn drill(fault: &str) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_tl"))
+        .args([
+            "drill",
+            "--clients",
+            "4",
+            "--seconds",
+            "6",
+            "--fault",
+            fault,
+            "--stall-ms",
+            "800",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let v: Value =
+        serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| {
+            panic!(
+                "tl drill printed {stdout:?}: {e}; stderr {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    assert!(out.status.success(), "tl drill --fault {fault} failed: {v}");
+    v
+}
+
+fn check(v: &Value) {
+    assert!(v["requests"].as_u64().unwrap() > 20, "{v}");
+    assert_eq!(v["lost"], 0, "{v}");
+    assert_eq!(v["failed"], 0, "{v}");
+    assert_eq!(v["completed_equal"], v["requests"], "{v}");
+    assert_eq!(v["prefill_pool_back_to_baseline"], true, "{v}");
+    assert_eq!(v["survivor_pool_back_to_baseline"], true, "{v}");
+    assert_eq!(v["rejoined"], true, "{v}");
+    // The victim was chosen with streams in flight: they failed over.
+    assert!(v["failovers"].as_u64().unwrap() >= 1, "{v}");
+    assert_eq!(v["failovers_gave_up"], 0, "{v}");
+    // Evicted after 3 missed beats: between 2 and 4 intervals after the fault (the last beat
+    // was up to one interval before it).
+    let beats = v["evicted_within_beats"].as_f64().unwrap();
+    assert!((1.9..=4.5).contains(&beats), "{v}");
+}
+
+#[test]
+fn drill_kill_decode_loses_nothing() {
+    let v = drill("kill");
+    check(&v);
+    assert_eq!(v["fault"], "kill");
+}
+
+#[test]
+fn stalled_decode_engine_fails_over() {
+    let v = drill("sigstop");
+    check(&v);
+    // The hung engine's streams waited out the stall timeout before they moved.
+    let gap = v["p50_max_gap_ms_in_flight_at_fault"].as_f64().unwrap();
+    assert!(gap >= 800.0, "{v}");
+}
