@@ -338,3 +338,28 @@ fn dashboard_queries_name_real_metrics() {
         assert!(used.contains(name), "no panel queries {name}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_follow_the_drain() {
+    let node = EngineNode::start(&Config::for_worker("D", Role::Decode, ""))
+        .await
+        .unwrap();
+    let m = node.metrics_address().to_owned();
+    let http = HttpClient::default();
+    assert_eq!(http.get(&m, "/livez").await.unwrap().status, 200);
+    assert_eq!(http.get(&m, "/readyz").await.unwrap().status, 200);
+    // What a preStop hook runs: drain, answered once nothing is in flight.
+    let r = http
+        .post(&m, "/drain?deadline_ms=2000", &[], Vec::new())
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["remaining"], 0);
+    assert!(node.state().is_draining());
+    let r = http.get(&m, "/readyz").await.unwrap();
+    assert_eq!(r.status, 503, "a draining engine is not ready");
+    assert!(String::from_utf8_lossy(&r.body).contains("draining"));
+    // Still alive: it keeps serving what it has until stopped.
+    assert_eq!(http.get(&m, "/livez").await.unwrap().status, 200);
+    node.shutdown(Duration::from_millis(100)).await;
+}

@@ -199,7 +199,9 @@ impl GatewayNode {
         let metrics_addr = serve_http(
             &life,
             bind(&g.metrics_listen).await?,
-            crate::telemetry::metrics::router(Arc::clone(&gateway.metrics)),
+            crate::telemetry::metrics::router(Arc::clone(&gateway.metrics)).merge(
+                crate::net::probes::router(Arc::new(crate::net::probes::AlwaysReady)),
+            ),
             None,
             cfg.limits.http(),
         )?;

@@ -328,7 +328,9 @@ impl RegistryNode {
         let metrics_addr = crate::net::server::serve_http(
             &life,
             bind(metrics_listen).await?,
-            crate::telemetry::metrics::router(metrics),
+            crate::telemetry::metrics::router(metrics).merge(crate::net::probes::router(Arc::new(
+                crate::net::probes::AlwaysReady,
+            ))),
             None,
             crate::net::server::HttpLimits::default(),
         )?;

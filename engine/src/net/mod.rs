@@ -4,6 +4,7 @@
 pub mod authz;
 pub mod clients;
 pub mod limits;
+pub mod probes;
 pub mod server;
 pub mod tls;
 

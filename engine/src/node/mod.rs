@@ -250,7 +250,10 @@ impl EngineNode {
         let metrics_listener = serve_http(
             &life,
             bind(&cfg.engine.metrics_listen).await?,
-            metrics::router(Arc::clone(&metrics)),
+            metrics::router(Arc::clone(&metrics))
+                .merge(crate::net::probes::router(
+                    Arc::clone(&state) as Arc<dyn crate::net::probes::Probe>
+                )),
             None,
             limits.http(),
         )?;

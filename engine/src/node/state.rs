@@ -172,3 +172,20 @@ impl Drop for PrefillInFlight {
         self.0.prefills_changed.notify_waiters();
     }
 }
+
+impl crate::net::probes::Probe for NodeState {
+    fn ready(&self) -> Result<(), String> {
+        if self.is_draining() {
+            Err(format!("worker {} is draining", self.id))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn drain(
+        self: Arc<Self>,
+        deadline: std::time::Duration,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<usize>> + Send>> {
+        Box::pin(async move { Some(NodeState::drain(&self, deadline).await) })
+    }
+}

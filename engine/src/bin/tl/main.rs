@@ -8,6 +8,7 @@ mod engine;
 mod gateway;
 mod generate;
 mod inspect;
+mod probe;
 mod registry;
 mod run;
 
@@ -51,6 +52,9 @@ enum Cmd {
     Engine(engine::EngineArgs),
     /// Run the gateway (OpenAI-compatible HTTP front and the worker registry) until SIGTERM.
     Gateway(gateway::GatewayArgs),
+    /// One plain-HTTP request to a probe (`/livez`, `/readyz`, `POST /drain`) of a process's
+    /// metrics listener; exit 0 on 200. For health checks and preStop hooks in the image.
+    Probe(probe::ProbeArgs),
     /// Run a worker registry until SIGTERM.
     Registry(registry::RegistryArgs),
     /// Benchmarks that print one JSON line.
@@ -118,6 +122,7 @@ fn main() -> ExitCode {
         Cmd::Certs(args) => certs::certs(&args),
         Cmd::Demo(args) => demo::demo(&args, cli.log_format),
         Cmd::Drill(args) => drill::drill(&args),
+        Cmd::Probe(args) => probe::probe(&args),
         Cmd::Engine(args) => engine::engine(&args, cli.log_format),
         Cmd::Registry(args) => registry::registry(&args, cli.log_format),
         Cmd::Gateway(args) => gateway::gateway(&args, cli.log_format),

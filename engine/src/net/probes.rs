@@ -1,0 +1,183 @@
+//! Probes for orchestrators, served beside `GET /metrics` on the plaintext metrics listener (a
+//! kubelet or a compose health check cannot present a client certificate):
+//!
+//! - `GET /livez`: 200 while the process answers.
+//! - `GET /readyz`: 200 when it takes new work, 503 with the reason otherwise (a draining
+//!   engine is not ready, so a load balancer stops sending it work).
+//! - `POST /drain?deadline_ms=N`: starts a drain and answers when the work in flight has ended
+//!   or `N` ms (at most 10 minutes) have passed, with `{"remaining": n}`. Only a caller on
+//!   loopback may ask (403 otherwise): it is what a pod's `preStop` hook runs, inside the pod.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Extension;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+
+use super::server::Caller;
+
+/// The longest drain a probe may ask for.
+pub const MAX_DRAIN: Duration = Duration::from_secs(600);
+
+/// What the probes ask a process.
+pub trait Probe: Send + Sync + 'static {
+    /// `Ok` when it takes new work; else why not.
+    ///
+    /// # Errors
+    /// The reason it is not ready.
+    fn ready(&self) -> Result<(), String>;
+
+    /// Starts draining and resolves with the work left once it has ended or `deadline` passed;
+    /// `None` when this process has nothing to drain.
+    fn drain(
+        self: Arc<Self>,
+        deadline: Duration,
+    ) -> Pin<Box<dyn Future<Output = Option<usize>> + Send>>;
+}
+
+/// A process that is ready while it runs and has no drain of its own (the gateway, the
+/// registry).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AlwaysReady;
+
+impl Probe for AlwaysReady {
+    fn ready(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn drain(self: Arc<Self>, _: Duration) -> Pin<Box<dyn Future<Output = Option<usize>> + Send>> {
+        Box::pin(async { None })
+    }
+}
+
+/// The probe routes over `probe`.
+pub fn router(probe: Arc<dyn Probe>) -> axum::Router {
+    axum::Router::new()
+        .route("/livez", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/drain", post(drain))
+        .with_state(probe)
+}
+
+async fn readyz(State(p): State<Arc<dyn Probe>>) -> Response {
+    match p.ready() {
+        Ok(()) => "ready\n".into_response(),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response(),
+    }
+}
+
+/// `deadline_ms` of a query string (`deadline_ms=N`), if present and a number.
+fn deadline_ms(query: Option<&str>) -> Option<u64> {
+    query?
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("deadline_ms="))?
+        .parse()
+        .ok()
+}
+
+async fn drain(
+    State(p): State<Arc<dyn Probe>>,
+    caller: Option<Extension<Caller>>,
+    uri: axum::http::Uri,
+) -> Response {
+    if !caller.is_some_and(|Extension(c)| c.addr.ip().is_loopback()) {
+        return (
+            StatusCode::FORBIDDEN,
+            "drain is asked from inside the host only\n",
+        )
+            .into_response();
+    }
+    let deadline = Duration::from_millis(deadline_ms(uri.query()).unwrap_or(5_000)).min(MAX_DRAIN);
+    match p.drain(deadline).await {
+        Some(remaining) => {
+            axum::Json(serde_json::json!({ "remaining": remaining })).into_response()
+        }
+        None => (StatusCode::NOT_FOUND, "nothing to drain here\n").into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower_service::Service;
+
+    use super::*;
+
+    /// Ready until drained; counts drains.
+    #[derive(Default)]
+    struct Fake(AtomicUsize);
+
+    impl Probe for Fake {
+        fn ready(&self) -> Result<(), String> {
+            if self.0.load(Ordering::SeqCst) == 0 {
+                Ok(())
+            } else {
+                Err("draining".into())
+            }
+        }
+
+        fn drain(
+            self: Arc<Self>,
+            _: Duration,
+        ) -> Pin<Box<dyn Future<Output = Option<usize>> + Send>> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Some(0) })
+        }
+    }
+
+    async fn call(app: &mut axum::Router, method: &str, uri: &str, from: &str) -> (u16, String) {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(Body::empty())
+            .unwrap();
+        req.extensions_mut().insert(Caller {
+            addr: from.parse().unwrap(),
+            peer: None,
+        });
+        let resp = app.call(req).await.unwrap();
+        let status = resp.status().as_u16();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn drain_only_from_loopback_then_not_ready() {
+        let probe = Arc::new(Fake::default());
+        let mut app = router(Arc::clone(&probe) as Arc<dyn Probe>);
+        assert_eq!(call(&mut app, "GET", "/livez", "10.0.0.9:1").await.0, 200);
+        assert_eq!(call(&mut app, "GET", "/readyz", "10.0.0.9:1").await.0, 200);
+        // From another host: refused, and nothing drained.
+        let (status, _) = call(&mut app, "POST", "/drain", "10.0.0.9:1").await;
+        assert_eq!(status, 403);
+        assert_eq!(probe.0.load(Ordering::SeqCst), 0);
+        assert_eq!(call(&mut app, "GET", "/readyz", "10.0.0.9:1").await.0, 200);
+        // From inside the host: drained, and not ready any more.
+        let (status, body) = call(&mut app, "POST", "/drain?deadline_ms=10", "127.0.0.1:1").await;
+        assert_eq!((status, body.as_str()), (200, r#"{"remaining":0}"#));
+        assert_eq!(probe.0.load(Ordering::SeqCst), 1);
+        let (status, body) = call(&mut app, "GET", "/readyz", "127.0.0.1:1").await;
+        assert_eq!((status, body.as_str()), (503, "draining\n"));
+        // A process with nothing to drain says so.
+        let mut gw = router(Arc::new(AlwaysReady));
+        assert_eq!(call(&mut gw, "POST", "/drain", "[::1]:1").await.0, 404);
+    }
+
+    #[test]
+    fn deadline_from_the_query() {
+        assert_eq!(deadline_ms(Some("deadline_ms=250")), Some(250));
+        assert_eq!(deadline_ms(Some("a=1&deadline_ms=9")), Some(9));
+        assert_eq!(deadline_ms(Some("deadline_ms=x")), None);
+        assert_eq!(deadline_ms(None), None);
+    }
+}
