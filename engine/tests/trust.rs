@@ -470,3 +470,85 @@ async fn silent_connections_cannot_hold_more_than_the_handshake_slots() {
     assert!(ok, "Info did not get through after the silent peers left");
     c.stop().await;
 }
+
+/// Engines that advertise an address no certificate names (as pods advertise their IP): with
+/// `peer_name`, peers verify the name every engine certificate carries instead, and requests go
+/// through; without it, the dialed address is verified and the pair is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_name_verifies_engines_reached_at_unnamed_addresses() {
+    let certs = Certs::new("peer-name");
+    for peer_name in [None, Some("kvwire-engine")] {
+        let section = |id: &str, role: PeerRole| TlsSection {
+            peer_name: peer_name.map(str::to_owned),
+            ..issue(certs.path(), id, role, &["kvwire-engine".to_owned()])
+                .unwrap()
+                .section()
+        };
+        let gw = GatewayNode::start(&GatewayConfig {
+            tls: Some(section("gw", PeerRole::Gateway)),
+            ..GatewayConfig::default()
+        })
+        .await
+        .unwrap();
+        let reg = gw.registry_addr().to_string();
+        let cfg = |id: &str, role: Role, peer: PeerRole| {
+            let mut c = Config::for_worker(id, role, &reg);
+            c.engine.heartbeat_ms = 50;
+            // 127.0.0.2 is loopback, but no certificate names it.
+            for l in [
+                &mut c.engine.grpc_listen,
+                &mut c.engine.kv_listen,
+                &mut c.engine.http_listen,
+            ] {
+                *l = "127.0.0.2:0".into();
+            }
+            c.tls = Some(section(id, peer));
+            c
+        };
+        let p = EngineNode::start(&cfg("P", Role::Prefill, PeerRole::Prefill))
+            .await
+            .unwrap();
+        let d = EngineNode::start(&cfg("D", Role::Decode, PeerRole::Decode))
+            .await
+            .unwrap();
+        assert!(d.addresses().kv.starts_with("127.0.0.2:"));
+        assert!(
+            common::eventually(Duration::from_secs(5), || gw
+                .registry()
+                .list(std::time::Instant::now())
+                .len()
+                == 2)
+            .await
+        );
+        let r = HttpClient::default()
+            .post(
+                &gw.http_addr().to_string(),
+                "/v1/completions",
+                &[],
+                r#"{"prompt": "hello there", "max_tokens": 4}"#,
+            )
+            .await
+            .unwrap();
+        if peer_name.is_some() {
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            assert_eq!(
+                r.json()["choices"][0]["tokens"].as_array().unwrap().len(),
+                4
+            );
+        } else {
+            assert_ne!(r.status, 200, "an unnamed address passed verification");
+        }
+        assert_eq!(p.runner().pool().lock().counts().used, 0);
+        assert!(common::settled(&d, 0).await);
+        p.shutdown(Duration::from_secs(1)).await;
+        d.shutdown(Duration::from_secs(1)).await;
+        gw.stop().await;
+    }
+    // A peer_name no certificate can carry is refused when the configuration loads.
+    let bad = TlsSection {
+        peer_name: Some("not a name".into()),
+        ..certs.issue("x", PeerRole::Prefill)
+    };
+    let e = Tls::load(&bad).unwrap_err();
+    assert!(e.to_string().contains("peer_name"), "{e}");
+}

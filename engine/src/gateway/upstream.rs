@@ -51,11 +51,15 @@ impl Upstream {
         tc.call_timeout = has_blocks_timeout.max(Duration::from_millis(1));
         tc.max_channels = max_channels;
         let http = match tls {
-            Some(t) => HttpClient::tls(t.client_config(&[])?),
+            Some(t) => HttpClient::tls_verifying(
+                t.client_config(&[])?,
+                t.peer_name()
+                    .and_then(|n| rustls_pki_types::ServerName::try_from(n.to_owned()).ok()),
+            ),
             None => HttpClient::default(),
         };
         Ok(Self {
-            transport: Arc::new(GrpcTransport::new(tc).with_tls(tls.map(Tls::tonic_client))),
+            transport: Arc::new(GrpcTransport::new(tc).with_tls(tls.map(Tls::tonic_peer_client))),
             http,
             has_blocks_timeout: tc.call_timeout,
         })

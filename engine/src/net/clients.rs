@@ -243,13 +243,28 @@ impl HttpClient {
     /// a client certificate). The configuration must offer no ALPN: the connector sets it.
     #[must_use]
     pub fn tls(config: std::sync::Arc<rustls::ClientConfig>) -> Self {
+        Self::tls_verifying(config, None)
+    }
+
+    /// As [`tls`](Self::tls), verifying every server against `server_name` (when given) instead
+    /// of the dialed host.
+    #[must_use]
+    pub fn tls_verifying(
+        config: std::sync::Arc<rustls::ClientConfig>,
+        server_name: Option<rustls_pki_types::ServerName<'static>>,
+    ) -> Self {
         let mut conn = tcp();
         conn.enforce_http(false);
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
+        let builder = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config((*config).clone())
-            .https_only()
-            .enable_http1()
-            .wrap_connector(conn);
+            .https_only();
+        let builder = match server_name {
+            Some(n) => {
+                builder.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(n))
+            }
+            None => builder,
+        };
+        let https = builder.enable_http1().wrap_connector(conn);
         Self {
             inner: Inner::Tls(Client::builder(TokioExecutor::new()).build(https)),
         }

@@ -150,6 +150,9 @@ pub enum TlsError {
     /// Making a certificate failed.
     #[error("certificate: {0}")]
     Cert(#[from] rcgen::Error),
+    /// `peer_name` is not a name a certificate can carry.
+    #[error("peer_name {0:?} is not a DNS name a certificate can carry")]
+    PeerName(String),
     /// Not one of gateway, prefill, decode, both, admin.
     #[error("role {0:?}: expected gateway, prefill, decode, both or admin")]
     Role(String),
@@ -166,6 +169,12 @@ pub struct TlsSection {
     pub cert: PathBuf,
     /// Its private key.
     pub key: PathBuf,
+    /// The name every engine's certificate carries, verified when this process dials an engine
+    /// at the address it advertised, instead of that address's host. For deployments where
+    /// engines advertise an address no certificate can name in advance (a pod IP). Omitted: the
+    /// dialed host is verified. Connections to the registry always verify the dialed host.
+    #[serde(default)]
+    pub peer_name: Option<String>,
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
@@ -219,6 +228,7 @@ pub struct Tls {
     ca_pem: Vec<u8>,
     cert_pem: Vec<u8>,
     key_pem: Vec<u8>,
+    peer_name: Option<String>,
 }
 
 impl std::fmt::Debug for Tls {
@@ -242,6 +252,11 @@ impl Tls {
         let chain = certs(&s.cert)?;
         let key_pem = read(&s.key)?;
         let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| pem_error(&s.key, e))?;
+        if let Some(n) = s.peer_name.as_deref().filter(|n| !n.is_empty())
+            && rustls_pki_types::ServerName::try_from(n).is_err()
+        {
+            return Err(TlsError::PeerName(n.to_owned()));
+        }
         let identity = PeerId::from_cert(&chain[0])
             .ok_or_else(|| TlsError::NoIdentity(s.cert.display().to_string()))?;
         Ok(Self {
@@ -252,6 +267,7 @@ impl Tls {
             ca_pem: read(&s.ca)?,
             cert_pem: read(&s.cert)?,
             key_pem,
+            peer_name: s.peer_name.clone().filter(|n| !n.is_empty()),
         })
     }
 
@@ -303,6 +319,23 @@ impl Tls {
                 &self.cert_pem,
                 &self.key_pem,
             ))
+    }
+
+    /// tonic's client TLS settings for a channel to an engine: as [`tonic_client`](Self::tonic_client),
+    /// verifying the server against `peer_name` when one is configured.
+    #[must_use]
+    pub fn tonic_peer_client(&self) -> tonic::transport::ClientTlsConfig {
+        let c = self.tonic_client();
+        match &self.peer_name {
+            Some(n) => c.domain_name(n.clone()),
+            None => c,
+        }
+    }
+
+    /// The name engines' certificates are verified against, when configured.
+    #[must_use]
+    pub fn peer_name(&self) -> Option<&str> {
+        self.peer_name.as_deref()
     }
 }
 
@@ -372,6 +405,7 @@ impl Issued {
             ca: self.ca.clone(),
             cert: self.cert.clone(),
             key: self.key.clone(),
+            peer_name: None,
         }
     }
 }

@@ -150,7 +150,8 @@ impl EngineNode {
                 Duration::from_millis(limits.keepalive_ms.max(1)),
                 Duration::from_millis(limits.keepalive_timeout_ms.max(1)),
             ));
-            let transport = GrpcTransport::new(tc).with_tls(client_tls.clone());
+            let transport =
+                GrpcTransport::new(tc).with_tls(tls.as_ref().map(Tls::tonic_peer_client));
             Arc::new(PrefillService::new(
                 Arc::clone(&state),
                 transport,

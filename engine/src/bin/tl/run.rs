@@ -109,6 +109,10 @@ pub(crate) struct TlsArgs {
     /// Its private key (PEM).
     #[arg(long, requires_all = ["tls_ca", "tls_cert"])]
     tls_key: Option<std::path::PathBuf>,
+    /// The name engines' certificates carry, verified when dialing an engine at its advertised
+    /// address (for engines that advertise a pod IP); `[tls] peer_name`.
+    #[arg(long)]
+    tls_peer_name: Option<String>,
     /// Without TLS, listen on non-loopback addresses anyway.
     #[arg(long)]
     allow_insecure: bool,
@@ -122,11 +126,16 @@ impl TlsArgs {
         allow_insecure: &mut bool,
     ) {
         if let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key) {
+            let peer_name = tls.as_ref().and_then(|t| t.peer_name.clone());
             *tls = Some(tl_engine::net::tls::TlsSection {
                 ca: ca.clone(),
                 cert: cert.clone(),
                 key: key.clone(),
+                peer_name,
             });
+        }
+        if let (Some(t), Some(n)) = (tls.as_mut(), &self.tls_peer_name) {
+            t.peer_name = Some(n.clone());
         }
         *allow_insecure |= self.allow_insecure;
     }
