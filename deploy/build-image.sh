@@ -10,13 +10,15 @@ target=x86_64-unknown-linux-gnu
 RUSTFLAGS="-C target-feature=+crt-static" \
     cargo build --release --bin tl --target "$target" --target-dir target/static
 bin=target/static/$target/release/tl
-if ldd "$bin" >/dev/null 2>&1; then
-    echo "error: $bin is dynamically linked" >&2
+if readelf -d "$bin" | grep -q '(NEEDED)'; then
+    echo "error: $bin needs shared libraries:" >&2
+    readelf -d "$bin" | grep '(NEEDED)' >&2
     exit 1
 fi
 ctx=target/image
 rm -rf "$ctx"
 mkdir -p "$ctx/certs"
-cp "$bin" "$ctx/tl"
+# Debug info stays in target/; the image carries the stripped binary.
+strip -o "$ctx/tl" "$bin"
 docker build -q -f deploy/Containerfile -t "$tag" "$ctx"
 echo "built $tag ($(du -h "$ctx/tl" | cut -f1) binary)"

@@ -127,12 +127,21 @@ impl GatewayConfig {
     /// # Errors
     /// I/O, parse or range errors.
     pub fn load_or_default(path: Option<&Path>) -> Result<Self, GatewayConfigError> {
+        let c = Self::read_or_default(path)?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Reads `path` if given, else the defaults, without validating: for a caller that applies
+    /// overrides (command-line flags) first and calls [`validate`](Self::validate) after.
+    ///
+    /// # Errors
+    /// I/O or parse errors.
+    pub fn read_or_default(path: Option<&Path>) -> Result<Self, GatewayConfigError> {
         let Some(path) = path else {
             return Ok(Self::default());
         };
-        let c: Self = toml_file::read(path)?;
-        c.validate()?;
-        Ok(c)
+        Ok(toml_file::read(path)?)
     }
 
     /// Checks ranges, and that a gateway without `[tls]` listens on loopback only (unless

@@ -266,6 +266,18 @@ impl Config {
         Ok(cfg)
     }
 
+    /// Reads `path` if given, else the defaults, without validating: for a caller that applies
+    /// overrides (command-line flags) first and calls [`validate`](Self::validate) after.
+    ///
+    /// # Errors
+    /// I/O or parse errors.
+    pub fn read_or_default(path: Option<&Path>) -> Result<Self, ConfigError> {
+        match path {
+            Some(p) => Ok(toml_file::read(p)?),
+            None => Ok(Self::default()),
+        }
+    }
+
     /// Reads `path` if given, else the defaults.
     ///
     /// # Errors

@@ -56,7 +56,7 @@ impl EngineArgs {
     /// # Errors
     /// The file's or the result's problems.
     pub(crate) fn config(&self) -> Result<Config, ConfigError> {
-        let mut c = Config::load_or_default(self.config.as_deref())?;
+        let mut c = Config::read_or_default(self.config.as_deref())?;
         if let Some(r) = self.role {
             c.engine.role = r;
         }
@@ -115,4 +115,54 @@ pub(crate) fn engine(args: &EngineArgs, log_format: LogFormat) -> ExitCode {
         },
     )
     .and_flush(traces)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    fn config(args: &[&str]) -> Result<Config, ConfigError> {
+        let mut all = vec!["tl"];
+        all.extend_from_slice(args);
+        Cli::try_parse_from(all).unwrap().engine.config()
+    }
+
+    /// The deployment files listen on every interface and take their certificates from flags:
+    /// the file is validated with the flags applied, not before.
+    #[test]
+    fn deployment_files_load_with_tls_from_flags() {
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+        let tls = [
+            "--tls-ca=/certs/ca.pem",
+            "--tls-cert=/certs/d1.pem",
+            "--tls-key=/certs/d1.key",
+        ];
+        for file in [
+            "deploy/compose/decode.toml",
+            "deploy/compose/prefill.toml",
+            "deploy/k8s/config/decode.toml",
+            "deploy/k8s/config/prefill.toml",
+        ] {
+            let path = format!("{root}/{file}");
+            let mut args = vec!["--config", &path, "--advertise-address", "10.0.0.7"];
+            // Without certificates, listening on 0.0.0.0 is refused.
+            let e = config(&args).unwrap_err();
+            assert!(e.to_string().contains("loopback"), "{file}: {e}");
+            args.extend_from_slice(&tls);
+            args.push("--tls-peer-name=kvwire-engine");
+            let c = config(&args).unwrap_or_else(|e| panic!("{file}: {e}"));
+            assert_eq!(c.engine.grpc_listen, "0.0.0.0:7100", "{file}");
+            let t = c.tls.unwrap();
+            assert_eq!(t.cert, std::path::PathBuf::from("/certs/d1.pem"));
+            assert_eq!(t.peer_name.as_deref(), Some("kvwire-engine"));
+        }
+    }
 }

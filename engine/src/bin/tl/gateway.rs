@@ -33,7 +33,7 @@ pub(crate) struct GatewayArgs {
 /// Runs `tl gateway`.
 #[must_use]
 pub(crate) fn gateway(args: &GatewayArgs, log_format: LogFormat) -> ExitCode {
-    let mut cfg = match GatewayConfig::load_or_default(args.config.as_deref()) {
+    let mut cfg = match GatewayConfig::read_or_default(args.config.as_deref()) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
@@ -69,4 +69,28 @@ pub(crate) fn gateway(args: &GatewayArgs, log_format: LogFormat) -> ExitCode {
         async |node| node.stop().await,
     )
     .and_flush(traces)
+}
+
+#[cfg(test)]
+mod tests {
+    use tl_engine::gateway::config::GatewayConfig;
+
+    /// The deployment files of the gateway parse, and need `[tls]` (from flags) to listen on
+    /// every interface.
+    #[test]
+    fn deployment_files_parse_and_need_tls() {
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+        for file in [
+            "deploy/compose/gateway.toml",
+            "deploy/k8s/config/gateway.toml",
+        ] {
+            let path = std::path::PathBuf::from(format!("{root}/{file}"));
+            let c = GatewayConfig::read_or_default(Some(&path)).unwrap();
+            assert!(
+                c.validate().is_err(),
+                "{file}: plaintext on 0.0.0.0 accepted"
+            );
+            assert!(c.gateway.stall_timeout_ms > 0 && c.gateway.max_failovers > 0);
+        }
+    }
 }
