@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use tl_engine::api::sse::StreamEvent;
-use tl_engine::net::clients::{ControlClient, EventStream, HttpClient, RegistryClient};
+use tl_engine::net::clients::{EventStream, HttpClient};
 use tl_engine::node::config::Config;
 use tl_engine_core::engine::{Engine, Mode, Request};
 use tl_engine_core::rng::stream;
@@ -50,7 +50,14 @@ pub(crate) struct DrillArgs {
     /// when the fault lands).
     #[arg(long, default_value_t = 1500)]
     decode_us: u64,
-    /// The gateway's stall timeout, in milliseconds.
+    /// Run against `deploy/compose.yaml`'s containers (`docker kill` / `docker pause`) instead
+    /// of processes; the image must exist (deploy/build-image.sh).
+    #[arg(long)]
+    compose: bool,
+    /// The image `--compose` runs.
+    #[arg(long, default_value = "kvwire-tl:dev")]
+    image: String,
+    /// The gateway's stall timeout, in milliseconds (processes; the compose file sets its own).
     #[arg(long, default_value_t = 1000)]
     stall_ms: u64,
     /// Heartbeat interval of the engines, in milliseconds.
@@ -352,56 +359,44 @@ fn p50_ms(mut v: Vec<Duration>) -> Value {
     json!((v[v.len() / 2].as_secs_f64() * 1e5).round() / 100.0)
 }
 
-/// Used blocks and pending handles of the engine at `grpc`, once both reach 0 (within 10 s).
-async fn back_to_baseline(grpc: &str) -> bool {
-    let Ok(c) = ControlClient::new(grpc) else {
-        return false;
-    };
-    let end = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < end {
-        if let Ok(i) = c.info().await
-            && i.used_blocks == 0
-            && i.pending_handles == 0
-            && i.running == 0
-        {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    false
+/// The figures of one `GET /metrics`, by series (name and labels as printed).
+async fn scrape(addr: &str) -> Option<BTreeMap<String, f64>> {
+    let r = tokio::time::timeout(
+        Duration::from_secs(2),
+        HttpClient::default().get(addr, "/metrics"),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    (r.status == 200).then(|| {
+        String::from_utf8_lossy(&r.body)
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| {
+                let (k, v) = l.rsplit_once(' ')?;
+                Some((k.to_owned(), v.parse().ok()?))
+            })
+            .collect()
+    })
 }
 
-/// The index of a decode engine running sequences (polled up to 2 s; the first otherwise).
-async fn busy_decoder(decoders: &[Proc; 2]) -> usize {
-    let clients: Vec<_> = decoders
-        .iter()
-        .map(|d| ControlClient::new(&d.addr("grpc")).ok())
-        .collect();
-    let end = Instant::now() + Duration::from_secs(2);
-    while Instant::now() < end {
-        for (i, c) in clients.iter().enumerate() {
-            if let Some(c) = c
-                && c.info().await.is_ok_and(|i| i.running > 0)
-            {
-                return i;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    0
+/// Blocks in use and handles pending, from an engine's metrics.
+fn in_use(m: &BTreeMap<String, f64>) -> f64 {
+    m.get("tl_pool_blocks{state=\"used\"}")
+        .copied()
+        .unwrap_or(0.0)
+        + m.get("tl_kv_handles_pending").copied().unwrap_or(0.0)
 }
 
 /// The sum of `tl_failovers_total` series with `outcome`.
 async fn failovers(metrics: &str, outcome: &str) -> u64 {
-    let Ok(r) = HttpClient::default().get(metrics, "/metrics").await else {
-        return 0;
-    };
-    let text = String::from_utf8_lossy(&r.body).into_owned();
     let needle = format!("outcome=\"{outcome}\"");
-    text.lines()
-        .filter(|l| l.starts_with("tl_failovers_total{") && l.contains(&needle))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
+    scrape(metrics).await.map_or(0, |m| {
+        m.iter()
+            .filter(|(k, _)| k.starts_with("tl_failovers_total{") && k.contains(&needle))
+            .map(|(_, v)| *v)
+            .sum::<f64>() as u64
+    })
 }
 
 fn engine_toml(
@@ -421,45 +416,288 @@ fn engine_toml(
     Ok(path)
 }
 
-async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
-    let dir = std::env::temp_dir().join(format!(
-        "tl-drill-{}-{}",
-        std::process::id(),
-        tl_engine::net::tls::random_hex::<4>()
-    ));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let _cleanup = RemoveOnDrop(dir.clone());
-    let gw_toml = dir.join("gateway.toml");
-    std::fs::write(
-        &gw_toml,
-        format!(
-            "[gateway]\nstall_timeout_ms = {}\nmax_failovers = 2\n",
-            a.stall_ms
-        ),
-    )
-    .map_err(|e| e.to_string())?;
-    let gw = Proc::start(
-        &["gateway", "--config", &gw_toml.to_string_lossy()],
-        &dir.join("gateway.log"),
-    )?;
-    let (http, registry, gw_metrics) = (gw.addr("http"), gw.addr("registry"), gw.addr("metrics"));
-    let start_engine = |id: &str, role: &str| -> Result<Proc, String> {
-        let cfg = engine_toml(&dir, id, role, &registry, a)?;
+/// Runs a command to completion; its stderr in the error.
+fn sh(cmd: &mut Command) -> Result<String, String> {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("{cmd:?}: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    } else {
+        Err(format!(
+            "{cmd:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// The deployment under the drill: processes of this binary, or the compose file's containers.
+#[allow(clippy::large_enum_variant)] // one value per run
+enum Cluster {
+    Procs {
+        dir: PathBuf,
+        registry: String,
+        gw: Proc,
+        p: Proc,
+        d: [Proc; 2],
+    },
+    Compose(Compose),
+}
+
+/// `deploy/compose.yaml` brought up under a project name of its own, taken down on drop.
+struct Compose {
+    file: PathBuf,
+    project: String,
+    http: String,
+}
+
+impl Compose {
+    fn cmd(&self) -> Command {
+        let mut c = Command::new("docker-compose");
+        c.args(["-p", &self.project, "-f"]).arg(&self.file);
+        c
+    }
+
+    fn run(&self, args: &[&str]) -> Result<String, String> {
+        sh(self.cmd().args(args))
+    }
+
+    /// The host address a service's container port is published on.
+    fn port(&self, service: &str, port: u16) -> Option<String> {
+        let p = self.run(&["port", service, &port.to_string()]).ok()?;
+        (!p.is_empty() && !p.ends_with(":0")).then_some(p)
+    }
+
+    fn up(image: &str) -> Result<Self, String> {
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+        let file = PathBuf::from(format!("{root}/deploy/compose.yaml"));
+        sh(Command::new("docker").args(["image", "inspect", image]))
+            .map_err(|_| format!("no image {image}: build it with deploy/build-image.sh"))?;
+        // A free loopback port for the gateway's published endpoint.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| e.to_string())?
+            .port();
+        let c = Self {
+            file,
+            project: format!("tldrill{}", std::process::id()),
+            http: format!("127.0.0.1:{port}"),
+        };
+        let mut up = c.cmd();
+        up.env("TL_HTTP_PORT", port.to_string())
+            .env("TL_IMAGE", image)
+            .args(["up", "-d"]);
+        sh(&mut up)?;
+        Ok(c)
+    }
+}
+
+impl Drop for Compose {
+    fn drop(&mut self) {
+        let _ = self.run(&["down", "-v", "--timeout", "5"]);
+    }
+}
+
+impl Cluster {
+    async fn start(a: &DrillArgs) -> Result<Self, String> {
+        if a.compose {
+            return Ok(Self::Compose(Compose::up(&a.image)?));
+        }
+        let dir = std::env::temp_dir().join(format!(
+            "tl-drill-{}-{}",
+            std::process::id(),
+            tl_engine::net::tls::random_hex::<4>()
+        ));
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let gw_toml = dir.join("gateway.toml");
+        std::fs::write(
+            &gw_toml,
+            format!(
+                "[gateway]\nstall_timeout_ms = {}\nmax_failovers = 2\n",
+                a.stall_ms
+            ),
+        )
+        .map_err(|e| e.to_string())?;
+        let gw = Proc::start(
+            &["gateway", "--config", &gw_toml.to_string_lossy()],
+            &dir.join("gateway.log"),
+        )?;
+        let registry = gw.addr("registry");
+        Ok(Self::Procs {
+            p: Self::engine(&dir, "P", "prefill", &registry, a)?,
+            d: [
+                Self::engine(&dir, "D1", "decode", &registry, a)?,
+                Self::engine(&dir, "D2", "decode", &registry, a)?,
+            ],
+            gw,
+            registry,
+            dir,
+        })
+    }
+
+    fn engine(
+        dir: &Path,
+        id: &str,
+        role: &str,
+        registry: &str,
+        a: &DrillArgs,
+    ) -> Result<Proc, String> {
+        let cfg = engine_toml(dir, id, role, registry, a)?;
         Proc::start(
             &["engine", "--config", &cfg.to_string_lossy()],
             &dir.join(format!("{id}.log")),
         )
-    };
-    let p = start_engine("P", "prefill")?;
-    let mut decoders = [start_engine("D1", "decode")?, start_engine("D2", "decode")?];
-    let reg = RegistryClient::new(&registry, Duration::from_secs(1)).map_err(|e| e.to_string())?;
-    let end = Instant::now() + Duration::from_secs(10);
-    while reg.list_workers().await.map(|w| w.len()).unwrap_or(0) < 3 {
+    }
+
+    fn http(&self) -> String {
+        match self {
+            Self::Procs { gw, .. } => gw.addr("http"),
+            Self::Compose(c) => c.http.clone(),
+        }
+    }
+
+    /// Worker ids of the two decode engines.
+    fn decode_ids(&self) -> [&'static str; 2] {
+        match self {
+            Self::Procs { .. } => ["D1", "D2"],
+            Self::Compose(_) => ["d1", "d2"],
+        }
+    }
+
+    /// The metrics address of the gateway, the prefill engine, or decode engine `i`.
+    fn metrics(&self, who: Who) -> Option<String> {
+        match (self, who) {
+            (Self::Procs { gw, .. }, Who::Gateway) => Some(gw.addr("metrics")),
+            (Self::Procs { p, .. }, Who::Prefill) => Some(p.addr("metrics")),
+            (Self::Procs { d, .. }, Who::Decode(i)) => Some(d[i].addr("metrics")),
+            (Self::Compose(c), Who::Gateway) => c.port("gateway", 9100),
+            (Self::Compose(c), Who::Prefill) => c.port("prefill", 9100),
+            (Self::Compose(c), Who::Decode(i)) => c.port(["decode-1", "decode-2"][i], 9100),
+        }
+    }
+
+    fn fault(&mut self, i: usize, f: Fault) -> Result<(), String> {
+        match self {
+            Self::Procs { d, .. } => {
+                d[i].signal(if f == Fault::Kill { "KILL" } else { "STOP" });
+                Ok(())
+            }
+            Self::Compose(c) => {
+                let service = ["decode-1", "decode-2"][i];
+                match f {
+                    Fault::Kill => c.run(&["kill", "-s", "SIGKILL", service]),
+                    Fault::Sigstop => c.run(&["pause", service]),
+                }
+                .map(drop)
+            }
+        }
+    }
+
+    fn restore(&mut self, i: usize, f: Fault, a: &DrillArgs) -> Result<(), String> {
+        match self {
+            Self::Procs {
+                d, dir, registry, ..
+            } => {
+                match f {
+                    Fault::Kill => {
+                        d[i] = Self::engine(dir, ["D1", "D2"][i], "decode", registry, a)?;
+                    }
+                    Fault::Sigstop => d[i].signal("CONT"),
+                }
+                Ok(())
+            }
+            Self::Compose(c) => {
+                let service = ["decode-1", "decode-2"][i];
+                match f {
+                    Fault::Kill => c.run(&["start", service]),
+                    Fault::Sigstop => c.run(&["unpause", service]),
+                }
+                .map(drop)
+            }
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if let Self::Procs { dir, .. } = self {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Who {
+    Gateway,
+    Prefill,
+    Decode(usize),
+}
+
+/// The live workers' ids, from the gateway's `GET /workers`.
+async fn live_workers(http: &str) -> Option<Vec<String>> {
+    let r = HttpClient::default().get(http, "/workers").await.ok()?;
+    let v: Value = serde_json::from_slice(&r.body).ok()?;
+    Some(
+        v["workers"]
+            .as_array()?
+            .iter()
+            .filter_map(|w| w["worker_id"].as_str().map(str::to_owned))
+            .collect(),
+    )
+}
+
+/// Polls `who`'s metrics until nothing is in use (within 15 s).
+async fn back_to_baseline(c: &Cluster, who: Who) -> bool {
+    let end = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < end {
+        if let Some(addr) = c.metrics(who)
+            && let Some(m) = scrape(&addr).await
+            && in_use(&m) == 0.0
+        {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+/// The index of a decode engine holding blocks for running sequences (polled up to 2 s; the
+/// first otherwise).
+async fn busy_decoder(c: &Cluster) -> usize {
+    let addrs = [c.metrics(Who::Decode(0)), c.metrics(Who::Decode(1))];
+    let end = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < end {
+        for (i, a) in addrs.iter().enumerate() {
+            if let Some(a) = a
+                && let Some(m) = scrape(a).await
+                && m.get("tl_pool_blocks{state=\"used\"}")
+                    .copied()
+                    .unwrap_or(0.0)
+                    > 0.0
+            {
+                return i;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    0
+}
+
+async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
+    let mut cluster = Cluster::start(a).await?;
+    let http = cluster.http();
+    let heartbeat_ms = if a.compose { 500 } else { a.heartbeat_ms };
+    let end = Instant::now() + Duration::from_secs(60);
+    while live_workers(&http).await.map_or(0, |w| w.len()) < 3 {
         if Instant::now() > end {
             return Err("the engines never registered".into());
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let gw_metrics = cluster
+        .metrics(Who::Gateway)
+        .ok_or("the gateway's metrics are not reachable")?;
 
     let t0 = Instant::now();
     let total = Duration::from_secs_f64(a.seconds.max(1.0));
@@ -479,18 +717,19 @@ async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
 
     tokio::time::sleep_until((t0 + fault_at).into()).await;
     // The victim: a decode engine with streams in flight (so that the fault hits requests).
-    let v = busy_decoder(&decoders).await;
-    let (victim_id, survivor_id) = (["D1", "D2"][v], ["D1", "D2"][1 - v]);
+    let v = busy_decoder(&cluster).await;
+    let ids = cluster.decode_ids();
+    let (victim_id, survivor_id) = (ids[v], ids[1 - v]);
+    cluster.fault(v, a.fault)?;
+    // Once the fault has landed (a `docker` command takes a moment).
     let fault_time = t0.elapsed();
-    match a.fault {
-        Fault::Kill => decoders[v].signal("KILL"),
-        Fault::Sigstop => decoders[v].signal("STOP"),
-    }
     // The registry forgets it after 3 missed beats.
     let mut evicted_ms = None;
     while t0.elapsed() < restore_at {
-        let live = reg.list_workers().await.unwrap_or_default();
-        if !live.iter().any(|w| w.worker_id == victim_id) {
+        if live_workers(&http)
+            .await
+            .is_some_and(|w| !w.iter().any(|id| id == victim_id))
+        {
             evicted_ms = Some((t0.elapsed() - fault_time).as_secs_f64() * 1e3);
             break;
         }
@@ -498,15 +737,12 @@ async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
     }
     tokio::time::sleep_until((t0 + restore_at).into()).await;
     let restore_time = t0.elapsed();
-    match a.fault {
-        Fault::Kill => decoders[v] = start_engine(victim_id, "decode")?,
-        Fault::Sigstop => decoders[v].signal("CONT"),
-    }
+    cluster.restore(v, a.fault, a)?;
     while clients.join_next().await.is_some() {}
 
-    let prefill_back = back_to_baseline(&p.addr("grpc")).await;
-    let survivor_back = back_to_baseline(&decoders[1 - v].addr("grpc")).await;
-    let restored_back = back_to_baseline(&decoders[v].addr("grpc")).await;
+    let prefill_back = back_to_baseline(&cluster, Who::Prefill).await;
+    let survivor_back = back_to_baseline(&cluster, Who::Decode(1 - v)).await;
+    let restored_back = back_to_baseline(&cluster, Who::Decode(v)).await;
     let resumed = failovers(&gw_metrics, "resumed").await;
     let gave_up = failovers(&gw_metrics, "gave_up").await;
 
@@ -570,7 +806,7 @@ async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
     let v = json!({
         "drill": "ops.01",
         "fault": format!("{:?}", a.fault).to_lowercase(),
-        "mode": "processes",
+        "mode": if a.compose { "containers" } else { "processes" },
         "clients": a.clients,
         "seconds": a.seconds,
         "requests": outcomes.len(),
@@ -592,19 +828,11 @@ async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
         "restored_pool_back_to_baseline": restored_back,
         "victim": victim_id,
         "survivor": survivor_id,
-        "heartbeat_ms": a.heartbeat_ms,
+        "heartbeat_ms": heartbeat_ms,
         "evicted_after_ms": evicted_ms,
-        "evicted_within_beats": evicted_ms.map(|ms| (ms / f64::from(a.heartbeat_ms) * 100.0).round() / 100.0),
+        "evicted_within_beats": evicted_ms.map(|ms| (ms / f64::from(heartbeat_ms) * 100.0).round() / 100.0),
         "rejoined": rejoined,
     });
-    drop((gw, p, decoders));
+    drop(cluster);
     Ok((v, ok))
-}
-
-struct RemoveOnDrop(PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
