@@ -29,6 +29,9 @@ pub(crate) enum Fault {
     Kill,
     /// `SIGSTOP` (a hung engine: the stall timeout fails its streams over); `SIGCONT` at 2T/3.
     Sigstop,
+    /// Containers only: `docker network disconnect` (pushes and streams in flight are cut
+    /// without a reset); reconnected at 2T/3.
+    Partition,
 }
 
 /// Arguments of `tl drill`.
@@ -416,11 +419,10 @@ fn engine_toml(
     Ok(path)
 }
 
-/// Runs a command to completion; its stderr in the error.
+/// Runs a command to completion; its stderr in the error. The runtime's other tasks (the
+/// clients) move to another thread meanwhile.
 fn sh(cmd: &mut Command) -> Result<String, String> {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
+    let out = tokio::task::block_in_place(|| cmd.stdin(Stdio::null()).output())
         .map_err(|e| format!("{cmd:?}: {e}"))?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
@@ -450,7 +452,14 @@ struct Compose {
     file: PathBuf,
     project: String,
     http: String,
+    /// Container ids by service, read once after `up`: during the drill only the `docker` CLI
+    /// runs (docker-compose is a Python program whose start-up takes a core for half a second,
+    /// enough on a small host to slow the engines it is about to fault).
+    ids: BTreeMap<&'static str, String>,
 }
+
+/// The services the drill touches.
+const SERVICES: [&str; 4] = ["gateway", "prefill", "decode-1", "decode-2"];
 
 impl Compose {
     fn cmd(&self) -> Command {
@@ -463,10 +472,29 @@ impl Compose {
         sh(self.cmd().args(args))
     }
 
+    /// The project's private network.
+    fn network(&self) -> String {
+        format!("{}_kv", self.project)
+    }
+
+    fn id(&self, service: &str) -> Result<&str, String> {
+        self.ids
+            .get(service)
+            .map(String::as_str)
+            .ok_or_else(|| format!("no container for {service}"))
+    }
+
+    /// `docker <args...> <service's container>`.
+    fn docker(&self, args: &[&str], service: &str) -> Result<String, String> {
+        sh(Command::new("docker").args(args).arg(self.id(service)?))
+    }
+
     /// The host address a service's container port is published on.
     fn port(&self, service: &str, port: u16) -> Option<String> {
-        let p = self.run(&["port", service, &port.to_string()]).ok()?;
-        (!p.is_empty() && !p.ends_with(":0")).then_some(p)
+        let id = self.id(service).ok()?;
+        let p = sh(Command::new("docker").args(["port", id, &port.to_string()])).ok()?;
+        let p = p.lines().find(|l| l.starts_with("127.0.0.1:"))?.to_owned();
+        (!p.ends_with(":0")).then_some(p)
     }
 
     fn up(image: &str) -> Result<Self, String> {
@@ -479,28 +507,40 @@ impl Compose {
             .and_then(|l| l.local_addr())
             .map_err(|e| e.to_string())?
             .port();
-        let c = Self {
+        let mut c = Self {
             file,
             project: format!("tldrill{}", std::process::id()),
             http: format!("127.0.0.1:{port}"),
+            ids: BTreeMap::new(),
         };
         let mut up = c.cmd();
         up.env("TL_HTTP_PORT", port.to_string())
             .env("TL_IMAGE", image)
             .args(["up", "-d"]);
         sh(&mut up)?;
+        for s in SERVICES {
+            let id = c.run(&["ps", "-q", s])?;
+            c.ids.insert(s, id);
+        }
         Ok(c)
     }
 }
 
 impl Drop for Compose {
     fn drop(&mut self) {
+        if std::env::var_os("TL_DRILL_KEEP").is_some() {
+            eprintln!("TL_DRILL_KEEP: leaving compose project {} up", self.project);
+            return;
+        }
         let _ = self.run(&["down", "-v", "--timeout", "5"]);
     }
 }
 
 impl Cluster {
     async fn start(a: &DrillArgs) -> Result<Self, String> {
+        if a.fault == Fault::Partition && !a.compose {
+            return Err("--fault partition needs --compose (or see the netns test)".into());
+        }
         if a.compose {
             return Ok(Self::Compose(Compose::up(&a.image)?));
         }
@@ -579,15 +619,19 @@ impl Cluster {
 
     fn fault(&mut self, i: usize, f: Fault) -> Result<(), String> {
         match self {
-            Self::Procs { d, .. } => {
-                d[i].signal(if f == Fault::Kill { "KILL" } else { "STOP" });
-                Ok(())
-            }
+            Self::Procs { d, .. } => match f {
+                Fault::Kill => Ok(d[i].signal("KILL")),
+                Fault::Sigstop => Ok(d[i].signal("STOP")),
+                Fault::Partition => Err("--fault partition needs --compose".into()),
+            },
             Self::Compose(c) => {
                 let service = ["decode-1", "decode-2"][i];
                 match f {
-                    Fault::Kill => c.run(&["kill", "-s", "SIGKILL", service]),
-                    Fault::Sigstop => c.run(&["pause", service]),
+                    Fault::Kill => c.docker(&["kill", "-s", "KILL"], service),
+                    Fault::Sigstop => c.docker(&["pause"], service),
+                    Fault::Partition => {
+                        c.docker(&["network", "disconnect", "-f", &c.network()], service)
+                    }
                 }
                 .map(drop)
             }
@@ -604,14 +648,19 @@ impl Cluster {
                         d[i] = Self::engine(dir, ["D1", "D2"][i], "decode", registry, a)?;
                     }
                     Fault::Sigstop => d[i].signal("CONT"),
+                    Fault::Partition => return Err("--fault partition needs --compose".into()),
                 }
                 Ok(())
             }
             Self::Compose(c) => {
                 let service = ["decode-1", "decode-2"][i];
                 match f {
-                    Fault::Kill => c.run(&["start", service]),
-                    Fault::Sigstop => c.run(&["unpause", service]),
+                    Fault::Kill => c.docker(&["start"], service),
+                    Fault::Sigstop => c.docker(&["unpause"], service),
+                    Fault::Partition => c.docker(
+                        &["network", "connect", "--alias", service, &c.network()],
+                        service,
+                    ),
                 }
                 .map(drop)
             }
@@ -718,6 +767,11 @@ async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
     tokio::time::sleep_until((t0 + fault_at).into()).await;
     // The victim: a decode engine with streams in flight (so that the fault hits requests).
     let v = busy_decoder(&cluster).await;
+    let victim_metrics = cluster.metrics(Who::Decode(v));
+    let used_before = match &victim_metrics {
+        Some(m) => scrape(m).await.map(|m| in_use(&m)),
+        None => None,
+    };
     let ids = cluster.decode_ids();
     let (victim_id, survivor_id) = (ids[v], ids[1 - v]);
     cluster.fault(v, a.fault)?;
@@ -827,6 +881,7 @@ async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
         "survivor_pool_back_to_baseline": survivor_back,
         "restored_pool_back_to_baseline": restored_back,
         "victim": victim_id,
+        "victim_blocks_in_use_before_fault": used_before,
         "survivor": survivor_id,
         "heartbeat_ms": heartbeat_ms,
         "evicted_after_ms": evicted_ms,
