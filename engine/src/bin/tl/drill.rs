@@ -619,11 +619,14 @@ impl Cluster {
 
     fn fault(&mut self, i: usize, f: Fault) -> Result<(), String> {
         match self {
-            Self::Procs { d, .. } => match f {
-                Fault::Kill => Ok(d[i].signal("KILL")),
-                Fault::Sigstop => Ok(d[i].signal("STOP")),
-                Fault::Partition => Err("--fault partition needs --compose".into()),
-            },
+            Self::Procs { d, .. } => {
+                match f {
+                    Fault::Kill => d[i].signal("KILL"),
+                    Fault::Sigstop => d[i].signal("STOP"),
+                    Fault::Partition => return Err("--fault partition needs --compose".into()),
+                }
+                Ok(())
+            }
             Self::Compose(c) => {
                 let service = ["decode-1", "decode-2"][i];
                 match f {
