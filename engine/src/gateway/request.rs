@@ -77,11 +77,13 @@ enum First {
     Announce(RouteInfo),
 }
 
-/// A Prefill that failed this way is worth trying on the next decode engine.
+/// A Prefill that failed this way is worth trying on the next decode engine: the push was
+/// refused or corrupted there, the engine could not be reached, or it did not answer in time
+/// (a partitioned decode engine: the prefill engine's call to it timed out).
 fn retryable(code: Code) -> bool {
     matches!(
         code,
-        Code::DataLoss | Code::FailedPrecondition | Code::Unavailable
+        Code::DataLoss | Code::FailedPrecondition | Code::Unavailable | Code::DeadlineExceeded
     )
 }
 

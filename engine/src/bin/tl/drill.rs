@@ -57,6 +57,11 @@ pub(crate) struct DrillArgs {
     /// of processes; the image must exist (deploy/build-image.sh).
     #[arg(long)]
     compose: bool,
+    /// Run the processes in network namespaces of their own (root only): each engine on its
+    /// own address, the prefill engine reaching each decode engine over a link that
+    /// `--fault partition` cuts.
+    #[arg(long, conflicts_with = "compose")]
+    netns: bool,
     /// The image `--compose` runs.
     #[arg(long, default_value = "kvwire-tl:dev")]
     image: String,
@@ -91,9 +96,22 @@ struct Proc {
 
 impl Proc {
     fn start(args: &[&str], log: &Path) -> Result<Self, String> {
+        Self::start_in(&[], args, log)
+    }
+
+    /// `tl args...`, run through `prefix` (for instance `ip netns exec NS`) when given.
+    fn start_in(prefix: &[String], args: &[&str], log: &Path) -> Result<Self, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let stderr = std::fs::File::create(log).map_err(|e| e.to_string())?;
-        let mut child = Command::new(exe)
+        let mut cmd = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
+        let mut child = cmd
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -142,6 +160,8 @@ struct Outcome {
     tpot: Option<Duration>,
     max_gap: Duration,
     decode: String,
+    /// Decode engines the first Prefill tried before one took the push.
+    retries: u64,
 }
 
 #[derive(Debug, PartialEq)]
@@ -212,7 +232,7 @@ async fn client(
         let started = Instant::now();
         let outcome = one_request(&client, &http, body.to_string()).await;
         let want = colocated(&p, t, seed, max_tokens);
-        let (verdict, tokens, times, decode) = outcome;
+        let (verdict, tokens, times, (decode, retries)) = outcome;
         let verdict = match verdict {
             None if tokens == want => Verdict::Equal,
             None => Verdict::Lost(format!(
@@ -232,6 +252,7 @@ async fn client(
                 .then(|| (times[times.len() - 1] - times[0]) / (times.len() as u32 - 1)),
             max_gap: gaps.iter().max().copied().unwrap_or_default(),
             decode,
+            retries,
         };
         if let Ok(mut v) = out.lock() {
             v.push(o);
@@ -245,10 +266,10 @@ async fn one_request(
     client: &HttpClient,
     http: &str,
     body: String,
-) -> (Option<Verdict>, Vec<u32>, Vec<Instant>, String) {
+) -> (Option<Verdict>, Vec<u32>, Vec<Instant>, (String, u64)) {
     let mut tokens = Vec::new();
     let mut times = Vec::new();
-    let mut decode = String::new();
+    let mut decode = (String::new(), 0);
     let (status, body) = match tokio::time::timeout(
         Duration::from_secs(30),
         client.post_streaming(http, "/v1/completions", &[], body),
@@ -314,7 +335,7 @@ async fn one_request(
         match e {
             StreamEvent::Chunk(c) => {
                 if let Some(r) = &c.tl_route {
-                    decode.clone_from(&r.decode);
+                    decode = (r.decode.clone(), u64::from(r.retries));
                 }
                 let now = Instant::now();
                 for ch in &c.choices {
@@ -407,16 +428,51 @@ fn engine_toml(
     id: &str,
     role: &str,
     registry: &str,
+    listen: &str,
     a: &DrillArgs,
 ) -> Result<PathBuf, String> {
     let path = dir.join(format!("{id}.toml"));
     let decode = if role == "decode" { a.decode_us } else { 0 };
+    // Across a cut link nothing answers: dead peers are found by keepalive within 1.5 s, and a
+    // stalled push is undone by the receiver after 2 s.
     let text = format!(
-        "[engine]\nid = \"{id}\"\nrole = \"{role}\"\ngateway_registry = \"{registry}\"\nheartbeat_ms = {hb}\n\n[model]\ndecode_us_per_seq = {decode}\nprefill_us_per_token = 20\n",
+        "[engine]\nid = \"{id}\"\nrole = \"{role}\"\ngateway_registry = \"{registry}\"\nheartbeat_ms = {hb}\n\
+         grpc_listen = \"{listen}:0\"\nkv_listen = \"{listen}:0\"\nhttp_listen = \"{listen}:0\"\nmetrics_listen = \"{listen}:0\"\n\n\
+         [model]\ndecode_us_per_seq = {decode}\nprefill_us_per_token = 20\n\n\
+         [limits]\nkeepalive_ms = 500\nkeepalive_timeout_ms = 1000\npush_idle_ms = 2000\n",
         hb = a.heartbeat_ms
     );
     std::fs::write(&path, text).map_err(|e| e.to_string())?;
     Ok(path)
+}
+
+/// `tl certs` for `id` (a CA made on first use in `dir/certs`), as the TLS flags naming it.
+fn certs(dir: &Path, id: &str, role: &str, hosts: &[String]) -> Result<Vec<String>, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let certs = dir.join("certs");
+    let mut cmd = Command::new(exe);
+    cmd.arg("certs")
+        .arg("--dir")
+        .arg(&certs)
+        .args(["--id", id, "--role", role]);
+    for h in hosts {
+        cmd.args(["--host", h]);
+    }
+    sh(&mut cmd)?;
+    let file = |ext: &str| {
+        certs
+            .join(format!("{id}.{ext}"))
+            .to_string_lossy()
+            .into_owned()
+    };
+    Ok(vec![
+        "--tls-ca".into(),
+        certs.join("ca.pem").to_string_lossy().into_owned(),
+        "--tls-cert".into(),
+        file("pem"),
+        "--tls-key".into(),
+        file("key"),
+    ])
 }
 
 /// Runs a command to completion; its stderr in the error. The runtime's other tasks (the
@@ -438,11 +494,14 @@ fn sh(cmd: &mut Command) -> Result<String, String> {
 #[allow(clippy::large_enum_variant)] // one value per run
 enum Cluster {
     Procs {
-        dir: PathBuf,
-        registry: String,
-        gw: Proc,
-        p: Proc,
         d: [Proc; 2],
+        p: Proc,
+        gw: Proc,
+        /// The registry's port.
+        registry_port: String,
+        /// Namespaces, with `--netns` (dropped after the processes in them).
+        net: Option<crate::netns::Netns>,
+        dir: PathBuf,
     },
     Compose(Compose),
 }
@@ -538,8 +597,8 @@ impl Drop for Compose {
 
 impl Cluster {
     async fn start(a: &DrillArgs) -> Result<Self, String> {
-        if a.fault == Fault::Partition && !a.compose {
-            return Err("--fault partition needs --compose (or see the netns test)".into());
+        if a.fault == Fault::Partition && !a.compose && !a.netns {
+            return Err("--fault partition needs --compose or --netns".into());
         }
         if a.compose {
             return Ok(Self::Compose(Compose::up(&a.image)?));
@@ -559,35 +618,73 @@ impl Cluster {
             ),
         )
         .map_err(|e| e.to_string())?;
-        let gw = Proc::start(
-            &["gateway", "--config", &gw_toml.to_string_lossy()],
-            &dir.join("gateway.log"),
-        )?;
-        let registry = gw.addr("registry");
+        let net = if a.netns {
+            Some(crate::netns::Netns::create().map_err(|e| format!("network namespaces: {e}"))?)
+        } else {
+            None
+        };
+        let mut gw_args = vec![
+            "gateway".to_owned(),
+            "--config".into(),
+            gw_toml.to_string_lossy().into_owned(),
+        ];
+        if let Some(n) = &net {
+            // Across namespaces every internal port speaks mutual TLS, with certificates made
+            // here; the registry listens on the root side of every link.
+            let hosts: Vec<String> = (0..crate::netns::ENGINES).map(|k| n.root_ip(k)).collect();
+            gw_args.extend(certs(&dir, "gw", "gateway", &hosts)?);
+            gw_args.extend(["--registry-listen".into(), "0.0.0.0:0".into()]);
+        }
+        let gw_args: Vec<&str> = gw_args.iter().map(String::as_str).collect();
+        let gw = Proc::start(&gw_args, &dir.join("gateway.log"))?;
+        let registry_port = gw
+            .addr("registry")
+            .rsplit_once(':')
+            .map(|(_, p)| p.to_owned())
+            .unwrap_or_default();
+        let engine = |k| Self::engine(&dir, k, &registry_port, net.as_ref(), a);
         Ok(Self::Procs {
-            p: Self::engine(&dir, "P", "prefill", &registry, a)?,
-            d: [
-                Self::engine(&dir, "D1", "decode", &registry, a)?,
-                Self::engine(&dir, "D2", "decode", &registry, a)?,
-            ],
+            p: engine(0)?,
+            d: [engine(1)?, engine(2)?],
             gw,
-            registry,
+            registry_port,
+            net,
             dir,
         })
     }
 
+    /// Engine `k` (0 the prefill engine, 1 and 2 the decode engines), in its namespace with
+    /// `--netns`.
     fn engine(
         dir: &Path,
-        id: &str,
-        role: &str,
-        registry: &str,
+        k: usize,
+        registry_port: &str,
+        net: Option<&crate::netns::Netns>,
         a: &DrillArgs,
     ) -> Result<Proc, String> {
-        let cfg = engine_toml(dir, id, role, registry, a)?;
-        Proc::start(
-            &["engine", "--config", &cfg.to_string_lossy()],
-            &dir.join(format!("{id}.log")),
-        )
+        let (id, role) = [("P", "prefill"), ("D1", "decode"), ("D2", "decode")][k];
+        let (listen, registry, prefix) = match net {
+            Some(n) => (n.engine_ip(k), n.root_ip(k), n.exec(k)),
+            None => ("127.0.0.1".to_owned(), "127.0.0.1".to_owned(), Vec::new()),
+        };
+        let cfg = engine_toml(
+            dir,
+            id,
+            role,
+            &format!("{registry}:{registry_port}"),
+            &listen,
+            a,
+        )?;
+        let mut args = vec![
+            "engine".to_owned(),
+            "--config".into(),
+            cfg.to_string_lossy().into_owned(),
+        ];
+        if net.is_some() {
+            args.extend(certs(dir, id, role, &[listen])?);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Proc::start_in(&prefix, &args, &dir.join(format!("{id}.log")))
     }
 
     fn http(&self) -> String {
@@ -619,11 +716,14 @@ impl Cluster {
 
     fn fault(&mut self, i: usize, f: Fault) -> Result<(), String> {
         match self {
-            Self::Procs { d, .. } => {
-                match f {
-                    Fault::Kill => d[i].signal("KILL"),
-                    Fault::Sigstop => d[i].signal("STOP"),
-                    Fault::Partition => return Err("--fault partition needs --compose".into()),
+            Self::Procs { d, net, .. } => {
+                match (f, net) {
+                    (Fault::Kill, _) => d[i].signal("KILL"),
+                    (Fault::Sigstop, _) => d[i].signal("STOP"),
+                    (Fault::Partition, Some(n)) => n.cut(i)?,
+                    (Fault::Partition, None) => {
+                        return Err("--fault partition needs --compose or --netns".into());
+                    }
                 }
                 Ok(())
             }
@@ -644,14 +744,21 @@ impl Cluster {
     fn restore(&mut self, i: usize, f: Fault, a: &DrillArgs) -> Result<(), String> {
         match self {
             Self::Procs {
-                d, dir, registry, ..
+                d,
+                dir,
+                registry_port,
+                net,
+                ..
             } => {
-                match f {
-                    Fault::Kill => {
-                        d[i] = Self::engine(dir, ["D1", "D2"][i], "decode", registry, a)?;
+                match (f, &*net) {
+                    (Fault::Kill, _) => {
+                        d[i] = Self::engine(dir, i + 1, registry_port, net.as_ref(), a)?;
                     }
-                    Fault::Sigstop => d[i].signal("CONT"),
-                    Fault::Partition => return Err("--fault partition needs --compose".into()),
+                    (Fault::Sigstop, _) => d[i].signal("CONT"),
+                    (Fault::Partition, Some(n)) => n.mend(i)?,
+                    (Fault::Partition, None) => {
+                        return Err("--fault partition needs --compose or --netns".into());
+                    }
                 }
                 Ok(())
             }
@@ -857,13 +964,14 @@ async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
     let rejoined = outcomes
         .iter()
         .any(|o| o.started > restore_time && o.decode == victim_id && o.verdict == Verdict::Equal);
+    let retried = outcomes.iter().filter(|o| o.retries > 0).count();
     let n_failed: u64 = failed.values().sum();
     let n_lost: u64 = lost.values().sum();
     let ok = n_failed == 0 && n_lost == 0 && prefill_back && survivor_back && rejoined;
     let v = json!({
         "drill": "ops.01",
         "fault": format!("{:?}", a.fault).to_lowercase(),
-        "mode": if a.compose { "containers" } else { "processes" },
+        "mode": if a.compose { "containers" } else if a.netns { "netns" } else { "processes" },
         "clients": a.clients,
         "seconds": a.seconds,
         "requests": outcomes.len(),
@@ -874,6 +982,7 @@ async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
         "lost_by_cause": lost,
         "failovers": resumed,
         "failovers_gave_up": gave_up,
+        "prefill_retried_on_another_decode": retried,
         "p99_ttft_ms": ttft,
         "p99_tpot_ms": tpot,
         "first_routes": routes,

@@ -8,6 +8,7 @@ mod engine;
 mod gateway;
 mod generate;
 mod inspect;
+mod netns;
 mod probe;
 mod registry;
 mod run;
