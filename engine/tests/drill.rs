@@ -30,6 +30,7 @@ fn drill(fault: &str) -> Value {
             )
         });
     assert!(out.status.success(), "tl drill --fault {fault} failed: {v}");
+    assert_eq!(v["mode"], "processes");
     v
 }
 
@@ -64,4 +65,23 @@ fn stalled_decode_engine_fails_over() {
     // The hung engine's streams waited out the stall timeout before they moved.
     let gap = v["p50_max_gap_ms_in_flight_at_fault"].as_f64().unwrap();
     assert!(gap >= 800.0, "{v}");
+}
+
+#[test]
+fn registry_restart_reregisters_and_frees_what_was_in_flight() {
+    let v = drill("registry-restart");
+    assert_eq!(v["lost"], 0, "{v}");
+    // Only the clients connected to the killed gateway saw an error (their connection cut).
+    for (cause, _) in v["failed_by_cause"].as_object().unwrap() {
+        assert_eq!(cause, "gateway_restarted", "{v}");
+    }
+    assert!(v["completed_equal"].as_u64().unwrap() > 20, "{v}");
+    // The engines beat to the new registry within 2 intervals.
+    let beats = v["reregistered_within_beats"].as_f64().unwrap();
+    assert!(beats <= 2.0, "{v}");
+    // What the killed gateway had in flight on the engines was freed: streams cancelled when
+    // their connection dropped, unclaimed handles by their lease.
+    assert_eq!(v["prefill_pool_back_to_baseline"], true, "{v}");
+    assert_eq!(v["survivor_pool_back_to_baseline"], true, "{v}");
+    assert_eq!(v["restored_pool_back_to_baseline"], true, "{v}");
 }

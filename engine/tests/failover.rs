@@ -283,3 +283,45 @@ async fn failover_gives_up_after_the_bound() {
     assert_eq!(c.failovers("reset", "gave_up"), "1");
     assert!(c.settled().await);
 }
+
+/// A gateway that has just (re)started knows no engine until their next beats: a request in
+/// that window waits for them instead of failing, within `startup_grace_ms`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fresh_gateway_waits_for_registrations() {
+    let prompt: Vec<u32> = (1..12).collect();
+    for grace_ms in [0, 5_000] {
+        let gw = GatewayNode::start(&GatewayConfig::from(GatewaySection {
+            startup_grace_ms: grace_ms,
+            ..GatewaySection::default()
+        }))
+        .await
+        .unwrap();
+        let addr = gw.http_addr().to_string();
+        let b = body(&prompt, 0.0, 1, false);
+        let call = tokio::spawn(async move {
+            HttpClient::default()
+                .post(&addr, "/v1/completions", &[], b)
+                .await
+                .unwrap()
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let reg = gw.registry_addr().to_string();
+        let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
+            .await
+            .unwrap();
+        let d = EngineNode::start(&engine_cfg("D0", Role::Decode, &reg))
+            .await
+            .unwrap();
+        let r = call.await.unwrap();
+        if grace_ms == 0 {
+            assert_eq!(r.status, 503, "no grace: refused at once");
+        } else {
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            let v: Value = r.json();
+            assert_eq!(v["choices"][0]["tokens"].as_array().unwrap().len(), 14);
+        }
+        p.shutdown(Duration::from_millis(100)).await;
+        d.shutdown(Duration::from_millis(100)).await;
+        gw.stop().await;
+    }
+}

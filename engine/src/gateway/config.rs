@@ -12,6 +12,8 @@
 //! load_penalty_tokens = 64         # routing: cached prefix tokens one in-flight sequence is worth
 //! stall_timeout_ms = 3000          # a decode stream with no event for this long has failed over
 //! max_failovers = 2                # times one request may continue on another decode engine
+//! startup_grace_ms = 5000          # after a (re)start, a request finding no engine waits this
+//!                                  # long for the engines to register before 503
 //!
 //! [gateway.public_tls]             # HTTPS on the public endpoint (no client certificates)
 //! cert = "public.pem"
@@ -63,6 +65,10 @@ pub struct GatewaySection {
     pub stall_timeout_ms: u64,
     /// How many times one request may continue on another decode engine (0: never).
     pub max_failovers: u32,
+    /// For this long after the gateway starts, a request that finds no engine able to serve it
+    /// waits for engines to register (a restarted gateway's registry is empty until the next
+    /// beats) instead of answering 503 at once.
+    pub startup_grace_ms: u64,
 }
 
 impl Default for GatewaySection {
@@ -80,6 +86,7 @@ impl Default for GatewaySection {
             load_penalty_tokens: 64.0,
             stall_timeout_ms: 3_000,
             max_failovers: 2,
+            startup_grace_ms: 5_000,
         }
     }
 }

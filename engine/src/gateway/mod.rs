@@ -51,6 +51,9 @@ pub struct Gateway {
     inflight: Arc<InFlight>,
     api_keys: keys::ApiKeys,
     metrics: SharedMetrics,
+    /// When this gateway started: for a while after, a request that finds no engine waits for
+    /// the engines to register (they beat to a fresh registry within one interval).
+    started: Instant,
 }
 
 impl Gateway {
@@ -77,6 +80,7 @@ impl Gateway {
             inflight: Arc::new(InFlight::default()),
             api_keys,
             metrics: Arc::new(Metrics::new()),
+            started: Instant::now(),
         })
     }
 

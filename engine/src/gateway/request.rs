@@ -168,7 +168,7 @@ impl Gateway {
     /// client has gone (then after cleaning up).
     pub(super) async fn drive(self: Arc<Self>, job: Job, out: mpsc::Sender<Out>) {
         let id = self.request_id();
-        let workers = self.registry.snapshot(Instant::now());
+        let workers = self.workers_after_startup(&out).await;
         if let Some(m) = job.params.model()
             && !workers.iter().any(|w| w.status.model == m)
         {
@@ -524,6 +524,31 @@ impl Gateway {
             Err(PrefillEnd::NoDecode { retries }) => {
                 Err(Some(format!("{retries} decode engines refused the push")))
             }
+        }
+    }
+
+    /// The live workers; while the gateway is young (`startup_grace_ms`) and they cannot serve a
+    /// request yet, waits for registrations (or the client leaving) instead of failing it.
+    async fn workers_after_startup(&self, out: &mpsc::Sender<Out>) -> Vec<super::plan::WorkerView> {
+        let grace_end = self.started + Duration::from_millis(self.cfg.startup_grace_ms);
+        loop {
+            let workers = self.registry.snapshot(Instant::now());
+            let cached: std::collections::HashMap<String, usize> =
+                super::plan::decode_candidates(&workers)
+                    .into_iter()
+                    .map(|w| (w.worker_id.clone(), 0))
+                    .collect();
+            let servable = !plan(
+                &workers,
+                &cached,
+                &std::collections::HashMap::new(),
+                self.policy(),
+            )
+            .is_empty();
+            if servable || Instant::now() >= grace_end || out.is_closed() {
+                return workers;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 

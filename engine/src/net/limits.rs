@@ -8,6 +8,7 @@
 //! push_deadline_ms = 60000       # one whole push
 //! decode_reserve_blocks = 0      # blocks pushes may not take (0: 1/8 of the pool)
 //! max_pending_handles = 256      # handles waiting for a claim per receiver
+//! handle_lease_ms = 30000        # a handle nobody claims or releases is freed after this
 //! h2_max_streams = 128           # HTTP/2 streams per connection
 //! keepalive_ms = 10000           # HTTP/2 ping interval...
 //! keepalive_timeout_ms = 20000   # ...and how long an unanswered ping means a dead peer
@@ -37,6 +38,8 @@ pub struct LimitsSection {
     pub push_idle_ms: u64,
     /// One whole push.
     pub push_deadline_ms: u64,
+    /// A pushed handle nobody claims or releases is freed after this (its lease).
+    pub handle_lease_ms: u64,
     /// Blocks pushes may not take, kept for running sequences; 0: 1/8 of the pool.
     pub decode_reserve_blocks: u32,
     /// Handles waiting for a claim per receiver.
@@ -68,6 +71,7 @@ impl Default for LimitsSection {
         Self {
             max_pushes: 64,
             push_idle_ms: 10_000,
+            handle_lease_ms: 30_000,
             push_deadline_ms: 60_000,
             decode_reserve_blocks: 0,
             max_pending_handles: 256,

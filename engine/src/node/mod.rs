@@ -115,7 +115,11 @@ impl EngineNode {
                 max_blocks,
                 max_pending_handles: limits.max_pending_handles.max(1),
             };
-            Arc::new(KvReceiver::new(store, cfg.model.kind.clone()).with_limits(rl))
+            Arc::new(
+                KvReceiver::new(store, cfg.model.kind.clone())
+                    .with_limits(rl)
+                    .with_lease(Duration::from_millis(limits.handle_lease_ms.max(1))),
+            )
         });
         let state = Arc::new(NodeState::new(
             cfg.engine.id.clone(),

@@ -12,6 +12,7 @@ use std::process::{Child, ChildStdout, Command, ExitCode, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tl_engine::api::sse::StreamEvent;
 use tl_engine::net::clients::{EventStream, HttpClient};
@@ -29,9 +30,13 @@ pub(crate) enum Fault {
     Kill,
     /// `SIGSTOP` (a hung engine: the stall timeout fails its streams over); `SIGCONT` at 2T/3.
     Sigstop,
-    /// Containers only: `docker network disconnect` (pushes and streams in flight are cut
-    /// without a reset); reconnected at 2T/3.
+    /// `docker network disconnect` of the container (with `--compose`), or a cut of the link
+    /// between the prefill engine and the decode engine (with `--netns`); mended at 2T/3.
     Partition,
+    /// The gateway (and with it the registry) killed with `kill -9` and started again at once
+    /// on the same addresses: the engines re-register; work it had in flight on the engines
+    /// is freed (streams cancelled, unclaimed handles by their lease).
+    RegistryRestart,
 }
 
 /// Arguments of `tl drill`.
@@ -254,8 +259,13 @@ async fn client(
             decode,
             retries,
         };
+        // After an error the next request waits a moment, as a client library's retry would.
+        let refused = o.verdict != Verdict::Equal;
         if let Ok(mut v) = out.lock() {
             v.push(o);
+        }
+        if refused {
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 }
@@ -295,8 +305,19 @@ async fn one_request(
         }
     };
     if status != 200 {
+        // The error body's message names the cause.
+        let text = tokio::time::timeout(Duration::from_secs(5), body.collect())
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        let message = serde_json::from_slice::<Value>(&text)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
+            .unwrap_or_default();
         return (
-            Some(Verdict::Failed(format!("http_{status}"))),
+            Some(Verdict::Failed(format!("http_{status}: {message}"))),
             tokens,
             times,
             decode,
@@ -439,7 +460,7 @@ fn engine_toml(
         "[engine]\nid = \"{id}\"\nrole = \"{role}\"\ngateway_registry = \"{registry}\"\nheartbeat_ms = {hb}\n\
          grpc_listen = \"{listen}:0\"\nkv_listen = \"{listen}:0\"\nhttp_listen = \"{listen}:0\"\nmetrics_listen = \"{listen}:0\"\n\n\
          [model]\ndecode_us_per_seq = {decode}\nprefill_us_per_token = 20\n\n\
-         [limits]\nkeepalive_ms = 500\nkeepalive_timeout_ms = 1000\npush_idle_ms = 2000\n",
+         [limits]\nkeepalive_ms = 500\nkeepalive_timeout_ms = 1000\npush_idle_ms = 2000\nhandle_lease_ms = 3000\n",
         hb = a.heartbeat_ms
     );
     std::fs::write(&path, text).map_err(|e| e.to_string())?;
@@ -497,6 +518,8 @@ enum Cluster {
         d: [Proc; 2],
         p: Proc,
         gw: Proc,
+        /// How the gateway was started (to start it again on the same addresses).
+        gw_args: Vec<String>,
         /// The registry's port.
         registry_port: String,
         /// Namespaces, with `--netns` (dropped after the processes in them).
@@ -635,8 +658,31 @@ impl Cluster {
             gw_args.extend(certs(&dir, "gw", "gateway", &hosts)?);
             gw_args.extend(["--registry-listen".into(), "0.0.0.0:0".into()]);
         }
-        let gw_args: Vec<&str> = gw_args.iter().map(String::as_str).collect();
-        let gw = Proc::start(&gw_args, &dir.join("gateway.log"))?;
+        let gw = Proc::start(
+            &gw_args.iter().map(String::as_str).collect::<Vec<_>>(),
+            &dir.join("gateway.log"),
+        )?;
+        // A restart binds what this one bound.
+        let (registry_bind, http, metrics) =
+            (gw.addr("registry"), gw.addr("http"), gw.addr("metrics"));
+        let registry_bind = match &net {
+            Some(_) => format!(
+                "0.0.0.0:{}",
+                registry_bind.rsplit_once(':').map_or("0", |(_, p)| p)
+            ),
+            None => registry_bind,
+        };
+        if let Some(i) = gw_args.iter().position(|a| a == "--registry-listen") {
+            gw_args.drain(i..i + 2);
+        }
+        gw_args.extend([
+            "--registry-listen".into(),
+            registry_bind,
+            "--http-listen".into(),
+            http,
+            "--metrics-listen".into(),
+            metrics,
+        ]);
         let registry_port = gw
             .addr("registry")
             .rsplit_once(':')
@@ -647,6 +693,7 @@ impl Cluster {
             p: engine(0)?,
             d: [engine(1)?, engine(2)?],
             gw,
+            gw_args,
             registry_port,
             net,
             dir,
@@ -716,8 +763,21 @@ impl Cluster {
 
     fn fault(&mut self, i: usize, f: Fault) -> Result<(), String> {
         match self {
-            Self::Procs { d, net, .. } => {
+            Self::Procs {
+                d,
+                net,
+                gw,
+                gw_args,
+                dir,
+                ..
+            } => {
                 match (f, net) {
+                    (Fault::RegistryRestart, _) => {
+                        gw.signal("KILL");
+                        let _ = gw.child.wait();
+                        let args: Vec<&str> = gw_args.iter().map(String::as_str).collect();
+                        *gw = Proc::start(&args, &dir.join("gateway-restarted.log"))?;
+                    }
                     (Fault::Kill, _) => d[i].signal("KILL"),
                     (Fault::Sigstop, _) => d[i].signal("STOP"),
                     (Fault::Partition, Some(n)) => n.cut(i)?,
@@ -730,6 +790,9 @@ impl Cluster {
             Self::Compose(c) => {
                 let service = ["decode-1", "decode-2"][i];
                 match f {
+                    Fault::RegistryRestart => c
+                        .docker(&["kill", "-s", "KILL"], "gateway")
+                        .and_then(|_| c.docker(&["start"], "gateway")),
                     Fault::Kill => c.docker(&["kill", "-s", "KILL"], service),
                     Fault::Sigstop => c.docker(&["pause"], service),
                     Fault::Partition => {
@@ -751,6 +814,7 @@ impl Cluster {
                 ..
             } => {
                 match (f, &*net) {
+                    (Fault::RegistryRestart, _) => {}
                     (Fault::Kill, _) => {
                         d[i] = Self::engine(dir, i + 1, registry_port, net.as_ref(), a)?;
                     }
@@ -765,6 +829,7 @@ impl Cluster {
             Self::Compose(c) => {
                 let service = ["decode-1", "decode-2"][i];
                 match f {
+                    Fault::RegistryRestart => Ok(String::new()),
                     Fault::Kill => c.docker(&["start"], service),
                     Fault::Sigstop => c.docker(&["unpause"], service),
                     Fault::Partition => c.docker(
@@ -884,12 +949,24 @@ async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
     };
     let ids = cluster.decode_ids();
     let (victim_id, survivor_id) = (ids[v], ids[1 - v]);
+    let fault_start = t0.elapsed();
     cluster.fault(v, a.fault)?;
     // Once the fault has landed (a `docker` command takes a moment).
     let fault_time = t0.elapsed();
-    // The registry forgets it after 3 missed beats.
+    // After a gateway restart, the engines register again with the new registry.
+    let mut reregistered_ms = None;
+    if a.fault == Fault::RegistryRestart {
+        while t0.elapsed() < restore_at {
+            if live_workers(&http).await.is_some_and(|w| w.len() == 3) {
+                reregistered_ms = Some((t0.elapsed() - fault_time).as_secs_f64() * 1e3);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    // The registry forgets a lost engine after 3 missed beats.
     let mut evicted_ms = None;
-    while t0.elapsed() < restore_at {
+    while a.fault != Fault::RegistryRestart && t0.elapsed() < restore_at {
         if live_workers(&http)
             .await
             .is_some_and(|w| !w.iter().any(|id| id == victim_id))
@@ -915,6 +992,16 @@ async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
     let mut lost: BTreeMap<String, u64> = BTreeMap::new();
     let mut equal = 0;
     for o in &outcomes {
+        // A client connected to the gateway when it was killed sees its connection cut: an
+        // error it can retry on, not a loss (the gateway is the client's only endpoint).
+        if a.fault == Fault::RegistryRestart
+            && matches!(o.verdict, Verdict::Lost(_))
+            && o.started <= fault_time
+            && o.ended >= fault_start
+        {
+            *failed.entry("gateway_restarted".into()).or_default() += 1;
+            continue;
+        }
         match &o.verdict {
             Verdict::Equal => equal += 1,
             Verdict::Failed(c) => *failed.entry(c.clone()).or_default() += 1,
@@ -967,7 +1054,17 @@ async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
     let retried = outcomes.iter().filter(|o| o.retries > 0).count();
     let n_failed: u64 = failed.values().sum();
     let n_lost: u64 = lost.values().sum();
-    let ok = n_failed == 0 && n_lost == 0 && prefill_back && survivor_back && rejoined;
+    let ok = match a.fault {
+        Fault::RegistryRestart => {
+            failed.keys().all(|k| k == "gateway_restarted")
+                && n_lost == 0
+                && prefill_back
+                && survivor_back
+                && restored_back
+                && reregistered_ms.is_some()
+        }
+        _ => n_failed == 0 && n_lost == 0 && prefill_back && survivor_back && rejoined,
+    };
     let v = json!({
         "drill": "ops.01",
         "fault": format!("{:?}", a.fault).to_lowercase(),
@@ -999,6 +1096,8 @@ async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
         "evicted_after_ms": evicted_ms,
         "evicted_within_beats": evicted_ms.map(|ms| (ms / f64::from(heartbeat_ms) * 100.0).round() / 100.0),
         "rejoined": rejoined,
+        "reregistered_after_ms": reregistered_ms,
+        "reregistered_within_beats": reregistered_ms.map(|ms| (ms / f64::from(heartbeat_ms) * 100.0).round() / 100.0),
     });
     drop(cluster);
     Ok((v, ok))
