@@ -73,6 +73,9 @@ pub(crate) struct DrillArgs {
     /// The gateway's stall timeout, in milliseconds (processes; the compose file sets its own).
     #[arg(long, default_value_t = 1000)]
     stall_ms: u64,
+    /// The output is always one JSON line; accepted for scripts that ask for it.
+    #[arg(long)]
+    json: bool,
     /// Heartbeat interval of the engines, in milliseconds.
     #[arg(long, default_value_t = 200)]
     heartbeat_ms: u32,
@@ -1084,6 +1087,11 @@ async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
         "p99_tpot_ms": tpot,
         "first_routes": routes,
         "in_flight_at_fault_on_victim": hit.len(),
+        // What a failover costs the client: the extra wait for the next token.
+        "failover_extra_ms": match (p50_ms(hit.clone()).as_f64(), p50_ms(undisturbed.clone()).as_f64()) {
+            (Some(h), Some(u)) => json!(((h - u) * 100.0).round() / 100.0),
+            _ => Value::Null,
+        },
         "p50_max_gap_ms_in_flight_at_fault": p50_ms(hit),
         "p50_max_gap_ms_undisturbed": p50_ms(undisturbed),
         "prefill_pool_back_to_baseline": prefill_back,
