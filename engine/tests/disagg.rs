@@ -11,8 +11,7 @@ use serde_json::json;
 use tl_engine::net::clients::{ControlClient, HttpClient};
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, Role};
-use tl_engine_core::engine::{Engine, Mode, Request};
-use tl_engine_core::sampler::{Sampling, SamplingRequest};
+use tl_engine_core::sampler::SamplingRequest;
 use tonic::Code;
 
 fn config(id: &str, role: Role) -> Config {
@@ -22,26 +21,12 @@ fn config(id: &str, role: Role) -> Config {
 }
 
 fn colocated(prompt: &[u32], t: f32, p: f32, k: u32, seed: u64, n: u32) -> Vec<u32> {
-    let cfg = Config::default();
-    let mut e = Engine::new(cfg.build_model(), cfg.build_pool());
-    let sampling = Sampling::new(
-        SamplingRequest {
-            temperature: t,
-            top_p: p,
-            top_k: k,
-        },
-        cfg.model.vocab,
-    )
-    .unwrap();
-    e.generate(Request {
-        prompt: prompt.to_vec(),
-        sampling,
-        seed,
-        max_tokens: n,
-        mode: Mode::Generate,
-        draws_offset: 0,
-    })
-    .unwrap()
+    let s = SamplingRequest {
+        temperature: t,
+        top_p: p,
+        top_k: k,
+    };
+    Config::default().colocated(prompt, s, seed, n).unwrap()
 }
 
 fn sampling(t: f32, p: f32, k: u32, seed: Option<u64>, n: u32) -> Option<SamplingParams> {

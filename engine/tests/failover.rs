@@ -14,8 +14,7 @@ use tl_engine::gateway::config::{GatewayConfig, GatewaySection};
 use tl_engine::net::clients::{EventStream, HttpClient};
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, Role};
-use tl_engine_core::engine::{Engine, Mode, Request};
-use tl_engine_core::sampler::{Sampling, SamplingRequest};
+use tl_engine_core::sampler::SamplingRequest;
 
 const MAX_TOKENS: u32 = 14;
 
@@ -32,26 +31,11 @@ fn engine_cfg(id: &str, role: Role, registry: &str) -> Config {
 }
 
 fn colocated(prompt: &[u32], t: f32, seed: u64, n: u32) -> Vec<u32> {
-    let cfg = Config::default();
-    let sampling = Sampling::new(
-        SamplingRequest {
-            temperature: t,
-            top_p: 1.0,
-            top_k: 0,
-        },
-        cfg.model.vocab,
-    )
-    .unwrap();
-    Engine::new(cfg.build_model(), cfg.build_pool())
-        .generate(Request {
-            prompt: prompt.to_vec(),
-            sampling,
-            seed,
-            max_tokens: n,
-            mode: Mode::Generate,
-            draws_offset: 0,
-        })
-        .unwrap()
+    let s = SamplingRequest {
+        temperature: t,
+        ..SamplingRequest::default()
+    };
+    Config::default().colocated(prompt, s, seed, n).unwrap()
 }
 
 struct Cluster {

@@ -15,8 +15,7 @@ use tl_engine::net::clients::{ControlClient, HttpClient};
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, Role};
 use tl_engine::node::heartbeat::worker_status;
-use tl_engine_core::engine::{Engine, Mode, Request};
-use tl_engine_core::sampler::{Sampling, SamplingRequest};
+use tl_engine_core::sampler::SamplingRequest;
 
 fn engine_cfg(id: &str, role: Role, registry: &str) -> Config {
     let mut c = Config::for_worker(id, role, registry);
@@ -38,26 +37,11 @@ async fn wait_workers(gw: &GatewayNode, n: usize) {
 }
 
 fn colocated(prompt: &[u32], t: f32, seed: u64, n: u32) -> Vec<u32> {
-    let cfg = Config::default();
-    let sampling = Sampling::new(
-        SamplingRequest {
-            temperature: t,
-            top_p: 1.0,
-            top_k: 0,
-        },
-        cfg.model.vocab,
-    )
-    .unwrap();
-    Engine::new(cfg.build_model(), cfg.build_pool())
-        .generate(Request {
-            prompt: prompt.to_vec(),
-            sampling,
-            seed,
-            max_tokens: n,
-            mode: Mode::Generate,
-            draws_offset: 0,
-        })
-        .unwrap()
+    let s = SamplingRequest {
+        temperature: t,
+        ..SamplingRequest::default()
+    };
+    Config::default().colocated(prompt, s, seed, n).unwrap()
 }
 
 fn tokens_of(v: &Value) -> Vec<u32> {

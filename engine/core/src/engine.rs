@@ -614,7 +614,6 @@ impl Engine {
     pub fn generate(&mut self, req: Request) -> Result<Vec<u32>, GenerateError> {
         let id = self.submit(Request {
             mode: Mode::Generate,
-            draws_offset: 0,
             ..req
         })?;
         self.collect(id)

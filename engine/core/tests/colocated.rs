@@ -398,3 +398,33 @@ fn logits_take_no_pool_lock() {
     // A table too short for n is refused.
     assert!(model.logits(e.pool(), 40, out.blocks.ids()).is_err());
 }
+
+/// What failover relies on: generating from the prompt plus the first k tokens of a run, with
+/// the generator advanced past the draws those k tokens used, yields exactly the rest of the
+/// run, for every k, greedy and seeded.
+#[test]
+fn continuing_after_k_tokens_with_their_draws_equals_the_whole_run() {
+    let prompt: Vec<u32> = (10..33).collect();
+    for (s, per_token) in [(sampling(0.0, 1.0, 0), 0), (sampling(0.9, 0.95, 40), 1)] {
+        let whole = engine(64)
+            .generate(req(&prompt, s, 77, 12, Mode::Generate))
+            .unwrap();
+        for k in 1..12 {
+            let mut p = prompt.clone();
+            p.extend_from_slice(&whole[..k]);
+            let mut r = req(&p, s, 77, 12 - k as u32, Mode::Generate);
+            r.draws_offset = per_token * k as u64;
+            let rest = engine(64).generate(r).unwrap();
+            assert_eq!(rest, whole[k..], "k = {k}, per_token = {per_token}");
+        }
+        // Without the offset a seeded continuation diverges (this is what the field is for).
+        if per_token == 1 {
+            let mut p = prompt.clone();
+            p.extend_from_slice(&whole[..4]);
+            let rest = engine(64)
+                .generate(req(&p, s, 77, 8, Mode::Generate))
+                .unwrap();
+            assert_ne!(rest, whole[4..]);
+        }
+    }
+}

@@ -372,6 +372,39 @@ impl Config {
         SharedKv::new(pool)
     }
 
+    /// The tokens one engine of this configuration generates for `prompt` by itself: the
+    /// colocated reference that every disaggregated, resumed or failed-over run of the same
+    /// request must equal (a pool just large enough, no simulated cost).
+    ///
+    /// # Errors
+    /// The request's refusal (invalid sampling, token or length).
+    pub fn colocated(
+        &self,
+        prompt: &[u32],
+        sampling: tl_engine_core::sampler::SamplingRequest,
+        seed: u64,
+        max_tokens: u32,
+    ) -> Result<Vec<u32>, tl_engine_core::engine::GenerateError> {
+        let model = self.build_model();
+        let params = tl_engine_core::request::Params {
+            prompt,
+            max_tokens,
+            sampling,
+        };
+        let sampling = params.validate(tl_engine_core::request::Limits::of(model.as_ref()))?;
+        let blocks =
+            (prompt.len() + max_tokens as usize).div_ceil(self.shape().block_tokens() as usize);
+        let pool = SharedKv::new(KvPool::new(self.shape(), blocks + 1));
+        tl_engine_core::engine::Engine::new(model, pool).generate(tl_engine_core::engine::Request {
+            prompt: prompt.to_vec(),
+            sampling,
+            seed,
+            max_tokens,
+            mode: tl_engine_core::engine::Mode::Generate,
+            draws_offset: 0,
+        })
+    }
+
     /// The simulated compute cost.
     #[must_use]
     pub fn cost(&self) -> CostModel {

@@ -15,9 +15,9 @@ use tl_engine::net::clients::{EventStream, HttpClient};
 use tl_engine::net::tls::{PeerRole, issue};
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, Role};
-use tl_engine_core::engine::{Engine, GenerateError, Mode, Request};
+use tl_engine_core::engine::GenerateError;
 use tl_engine_core::model::encode_text;
-use tl_engine_core::sampler::{Sampling, SamplingError, SamplingRequest};
+use tl_engine_core::sampler::{SamplingError, SamplingRequest};
 
 use tl_engine::telemetry::receiver::{ReceivedSpan, Receiver};
 use tl_engine::telemetry::{self, LogFormat};
@@ -257,22 +257,11 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
             &[]
         };
         let (got, route, ttft) = stream_once(&http, &addr, &req, headers).await?;
-        let sampling = Sampling::new(
-            SamplingRequest {
-                temperature: t,
-                top_p: 1.0,
-                top_k: 0,
-            },
-            cfg.model.vocab,
-        )?;
-        let want = Engine::new(cfg.build_model(), cfg.build_pool()).generate(Request {
-            prompt: prompt.clone(),
-            sampling,
-            seed,
-            max_tokens: args.max_tokens,
-            mode: Mode::Generate,
-            draws_offset: 0,
-        })?;
+        let s = SamplingRequest {
+            temperature: t,
+            ..SamplingRequest::default()
+        };
+        let want = cfg.colocated(&prompt, s, seed, args.max_tokens)?;
         rows.push(Row {
             prompt_tokens: prompt.len(),
             route,

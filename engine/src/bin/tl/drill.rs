@@ -17,9 +17,8 @@ use serde_json::{Value, json};
 use tl_engine::api::sse::StreamEvent;
 use tl_engine::net::clients::{EventStream, HttpClient};
 use tl_engine::node::config::Config;
-use tl_engine_core::engine::{Engine, Mode, Request};
 use tl_engine_core::rng::stream;
-use tl_engine_core::sampler::{Sampling, SamplingRequest};
+use tl_engine_core::sampler::SamplingRequest;
 
 use crate::run::{block_on, print_json};
 
@@ -193,27 +192,12 @@ fn prompt(client: usize, n: usize) -> Vec<u32> {
 }
 
 fn colocated(prompt: &[u32], temperature: f32, seed: u64, max_tokens: u32) -> Vec<u32> {
-    let cfg = Config::default();
-    let sampling = Sampling::new(
-        SamplingRequest {
-            temperature,
-            top_p: 1.0,
-            top_k: 0,
-        },
-        cfg.model.vocab,
-    );
-    let Ok(sampling) = sampling else {
-        return Vec::new();
+    let s = SamplingRequest {
+        temperature,
+        ..SamplingRequest::default()
     };
-    Engine::new(cfg.build_model(), cfg.build_pool())
-        .generate(Request {
-            prompt: prompt.to_vec(),
-            sampling,
-            seed,
-            max_tokens,
-            mode: Mode::Generate,
-            draws_offset: 0,
-        })
+    Config::default()
+        .colocated(prompt, s, seed, max_tokens)
         .unwrap_or_default()
 }
 
