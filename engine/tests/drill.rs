@@ -2,34 +2,21 @@
 //! one decode engine killed (or hung) at T/3 and back at 2T/3. Nothing may be lost or failed,
 //! every request's tokens equal a colocated run, and both pools go back to baseline.
 
-use std::process::Command;
+mod common;
 
 use serde_json::Value;
 
 fn drill(fault: &str) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_tl"))
-        .args([
-            "drill",
-            "--clients",
-            "4",
-            "--seconds",
-            "6",
-            "--fault",
-            fault,
-            "--stall-ms",
-            "800",
-        ])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let v: Value =
-        serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| {
-            panic!(
-                "tl drill printed {stdout:?}: {e}; stderr {}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        });
-    assert!(out.status.success(), "tl drill --fault {fault} failed: {v}");
+    let v = common::drill(&[
+        "--clients",
+        "4",
+        "--seconds",
+        "6",
+        "--fault",
+        fault,
+        "--stall-ms",
+        "800",
+    ]);
     assert_eq!(v["mode"], "processes");
     v
 }

@@ -4,6 +4,8 @@
 //! requests move to the other decode engine, and nothing is lost. Needs root and `ip netns`;
 //! elsewhere the test says why it did not run.
 
+mod common;
+
 use std::process::Command;
 
 use serde_json::Value;
@@ -25,32 +27,15 @@ fn unavailable() -> Option<String> {
 }
 
 fn drill(fault: &str) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_tl"))
-        .args([
-            "drill",
-            "--netns",
-            "--clients",
-            "4",
-            "--seconds",
-            "6",
-            "--fault",
-            fault,
-        ])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let v: Value =
-        serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| {
-            panic!(
-                "tl drill printed {stdout:?}: {e}; stderr {}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        });
-    assert!(
-        out.status.success(),
-        "tl drill --netns --fault {fault}: {v}"
-    );
-    v
+    common::drill(&[
+        "--netns",
+        "--clients",
+        "4",
+        "--seconds",
+        "6",
+        "--fault",
+        fault,
+    ])
 }
 
 #[test]

@@ -124,3 +124,22 @@ pub fn stream_tokens(r: &tl_engine::net::clients::HttpResponse) -> Vec<u32> {
         })
         .collect()
 }
+
+/// Runs `tl drill ARGS...` and returns its JSON line, checking that it exited 0.
+pub fn drill(args: &[&str]) -> serde_json::Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tl"))
+        .arg("drill")
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| {
+            panic!(
+                "tl drill printed {stdout:?}: {e}; stderr {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    assert!(out.status.success(), "tl drill {args:?} failed: {v}");
+    v
+}

@@ -222,18 +222,18 @@ async fn client(
         n += 1;
         let body = json!({ "prompt": p, "max_tokens": max_tokens, "temperature": t, "seed": seed, "stream": true });
         let started = Instant::now();
-        let outcome = one_request(&client, &http, body.to_string()).await;
+        let (got, verdict) = one_request(&client, &http, body.to_string()).await;
         let want = colocated(&p, t, seed, max_tokens);
-        let (verdict, tokens, times, (decode, retries)) = outcome;
         let verdict = match verdict {
-            None if tokens == want => Verdict::Equal,
+            None if got.tokens == want => Verdict::Equal,
             None => Verdict::Lost(format!(
                 "tokens differ from colocated ({} vs {})",
-                tokens.len(),
+                got.tokens.len(),
                 want.len()
             )),
             Some(v) => v,
         };
+        let times = &got.times;
         let gaps: Vec<Duration> = times.windows(2).map(|w| w[1] - w[0]).collect();
         let o = Outcome {
             started: started - t0,
@@ -243,8 +243,8 @@ async fn client(
             tpot: (times.len() > 1)
                 .then(|| (times[times.len() - 1] - times[0]) / (times.len() as u32 - 1)),
             max_gap: gaps.iter().max().copied().unwrap_or_default(),
-            decode,
-            retries,
+            decode: got.decode,
+            retries: got.retries,
         };
         // After an error the next request waits a moment, as a client library's retry would.
         let refused = o.verdict != Verdict::Equal;
@@ -257,40 +257,38 @@ async fn client(
     }
 }
 
-/// Sends one streamed request; returns the verdict if already decided (failed, lost), the
-/// tokens, when each arrived, and the decode engine the route named.
-async fn one_request(
+/// What one streamed request received: its tokens, when each arrived, and the route's decode
+/// engine and Prefill retries.
+#[derive(Debug, Default)]
+struct Got {
+    tokens: Vec<u32>,
+    times: Vec<Instant>,
+    decode: String,
+    retries: u64,
+}
+
+/// Sends one streamed request; returns what it received, and the verdict when already decided
+/// (failed, lost; `None` when it completed and remains to be compared).
+async fn one_request(client: &HttpClient, http: &str, body: String) -> (Got, Option<Verdict>) {
+    let mut got = Got::default();
+    let verdict = receive(client, http, body, &mut got).await.err();
+    (got, verdict)
+}
+
+/// The exchange of [`one_request`]: `Ok` when it completed, else the verdict.
+async fn receive(
     client: &HttpClient,
     http: &str,
     body: String,
-) -> (Option<Verdict>, Vec<u32>, Vec<Instant>, (String, u64)) {
-    let mut tokens = Vec::new();
-    let mut times = Vec::new();
-    let mut decode = (String::new(), 0);
-    let (status, body) = match tokio::time::timeout(
+    got: &mut Got,
+) -> Result<(), Verdict> {
+    let (status, body) = tokio::time::timeout(
         Duration::from_secs(30),
         client.post_streaming(http, "/v1/completions", &[], body),
     )
     .await
-    {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
-            return (
-                Some(Verdict::Lost(format!("no answer: {e}"))),
-                tokens,
-                times,
-                decode,
-            );
-        }
-        Err(_) => {
-            return (
-                Some(Verdict::Lost("no answer in 30 s".into())),
-                tokens,
-                times,
-                decode,
-            );
-        }
-    };
+    .map_err(|_| Verdict::Lost("no answer in 30 s".into()))?
+    .map_err(|e| Verdict::Lost(format!("no answer: {e}")))?;
     if status != 200 {
         // The error body's message names the cause.
         let text = tokio::time::timeout(Duration::from_secs(5), body.collect())
@@ -303,72 +301,35 @@ async fn one_request(
             .ok()
             .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
             .unwrap_or_default();
-        return (
-            Some(Verdict::Failed(format!("http_{status}: {message}"))),
-            tokens,
-            times,
-            decode,
-        );
+        return Err(Verdict::Failed(format!("http_{status}: {message}")));
     }
     let mut events = EventStream::new(body);
     let mut finished = false;
     loop {
-        let e = match tokio::time::timeout(Duration::from_secs(30), events.next()).await {
-            Err(_) => {
-                return (
-                    Some(Verdict::Lost("stream silent for 30 s".into())),
-                    tokens,
-                    times,
-                    decode,
-                );
-            }
-            Ok(None) => {
-                return (
-                    Some(Verdict::Lost("stream truncated without an error".into())),
-                    tokens,
-                    times,
-                    decode,
-                );
-            }
-            Ok(Some(Err(e))) => {
-                return (
-                    Some(Verdict::Lost(format!("stream broke: {e}"))),
-                    tokens,
-                    times,
-                    decode,
-                );
-            }
-            Ok(Some(Ok(e))) => e,
-        };
-        match e {
+        let event = tokio::time::timeout(Duration::from_secs(30), events.next())
+            .await
+            .map_err(|_| Verdict::Lost("stream silent for 30 s".into()))?
+            .ok_or_else(|| Verdict::Lost("stream truncated without an error".into()))?
+            .map_err(|e| Verdict::Lost(format!("stream broke: {e}")))?;
+        match event {
             StreamEvent::Chunk(c) => {
                 if let Some(r) = &c.tl_route {
-                    decode = (r.decode.clone(), u64::from(r.retries));
+                    got.decode.clone_from(&r.decode);
+                    got.retries = u64::from(r.retries);
                 }
                 let now = Instant::now();
                 for ch in &c.choices {
-                    for &t in &ch.tokens {
-                        tokens.push(t);
-                        times.push(now);
-                    }
+                    got.tokens.extend(&ch.tokens);
+                    got.times.extend(ch.tokens.iter().map(|_| now));
                     finished |= ch.finish_reason.is_some();
                 }
             }
             StreamEvent::Error(e) => {
-                return (
-                    Some(Verdict::Failed(format!("error_event: {}", e.message))),
-                    tokens,
-                    times,
-                    decode,
-                );
+                return Err(Verdict::Failed(format!("error_event: {}", e.message)));
             }
+            StreamEvent::Done if finished => return Ok(()),
             StreamEvent::Done => {
-                return (
-                    (!finished).then(|| Verdict::Lost("[DONE] without a finish reason".into())),
-                    tokens,
-                    times,
-                    decode,
-                );
+                return Err(Verdict::Lost("[DONE] without a finish reason".into()));
             }
         }
     }
