@@ -35,7 +35,7 @@ pub use crc::{CRC32C_RESIDUE, Crc32c, CrcImpl, crc32c, crc32c_impl, set_crc_impl
 pub use format::{Dims, Formats, Shape, WireFormat};
 pub use hash::{FNV_OFFSET_BASIS, FNV_PRIME, block_hash, fnv1a64, prompt_hashes};
 pub use header::{HEADER_LEN, Header, MAGIC, RECORD_HEAD_LEN, RecordHead, TRAILER_LEN};
-pub use payload::{Kv, Pos};
+pub use payload::{Kv, PlaneError, Pos};
 pub use read::{Envelope, ErrorKind, ReadError, Reader, Record, Records};
 pub use write::{RecordIn, WriteError, write_envelope, write_to_vec};
 

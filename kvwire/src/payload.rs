@@ -28,7 +28,88 @@ pub struct Pos {
     pub dim: u32,
 }
 
+/// Why a plane cannot be viewed, or built, as `[f16]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlaneError {
+    /// The format's element is not 2 bytes (an fp8 format, say): read its bytes instead.
+    #[error("format {name} has {elem_bytes}-byte elements, not f16's 2")]
+    NotF16 {
+        /// The format's name.
+        name: &'static str,
+        /// Its element size.
+        elem_bytes: usize,
+    },
+    /// No such layer.
+    #[error("layer {layer} outside 0..{n_layers}")]
+    Layer {
+        /// The layer asked for.
+        layer: u32,
+        /// L.
+        n_layers: u32,
+    },
+    /// The slice does not start on a 2-byte boundary in memory (a buffer at an odd address).
+    #[error("the plane starts at an odd address: copy it to view it")]
+    Misaligned,
+    /// The slice is not `2 * L` planes long.
+    #[error("{got} bytes is not {want} (2 * L planes)")]
+    Length {
+        /// What was given.
+        got: usize,
+        /// What the shape needs.
+        want: usize,
+    },
+    /// This target is big-endian: the wire's little-endian f16 cannot be viewed in place.
+    #[error("big-endian target: the wire's little-endian f16 cannot be viewed in place")]
+    BigEndian,
+}
+
 impl Shape {
+    /// Checks that this shape's elements are f16 and this target can view them in place.
+    pub(crate) fn f16_in_place(&self) -> Result<(), PlaneError> {
+        if self.format.elem_bytes() != 2 {
+            return Err(PlaneError::NotF16 {
+                name: self.format.name,
+                elem_bytes: self.format.elem_bytes(),
+            });
+        }
+        if cfg!(target_endian = "big") {
+            return Err(PlaneError::BigEndian);
+        }
+        Ok(())
+    }
+
+    /// The `(layer, kv)` plane of `payload` (P bytes of this shape) as `[f16]`, zero-copy:
+    /// `B * H * D` values, `[token][head][dim]`. Token slots past a record's fill are zeros.
+    ///
+    /// # Errors
+    /// [`PlaneError`]: not a 2-byte format, a layer out of range, a payload of the wrong size,
+    /// a slice at an odd address, or a big-endian target (where the view would be byte-swapped;
+    /// use [`get_f16`](Self::get_f16), which decodes little-endian everywhere).
+    pub fn f16_plane<'p>(
+        &self,
+        payload: &'p [u8],
+        layer: u32,
+        kv: Kv,
+    ) -> Result<&'p [f16], PlaneError> {
+        self.f16_in_place()?;
+        let want = self.payload_bytes().unwrap_or(usize::MAX);
+        if payload.len() != want {
+            return Err(PlaneError::Length {
+                got: payload.len(),
+                want,
+            });
+        }
+        let n_layers = self.dims.n_layers;
+        if layer >= n_layers {
+            return Err(PlaneError::Layer { layer, n_layers });
+        }
+        // payload_bytes() succeeded, so the plane size and this product fit.
+        let plane = self.plane_bytes().unwrap_or(0);
+        let start = (layer as usize * 2 + kv as usize) * plane;
+        bytemuck::try_cast_slice(&payload[start..start + plane]).map_err(|_| PlaneError::Misaligned)
+    }
+
     /// Byte offset of `pos`: `((((l*2 + kv)*B + t)*H + h)*D + d) * elem`; `None` when any
     /// coordinate is out of range.
     #[must_use]

@@ -6,11 +6,13 @@
 
 use std::fmt;
 
+use half::f16;
 use zerocopy::FromBytes;
 
 use crate::crc::{CRC32C_RESIDUE, crc32c};
 use crate::format::{Dims, Formats, Shape};
 use crate::header::{HEADER_LEN, Header, MAGIC, RECORD_HEAD_LEN, RecordHead, TRAILER_LEN};
+use crate::payload::{Kv, PlaneError};
 
 /// The three kinds of refusal, which decide how a server answers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -372,6 +374,7 @@ impl<'a> Envelope<'a> {
     pub fn records(&self) -> Records<'a> {
         Records {
             chunks: self.body.chunks_exact(RECORD_HEAD_LEN + self.payload),
+            shape: self.shape,
         }
     }
 
@@ -391,12 +394,31 @@ pub struct Record<'a> {
     pub n_tokens: u32,
     /// P bytes laid out as the contract says; a slice of the input.
     pub payload: &'a [u8],
+    shape: Shape,
+}
+
+impl<'a> Record<'a> {
+    /// The envelope's shape, which lays out [`payload`](Self::payload).
+    #[must_use]
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+
+    /// The `(layer, kv)` plane as `[f16]`, a view of the input (no copy): `B * H * D` values in
+    /// `[token][head][dim]` order; slots past [`n_tokens`](Self::n_tokens) are zeros.
+    ///
+    /// # Errors
+    /// See [`Shape::f16_plane`].
+    pub fn plane(&self, layer: u32, kv: Kv) -> Result<&'a [f16], PlaneError> {
+        self.shape.f16_plane(self.payload, layer, kv)
+    }
 }
 
 /// Iterator over the records of an [`Envelope`].
 #[derive(Clone, Debug)]
 pub struct Records<'a> {
     chunks: std::slice::ChunksExact<'a, u8>,
+    shape: Shape,
 }
 
 impl<'a> Iterator for Records<'a> {
@@ -409,6 +431,7 @@ impl<'a> Iterator for Records<'a> {
             hash: head.hash.get(),
             n_tokens: head.n_tokens.get(),
             payload,
+            shape: self.shape,
         })
     }
 

@@ -10,6 +10,7 @@ use zerocopy::little_endian::{U16, U32, U64};
 use crate::crc::Crc32c;
 use crate::format::Shape;
 use crate::header::{Header, MAGIC, RecordHead};
+use crate::payload::PlaneError;
 
 /// One block to write.
 #[derive(Clone, Copy, Debug)]
@@ -22,6 +23,39 @@ pub struct RecordIn<'p> {
     /// zeros) or the short form holding only the first `fill` token rows of each plane
     /// (`2 * L * fill * H * D * elem` bytes), which the writer pads with zeros.
     pub payload: &'p [u8],
+}
+
+impl<'p> RecordIn<'p> {
+    /// A record whose payload is `planes`, the `2 * L` planes of an f16 shape in order (layer 0
+    /// K, layer 0 V, layer 1 K, ...), each `[token][head][dim]`: the bytes are the slice's own,
+    /// no cast by hand and no copy.
+    ///
+    /// # Errors
+    /// [`PlaneError::NotF16`] for a shape whose elements are not 2 bytes,
+    /// [`PlaneError::Length`] when `planes` is not the shape's whole payload, and
+    /// [`PlaneError::BigEndian`] on a big-endian target (the wire is little-endian: there,
+    /// encode with [`Shape::put_f16`]).
+    pub fn from_f16(
+        shape: &Shape,
+        hash: u64,
+        fill: u32,
+        planes: &'p [half::f16],
+    ) -> Result<Self, PlaneError> {
+        shape.f16_in_place()?;
+        let payload: &[u8] = bytemuck::cast_slice(planes);
+        let want = shape.payload_bytes().unwrap_or(usize::MAX);
+        if payload.len() != want {
+            return Err(PlaneError::Length {
+                got: payload.len(),
+                want,
+            });
+        }
+        Ok(Self {
+            hash,
+            fill,
+            payload,
+        })
+    }
 }
 
 /// Why a write was refused. Nothing was written.

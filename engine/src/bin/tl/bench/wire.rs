@@ -4,7 +4,7 @@ use std::hint::black_box;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use kvwire::{Reader, RecordIn, Shape, crc32c, write_envelope};
+use kvwire::{Kv, Reader, RecordIn, Shape, crc32c, write_envelope};
 
 use super::{gbps, median, round3};
 
@@ -43,6 +43,8 @@ fn wire_case(name: &str, shape: Shape, rounds: u32, budget: Duration) -> serde_j
 
     let (mut crc, mut read, mut copy_crc, mut write) = (vec![], vec![], vec![], vec![]);
     let (mut by_crc32c, mut by_crc_fast) = (vec![], vec![]);
+    let mut planes = vec![];
+    let parsed = reader.read(&env).ok();
     let chosen = kvwire::crc32c_impl();
     for _ in 0..rounds {
         // Both crates on this CPU, in the same round.
@@ -68,6 +70,20 @@ fn wire_case(name: &str, shape: Shape, rounds: u32, budget: Duration) -> serde_j
             dst.copy_from_slice(black_box(&env));
             black_box(crc32c(&dst[..len - 4]));
         }));
+        // Every plane of the block as `&[f16]`: no bytes are touched, only checked and cast.
+        if let Some(e) = &parsed {
+            planes.push(gbps(len, budget, || {
+                for r in black_box(e).records() {
+                    for layer in 0..shape.dims.n_layers {
+                        for kv in [Kv::K, Kv::V] {
+                            if let Ok(p) = r.plane(layer, kv) {
+                                black_box(p.len());
+                            }
+                        }
+                    }
+                }
+            }));
+        }
         write.push(gbps(len, budget, || {
             out.clear();
             let _ = black_box(write_envelope(&shape, black_box(&rec), &mut out));
@@ -90,7 +106,20 @@ fn wire_case(name: &str, shape: Shape, rounds: u32, budget: Duration) -> serde_j
         "memcpy_crc_gbps": round3(median(&mut copy_crc.clone())),
         "write_gbps": round3(median(&mut write.clone())),
         "write_over_memcpy_crc": round3(ratios(&write, &copy_crc)),
+        // Time to view every plane of the block as f16, over the time of one CRC pass over the
+        // same bytes (throughputs are inverse times): close to 0 means free.
+        "plane_view_time_over_crc": round_sig(ratios(&crc, &planes)),
+        "plane_view_ns_per_block": round3(len as f64 / median(&mut planes.clone())),
     })
+}
+
+/// `x` to 3 significant figures (ratios far below 1 keep their digits).
+fn round_sig(x: f64) -> f64 {
+    if x == 0.0 || !x.is_finite() {
+        return x;
+    }
+    let scale = 10f64.powi(2 - x.abs().log10().floor() as i32);
+    (x * scale).round() / scale
 }
 
 /// Runs `tl bench wire`.
