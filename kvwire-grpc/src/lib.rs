@@ -22,7 +22,7 @@ pub mod store;
 pub use receiver::{Claimed, KvReceiver, PushState, ReceiverLimits, RecvError};
 pub use sender::{
     BlockFeed, GrpcTransport, KvTransport, OutChunk, Push, TransferError, TransferStats,
-    TransportConfig, transfer, transfer_streaming,
+    TransportConfig, transfer, transfer_formats, transfer_streaming,
 };
 pub use server::{
     H2Limits, KvServerHandle, KvTransferService, PushObserver, ServiceLimits, serve_kv,

@@ -103,6 +103,12 @@ impl MemStore {
         }
     }
 
+    /// The hash block `id` is registered under (0 when unregistered or unknown).
+    #[must_use]
+    pub fn hash_of(&self, id: BlockId) -> u64 {
+        self.lock().slots.get(id as usize).map_or(0, |b| b.hash)
+    }
+
     /// A block's payload and fill (test inspection).
     #[must_use]
     pub fn block(&self, id: BlockId) -> Option<(Vec<u8>, u32)> {

@@ -24,7 +24,6 @@ use std::time::{Duration, Instant};
 use kvwire::{ErrorKind, Formats, ReadError, Reader, crc32c};
 use tonic::{Code, Status};
 
-use crate::KV_FORMAT_V1;
 use crate::pb::kv::{KvAck, KvChunk};
 use crate::store::{BlockId, KvStore, StoreError};
 
@@ -171,6 +170,8 @@ impl Default for ReceiverLimits {
 /// The decode side of the transfer.
 pub struct KvReceiver {
     store: Arc<dyn KvStore>,
+    /// The one `kv_format` served: the store's.
+    kv_format: u32,
     model: String,
     reader: Reader,
     block_tokens: u32,
@@ -200,7 +201,12 @@ impl KvReceiver {
         let shape = store.shape();
         Self {
             block_tokens: shape.block_tokens(),
-            reader: Reader::new().formats(Formats::V1).expect_shape(shape),
+            // The store's format, whatever it is: a crate adding one (v2, fp8) needs no change
+            // here, only a store of that shape.
+            reader: Reader::new()
+                .formats(Formats::new([shape.format]))
+                .expect_shape(shape),
+            kv_format: store.kv_format(),
             store,
             model: model.into(),
             lease: Self::DEFAULT_LEASE,
@@ -274,10 +280,12 @@ impl KvReceiver {
     }
 
     fn check_format(&self, kv_format: u32, model: &str) -> Result<(), RecvError> {
-        // Rule 1: kv_format other than 1 (0 included), or a non-empty model that differs.
-        if kv_format != KV_FORMAT_V1 {
+        // Rule 1: a kv_format other than the store's (0 included), or a non-empty model that
+        // differs.
+        if kv_format != self.kv_format {
             return Err(RecvError::Unserved(format!(
-                "kv_format {kv_format} is not served here (only {KV_FORMAT_V1})"
+                "kv_format {kv_format} is not served here (only {})",
+                self.kv_format
             )));
         }
         if !model.is_empty() && model != self.model {

@@ -18,7 +18,6 @@ use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::transport::{Channel, ClientTlsConfig};
 use tonic::{Code, Request, Status};
 
-use crate::KV_FORMAT_V1;
 use crate::glue::{self, Limits};
 use crate::pb::kv::{HasBlocksRequest, KvAck, KvChunk, ReleaseRequest, ReleaseResponse, path};
 use crate::store::{BlockId, KvStore, StoreError};
@@ -396,6 +395,8 @@ pub struct TransferStats {
     pub payload_bytes: u64,
     /// Payloads resent after the target answered NOT_FOUND (0 when no retry was needed).
     pub resent: u32,
+    /// The `kv_format` the blocks travelled in (the first offered that the target serves).
+    pub kv_format: u32,
 }
 
 /// Why a transfer failed.
@@ -458,6 +459,8 @@ enum Source {
 #[derive(Clone, Debug)]
 struct PushPlan {
     store: Arc<dyn KvStore>,
+    /// The format the target accepted: the store's.
+    kv_format: u32,
     handle_id: String,
     model: String,
     source: Source,
@@ -518,7 +521,7 @@ impl PushPlan {
             index,
             total: self.total,
             hash: self.hashes.get(i).copied().unwrap_or(0),
-            kv_format: KV_FORMAT_V1,
+            kv_format: self.kv_format,
             payload: bytes::Bytes::new(),
             payload_crc32c: 0,
             model: self.model.clone(),
@@ -572,7 +575,26 @@ pub async fn transfer<T: KvTransport + ?Sized>(
         hashes,
         n_blocks: ids.len(),
     };
-    run_push(transport, store, push, source).await
+    run_push(transport, &[store], push, source).await
+}
+
+/// [`transfer`] offering several formats, best first: one store per format, each a view of the
+/// same pool (so `ids` name the same blocks in all of them) writing its own envelopes. HasBlocks
+/// goes out in the first format; a target that answers FAILED_PRECONDITION (a format it does not
+/// serve) is asked in the next, before any block moves. The format the blocks travelled in is
+/// [`TransferStats::kv_format`]. A v1-only target and a v1+v2 sender therefore agree on v1 with
+/// no change to the protocol.
+///
+/// # Errors
+/// As [`transfer`]; when the target serves none of the formats, its FAILED_PRECONDITION for the
+/// last one, and no push was opened. [`TransferError::BadRequest`] for an empty list.
+pub async fn transfer_formats<T: KvTransport + ?Sized>(
+    transport: &T,
+    stores: &[Arc<dyn KvStore>],
+    push: Push<'_>,
+    ids: &[BlockId],
+) -> Result<TransferStats, TransferError> {
+    run_push(transport, stores, push, Source::Ready(ids.into())).await
 }
 
 /// [`transfer`] while a prefill still writes the blocks: HasBlocks first (the hashes depend
@@ -591,7 +613,7 @@ pub async fn transfer_streaming<T: KvTransport + ?Sized>(
     push: Push<'_>,
     feed: BlockFeed,
 ) -> Result<TransferStats, TransferError> {
-    run_push(transport, store, push, Source::Feed(feed)).await
+    run_push(transport, &[store], push, Source::Feed(feed)).await
 }
 
 /// What a push is: where it goes, under which handle, and the prompt's blocks.
@@ -609,14 +631,54 @@ pub struct Push<'a> {
     pub n_blocks: usize,
 }
 
+/// HasBlocks in each offered format, in order, until the target serves one: that store, and
+/// which of `hashes` the target holds. Moves no block.
+async fn negotiate<T: KvTransport + ?Sized>(
+    transport: &T,
+    stores: &[Arc<dyn KvStore>],
+    p: &Push<'_>,
+) -> Result<(Arc<dyn KvStore>, Vec<bool>), TransferError> {
+    let hashes = p.hashes;
+    let mut last = None;
+    for store in stores {
+        // With one format and no full block there is nothing to ask.
+        if hashes.is_empty() && stores.len() == 1 {
+            return Ok((Arc::clone(store), Vec::new()));
+        }
+        let req = HasBlocksRequest {
+            hashes: hashes.to_vec(),
+            kv_format: store.kv_format(),
+            model: p.model.to_owned(),
+        };
+        match transport.has_blocks(p.target, req).await {
+            Ok(got) if got.len() == hashes.len() => return Ok((Arc::clone(store), got)),
+            Ok(got) => {
+                return Err(TransferError::Rpc(Status::internal(format!(
+                    "HasBlocks answered {} flags for {} hashes",
+                    got.len(),
+                    hashes.len()
+                ))));
+            }
+            Err(s) if s.code() == Code::FailedPrecondition => last = Some(s),
+            Err(s) => return Err(TransferError::Rpc(s)),
+        }
+    }
+    Err(match last {
+        Some(s) => TransferError::Rpc(s),
+        None => TransferError::BadRequest("no format offered".into()),
+    })
+}
+
 async fn run_push<T: KvTransport + ?Sized>(
     transport: &T,
-    store: Arc<dyn KvStore>,
+    stores: &[Arc<dyn KvStore>],
     p: Push<'_>,
     source: Source,
 ) -> Result<TransferStats, TransferError> {
-    let shape = store.shape();
-    let b = shape.block_tokens();
+    let Some(first) = stores.first() else {
+        return Err(TransferError::BadRequest("no format offered".into()));
+    };
+    let b = first.shape().block_tokens();
     let (n, hashes) = (p.n_blocks, p.hashes);
     if n == 0 || hashes.len() > n || n > hashes.len() + 1 {
         return Err(TransferError::BadRequest(format!(
@@ -624,24 +686,8 @@ async fn run_push<T: KvTransport + ?Sized>(
             hashes.len()
         )));
     }
-    let present = if hashes.is_empty() {
-        Vec::new()
-    } else {
-        let req = HasBlocksRequest {
-            hashes: hashes.to_vec(),
-            kv_format: KV_FORMAT_V1,
-            model: p.model.to_owned(),
-        };
-        let got = transport.has_blocks(p.target, req).await?;
-        if got.len() != hashes.len() {
-            return Err(TransferError::Rpc(Status::internal(format!(
-                "HasBlocks answered {} flags for {} hashes",
-                got.len(),
-                hashes.len()
-            ))));
-        }
-        got
-    };
+    let (store, present) = negotiate(transport, stores, &p).await?;
+    let shape = store.shape();
     let skip: Vec<bool> = (0..n)
         .map(|i| present.get(i).copied().unwrap_or(false))
         .collect();
@@ -654,6 +700,7 @@ async fn run_push<T: KvTransport + ?Sized>(
             .map_err(|_| TransferError::SourceStopped)?;
     }
     let mut plan = PushPlan {
+        kv_format: store.kv_format(),
         store,
         handle_id: p.handle_id.to_owned(),
         model: p.model.to_owned(),
@@ -686,6 +733,7 @@ async fn run_push<T: KvTransport + ?Sized>(
         deduped: ack.blocks_deduped,
         payload_bytes: ack.payload_bytes,
         resent,
+        kv_format: plan.kv_format,
     })
 }
 

@@ -40,6 +40,13 @@ pub trait KvStore: Send + Sync + std::fmt::Debug + 'static {
     /// The pool's block shape (the receiver's expected envelope shape).
     fn shape(&self) -> Shape;
 
+    /// The `kv_format` of the envelopes this store reads and writes: its format's version
+    /// (1 for `kv.wire.v1`). A receiver serves exactly this format; a sender offering several
+    /// formats offers one store per format (views of one pool that convert on the way out).
+    fn kv_format(&self) -> u32 {
+        u32::from(self.shape().format.version)
+    }
+
     /// For each hash, whether a block holds it. Takes no reference and changes no count.
     fn contains(&self, hashes: &[u64]) -> Vec<bool>;
 

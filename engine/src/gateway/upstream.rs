@@ -85,7 +85,8 @@ impl Upstream {
         for w in decoders {
             let req = HasBlocksRequest {
                 hashes: prompt_hashes(prompt, w.block_tokens.max(1) as usize),
-                kv_format: kvwire_grpc::KV_FORMAT_V1,
+                // The format the engine beats with (v1 from every engine of this project).
+                kv_format: w.kv_format.max(kvwire_grpc::KV_FORMAT_V1),
                 model: w.model.clone(),
             };
             let (transport, id, addr) = (

@@ -12,9 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvwire::prompt_hashes;
 use kvwire_grpc::pb::engine::{KvHandle, PrefillRequest};
-use kvwire_grpc::{
-    BlockId, GrpcTransport, KV_FORMAT_V1, KvStore, KvTransport, Push, TransferError,
-};
+use kvwire_grpc::{BlockId, GrpcTransport, KvStore, KvTransport, Push, TransferError};
 use tl_engine_core::engine::{Mode, PrefillProgress, Request, SeqError};
 use tl_engine_core::pool::{PoolError, SharedKv};
 use tl_engine_core::request::{Limits, Params, RequestError};
@@ -364,7 +362,7 @@ impl PrefillService {
             blocks_sent: stats.sent,
             blocks_deduped: stats.deduped,
             payload_bytes: stats.payload_bytes,
-            kv_format: KV_FORMAT_V1,
+            kv_format: stats.kv_format,
         })
     }
 
