@@ -8,6 +8,8 @@
 //! - [`receiver`]: the decode side's per-chunk rules, as plain logic ([`KvReceiver`]).
 //! - [`sender`]: the prefill side: [`KvTransport`], its gRPC implementation, and [`transfer`].
 //! - [`server`]: the `KvTransfer` service and [`serve_kv`].
+//!
+#![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
