@@ -44,6 +44,16 @@ static CHOICE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0)
 
 /// Forces one implementation for the whole process (both give the same values), or returns to
 /// the automatic choice. For benchmarks that compare the two on one machine.
+///
+/// ```
+/// use kvwire::{CrcImpl, crc32c, crc32c_impl, set_crc_impl};
+/// set_crc_impl(CrcImpl::Crc32c);
+/// assert_eq!(crc32c_impl(), "crc32c");
+/// let a = crc32c(b"kv");
+/// set_crc_impl(CrcImpl::CrcFast);
+/// assert_eq!(crc32c(b"kv"), a);
+/// set_crc_impl(CrcImpl::Auto);
+/// ```
 pub fn set_crc_impl(choice: CrcImpl) {
     let v = match choice {
         CrcImpl::Auto => 0,
@@ -114,6 +124,14 @@ impl Default for Crc32c {
 
 impl Crc32c {
     /// A fresh checksum (of the empty message).
+    ///
+    /// ```
+    /// use kvwire::{Crc32c, crc32c};
+    /// let mut c = Crc32c::new();
+    /// c.update(b"1234");
+    /// c.update(b"56789");
+    /// assert_eq!(c.finish(), crc32c(b"123456789"));
+    /// ```
     #[must_use]
     pub fn new() -> Self {
         if wide_folding() {

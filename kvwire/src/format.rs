@@ -67,6 +67,15 @@ impl Formats {
     }
 
     /// These formats plus `format` (replacing one with the same version and dtype).
+    ///
+    /// ```
+    /// use kvwire::{Formats, WireFormat};
+    /// const V2: WireFormat = WireFormat::new(2, 2, 1, "e4m3");
+    /// let both = Formats::V1.with(V2);
+    /// assert_eq!(both.get(2, 2), Some(V2));
+    /// assert_eq!(both.iter().count(), 2);
+    /// assert_eq!(Formats::V1.get(2, 2), None);
+    /// ```
     #[must_use]
     pub fn with(mut self, format: WireFormat) -> Self {
         let list = self.0.to_mut();
@@ -178,6 +187,14 @@ impl Shape {
     }
 
     /// E, the bytes of an envelope of `n` blocks: `28 + n * (12 + P) + 4`; `None` on overflow.
+    ///
+    /// ```
+    /// use kvwire::Shape;
+    /// let s = Shape::v1(16, 32, 8, 128); // a realistic block: 2 MiB of f16
+    /// assert_eq!(s.payload_bytes(), Some(2 << 20));
+    /// assert_eq!(s.envelope_len(1), Some(28 + 12 + (2 << 20) + 4));
+    /// assert_eq!(Shape::v1(1 << 31, 1 << 31, 1 << 31, 1 << 31).envelope_len(1), None);
+    /// ```
     #[must_use]
     pub fn envelope_len(&self, n: usize) -> Option<usize> {
         let record = self.payload_bytes()?.checked_add(RECORD_HEAD_LEN)?;

@@ -28,6 +28,17 @@ pub fn fnv1a64(bytes: &[u8]) -> u64 {
 ///
 /// A result of 0 becomes 1, because 0 on the wire means "no name" (a partial or unregistered
 /// block). The first block of a prompt has parent 0.
+///
+/// ```
+/// use kvwire::{block_hash, prompt_hashes};
+/// let prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+/// let h0 = block_hash(0, &prompt[..4]);
+/// let h1 = block_hash(h0, &prompt[4..8]);
+/// // Two full blocks at B = 4; the ninth token is a partial block, not named.
+/// assert_eq!(prompt_hashes(&prompt, 4), vec![h0, h1]);
+/// // A block's name depends on everything before it.
+/// assert_ne!(block_hash(0, &prompt[4..8]), h1);
+/// ```
 #[must_use]
 pub fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
     let mut h = fnv_update(FNV_OFFSET_BASIS, &parent.to_le_bytes());

@@ -140,6 +140,18 @@ impl Shape {
         Some(f16::from_le_bytes([bytes[0], bytes[1]]))
     }
 
+    /// ```
+    /// use half::f16;
+    /// use kvwire::{Kv, Pos, Shape};
+    /// let shape = Shape::v1(4, 2, 1, 4);
+    /// let mut payload = vec![0u8; shape.payload_bytes().unwrap()];
+    /// let pos = Pos { layer: 1, kv: Kv::K, token: 2, head: 0, dim: 3 };
+    /// assert!(shape.put_f16(&mut payload, pos, f16::from_f32(0.5)));
+    /// assert_eq!(shape.get_f16(&payload, pos), Some(f16::from_f32(0.5)));
+    /// assert_eq!(shape.offset(pos), Some(((1 * 2 + 0) * 4 + 2) * 4 * 2 + 3 * 2));
+    /// assert_eq!(shape.f16_plane(&payload, 1, Kv::K).unwrap()[2 * 4 + 3], f16::from_f32(0.5));
+    /// ```
+    ///
     /// Stores `value` at `pos`; `false` (and nothing written) in the cases [`get_f16`](Self::get_f16) gives `None`.
     pub fn put_f16(&self, payload: &mut [u8], pos: Pos, value: f16) -> bool {
         if self.format.elem_bytes() != 2 {

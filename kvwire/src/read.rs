@@ -206,6 +206,22 @@ impl Reader {
     /// trailer included (for a chunk checksum): rule 3 then holds when that pass equals
     /// [`CRC32C_RESIDUE`], and the bytes are not read a second time.
     ///
+    /// ```
+    /// use kvwire::{CRC32C_RESIDUE, Crc32c, Reader, RecordIn, Shape, write_to_vec};
+    /// let shape = Shape::v1(4, 2, 1, 4);
+    /// let payload = vec![0u8; shape.payload_bytes().unwrap()];
+    /// let mut buf = Vec::new();
+    /// write_to_vec(&shape, &[RecordIn { hash: 0, fill: 1, payload: &payload }], &mut buf).unwrap();
+    /// // The CRC computed while the bytes arrived, over all of them.
+    /// let mut crc = Crc32c::new();
+    /// for piece in buf.chunks(100) {
+    ///     crc.update(piece);
+    /// }
+    /// assert_eq!(crc.finish(), CRC32C_RESIDUE);
+    /// let env = Reader::new().read_with_crc(&buf, crc.finish()).unwrap();
+    /// assert_eq!(env.n_blocks(), 1);
+    /// ```
+    ///
     /// # Errors
     /// As [`read`](Self::read).
     pub fn read_with_crc<'a>(
@@ -406,6 +422,19 @@ impl<'a> Record<'a> {
 
     /// The `(layer, kv)` plane as `[f16]`, a view of the input (no copy): `B * H * D` values in
     /// `[token][head][dim]` order; slots past [`n_tokens`](Self::n_tokens) are zeros.
+    ///
+    /// ```
+    /// use half::f16;
+    /// use kvwire::{Kv, Reader, RecordIn, Shape, write_to_vec};
+    /// let shape = Shape::v1(4, 1, 1, 2); // planes of 4 tokens x 1 head x 2 dims
+    /// let planes: Vec<f16> = (0..16).map(|i| f16::from_f32(i as f32)).collect();
+    /// let mut buf = Vec::new();
+    /// let rec = RecordIn::from_f16(&shape, 0, 4, &planes).unwrap();
+    /// write_to_vec(&shape, &[rec], &mut buf).unwrap();
+    /// let env = Reader::new().read(&buf).unwrap();
+    /// let v = env.records().next().unwrap().plane(0, Kv::V).unwrap();
+    /// assert_eq!(v, &planes[8..]);
+    /// ```
     ///
     /// # Errors
     /// See [`Shape::f16_plane`].

@@ -30,6 +30,19 @@ impl<'p> RecordIn<'p> {
     /// K, layer 0 V, layer 1 K, ...), each `[token][head][dim]`: the bytes are the slice's own,
     /// no cast by hand and no copy.
     ///
+    /// ```
+    /// use half::f16;
+    /// use kvwire::{PlaneError, RecordIn, Shape};
+    /// let shape = Shape::v1(4, 2, 1, 4);
+    /// let planes = vec![f16::ZERO; shape.payload_bytes().unwrap() / 2];
+    /// let rec = RecordIn::from_f16(&shape, 0, 3, &planes).unwrap();
+    /// assert_eq!(rec.payload.len(), shape.payload_bytes().unwrap());
+    /// assert!(matches!(
+    ///     RecordIn::from_f16(&shape, 0, 3, &planes[1..]),
+    ///     Err(PlaneError::Length { .. })
+    /// ));
+    /// ```
+    ///
     /// # Errors
     /// [`PlaneError::NotF16`] for a shape whose elements are not 2 bytes,
     /// [`PlaneError::Length`] when `planes` is not the shape's whole payload, and
@@ -117,6 +130,18 @@ const PIECE: usize = 64 * 1024;
 /// Writes an envelope of `records` into `out` and returns its length.
 ///
 /// `out` grows as it is written; for a `Vec<u8>` prefer [`write_to_vec`], which reserves once.
+///
+/// ```
+/// use kvwire::{RecordIn, Shape, write_envelope};
+/// let shape = Shape::v1(4, 2, 1, 4);
+/// let payload = vec![1u8; shape.payload_bytes().unwrap()];
+/// // Any `bytes::BufMut`: a `BytesMut`, a gRPC encode buffer...
+/// let mut out = bytes::BytesMut::new();
+/// let n = write_envelope(&shape, &[RecordIn { hash: 0, fill: 2, payload: &payload }], &mut out)
+///     .unwrap();
+/// assert_eq!(n, out.len());
+/// assert_eq!(n, shape.envelope_len(1).unwrap());
+/// ```
 ///
 /// # Errors
 /// A [`WriteError`] when the shape or a record is invalid; then nothing is written.
