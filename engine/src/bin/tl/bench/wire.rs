@@ -8,6 +8,11 @@ use kvwire::{Kv, Reader, RecordIn, Shape, crc32c, write_envelope};
 
 use super::{gbps, median, round3};
 
+/// The fp8 example's E4M3 conversion, measured here as it is (not a copy).
+#[path = "../../../../../kvwire/examples/fp8_v2/e4m3.rs"]
+#[allow(dead_code)]
+mod e4m3;
+
 /// Arguments of `tl bench wire`.
 #[derive(clap::Args, Debug)]
 pub(crate) struct WireArgs {
@@ -44,6 +49,8 @@ fn wire_case(name: &str, shape: Shape, rounds: u32, budget: Duration) -> serde_j
     let (mut crc, mut read, mut copy_crc, mut write) = (vec![], vec![], vec![], vec![]);
     let (mut by_crc32c, mut by_crc_fast) = (vec![], vec![]);
     let mut planes = vec![];
+    let mut fp8 = vec![];
+    let mut fp8_out: Vec<u8> = Vec::with_capacity(p / 2);
     let parsed = reader.read(&env).ok();
     let chosen = kvwire::crc32c_impl();
     for _ in 0..rounds {
@@ -84,6 +91,22 @@ fn wire_case(name: &str, shape: Shape, rounds: u32, budget: Duration) -> serde_j
                 }
             }));
         }
+        // The example's f16 -> E4M3 conversion through the plane views, per f16 byte in.
+        if let Some(e) = &parsed {
+            fp8.push(gbps(p, budget, || {
+                fp8_out.clear();
+                for r in black_box(e).records() {
+                    for layer in 0..shape.dims.n_layers {
+                        for kv in [Kv::K, Kv::V] {
+                            if let Ok(plane) = r.plane(layer, kv) {
+                                fp8_out.extend(plane.iter().map(|v| e4m3::to_e4m3(v.to_f32())));
+                            }
+                        }
+                    }
+                }
+                black_box(fp8_out.len());
+            }));
+        }
         write.push(gbps(len, budget, || {
             out.clear();
             let _ = black_box(write_envelope(&shape, black_box(&rec), &mut out));
@@ -110,6 +133,8 @@ fn wire_case(name: &str, shape: Shape, rounds: u32, budget: Duration) -> serde_j
         // same bytes (throughputs are inverse times): close to 0 means free.
         "plane_view_time_over_crc": round_sig(ratios(&crc, &planes)),
         "plane_view_ns_per_block": round3(len as f64 / median(&mut planes.clone())),
+        "f16_to_fp8_gbps": round3(median(&mut fp8.clone())),
+        "f16_to_fp8_over_crc": round3(ratios(&fp8, &crc)),
     })
 }
 
