@@ -585,6 +585,30 @@ pub async fn transfer<T: KvTransport + ?Sized>(
 /// [`TransferStats::kv_format`]. A v1-only target and a v1+v2 sender therefore agree on v1 with
 /// no change to the protocol.
 ///
+/// ```
+/// use std::sync::Arc;
+/// use kvwire::{Shape, WireFormat};
+/// use kvwire_grpc::memory::{LocalTransport, MemStore};
+/// use kvwire_grpc::{KvReceiver, KvStore, Push, transfer_formats};
+///
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+/// let v1 = Shape::v1(4, 2, 1, 4);
+/// // A decode engine still on v1.
+/// let decode: Arc<dyn KvStore> = Arc::new(MemStore::new(v1, 8));
+/// let rx = Arc::new(KvReceiver::new(decode, "fake"));
+/// // A prefill engine offering v2 then v1 (a toy: the v2 store would be a converting view of
+/// // the same pool, so that `ids` name the same blocks in both).
+/// let v2 = Shape { format: WireFormat::new(2, 2, 1, "e4m3"), ..v1 };
+/// let as_v2 = Arc::new(MemStore::new(v2, 8));
+/// let as_v1 = Arc::new(MemStore::new(v1, 8));
+/// let id = as_v1.put(0, 2, &vec![0u8; v1.payload_bytes().unwrap()]).unwrap();
+/// let offer: [Arc<dyn KvStore>; 2] = [as_v2, as_v1];
+/// let push = Push { target: "d", handle_id: "h", model: "fake", hashes: &[], n_blocks: 1 };
+/// let stats = transfer_formats(&LocalTransport::new(rx), &offer, push, &[id]).await.unwrap();
+/// assert_eq!(stats.kv_format, 1); // negotiated down
+/// # });
+/// ```
+///
 /// # Errors
 /// As [`transfer`]; when the target serves none of the formats, its FAILED_PRECONDITION for the
 /// last one, and no push was opened. [`TransferError::BadRequest`] for an empty list.

@@ -299,6 +299,33 @@ impl Drop for KvServerHandle {
 /// Serves `rx` on `listener` (bind `127.0.0.1:0` for tests), releasing expired leases in the
 /// background, until the handle is shut down or dropped.
 ///
+/// A decode side on loopback and a real gRPC transfer to it:
+///
+/// ```
+/// use std::sync::Arc;
+/// use kvwire::Shape;
+/// use kvwire_grpc::memory::MemStore;
+/// use kvwire_grpc::{GrpcTransport, KvReceiver, KvStore, TransportConfig, serve_kv, transfer};
+///
+/// # tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(async {
+/// let shape = Shape::v1(4, 2, 1, 4);
+/// let decode = Arc::new(MemStore::new(shape, 8));
+/// let rx = Arc::new(KvReceiver::new(Arc::clone(&decode) as Arc<dyn KvStore>, "fake"));
+/// let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+/// let server = serve_kv(listener, Arc::clone(&rx)).unwrap();
+///
+/// let prefill = Arc::new(MemStore::new(shape, 8));
+/// let id = prefill.put(0, 3, &vec![1u8; shape.payload_bytes().unwrap()]).unwrap();
+/// let transport = GrpcTransport::new(TransportConfig::for_envelope(shape.envelope_len(1).unwrap()));
+/// let target = server.local_addr().to_string();
+/// let store = Arc::clone(&prefill) as Arc<dyn KvStore>;
+/// let stats = transfer(&transport, &target, store, "h", "fake", &[id], &[]).await.unwrap();
+/// assert_eq!(stats.sent, 1);
+/// assert!(rx.claim("h").is_some());
+/// server.shutdown().await;
+/// # });
+/// ```
+///
 /// # Errors
 /// When the listener has no local address.
 pub fn serve_kv(listener: TcpListener, rx: Arc<KvReceiver>) -> std::io::Result<KvServerHandle> {
