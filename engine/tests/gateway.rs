@@ -465,3 +465,58 @@ async fn client_abort_during_prefill_cancels_it() {
     );
     assert_eq!(d.runner().pool().lock().counts().used, 0);
 }
+
+/// A character split over two byte tokens streams as one character: the streamed chunks'
+/// text, concatenated, is byte-equal to the whole response's text, on completions and chat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_text_equals_text() {
+    let c = cluster(2).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let mut multibyte = 0;
+    for seed in 1..=6u64 {
+        for (path, body) in [
+            (
+                "/v1/completions",
+                json!({ "prompt": "Բարեւ, 日本", "max_tokens": 200, "temperature": 1.0, "seed": seed }),
+            ),
+            (
+                "/v1/chat/completions",
+                json!({ "messages": [{ "role": "user", "content": "héllo" }], "max_tokens": 200, "temperature": 1.0, "seed": seed }),
+            ),
+        ] {
+            let whole = http.post(&addr, path, &[], body.to_string()).await.unwrap();
+            assert_eq!(whole.status, 200);
+            let v = whole.json();
+            let text = v["choices"][0]["text"]
+                .as_str()
+                .or(v["choices"][0]["message"]["content"].as_str())
+                .unwrap()
+                .to_owned();
+            let mut streamed_body = body.clone();
+            streamed_body["stream"] = json!(true);
+            let r = http
+                .post(&addr, path, &[], streamed_body.to_string())
+                .await
+                .unwrap();
+            let mut streamed = String::new();
+            for e in r.events().unwrap() {
+                if let tl_engine::api::sse::StreamEvent::Chunk(ch) = e {
+                    for choice in &ch.choices {
+                        streamed.push_str(choice.text.as_deref().unwrap_or_default());
+                        if let Some(d) = &choice.delta {
+                            streamed.push_str(&d.content);
+                        }
+                    }
+                }
+            }
+            assert_eq!(streamed, text, "{path} seed {seed}");
+            multibyte += text
+                .chars()
+                .filter(|&ch| ch.len_utf8() > 1 && ch != char::REPLACEMENT_CHARACTER)
+                .count();
+        }
+    }
+    // The cases above do split characters (else the test would prove nothing).
+    assert!(multibyte > 0, "no multi-byte character was generated");
+}

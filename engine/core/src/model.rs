@@ -321,6 +321,58 @@ pub fn encode_text(text: &str) -> Vec<u32> {
     text.bytes().map(u32::from).collect()
 }
 
+/// Token ids back to text as they stream: the concatenation of everything [`push`](Self::push)
+/// and [`finish`](Self::finish) return equals [`decode_text`] of all the tokens at once. Bytes
+/// that do not yet form a complete UTF-8 character are held back and go out with the token that
+/// completes them (a character split over two byte tokens is one character, not two
+/// replacement characters); an invalid sequence becomes U+FFFD exactly where the whole-text
+/// decoding puts one.
+#[derive(Clone, Debug, Default)]
+pub struct TextStream {
+    pending: Vec<u8>,
+}
+
+impl TextStream {
+    /// The text `tokens` complete, after what was held back.
+    pub fn push(&mut self, tokens: &[u32]) -> String {
+        self.pending
+            .extend(tokens.iter().filter(|&&t| t < 256).map(|&t| t as u8));
+        let mut out = String::new();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    out.push_str(s);
+                    self.pending.clear();
+                    return out;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    // The prefix is valid UTF-8 (from_utf8 said so).
+                    out.push_str(&String::from_utf8_lossy(&self.pending[..valid]));
+                    match e.error_len() {
+                        Some(bad) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            self.pending.drain(..valid + bad);
+                        }
+                        None => {
+                            // An incomplete character at the end: wait for its next bytes.
+                            self.pending.drain(..valid);
+                            return out;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// What was held back, at the end of the stream (an incomplete character is U+FFFD).
+    pub fn finish(&mut self) -> String {
+        let out = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        out
+    }
+}
+
 /// Token ids back to text: bytes as UTF-8 (lossy); specials are dropped.
 #[must_use]
 pub fn decode_text(tokens: &[u32]) -> String {
@@ -330,4 +382,50 @@ pub fn decode_text(tokens: &[u32]) -> String {
         .map(|&t| t as u8)
         .collect();
     String::from_utf8_lossy(&bytes).into_owned()
+}
+
+#[cfg(test)]
+mod text_tests {
+    use super::*;
+    use crate::rng::stream;
+
+    /// Streamed text equals whole text for every split: random byte streams (mostly high bytes,
+    /// so multi-byte characters, invalid sequences and truncated ones all occur), valid UTF-8
+    /// split inside characters, and specials in between.
+    #[test]
+    fn streamed_text_equals_whole_text() {
+        let mut rng = stream(5, "text");
+        let mut cases: Vec<Vec<u32>> = (0..2000)
+            .map(|_| {
+                let n = rng.next_u32() % 24;
+                (0..n)
+                    .map(|_| match rng.next_u32() % 8 {
+                        0 => 256 + rng.next_u32() % 4, // a special: dropped
+                        1..=3 => rng.next_u32() % 128,
+                        _ => 0x80 + rng.next_u32() % 0x80,
+                    })
+                    .collect()
+            })
+            .collect();
+        cases.push(encode_text("héllo wörld, Բարեւ, 日本語, 🦀!"));
+        for tokens in &cases {
+            let whole = decode_text(tokens);
+            // One token at a time, and in pieces of every size.
+            for piece in 1..=tokens.len().max(1) {
+                let mut t = TextStream::default();
+                let mut streamed: String = tokens.chunks(piece).map(|c| t.push(c)).collect();
+                streamed.push_str(&t.finish());
+                assert_eq!(streamed, whole, "{tokens:?} in pieces of {piece}");
+            }
+        }
+        // A character split over two tokens goes out whole with the second.
+        let mut t = TextStream::default();
+        assert_eq!(t.push(&[0xD4]), "");
+        assert_eq!(t.push(&[0xB2]), "Բ");
+        // A lone continuation byte is one replacement character at once.
+        assert_eq!(t.push(&[0x80]), "\u{FFFD}");
+        // An incomplete character at the end is one replacement character.
+        assert_eq!(t.push(&[0xE6, 0x97]), "");
+        assert_eq!(t.finish(), "\u{FFFD}");
+    }
 }

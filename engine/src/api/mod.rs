@@ -12,7 +12,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use tl_engine_core::engine::FinishReason;
-use tl_engine_core::model::{decode_text, encode_text};
+use tl_engine_core::model::{TextStream, decode_text, encode_text};
 use tl_engine_core::request::{Params, RequestError};
 use tl_engine_core::sampler::SamplingRequest;
 
@@ -236,6 +236,18 @@ impl Choice {
     #[must_use]
     pub fn new(flavor: Flavor, stream: bool, tokens: Vec<u32>, finish: Option<String>) -> Self {
         let text = decode_text(&tokens);
+        Self::with_text(flavor, stream, tokens, text, finish)
+    }
+
+    /// As [`new`](Self::new), with the text given (a stream's, decoded incrementally).
+    #[must_use]
+    pub fn with_text(
+        flavor: Flavor,
+        stream: bool,
+        tokens: Vec<u32>,
+        text: String,
+        finish: Option<String>,
+    ) -> Self {
         let mut c = Choice {
             tokens,
             finish_reason: finish,
@@ -339,10 +351,25 @@ impl ResponseMeta {
         }
     }
 
-    /// One stream chunk carrying `tokens` (and the finish reason on the last).
+    /// One stream chunk carrying `tokens` (and the finish reason on the last), their text
+    /// decoded by `text` (held-back bytes of a split character go out with the token that
+    /// completes them; the last chunk flushes the rest).
     #[must_use]
-    pub fn chunk(&self, tokens: Vec<u32>, finish: Option<String>) -> Completion {
-        self.body(true, Choice::new(self.flavor, true, tokens, finish), None)
+    pub fn chunk(
+        &self,
+        text: &mut TextStream,
+        tokens: Vec<u32>,
+        finish: Option<String>,
+    ) -> Completion {
+        let mut s = text.push(&tokens);
+        if finish.is_some() {
+            s.push_str(&text.finish());
+        }
+        self.body(
+            true,
+            Choice::with_text(self.flavor, true, tokens, s, finish),
+            None,
+        )
     }
 
     /// The whole response.

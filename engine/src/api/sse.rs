@@ -149,9 +149,14 @@ mod tests {
             prompt_tokens: 3,
             route: None,
         };
+        let mut text = tl_engine_core::model::TextStream::default();
         let events = vec![
-            StreamEvent::Chunk(Box::new(meta.chunk(vec![0xC3], None))),
-            StreamEvent::Chunk(Box::new(meta.chunk(vec![], Some("length".into())))),
+            StreamEvent::Chunk(Box::new(meta.chunk(&mut text, vec![0xC3], None))),
+            StreamEvent::Chunk(Box::new(meta.chunk(
+                &mut text,
+                vec![],
+                Some("length".into()),
+            ))),
             StreamEvent::Error(ErrorDetail {
                 message: "boom".into(),
                 kind: "engine_error".into(),

@@ -15,7 +15,7 @@ use axum::routing::{get, post};
 use kvwire_grpc::pb::control::Role as PbRole;
 use serde::Serialize;
 use serde_json::json;
-use tl_engine_core::model::{BYTE_VOCAB, encode_text};
+use tl_engine_core::model::{BYTE_VOCAB, TextStream, encode_text};
 use tl_engine_core::request::Limits;
 use tokio::sync::mpsc;
 use tracing::Instrument;
@@ -251,7 +251,9 @@ fn relay_stream(
 ) -> Response {
     let (tx, response) = sse::channel(64);
     tokio::spawn(async move {
-        let chunk = |tokens, finish| StreamEvent::Chunk(Box::new(meta.chunk(tokens, finish)));
+        let mut text = TextStream::default();
+        let mut chunk =
+            |tokens, finish| StreamEvent::Chunk(Box::new(meta.chunk(&mut text, tokens, finish)));
         if !tx.send(&chunk(vec![first], None)).await {
             return;
         }

@@ -12,6 +12,7 @@ use axum::routing::post;
 use kvwire::prompt_hashes;
 use kvwire_grpc::KvReceiver;
 use tl_engine_core::engine::{Mode, Request, Resume};
+use tl_engine_core::model::TextStream;
 use tl_engine_core::pool::Blocks;
 use tl_engine_core::request::Limits;
 use tl_engine_core::rng::entropy_seed;
@@ -248,8 +249,9 @@ fn stream(
     tokio::spawn(async move {
         // The request counts as in flight until its stream ends.
         let _permit = permit;
-        let chunk = |tokens: Vec<u32>, finish: Option<String>| {
-            StreamEvent::Chunk(Box::new(meta.chunk(tokens, finish)))
+        let mut text = TextStream::default();
+        let mut chunk = |tokens: Vec<u32>, finish: Option<String>| {
+            StreamEvent::Chunk(Box::new(meta.chunk(&mut text, tokens, finish)))
         };
         if let Some(t) = first
             && !tx.send(&chunk(vec![t], None)).await
