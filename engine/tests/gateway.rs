@@ -520,3 +520,146 @@ async fn streamed_text_equals_text() {
     // The cases above do split characters (else the test would prove nothing).
     assert!(multibyte > 0, "no multi-byte character was generated");
 }
+
+/// OpenAI fields this server does not implement are refused by name, never silently ignored;
+/// their "off" values pass; fields OpenAI does not define are refused as unknown. Nothing
+/// reaches an engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsupported_fields_are_400() {
+    let c = cluster(1).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let before = c.p.runner().pool().lock().counts();
+    let refused = [
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "echo": true }),
+            "`echo` is not supported",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "best_of": 3 }),
+            "`best_of` is not supported",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "suffix": "x" }),
+            "`suffix` is not supported",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "logit_bias": { "50": 1 } }),
+            "`logit_bias`",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "stop": ["a"] }),
+            "`stop` is not supported",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "n": 2 }),
+            "`n` is not supported",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "logprobs": 2 }),
+            "`logprobs`",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "tl_resume": { "first_token": 1, "rng_draws_consumed": 0 } }),
+            "unknown field `tl_resume`",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "temprature": 0.5 }),
+            "unknown field `temprature`",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "stream_options": { "include_usage": true } }),
+            "only allowed when `stream` is true",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": "x" }], "tools": [] }),
+            "`tools` is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": "x" }], "response_format": { "type": "json_object" } }),
+            "`response_format`",
+        ),
+    ];
+    for (path, body, says) in refused {
+        let r = http.post(&addr, path, &[], body.to_string()).await.unwrap();
+        assert_eq!(r.status, 400, "{body}");
+        let v = r.json();
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(says), "{body}: {msg}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    assert_eq!(c.p.runner().pool().lock().counts(), before);
+    assert_eq!(c.p.state().inflight_prefills(), 0);
+    // What OpenAI clients send as defaults passes.
+    let defaults = json!({ "prompt": "hi", "max_tokens": 3, "n": 1, "echo": false, "logprobs": null,
+        "frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "user": "u-1", "stop": null });
+    let r = http
+        .post(&addr, "/v1/completions", &[], defaults.to_string())
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+}
+
+/// `stream_options.include_usage`: a last chunk with no choices and the counts, before `[DONE]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_include_usage_ends_with_the_counts() {
+    use tl_engine::api::sse::StreamEvent;
+    let c = cluster(2).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({ "prompt": "hello", "max_tokens": 5, "stream": true, "stream_options": { "include_usage": true } }),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": "hello" }], "max_tokens": 4, "stream": true, "stream_options": { "include_usage": true } }),
+        ),
+    ] {
+        let r = http.post(&addr, path, &[], body.to_string()).await.unwrap();
+        assert_eq!(r.status, 200);
+        let events = r.events().unwrap();
+        let n = events.len();
+        assert_eq!(events[n - 1], StreamEvent::Done);
+        let StreamEvent::Chunk(usage) = &events[n - 2] else {
+            panic!("{path}: {events:?}");
+        };
+        assert!(usage.choices.is_empty(), "{path}");
+        let u = usage.usage.unwrap();
+        let max = body["max_tokens"].as_u64().unwrap() as usize;
+        assert_eq!(u.completion_tokens, max, "{path}");
+        assert_eq!(u.total_tokens, u.prompt_tokens + max);
+        // Every other chunk has no usage.
+        assert!(
+            events[..n - 2]
+                .iter()
+                .all(|e| matches!(e, StreamEvent::Chunk(c) if c.usage.is_none()))
+        );
+        // Without the option, no usage chunk.
+        let mut plain = body.clone();
+        plain.as_object_mut().unwrap().remove("stream_options");
+        let r = http
+            .post(&addr, path, &[], plain.to_string())
+            .await
+            .unwrap();
+        let events = r.events().unwrap();
+        assert!(
+            events
+                .iter()
+                .all(|e| !matches!(e, StreamEvent::Chunk(c) if c.usage.is_some()))
+        );
+    }
+}

@@ -81,6 +81,18 @@ pub struct GenerationParams {
     /// Server-sent events.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<bool>,
+    /// `{"include_usage": true}`: a last chunk with `usage` and no choices, before `[DONE]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_options: Option<StreamOptions>,
+}
+
+/// OpenAI's `stream_options`.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    /// Send the usage chunk.
+    #[serde(default)]
+    pub include_usage: bool,
 }
 
 impl GenerationParams {
@@ -121,7 +133,125 @@ impl GenerationParams {
     pub fn streams(&self) -> bool {
         self.stream.unwrap_or(false)
     }
+
+    /// A usage chunk asked for at the end of the stream.
+    #[must_use]
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.is_some_and(|o| o.include_usage)
+    }
 }
+
+/// Fields every completion endpoint reads (besides its own: `prompt` or `messages`).
+const SHARED_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stream",
+    "stream_options",
+    // OpenAI's end-user id, for abuse monitoring: accepted, not used.
+    "user",
+];
+
+/// The value of an unsupported field that asks for nothing, and so passes.
+#[derive(Clone, Copy, Debug)]
+enum Off {
+    /// Only null.
+    Never,
+    /// `false` or `0`.
+    FalseOrZero,
+    /// `1` (one choice, `best_of` one).
+    One,
+}
+
+impl Off {
+    fn allows(self, v: &serde_json::Value) -> bool {
+        match self {
+            Off::Never => false,
+            Off::FalseOrZero => v.as_bool() == Some(false) || v.as_f64() == Some(0.0),
+            Off::One => v.as_f64() == Some(1.0),
+        }
+    }
+}
+
+/// Fields OpenAI defines that this server does not implement: refused with 400 naming the field
+/// (never silently ignored), unless null or the value that means "off".
+const UNSUPPORTED_FIELDS: &[(&str, Off)] = &[
+    ("n", Off::One),
+    ("stop", Off::Never),
+    ("logprobs", Off::FalseOrZero),
+    ("top_logprobs", Off::FalseOrZero),
+    ("echo", Off::FalseOrZero),
+    ("best_of", Off::One),
+    ("suffix", Off::Never),
+    ("logit_bias", Off::Never),
+    ("frequency_penalty", Off::FalseOrZero),
+    ("presence_penalty", Off::FalseOrZero),
+    ("response_format", Off::Never),
+    ("tools", Off::Never),
+    ("tool_choice", Off::Never),
+    ("parallel_tool_calls", Off::Never),
+    ("functions", Off::Never),
+    ("function_call", Off::Never),
+    ("service_tier", Off::Never),
+    ("store", Off::FalseOrZero),
+    ("metadata", Off::Never),
+    ("modalities", Off::Never),
+    ("audio", Off::Never),
+    ("prediction", Off::Never),
+    ("reasoning_effort", Off::Never),
+    ("web_search_options", Off::Never),
+];
+
+/// Parses a request body after checking its fields: `own` are the endpoint's own fields; the
+/// shared ones are always read. An OpenAI field this server does not implement is 400 naming it
+/// (null, or its "off" value such as `n: 1`, passes); any other field is 400 as unknown.
+///
+/// # Errors
+/// 400 `invalid_request_error`.
+pub fn parse_fields<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    own: &[&str],
+) -> Result<T, ApiError> {
+    let v: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("malformed request: {e}")))?;
+    let Some(fields) = v.as_object() else {
+        return Err(ApiError::bad_request("a request is a JSON object"));
+    };
+    for (k, value) in fields {
+        if own.contains(&k.as_str()) || SHARED_FIELDS.contains(&k.as_str()) {
+            continue;
+        }
+        match UNSUPPORTED_FIELDS.iter().find(|(name, _)| name == k) {
+            Some((_, off)) if value.is_null() || off.allows(value) => {}
+            Some(_) => {
+                return Err(ApiError::bad_request(format!(
+                    "`{k}` is not supported by this server"
+                )));
+            }
+            None => return Err(ApiError::bad_request(format!("unknown field `{k}`"))),
+        }
+    }
+    if fields.get("stream_options").is_some_and(|o| !o.is_null())
+        && fields.get("stream") != Some(&serde_json::Value::Bool(true))
+    {
+        return Err(ApiError::bad_request(
+            "`stream_options` is only allowed when `stream` is true",
+        ));
+    }
+    serde_json::from_value(v).map_err(|e| ApiError::bad_request(format!("malformed request: {e}")))
+}
+
+/// The completion endpoints' own fields: the public one's, and an engine front's (which also
+/// takes the resume point).
+pub const COMPLETION_FIELDS: &[&str] = &["prompt"];
+/// An engine's front: a completion, and the resume point of a transferred handle.
+pub const ENGINE_COMPLETION_FIELDS: &[&str] = &["prompt", "tl_resume"];
+/// The chat endpoint's own fields.
+pub const CHAT_FIELDS: &[&str] = &["messages"];
 
 /// `POST /v1/completions` body.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -370,6 +500,18 @@ impl ResponseMeta {
             Choice::with_text(self.flavor, true, tokens, s, finish),
             None,
         )
+    }
+
+    /// The stream's usage chunk (`stream_options.include_usage`): no choices, the counts.
+    #[must_use]
+    pub fn usage_chunk(&self, completion_tokens: usize) -> Completion {
+        let mut c = self.body(
+            true,
+            Choice::default(),
+            Some(Usage::new(self.prompt_tokens, completion_tokens)),
+        );
+        c.choices.clear();
+        c
     }
 
     /// The whole response.

@@ -24,8 +24,8 @@ use super::Gateway;
 use super::request::{Job, Out};
 use crate::api::sse::{self, StreamEvent};
 use crate::api::{
-    ApiError, ChatRequest, CompletionRequest, ErrorDetail, Flavor, GenerationParams, ResponseMeta,
-    completion_id, parse, render_chat,
+    ApiError, CHAT_FIELDS, COMPLETION_FIELDS, ChatRequest, CompletionRequest, ErrorDetail, Flavor,
+    GenerationParams, ResponseMeta, completion_id, parse_fields, render_chat,
 };
 use crate::telemetry::metrics::SharedMetrics;
 
@@ -92,7 +92,7 @@ async fn completions(
     body: axum::body::Bytes,
 ) -> Response {
     let span = request_span("POST /v1/completions", &g.cfg.id, &headers);
-    match parse::<CompletionRequest>(&body) {
+    match parse_fields::<CompletionRequest>(&body, COMPLETION_FIELDS) {
         Ok(r) => {
             start(g, r.prompt.tokens(), r.params, Flavor::Completion)
                 .instrument(span)
@@ -125,7 +125,7 @@ async fn chat(
     body: axum::body::Bytes,
 ) -> Response {
     let span = request_span("POST /v1/chat/completions", &g.cfg.id, &headers);
-    let r: ChatRequest = match parse(&body) {
+    let r: ChatRequest = match parse_fields(&body, CHAT_FIELDS) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -174,6 +174,7 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
     let (tx, mut rx) = mpsc::channel::<Out>(64);
     let timeout = Duration::from_millis(g.cfg.request_timeout_ms);
     let stream = job.params.streams();
+    let include_usage = job.params.include_usage();
     let prompt_tokens = job.prompt.len();
     tokio::spawn(
         {
@@ -216,7 +217,7 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
     };
     let mut meter = Meter::first(Arc::clone(&g.metrics), arrived);
     if stream {
-        return Ok(relay_stream(meta, first, rx, meter));
+        return Ok(relay_stream(meta, first, rx, meter, include_usage));
     }
     let mut tokens = vec![first];
     let finish = loop {
@@ -248,6 +249,7 @@ fn relay_stream(
     first: u32,
     mut rx: mpsc::Receiver<Out>,
     mut meter: Meter,
+    include_usage: bool,
 ) -> Response {
     let (tx, response) = sse::channel(64);
     tokio::spawn(async move {
@@ -265,9 +267,17 @@ fn relay_stream(
                 }
                 Some(Out::Done { finish }) => {
                     meter.done();
-                    if tx.send(&chunk(vec![], Some(finish))).await {
-                        tx.send(&StreamEvent::Done).await;
+                    if !tx.send(&chunk(vec![], Some(finish))).await {
+                        return;
                     }
+                    // `stream_options.include_usage`: the counts, in a chunk of their own.
+                    if include_usage {
+                        let usage = meta.usage_chunk(meter.tokens as usize);
+                        if !tx.send(&StreamEvent::Chunk(Box::new(usage))).await {
+                            return;
+                        }
+                    }
+                    tx.send(&StreamEvent::Done).await;
                     return;
                 }
                 Some(Out::Broken(e)) => StreamEvent::Error(e),

@@ -24,8 +24,8 @@ use super::runner::SeqEvent;
 use super::state::NodeState;
 use crate::api::sse::{self, StreamEvent};
 use crate::api::{
-    ApiError, CompletionRequest, Flavor, KV_HANDLE_HEADER, ResponseMeta, TlResume, completion_id,
-    finish_str, parse,
+    ApiError, CompletionRequest, ENGINE_COMPLETION_FIELDS, Flavor, KV_HANDLE_HEADER, ResponseMeta,
+    TlResume, completion_id, finish_str, parse_fields,
 };
 use crate::net::tls::PeerRole;
 
@@ -123,7 +123,7 @@ impl DecodeFront {
     }
 
     async fn complete(&self, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
-        let req: CompletionRequest = parse(body)?;
+        let req: CompletionRequest = parse_fields(body, ENGINE_COMPLETION_FIELDS)?;
         let runner = self.state.runner();
         let model = runner.model().clone();
         if let Some(m) = req.params.model()
