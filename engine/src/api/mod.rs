@@ -52,8 +52,8 @@ pub struct TlResume {
     pub rng_draws_consumed: u32,
 }
 
-/// The sampling and output fields both endpoints share (OpenAI's names; unknown fields are
-/// ignored). temperature and top_p are parsed as f32, as on every other path.
+/// The sampling and output fields both endpoints share (OpenAI's names; [`parse_fields`] refuses
+/// the others). temperature and top_p are parsed as f32, as on every other path.
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 pub struct GenerationParams {
     /// Model; omitted or empty means whichever the server serves.
