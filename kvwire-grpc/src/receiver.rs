@@ -168,6 +168,39 @@ impl Default for ReceiverLimits {
 }
 
 /// The decode side of the transfer.
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::{Duration, Instant};
+/// use kvwire::{Shape, prompt_hashes};
+/// use kvwire_grpc::memory::{LocalTransport, MemStore};
+/// use kvwire_grpc::{KvReceiver, KvStore, transfer};
+///
+/// let shape = Shape::v1(4, 2, 1, 4);
+/// let store = Arc::new(MemStore::new(shape, 8));
+/// let rx = Arc::new(
+///     KvReceiver::new(Arc::clone(&store) as Arc<dyn KvStore>, "fake")
+///         .with_lease(Duration::from_secs(30)),
+/// );
+/// let hashes = prompt_hashes(&[1, 2, 3, 4], 4);
+/// // HasBlocks: free, takes no reference.
+/// assert_eq!(rx.has_blocks(&hashes, 1, "fake").unwrap(), vec![false]);
+/// // Another format or model is refused (FAILED_PRECONDITION).
+/// assert_eq!(rx.has_blocks(&hashes, 2, "fake").unwrap_err().code(), tonic::Code::FailedPrecondition);
+///
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+/// let prefill = Arc::new(MemStore::new(shape, 8));
+/// let id = prefill.put(hashes[0], 4, &vec![3u8; shape.payload_bytes().unwrap()]).unwrap();
+/// let t = LocalTransport::new(Arc::clone(&rx));
+/// transfer(&t, "d", prefill as Arc<dyn KvStore>, "h", "fake", &[id], &hashes).await.unwrap();
+/// # });
+/// // The handle waits for its claim: the prompt it holds can be checked first.
+/// assert_eq!(rx.peek("h"), Some((hashes.clone(), 4)));
+/// assert_eq!(rx.stats().pending, 1);
+/// // Nobody claims it: at the end of its lease its blocks go back (or call `release`).
+/// assert_eq!(rx.expire_leases(Instant::now() + Duration::from_secs(31)), 1);
+/// assert_eq!((rx.stats().pending, store.snapshot().used), (0, 0));
+/// ```
 pub struct KvReceiver {
     store: Arc<dyn KvStore>,
     /// The one `kv_format` served: the store's.

@@ -628,6 +628,36 @@ pub async fn transfer_formats<T: KvTransport + ?Sized>(
 ///
 /// Dropping the returned future mid-push resets the stream, and the target undoes the push.
 ///
+/// ```
+/// use std::sync::Arc;
+/// use kvwire::{Shape, prompt_hashes};
+/// use kvwire_grpc::memory::{LocalTransport, MemStore};
+/// use kvwire_grpc::{KvReceiver, KvStore, Push, transfer_streaming};
+///
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+/// let shape = Shape::v1(4, 2, 1, 4);
+/// let rx = Arc::new(KvReceiver::new(Arc::new(MemStore::new(shape, 8)), "fake"));
+/// let t = LocalTransport::new(Arc::clone(&rx));
+/// let prefill = Arc::new(MemStore::new(shape, 8));
+/// let hashes = prompt_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4);
+/// // The prefill publishes each block's id as soon as the block is written.
+/// let (written, feed) = tokio::sync::watch::channel(Vec::new());
+/// let push = Push { target: "d", handle_id: "h", model: "fake", hashes: &hashes, n_blocks: 2 };
+/// let moving = transfer_streaming(&t, Arc::clone(&prefill) as Arc<dyn KvStore>, push, feed);
+/// let writing = async {
+///     let payload = vec![5u8; shape.payload_bytes().unwrap()];
+///     for &h in &hashes {
+///         let id = prefill.put(h, 4, &payload).unwrap();
+///         written.send_modify(|ids| ids.push(id));
+///         tokio::task::yield_now().await; // the model computing the next block
+///     }
+/// };
+/// let (stats, ()) = tokio::join!(moving, writing);
+/// assert_eq!(stats.unwrap().sent, 2);
+/// assert!(rx.claim("h").is_some());
+/// # });
+/// ```
+///
 /// # Errors
 /// As [`transfer`], and [`TransferError::SourceStopped`] when the feed closes before every block
 /// was written (the target undoes the push).

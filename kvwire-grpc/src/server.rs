@@ -195,7 +195,21 @@ impl KvTransferService {
         })
     }
 
-    /// The tower service to hand to a tonic server.
+    /// The tower service to hand to a tonic server (beside your own services, with your own
+    /// TLS and authorization: [`Dispatch::with_auth`](crate::glue::Dispatch::with_auth)).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use kvwire::Shape;
+    /// use kvwire_grpc::memory::MemStore;
+    /// use kvwire_grpc::server::tuned_server;
+    /// use kvwire_grpc::{H2Limits, KvReceiver, KvTransferService, ServiceLimits};
+    ///
+    /// let rx = Arc::new(KvReceiver::new(Arc::new(MemStore::new(Shape::v1(4, 2, 1, 4), 8)), "fake"));
+    /// let svc = KvTransferService::with_limits(rx, ServiceLimits::default()).into_service();
+    /// let _router = tuned_server(H2Limits::default()).add_service(svc);
+    /// // ... .serve_with_incoming_shutdown(incoming, stop) in your runtime.
+    /// ```
     #[must_use]
     pub fn into_service(self) -> Dispatch<Self> {
         Dispatch::new(Arc::new(self))
