@@ -444,6 +444,14 @@ fn certs(dir: &Path, id: &str, role: &str, hosts: &[String]) -> Result<Vec<Strin
     ])
 }
 
+/// `program` under coreutils' `timeout`: a hung Docker daemon ends the drill with an error
+/// after `seconds` instead of hanging it.
+fn bounded(program: &str, seconds: u32) -> Command {
+    let mut c = Command::new("timeout");
+    c.arg(seconds.to_string()).arg(program);
+    c
+}
+
 /// Runs a command to completion; its stderr in the error. The runtime's other tasks (the
 /// clients) move to another thread meanwhile.
 fn sh(cmd: &mut Command) -> Result<String, String> {
@@ -493,7 +501,8 @@ const SERVICES: [&str; 4] = ["gateway", "prefill", "decode-1", "decode-2"];
 
 impl Compose {
     fn cmd(&self) -> Command {
-        let mut c = Command::new("docker-compose");
+        // `up` builds nothing (the image exists) but waits for health checks: 5 minutes at most.
+        let mut c = bounded("docker-compose", 300);
         c.args(["-p", &self.project, "-f"]).arg(&self.file);
         c
     }
@@ -516,13 +525,13 @@ impl Compose {
 
     /// `docker <args...> <service's container>`.
     fn docker(&self, args: &[&str], service: &str) -> Result<String, String> {
-        sh(Command::new("docker").args(args).arg(self.id(service)?))
+        sh(bounded("docker", 60).args(args).arg(self.id(service)?))
     }
 
     /// The host address a service's container port is published on.
     fn port(&self, service: &str, port: u16) -> Option<String> {
         let id = self.id(service).ok()?;
-        let p = sh(Command::new("docker").args(["port", id, &port.to_string()])).ok()?;
+        let p = sh(bounded("docker", 60).args(["port", id, &port.to_string()])).ok()?;
         let p = p.lines().find(|l| l.starts_with("127.0.0.1:"))?.to_owned();
         (!p.ends_with(":0")).then_some(p)
     }
@@ -530,7 +539,7 @@ impl Compose {
     fn up(image: &str) -> Result<Self, String> {
         let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
         let file = PathBuf::from(format!("{root}/deploy/compose.yaml"));
-        sh(Command::new("docker").args(["image", "inspect", image]))
+        sh(bounded("docker", 60).args(["image", "inspect", image]))
             .map_err(|_| format!("no image {image}: build it with deploy/build-image.sh"))?;
         // A free loopback port for the gateway's published endpoint.
         let port = std::net::TcpListener::bind("127.0.0.1:0")
