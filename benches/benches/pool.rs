@@ -102,6 +102,7 @@ fn decode_step(c: &mut Criterion) {
                         max_tokens: 100,
                         mode: Mode::Generate,
                         draws_offset: 0,
+                        stop: tl_engine_core::stop::Stop::default(),
                     })
                     .expect("valid");
                 }

@@ -553,8 +553,18 @@ async fn unsupported_fields_are_400() {
         ),
         (
             "/v1/completions",
-            json!({ "prompt": "hi", "stop": ["a"] }),
-            "`stop` is not supported",
+            json!({ "prompt": "hi", "stop": ["a", "b", "c", "d", "e"] }),
+            "at most 4",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "stop": "" }),
+            "`stop` strings are 1 to",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "stop_token_ids": [260] }),
+            "outside the vocabulary",
         ),
         (
             "/v1/completions",
@@ -662,4 +672,111 @@ async fn stream_include_usage_ends_with_the_counts() {
                 .all(|e| !matches!(e, StreamEvent::Chunk(c) if c.usage.is_some()))
         );
     }
+}
+
+/// `stop` and `stop_token_ids` end the completion on the decode engine at the step that matched,
+/// which frees its blocks then (not at max_tokens); the text ends before the stop string, the
+/// tokens stay exact, and a stream never sends part of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_frees_blocks_at_the_matching_step() {
+    use tl_engine::api::sse::StreamEvent;
+    use tl_engine_core::model::decode_text;
+    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
+    let reg = gw.registry_addr().to_string();
+    let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
+        .await
+        .unwrap();
+    // Slow decode steps and a long max_tokens: a sequence that did not stop would run for a
+    // minute.
+    let mut dc = engine_cfg("D", Role::Decode, &reg);
+    dc.model.decode_us_per_seq = 30_000;
+    let d = EngineNode::start(&dc).await.unwrap();
+    wait_workers(&gw, 2).await;
+    let http = HttpClient::default();
+    let addr = gw.http_addr().to_string();
+    let prompt: Vec<u32> = (60..80).collect();
+    let max_tokens = 2000;
+    let whole = colocated(&prompt, 0.9, 21, 80);
+    let printable =
+        |t: u32| (0x20..0x7f).contains(&t) && t != u32::from(b'"') && t != u32::from(b'\\');
+    // A two-character stop string from the run (matched across two tokens), and where it ends.
+    let end = (3..whole.len())
+        .find(|&i| printable(whole[i - 1]) && printable(whole[i]))
+        .expect("two printable bytes in a row");
+    let stop = decode_text(&whole[end - 1..=end]);
+    let end = (1..whole.len())
+        .find(|&i| decode_text(&whole[i - 1..=i]) == stop)
+        .unwrap();
+    // A stop token id from the run: its first occurrence ends the completion.
+    let id = whole[6];
+    let id_end = whole.iter().position(|&t| t == id).unwrap();
+    for (body, want_tokens, want_text) in [
+        (
+            json!({ "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.9, "seed": 21, "stop": [stop.clone(), "\u{1F980}"] }),
+            &whole[..=end],
+            decode_text(&whole[..end - 1]),
+        ),
+        (
+            json!({ "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.9, "seed": 21, "stop_token_ids": [id] }),
+            &whole[..=id_end],
+            decode_text(&whole[..id_end]),
+        ),
+    ] {
+        let r = http
+            .post(&addr, "/v1/completions", &[], body.to_string())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v = r.json();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{body}");
+        assert_eq!(tokens_of(&v), want_tokens, "{body}");
+        assert_eq!(v["choices"][0]["text"], want_text.as_str(), "{body}");
+        assert_eq!(v["usage"]["completion_tokens"], want_tokens.len());
+        // The decode engine ended the sequence at the matching step: nothing runs, and its
+        // pool holds no block in use, long before max_tokens could have been reached.
+        assert!(
+            common::settled(&d, 0).await,
+            "{body}: the sequence kept running"
+        );
+        // The engine itself says so (not only the gateway cutting the stream).
+        let direct = http
+            .post(
+                &d.addresses().http,
+                "/v1/completions",
+                &[],
+                body.to_string(),
+            )
+            .await
+            .unwrap();
+        let dv = direct.json();
+        assert_eq!(dv["choices"][0]["finish_reason"], "stop", "{dv}");
+        assert_eq!(tokens_of(&dv), want_tokens);
+        assert!(common::settled(&d, 0).await);
+        assert_eq!(p.runner().pool().lock().counts().used, 0);
+
+        // Streamed: the same tokens and text; the stop string is never sent, not even a part.
+        let mut sbody = body.clone();
+        sbody["stream"] = json!(true);
+        let r = http
+            .post(&addr, "/v1/completions", &[], sbody.to_string())
+            .await
+            .unwrap();
+        let (mut text, mut tokens, mut finish) = (String::new(), Vec::<u32>::new(), None);
+        for e in r.events().unwrap() {
+            if let StreamEvent::Chunk(c) = e {
+                for ch in &c.choices {
+                    text.push_str(ch.text.as_deref().unwrap_or_default());
+                    tokens.extend(&ch.tokens);
+                    finish = finish.or(ch.finish_reason.clone());
+                }
+            }
+        }
+        assert_eq!(text, want_text, "{body}");
+        assert_eq!(tokens, want_tokens, "{body}");
+        assert_eq!(finish.as_deref(), Some("stop"));
+        assert!(common::settled(&d, 0).await);
+    }
+    p.shutdown(Duration::from_millis(100)).await;
+    d.shutdown(Duration::from_millis(100)).await;
+    gw.stop().await;
 }

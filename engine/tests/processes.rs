@@ -186,6 +186,7 @@ async fn registry_and_engines_as_processes() {
             max_tokens: 12,
             mode: Mode::Generate,
             draws_offset: 0,
+            stop: tl_engine_core::stop::Stop::default(),
         })
         .unwrap();
     assert_eq!(got, want);

@@ -24,6 +24,7 @@ use crate::request::{Limits, RequestError, validate_prompt};
 use crate::rng::{Pcg32, resume_rng};
 use crate::sampler::Sampling;
 use crate::scheduler::Scheduler;
+use crate::stop::Stop;
 
 /// A sequence's id within one engine.
 pub type SeqId = u64;
@@ -58,6 +59,8 @@ pub struct Resume {
     pub seed: u64,
     /// Completion length, first token included.
     pub max_tokens: u32,
+    /// When to end before `max_tokens` (the first token counts: it may already end a rule).
+    pub stop: Stop,
 }
 
 /// Run to completion, or stop after the first token and hand the blocks out.
@@ -86,6 +89,8 @@ pub struct Request {
     /// request continued on another engine after a failover; 0 normally). The first token
     /// samples from `resume_rng(seed, draws_offset)`.
     pub draws_offset: u64,
+    /// When to end before `max_tokens`.
+    pub stop: Stop,
 }
 
 /// Told, on the engine thread, as a prefill's blocks become final, so a transfer can stream
@@ -125,6 +130,8 @@ pub enum FinishReason {
     Length,
     /// The context is full.
     Context,
+    /// A stop rule matched the completion's end.
+    Stop,
 }
 
 /// What a step produced.
@@ -178,6 +185,7 @@ struct Seq {
     draws: u64,
     seed: u64,
     max_tokens: u32,
+    stop: Stop,
     mode: Mode,
     progress: Option<Arc<dyn PrefillProgress>>,
 }
@@ -337,6 +345,7 @@ impl Engine {
             draws: req.draws_offset,
             seed: req.seed,
             max_tokens: req.max_tokens,
+            stop: req.stop,
             mode: req.mode,
             progress,
         });
@@ -359,6 +368,7 @@ impl Engine {
             sampling,
             seed,
             max_tokens,
+            stop,
         } = r;
         self.validate_prompt(&prompt)?;
         if max_tokens == 0 {
@@ -396,6 +406,7 @@ impl Engine {
             draws,
             seed,
             max_tokens,
+            stop,
             mode: Mode::Generate,
             progress: None,
         });
@@ -507,7 +518,10 @@ impl Engine {
     }
 
     fn finish_reason(&self, seq: &Seq) -> Option<FinishReason> {
-        if seq.generated() >= seq.max_tokens {
+        if seq.stop.matched(&seq.tokens[seq.prompt_len..]).is_some() {
+            // At the step that matched: the sequence ends and its blocks go back now.
+            Some(FinishReason::Stop)
+        } else if seq.generated() >= seq.max_tokens {
             Some(FinishReason::Length)
         } else if seq.tokens.len() > self.model.max_context() as usize {
             // The next input would sit past the context.

@@ -18,3 +18,4 @@ pub mod request;
 pub mod rng;
 pub mod sampler;
 pub mod scheduler;
+pub mod stop;

@@ -36,6 +36,7 @@ fn req(prompt: &[u32], sampling: Sampling, seed: u64, max_tokens: u32, mode: Mod
         max_tokens,
         mode,
         draws_offset: 0,
+        stop: tl_engine_core::stop::Stop::default(),
     }
 }
 
@@ -166,6 +167,7 @@ fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
             sampling: s,
             seed,
             max_tokens: 12,
+            stop: tl_engine_core::stop::Stop::default(),
         })
         .unwrap();
     let rest = e.run_to_end(id).unwrap();
@@ -195,6 +197,7 @@ fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
             sampling: s,
             seed,
             max_tokens: 12,
+            stop: tl_engine_core::stop::Stop::default(),
         })
         .unwrap();
     let rest = d.run_to_end(id).unwrap();
@@ -426,5 +429,61 @@ fn continuing_after_k_tokens_with_their_draws_equals_the_whole_run() {
                 .unwrap();
             assert_ne!(rest, whole[4..]);
         }
+    }
+}
+
+/// A stop rule ends the sequence at the step whose token completes it, and its blocks go back
+/// to the pool at that step (not at max_tokens).
+#[test]
+fn stop_ends_the_sequence_at_the_matching_step() {
+    use tl_engine_core::engine::FinishReason;
+    use tl_engine_core::stop::Stop;
+    let prompt: Vec<u32> = (20..31).collect();
+    let whole = engine(64)
+        .generate(req(&prompt, sampling(0.9, 1.0, 0), 3, 40, Mode::Generate))
+        .unwrap();
+    // A two-byte stop sequence taken from the run, and where it first ends.
+    let seq = vec![whole[9] as u8, whole[10] as u8];
+    let end = (1..whole.len())
+        .find(|&i| whole[i - 1] == u32::from(seq[0]) && whole[i] == u32::from(seq[1]))
+        .unwrap();
+    for stop in [
+        Stop {
+            sequences: vec![seq.clone()],
+            token_ids: vec![],
+        },
+        Stop {
+            sequences: vec![],
+            token_ids: vec![whole[end]],
+        },
+    ] {
+        let first_id = whole.iter().position(|&t| stop.token_ids.contains(&t));
+        let want_len = first_id.map_or(end + 1, |i| i + 1);
+        let mut e = engine(64);
+        let mut r = req(&prompt, sampling(0.9, 1.0, 0), 3, 40, Mode::Generate);
+        r.stop = stop.clone();
+        let id = e.submit(r).unwrap();
+        let mut got = Vec::new();
+        let mut steps = 0;
+        let reason = loop {
+            steps += 1;
+            let (events, _) = e.step();
+            let mut done = None;
+            for ev in events {
+                match ev {
+                    Event::Token { seq, token, .. } if seq == id => got.push(token),
+                    Event::Finished { seq, reason } if seq == id => done = Some(reason),
+                    _ => {}
+                }
+            }
+            if let Some(r) = done {
+                break r;
+            }
+            assert!(steps < 100, "never finished");
+        };
+        assert_eq!(reason, FinishReason::Stop, "{stop:?}");
+        assert_eq!(got, whole[..want_len], "{stop:?}");
+        // The blocks went back when the sequence finished.
+        assert_eq!(e.pool().lock().counts().used, 0, "{stop:?}");
     }
 }

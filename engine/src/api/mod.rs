@@ -12,9 +12,11 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use tl_engine_core::engine::FinishReason;
+use tl_engine_core::model::BYTE_VOCAB;
 use tl_engine_core::model::{TextStream, decode_text, encode_text};
 use tl_engine_core::request::{Params, RequestError};
 use tl_engine_core::sampler::SamplingRequest;
+use tl_engine_core::stop::Stop;
 
 /// The header naming a transferred KV handle on a decode engine's `/v1/completions`.
 pub const KV_HANDLE_HEADER: &str = "x-tl-kv-handle";
@@ -84,7 +86,30 @@ pub struct GenerationParams {
     /// `{"include_usage": true}`: a last chunk with `usage` and no choices, before `[DONE]`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_options: Option<StreamOptions>,
+    /// Stop strings: one, or up to 4.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<StopStrings>,
+    /// Stop token ids (vLLM's extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_token_ids: Option<Vec<u32>>,
 }
+
+/// OpenAI's `stop`: a string or a list of strings.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum StopStrings {
+    /// One.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+/// At most this many stop strings (OpenAI's limit).
+pub const MAX_STOP_STRINGS: usize = 4;
+/// A stop string's longest UTF-8 length, in bytes.
+pub const MAX_STOP_BYTES: usize = 256;
+/// At most this many stop token ids.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
 /// OpenAI's `stream_options`.
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
@@ -134,6 +159,50 @@ impl GenerationParams {
         self.stream.unwrap_or(false)
     }
 
+    /// The stop rules, checked: at most [`MAX_STOP_STRINGS`] non-empty strings of at most
+    /// [`MAX_STOP_BYTES`] bytes, at most [`MAX_STOP_TOKEN_IDS`] token ids inside the vocabulary.
+    ///
+    /// # Errors
+    /// 400 naming the problem.
+    pub fn stop_rules(&self) -> Result<Stop, ApiError> {
+        let strings: Vec<&String> = match &self.stop {
+            None => Vec::new(),
+            Some(StopStrings::One(s)) => vec![s],
+            Some(StopStrings::Many(v)) => v.iter().collect(),
+        };
+        if strings.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::bad_request(format!(
+                "`stop` has {} strings; at most {MAX_STOP_STRINGS}",
+                strings.len()
+            )));
+        }
+        if let Some(s) = strings
+            .iter()
+            .find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+        {
+            return Err(ApiError::bad_request(format!(
+                "`stop` strings are 1 to {MAX_STOP_BYTES} bytes; got {}",
+                s.len()
+            )));
+        }
+        let ids = self.stop_token_ids.clone().unwrap_or_default();
+        if ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(ApiError::bad_request(format!(
+                "`stop_token_ids` has {} ids; at most {MAX_STOP_TOKEN_IDS}",
+                ids.len()
+            )));
+        }
+        if let Some(t) = ids.iter().find(|&&t| t >= BYTE_VOCAB) {
+            return Err(ApiError::bad_request(format!(
+                "stop token id {t} is outside the vocabulary (0..{BYTE_VOCAB})"
+            )));
+        }
+        Ok(Stop {
+            sequences: strings.iter().map(|s| s.as_bytes().to_vec()).collect(),
+            token_ids: ids,
+        })
+    }
+
     /// A usage chunk asked for at the end of the stream.
     #[must_use]
     pub fn include_usage(&self) -> bool {
@@ -152,6 +221,8 @@ const SHARED_FIELDS: &[&str] = &[
     "seed",
     "stream",
     "stream_options",
+    "stop",
+    "stop_token_ids",
     // OpenAI's end-user id, for abuse monitoring: accepted, not used.
     "user",
 ];
@@ -181,7 +252,6 @@ impl Off {
 /// (never silently ignored), unless null or the value that means "off".
 const UNSUPPORTED_FIELDS: &[(&str, Off)] = &[
     ("n", Off::One),
-    ("stop", Off::Never),
     ("logprobs", Off::FalseOrZero),
     ("top_logprobs", Off::FalseOrZero),
     ("echo", Off::FalseOrZero),
@@ -457,6 +527,61 @@ pub struct ResponseMeta {
     pub prompt_tokens: usize,
     /// The gateway's route, if any.
     pub route: Option<RouteInfo>,
+    /// The stop rules: a matched stop string is cut from the text.
+    pub stop: Stop,
+}
+
+/// A stream's text: byte tokens decoded incrementally ([`TextStream`]), with the tokens that
+/// could still begin a stop string held back until the next ones decide, so that a stop string
+/// is never half-sent and the concatenated chunks equal the whole response's text.
+#[derive(Debug, Default)]
+pub struct StreamText {
+    text: TextStream,
+    stop: Stop,
+    /// The completion so far (bounded by `max_tokens`).
+    all: Vec<u32>,
+    /// Trailing tokens of `all` not yet decoded.
+    held: usize,
+}
+
+impl StreamText {
+    /// A stream ending on `stop`.
+    #[must_use]
+    pub fn new(stop: Stop) -> Self {
+        Self {
+            stop,
+            ..Self::default()
+        }
+    }
+
+    /// The text `tokens` release.
+    pub fn push(&mut self, tokens: &[u32]) -> String {
+        self.all.extend_from_slice(tokens);
+        self.held += tokens.len();
+        let keep = self
+            .stop
+            .pending(&self.all)
+            .max(self.stop.matched(&self.all).unwrap_or(0))
+            .min(self.held);
+        let start = self.all.len() - self.held;
+        let out = self.text.push(&self.all[start..self.all.len() - keep]);
+        self.held = keep;
+        out
+    }
+
+    /// The rest of the text, at the end: without the matched stop sequence when `stopped`.
+    pub fn finish(&mut self, stopped: bool) -> String {
+        let cut = if stopped {
+            self.stop.matched(&self.all).unwrap_or(0).min(self.held)
+        } else {
+            0
+        };
+        let start = self.all.len() - self.held;
+        let mut out = self.text.push(&self.all[start..self.all.len() - cut]);
+        out.push_str(&self.text.finish());
+        self.held = 0;
+        out
+    }
 }
 
 impl ResponseMeta {
@@ -487,13 +612,13 @@ impl ResponseMeta {
     #[must_use]
     pub fn chunk(
         &self,
-        text: &mut TextStream,
+        text: &mut StreamText,
         tokens: Vec<u32>,
         finish: Option<String>,
     ) -> Completion {
         let mut s = text.push(&tokens);
-        if finish.is_some() {
-            s.push_str(&text.finish());
+        if let Some(f) = &finish {
+            s.push_str(&text.finish(f == "stop"));
         }
         self.body(
             true,
@@ -518,9 +643,16 @@ impl ResponseMeta {
     #[must_use]
     pub fn whole(&self, tokens: Vec<u32>, finish: String) -> Completion {
         let usage = Usage::new(self.prompt_tokens, tokens.len());
+        // OpenAI's text ends before the stop string; the tokens stay exact.
+        let cut = if finish == "stop" {
+            self.stop.matched(&tokens).unwrap_or(0)
+        } else {
+            0
+        };
+        let text = decode_text(&tokens[..tokens.len() - cut]);
         self.body(
             false,
-            Choice::new(self.flavor, false, tokens, Some(finish)),
+            Choice::with_text(self.flavor, false, tokens, text, Some(finish)),
             Some(usage),
         )
     }
@@ -632,5 +764,6 @@ pub fn now_secs() -> u64 {
 pub fn finish_str(r: FinishReason) -> &'static str {
     match r {
         FinishReason::Length | FinishReason::Context => "length",
+        FinishReason::Stop => "stop",
     }
 }

@@ -148,8 +148,9 @@ mod tests {
             flavor: Flavor::Chat,
             prompt_tokens: 3,
             route: None,
+            stop: Default::default(),
         };
-        let mut text = tl_engine_core::model::TextStream::default();
+        let mut text = crate::api::StreamText::default();
         let events = vec![
             StreamEvent::Chunk(Box::new(meta.chunk(&mut text, vec![0xC3], None))),
             StreamEvent::Chunk(Box::new(meta.chunk(

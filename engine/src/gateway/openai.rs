@@ -15,7 +15,7 @@ use axum::routing::{get, post};
 use kvwire_grpc::pb::control::Role as PbRole;
 use serde::Serialize;
 use serde_json::json;
-use tl_engine_core::model::{BYTE_VOCAB, TextStream, encode_text};
+use tl_engine_core::model::{BYTE_VOCAB, encode_text};
 use tl_engine_core::request::Limits;
 use tokio::sync::mpsc;
 use tracing::Instrument;
@@ -25,7 +25,7 @@ use super::request::{Job, Out};
 use crate::api::sse::{self, StreamEvent};
 use crate::api::{
     ApiError, CHAT_FIELDS, COMPLETION_FIELDS, ChatRequest, CompletionRequest, ErrorDetail, Flavor,
-    GenerationParams, ResponseMeta, completion_id, parse_fields, render_chat,
+    GenerationParams, ResponseMeta, StreamText, completion_id, parse_fields, render_chat,
 };
 use crate::telemetry::metrics::SharedMetrics;
 
@@ -148,7 +148,15 @@ async fn start(
     if let Err(e) = params.params(&prompt).validate(GATEWAY_LIMITS) {
         return ApiError::from(e).into_response();
     }
-    let job = Job { prompt, params };
+    let stop = match params.stop_rules() {
+        Ok(s) => s,
+        Err(e) => return e.into_response(),
+    };
+    let job = Job {
+        prompt,
+        params,
+        stop,
+    };
     serve(g, job, flavor)
         .await
         .unwrap_or_else(IntoResponse::into_response)
@@ -176,6 +184,7 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
     let stream = job.params.streams();
     let include_usage = job.params.include_usage();
     let prompt_tokens = job.prompt.len();
+    let stop = job.stop.clone();
     tokio::spawn(
         {
             let g = Arc::clone(&g);
@@ -203,6 +212,7 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
                 flavor,
                 prompt_tokens,
                 route: Some(route),
+                stop,
             },
         ),
         Some(Out::Fail(f)) => return Err(f),
@@ -253,7 +263,7 @@ fn relay_stream(
 ) -> Response {
     let (tx, response) = sse::channel(64);
     tokio::spawn(async move {
-        let mut text = TextStream::default();
+        let mut text = StreamText::new(meta.stop.clone());
         let mut chunk =
             |tokens, finish| StreamEvent::Chunk(Box::new(meta.chunk(&mut text, tokens, finish)));
         if !tx.send(&chunk(vec![first], None)).await {

@@ -24,6 +24,7 @@ use crate::api::{
     ApiError, CompletionRequest, ErrorDetail, GenerationParams, Prompt, RouteInfo, TlResume,
 };
 use crate::net::clients::EventStream;
+use tl_engine_core::stop::Stop;
 
 /// A request that passed validation.
 #[derive(Clone, Debug)]
@@ -32,6 +33,8 @@ pub struct Job {
     pub prompt: Vec<u32>,
     /// Its parameters, valid.
     pub params: GenerationParams,
+    /// Its stop rules, valid.
+    pub stop: Stop,
 }
 
 /// What the request task tells the HTTP handler.
@@ -360,6 +363,16 @@ impl Gateway {
                 return;
             }
             c.sent.push(h.first_token);
+            // The first token (from the Prefill) may already end a stop rule.
+            if c.job.stop.matched(&c.sent).is_some() {
+                unclaimed.release().await;
+                let _ = out
+                    .send(Out::Done {
+                        finish: "stop".into(),
+                    })
+                    .await;
+                return;
+            }
             if c.sent.len() >= c.job.params.max_tokens() as usize {
                 unclaimed.release().await;
                 let _ = out
@@ -458,7 +471,7 @@ impl Gateway {
                 // stream is what frees its blocks. Its first chunk repeats first_token, which
                 // the client already has.
                 unclaimed.claimed();
-                relay(events, out, First::Drop, stall, &mut c.sent).await
+                relay(events, out, First::Drop, stall, &mut c.sent, &c.job.stop).await
             }
             // Refused, unreachable, or silent: the handle is released in the background (a
             // partitioned engine must not hold up the failover).
@@ -578,8 +591,15 @@ impl Gateway {
                 // stream is reported; the whole request's timeout bounds a silent one.
                 let quiet = Duration::from_millis(self.cfg.request_timeout_ms.max(1));
                 let mut sent = Vec::new();
-                if let Relayed::Lost(cause) =
-                    relay(events, out, First::Announce(route), quiet, &mut sent).await
+                if let Relayed::Lost(cause) = relay(
+                    events,
+                    out,
+                    First::Announce(route),
+                    quiet,
+                    &mut sent,
+                    &job.stop,
+                )
+                .await
                 {
                     let _ = out
                         .send(broken(format!("engine stream lost ({cause})")))
@@ -639,6 +659,7 @@ async fn relay(
     first: First,
     stall: Duration,
     sent: &mut Vec<u32>,
+    stop: &Stop,
 ) -> Relayed {
     let mut first = Some(first);
     loop {
@@ -675,6 +696,17 @@ async fn relay(
                     return Relayed::Over;
                 }
                 sent.push(t);
+                // The engine ends its sequence at the step that matched and says so; this
+                // check also catches a stop string that straddles a failover (the new engine
+                // sees only its own tokens). Dropping the stream cancels what is left.
+                if stop.matched(sent).is_some() {
+                    let _ = out
+                        .send(Out::Done {
+                            finish: "stop".into(),
+                        })
+                        .await;
+                    return Relayed::Over;
+                }
             }
             if let Some(f) = &choice.finish_reason {
                 let _ = out.send(Out::Done { finish: f.clone() }).await;

@@ -402,6 +402,7 @@ impl Config {
             max_tokens,
             mode: tl_engine_core::engine::Mode::Generate,
             draws_offset: 0,
+            stop: tl_engine_core::stop::Stop::default(),
         })
     }
 

@@ -12,11 +12,11 @@ use axum::routing::post;
 use kvwire::prompt_hashes;
 use kvwire_grpc::KvReceiver;
 use tl_engine_core::engine::{Mode, Request, Resume};
-use tl_engine_core::model::TextStream;
 use tl_engine_core::pool::Blocks;
 use tl_engine_core::request::Limits;
 use tl_engine_core::rng::entropy_seed;
 use tl_engine_core::sampler::Sampling;
+use tl_engine_core::stop::Stop;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
@@ -25,7 +25,7 @@ use super::state::NodeState;
 use crate::api::sse::{self, StreamEvent};
 use crate::api::{
     ApiError, CompletionRequest, ENGINE_COMPLETION_FIELDS, Flavor, KV_HANDLE_HEADER, ResponseMeta,
-    TlResume, completion_id, finish_str, parse_fields,
+    StreamText, TlResume, completion_id, finish_str, parse_fields,
 };
 use crate::net::tls::PeerRole;
 
@@ -66,6 +66,7 @@ impl DecodeFront {
         prompt: &[u32],
         req: &CompletionRequest,
         sampling: Sampling,
+        stop: Stop,
     ) -> Result<(u64, u32, mpsc::UnboundedReceiver<SeqEvent>), ApiError> {
         let not_found = |m: String| ApiError::new(StatusCode::NOT_FOUND, "not_found", m);
         let Some(TlResume {
@@ -118,6 +119,7 @@ impl DecodeFront {
             sampling,
             seed,
             max_tokens: req.params.max_tokens(),
+            stop,
         });
         Ok((seed, first_token, events))
     }
@@ -156,9 +158,11 @@ impl DecodeFront {
             .params
             .params(&prompt)
             .validate(Limits::of(model.as_ref()))?;
+        let stop = req.params.stop_rules()?;
         let (seed, first, events) = match handle {
             Some(handle) => {
-                let (seed, first, ev) = self.resume(handle, &prompt, &req, sampling)?;
+                let (seed, first, ev) =
+                    self.resume(handle, &prompt, &req, sampling, stop.clone())?;
                 (seed, Some(first), ev)
             }
             None => {
@@ -170,6 +174,7 @@ impl DecodeFront {
                     max_tokens: req.params.max_tokens(),
                     mode: Mode::Generate,
                     draws_offset: 0,
+                    stop: stop.clone(),
                 });
                 (seed, None, ev)
             }
@@ -181,6 +186,7 @@ impl DecodeFront {
             flavor: Flavor::Completion,
             prompt_tokens: prompt.len(),
             route: None,
+            stop,
         };
         Ok(if req.params.streams() {
             stream(meta, first, events, permit)
@@ -249,7 +255,7 @@ fn stream(
     tokio::spawn(async move {
         // The request counts as in flight until its stream ends.
         let _permit = permit;
-        let mut text = TextStream::default();
+        let mut text = StreamText::new(meta.stop.clone());
         let mut chunk = |tokens: Vec<u32>, finish: Option<String>| {
             StreamEvent::Chunk(Box::new(meta.chunk(&mut text, tokens, finish)))
         };

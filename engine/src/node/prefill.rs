@@ -213,6 +213,7 @@ impl PrefillService {
             max_tokens: 1,
             mode: Mode::PrefillOnly,
             draws_offset: u64::from(req.rng_draws_offset),
+            stop: tl_engine_core::stop::Stop::default(),
         };
         let handle_id = format!(
             "{}-{}-{:016x}",

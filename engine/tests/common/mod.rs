@@ -29,6 +29,7 @@ pub fn prefill(e: &mut Engine, prompt: &[u32]) -> PrefillOutput {
         max_tokens: 1,
         mode: Mode::PrefillOnly,
         draws_offset: 0,
+        stop: tl_engine_core::stop::Stop::default(),
     })
     .unwrap();
     for ev in e.step().0 {

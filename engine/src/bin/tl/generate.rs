@@ -75,6 +75,7 @@ pub(crate) fn generate(args: &GenerateArgs) -> ExitCode {
         max_tokens: args.max_tokens,
         mode: Mode::Generate,
         draws_offset: 0,
+        stop: tl_engine_core::stop::Stop::default(),
     };
     match engine.generate(req) {
         Ok(tokens) => {

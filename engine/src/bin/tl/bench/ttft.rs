@@ -68,6 +68,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
             max_tokens: 1,
             mode,
             draws_offset: 0,
+            stop: tl_engine_core::stop::Stop::default(),
         };
 
         // Colocated: prefill and first token on one engine.
