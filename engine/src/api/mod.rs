@@ -106,8 +106,10 @@ pub enum StopStrings {
 
 /// At most this many stop strings (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
-/// A stop string's longest UTF-8 length, in bytes.
-pub const MAX_STOP_BYTES: usize = 256;
+/// A stop string's longest UTF-8 length, in bytes. Holding back a stream's possible stop
+/// prefix costs up to `strings x bytes^2` byte comparisons per token in the worst case; 64 keeps
+/// that to 16 k.
+pub const MAX_STOP_BYTES: usize = 64;
 /// At most this many stop token ids.
 pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
