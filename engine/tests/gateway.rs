@@ -60,6 +60,12 @@ struct Cluster {
 }
 
 async fn cluster(decoders: usize) -> Cluster {
+    cluster_with(decoders, |_| {}).await
+}
+
+/// A gateway, a prefill engine and `decoders` decode engines, each decode configuration passed
+/// through `tweak` first.
+async fn cluster_with(decoders: usize, tweak: impl Fn(&mut Config)) -> Cluster {
     let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
     let reg = gw.registry_addr().to_string();
     let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
@@ -67,11 +73,9 @@ async fn cluster(decoders: usize) -> Cluster {
         .unwrap();
     let mut d = Vec::new();
     for i in 1..=decoders {
-        d.push(
-            EngineNode::start(&engine_cfg(&format!("D{i}"), Role::Decode, &reg))
-                .await
-                .unwrap(),
-        );
+        let mut cfg = engine_cfg(&format!("D{i}"), Role::Decode, &reg);
+        tweak(&mut cfg);
+        d.push(EngineNode::start(&cfg).await.unwrap());
     }
     wait_workers(&gw, 1 + decoders).await;
     Cluster { gw, p, d }
@@ -681,17 +685,10 @@ async fn stream_include_usage_ends_with_the_counts() {
 async fn stop_frees_blocks_at_the_matching_step() {
     use tl_engine::api::sse::StreamEvent;
     use tl_engine_core::model::decode_text;
-    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
-    let reg = gw.registry_addr().to_string();
-    let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
-        .await
-        .unwrap();
     // Slow decode steps and a long max_tokens: a sequence that did not stop would run for a
     // minute.
-    let mut dc = engine_cfg("D", Role::Decode, &reg);
-    dc.model.decode_us_per_seq = 30_000;
-    let d = EngineNode::start(&dc).await.unwrap();
-    wait_workers(&gw, 2).await;
+    let c = cluster_with(1, |cfg| cfg.model.decode_us_per_seq = 30_000).await;
+    let (gw, p, d) = (&c.gw, &c.p, &c.d[0]);
     let http = HttpClient::default();
     let addr = gw.http_addr().to_string();
     let prompt: Vec<u32> = (60..80).collect();
@@ -735,7 +732,7 @@ async fn stop_frees_blocks_at_the_matching_step() {
         // The decode engine ended the sequence at the matching step: nothing runs, and its
         // pool holds no block in use, long before max_tokens could have been reached.
         assert!(
-            common::settled(&d, 0).await,
+            common::settled(d, 0).await,
             "{body}: the sequence kept running"
         );
         // The engine itself says so (not only the gateway cutting the stream).
@@ -751,7 +748,7 @@ async fn stop_frees_blocks_at_the_matching_step() {
         let dv = direct.json();
         assert_eq!(dv["choices"][0]["finish_reason"], "stop", "{dv}");
         assert_eq!(tokens_of(&dv), want_tokens);
-        assert!(common::settled(&d, 0).await);
+        assert!(common::settled(d, 0).await);
         assert_eq!(p.runner().pool().lock().counts().used, 0);
 
         // Streamed: the same tokens and text; the stop string is never sent, not even a part.
@@ -774,9 +771,6 @@ async fn stop_frees_blocks_at_the_matching_step() {
         assert_eq!(text, want_text, "{body}");
         assert_eq!(tokens, want_tokens, "{body}");
         assert_eq!(finish.as_deref(), Some("stop"));
-        assert!(common::settled(&d, 0).await);
+        assert!(common::settled(d, 0).await);
     }
-    p.shutdown(Duration::from_millis(100)).await;
-    d.shutdown(Duration::from_millis(100)).await;
-    gw.stop().await;
 }
