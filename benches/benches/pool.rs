@@ -103,6 +103,7 @@ fn decode_step(c: &mut Criterion) {
                         mode: Mode::Generate,
                         draws_offset: 0,
                         stop: tl_engine_core::stop::Stop::default(),
+                        choices: tl_engine_core::engine::Choices::ONE,
                     })
                     .expect("valid");
                 }

@@ -572,13 +572,43 @@ async fn unsupported_fields_are_400() {
         ),
         (
             "/v1/completions",
-            json!({ "prompt": "hi", "n": 2 }),
-            "`n` is not supported",
+            json!({ "prompt": "hi", "n": 9 }),
+            "`n` must be between 1 and 8",
         ),
         (
             "/v1/completions",
-            json!({ "prompt": "hi", "logprobs": 2 }),
-            "`logprobs`",
+            json!({ "prompt": "hi", "n": 0 }),
+            "`n` must be between 1 and 8",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "logprobs": 6 }),
+            "`logprobs` is at most 5",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "logprobs": true }),
+            "`logprobs` on completions is a number",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "top_logprobs": 2 }),
+            "`top_logprobs` is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": "x" }], "top_logprobs": 2 }),
+            "`top_logprobs` needs `logprobs: true`",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": "x" }], "logprobs": true, "top_logprobs": 21 }),
+            "`top_logprobs` is at most 20",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": "x" }], "logprobs": 3 }),
+            "`logprobs` on chat completions is true or false",
         ),
         (
             "/v1/completions",

@@ -187,6 +187,7 @@ async fn registry_and_engines_as_processes() {
             mode: Mode::Generate,
             draws_offset: 0,
             stop: tl_engine_core::stop::Stop::default(),
+            choices: tl_engine_core::engine::Choices::ONE,
         })
         .unwrap();
     assert_eq!(got, want);

@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use kvwire::{block_hash, prompt_hashes};
 
+use crate::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs, token_logprobs};
 use crate::model::{Model, ModelError};
 use crate::pool::{BlockId, Blocks, KvPool, PoolError, SharedKv};
 use crate::request::{Limits, RequestError, validate_prompt};
@@ -28,6 +29,60 @@ use crate::stop::Stop;
 
 /// A sequence's id within one engine.
 pub type SeqId = u64;
+
+/// Most completions one request may ask for.
+pub const MAX_CHOICES: u32 = 8;
+
+/// How many completions of one prompt a request wants, and what each token reports.
+///
+/// Choice `i` samples with seed `seed + i` (wrapping) and otherwise exactly as a request of one
+/// choice with that seed would (`spec/pcg32.md`), so each equals such a request's completion.
+/// The choices share the prompt's full blocks by reference and copy only its partial tail
+/// block: one prefill, or one transfer, serves all of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Choices {
+    /// Completions, 1 to [`MAX_CHOICES`].
+    pub n: u32,
+    /// Report each token's log-probability and this many alternatives (at most
+    /// [`MAX_TOP_LOGPROBS`]); `None` reports none.
+    pub logprobs: Option<u32>,
+}
+
+impl Default for Choices {
+    fn default() -> Self {
+        Self::ONE
+    }
+}
+
+impl Choices {
+    /// One completion, no log-probabilities.
+    pub const ONE: Choices = Choices {
+        n: 1,
+        logprobs: None,
+    };
+
+    /// Checks the bounds.
+    ///
+    /// # Errors
+    /// [`RequestError::Choices`] or [`RequestError::TopLogprobs`].
+    pub fn check(&self) -> Result<(), RequestError> {
+        if !(1..=MAX_CHOICES).contains(&self.n) {
+            return Err(RequestError::Choices {
+                n: self.n,
+                max: MAX_CHOICES,
+            });
+        }
+        if let Some(k) = self.logprobs
+            && k > MAX_TOP_LOGPROBS
+        {
+            return Err(RequestError::TopLogprobs {
+                k,
+                max: MAX_TOP_LOGPROBS,
+            });
+        }
+        Ok(())
+    }
+}
 
 /// Why a running sequence failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -61,6 +116,10 @@ pub struct Resume {
     pub max_tokens: u32,
     /// When to end before `max_tokens` (the first token counts: it may already end a rule).
     pub stop: Stop,
+    /// Completions and log-probabilities. Choice 0 continues from `first_token`; the others,
+    /// and the first token's log-probabilities, come from recomputing the prompt's last step
+    /// from `blocks` (the same logits the prefill engine sampled from).
+    pub choices: Choices,
 }
 
 /// Run to completion, or stop after the first token and hand the blocks out.
@@ -91,6 +150,8 @@ pub struct Request {
     pub draws_offset: u64,
     /// When to end before `max_tokens`.
     pub stop: Stop,
+    /// Completions and log-probabilities (one choice only for [`Mode::PrefillOnly`]).
+    pub choices: Choices,
 }
 
 /// Told, on the engine thread, as a prefill's blocks become final, so a transfer can stream
@@ -137,25 +198,32 @@ pub enum FinishReason {
 /// What a step produced.
 #[derive(Debug)]
 pub enum Event {
-    /// A sampled token; `index` 0 is the first token of the completion.
+    /// A token of one choice; `index` 0 is the first token of its completion.
     Token {
-        /// The sequence.
+        /// The request (the id `submit` or `resume` returned).
         seq: SeqId,
+        /// The choice, 0 to n - 1.
+        choice: u32,
         /// The token.
         token: u32,
         /// Its index in the completion.
         index: u32,
+        /// Its log-probabilities, when the request asked for them.
+        logprobs: Option<TokenLogprobs>,
     },
-    /// The sequence ended normally; its blocks are released.
+    /// One choice ended normally; its blocks are released. The request is over once each of
+    /// its choices has finished.
     Finished {
-        /// The sequence.
+        /// The request.
         seq: SeqId,
+        /// The choice.
+        choice: u32,
         /// Why.
         reason: FinishReason,
     },
-    /// The sequence failed; its blocks are released.
+    /// The request failed: every choice has ended and released its blocks.
     Failed {
-        /// The sequence.
+        /// The request.
         seq: SeqId,
         /// Why.
         error: SeqError,
@@ -171,7 +239,16 @@ pub enum Event {
 
 #[derive(Debug)]
 struct Seq {
-    id: SeqId,
+    /// The request's id (choice 0's own id); events and cancellation use it.
+    group: SeqId,
+    choice: u32,
+    /// Choices still to fork from this one once its first token is known (n - 1 on choice 0).
+    fanout: u32,
+    /// Resumed, its first token not yet announced.
+    announce: bool,
+    logprobs: Option<u32>,
+    /// Draws consumed before the first token (the request's offset).
+    draws_base: u64,
     /// Prompt, then every sampled token (the last one not yet fed to the model).
     tokens: Vec<u32>,
     prompt_len: usize,
@@ -331,10 +408,19 @@ impl Engine {
         if req.max_tokens == 0 {
             return Err(RequestError::ZeroMaxTokens);
         }
+        req.choices.check()?;
+        if req.mode == Mode::PrefillOnly && req.choices != Choices::ONE {
+            return Err(RequestError::PrefillChoices);
+        }
         let id = self.new_id();
         let prompt_len = req.prompt.len();
         self.waiting.push_back(Seq {
-            id,
+            group: id,
+            choice: 0,
+            fanout: req.choices.n - 1,
+            announce: false,
+            logprobs: req.choices.logprobs,
+            draws_base: req.draws_offset,
             tokens: req.prompt,
             prompt_len,
             blocks: Blocks::new(self.pool.clone(), Vec::new()),
@@ -369,11 +455,13 @@ impl Engine {
             seed,
             max_tokens,
             stop,
+            choices,
         } = r;
         self.validate_prompt(&prompt)?;
         if max_tokens == 0 {
             return Err(RequestError::ZeroMaxTokens);
         }
+        choices.check()?;
         if first_token >= self.model.vocab() {
             return Err(RequestError::BadToken {
                 token: first_token,
@@ -395,7 +483,13 @@ impl Engine {
         let mut tokens = prompt;
         tokens.push(first_token);
         self.running.push(Seq {
-            id,
+            group: id,
+            choice: 0,
+            fanout: choices.n - 1,
+            announce: true,
+            logprobs: choices.logprobs,
+            // Every token takes the same draws (spec/pcg32.md): the first took 0 or 1.
+            draws_base: draws.saturating_sub(u64::from(sampling.draws_per_token())),
             tokens,
             prompt_len,
             blocks,
@@ -413,101 +507,218 @@ impl Engine {
         Ok(id)
     }
 
-    /// Cancels a waiting or running sequence and releases its blocks.
+    /// Cancels a waiting or running request (every choice of it) and releases its blocks.
     pub fn cancel(&mut self, id: SeqId) -> bool {
-        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
-            drop(self.waiting.remove(i));
-            return true;
-        }
-        if let Some(i) = self.running.iter().position(|s| s.id == id) {
-            drop(self.running.swap_remove(i));
-            return true;
-        }
-        false
+        let before = self.waiting.len() + self.running.len();
+        self.waiting.retain(|s| s.group != id);
+        self.running.retain(|s| s.group != id);
+        self.waiting.len() + self.running.len() < before
     }
 
-    /// One step: prefill the waiting requests the [`Scheduler`] admits, then one decode step for every sequence that
-    /// was running before it. Returns the events in order and the step's figures.
+    /// One step: prefill the waiting requests the [`Scheduler`] admits, then one decode step for
+    /// every sequence that was running before it (a resumed request first announces its first
+    /// token and forks its other choices). Returns the events in order and the step's figures.
     pub fn step(&mut self) -> (Vec<Event>, StepStats) {
         let mut events = Vec::new();
         let mut stats = StepStats::default();
-        let decoding = std::mem::take(&mut self.running);
-        let mut keep = Vec::with_capacity(decoding.len());
-        for mut seq in decoding {
+        let mut batch = Vec::with_capacity(self.running.len());
+        for mut seq in std::mem::take(&mut self.running) {
+            if !seq.announce {
+                batch.push(seq);
+                continue;
+            }
+            seq.announce = false;
+            let group = seq.group;
+            match self.open_resumed(seq, &mut events) {
+                Ok(choices) => batch.extend(choices),
+                Err(error) => events.push(Event::Failed { seq: group, error }),
+            }
+        }
+        let mut failed: Vec<SeqId> = Vec::new();
+        let mut keep = Vec::with_capacity(batch.len());
+        for mut seq in batch {
+            if failed.contains(&seq.group) {
+                // A sibling failed this step: the request is over.
+                continue;
+            }
             // A resumed sequence may be complete before its first step (max_tokens 1).
             if let Some(reason) = self.finish_reason(&seq) {
-                events.push(Event::Finished {
-                    seq: seq.id,
-                    reason,
-                });
+                events.push(finished(&seq, reason));
                 continue;
             }
             stats.decoded += 1;
             match self.decode_one(&mut seq) {
-                Ok(token) => {
-                    let index = seq.generated() - 1;
+                Ok((token, logprobs)) => {
                     events.push(Event::Token {
-                        seq: seq.id,
+                        seq: seq.group,
+                        choice: seq.choice,
                         token,
-                        index,
+                        index: seq.generated() - 1,
+                        logprobs,
                     });
                     match self.finish_reason(&seq) {
-                        Some(reason) => events.push(Event::Finished {
-                            seq: seq.id,
-                            reason,
-                        }),
+                        Some(reason) => events.push(finished(&seq, reason)),
                         None => keep.push(seq),
                     }
                 }
-                Err(error) => events.push(Event::Failed { seq: seq.id, error }),
+                Err(error) => {
+                    failed.push(seq.group);
+                    events.push(Event::Failed {
+                        seq: seq.group,
+                        error,
+                    });
+                }
             }
         }
+        // Siblings that decoded before the failure, and now end with it.
+        keep.retain(|s| !failed.contains(&s.group));
         self.running = keep;
 
         let admitted = self
             .scheduler
             .admit(self.waiting.iter().map(|s| s.prompt_len));
         for mut seq in self.waiting.drain(..admitted).collect::<Vec<_>>() {
-            match self.prefill_one(&mut seq) {
-                Ok((token, computed)) => {
-                    stats.prefilled_tokens += computed;
-                    if seq.mode == Mode::PrefillOnly {
-                        let b = self.model.shape().block_tokens() as usize;
-                        let output = PrefillOutput {
-                            first_token: token,
-                            hashes: seq.hashes.clone(),
-                            draws: seq.draws as u32,
-                            seed: seq.seed,
-                            prompt_tokens: seq.prompt_len,
-                            cached_blocks: (seq.prompt_len - computed) / b,
-                            blocks: std::mem::replace(
-                                &mut seq.blocks,
-                                Blocks::new(self.pool.clone(), Vec::new()),
-                            ),
-                        };
-                        events.push(Event::Prefilled {
-                            seq: seq.id,
-                            output,
-                        });
-                        continue;
-                    }
-                    events.push(Event::Token {
-                        seq: seq.id,
-                        token,
-                        index: 0,
+            let (logits, computed) = match self.prefill_one(&mut seq) {
+                Ok(r) => r,
+                Err(error) => {
+                    events.push(Event::Failed {
+                        seq: seq.group,
+                        error,
                     });
-                    match self.finish_reason(&seq) {
-                        Some(reason) => events.push(Event::Finished {
-                            seq: seq.id,
-                            reason,
-                        }),
-                        None => self.running.push(seq),
+                    continue;
+                }
+            };
+            stats.prefilled_tokens += computed;
+            if seq.mode == Mode::PrefillOnly {
+                let b = self.model.shape().block_tokens() as usize;
+                let output = PrefillOutput {
+                    first_token: seq.tokens[seq.prompt_len],
+                    hashes: seq.hashes.clone(),
+                    draws: seq.draws as u32,
+                    seed: seq.seed,
+                    prompt_tokens: seq.prompt_len,
+                    cached_blocks: (seq.prompt_len - computed) / b,
+                    blocks: std::mem::replace(
+                        &mut seq.blocks,
+                        Blocks::new(self.pool.clone(), Vec::new()),
+                    ),
+                };
+                events.push(Event::Prefilled {
+                    seq: seq.group,
+                    output,
+                });
+                continue;
+            }
+            let group = seq.group;
+            match self.open_choices(seq, Some(&logits), &mut events) {
+                Ok(choices) => {
+                    for seq in choices {
+                        match self.finish_reason(&seq) {
+                            Some(reason) => events.push(finished(&seq, reason)),
+                            None => self.running.push(seq),
+                        }
                     }
                 }
-                Err(error) => events.push(Event::Failed { seq: seq.id, error }),
+                Err(error) => events.push(Event::Failed { seq: group, error }),
             }
         }
         (events, stats)
+    }
+
+    /// A resumed request's first step: the prompt's last step is recomputed from the
+    /// transferred blocks when its logits are needed (other choices, log-probabilities).
+    fn open_resumed(&self, seq: Seq, events: &mut Vec<Event>) -> Result<Vec<Seq>, SeqError> {
+        let logits = if seq.fanout > 0 || seq.logprobs.is_some() {
+            Some(
+                self.model
+                    .logits(&self.pool, seq.prompt_len, seq.blocks.ids())?,
+            )
+        } else {
+            None
+        };
+        self.open_choices(seq, logits.as_deref(), events)
+    }
+
+    /// Announces the first token of choice 0 (sampled already) and forks the other choices from
+    /// the same logits, each announcing its own first token. On an error every choice is
+    /// dropped, releasing its blocks.
+    fn open_choices(
+        &self,
+        mut first: Seq,
+        logits: Option<&[f32]>,
+        events: &mut Vec<Event>,
+    ) -> Result<Vec<Seq>, SeqError> {
+        let fanout = std::mem::take(&mut first.fanout);
+        let mut choices = Vec::with_capacity(fanout as usize + 1);
+        events.push(first_token(&first, logits));
+        choices.push(first);
+        if fanout > 0 {
+            let logits = logits.expect("logits are computed for every fork");
+            for i in 1..=fanout {
+                let child = self.fork(&choices[0], logits, i)?;
+                events.push(first_token(&child, Some(logits)));
+                choices.push(child);
+            }
+        }
+        Ok(choices)
+    }
+
+    /// Choice `choice` of `parent`'s request, its first token sampled from the prompt's `logits`
+    /// with seed `parent.seed + choice`: references on the prompt's full blocks, a copy of its
+    /// partial tail block.
+    fn fork(&self, parent: &Seq, logits: &[f32], choice: u32) -> Result<Seq, SeqError> {
+        let b = self.model.shape().block_tokens() as usize;
+        let full = parent.prompt_len / b;
+        let tail = (!parent.prompt_len.is_multiple_of(b)).then(|| parent.blocks.ids()[full]);
+        let (ids, fill) = {
+            let mut pool = self.pool.lock();
+            let mut held = Held::new(&mut pool);
+            for &id in &parent.blocks.ids()[..full] {
+                held.pool.retain(id)?;
+                held.ids.push(id);
+            }
+            let mut fill = 0;
+            if let Some(src) = tail {
+                fill = held.pool.info(src)?.1;
+                let fresh = held.pool.allocate(1)?;
+                held.ids.extend(fresh);
+            }
+            (held.commit(), fill)
+        };
+        let blocks = Blocks::new(self.pool.clone(), ids);
+        if let Some(src) = tail {
+            let dst = blocks.ids()[full];
+            // Two blocks' own locks (the source is shared and no longer written); the pool's
+            // lock only for the fill.
+            self.pool.write(dst)?.copy_from_slice(&self.pool.read(src)?);
+            self.pool.lock().set_fill(dst, fill)?;
+        }
+        let seed = parent.seed.wrapping_add(u64::from(choice));
+        let mut rng = resume_rng(seed, parent.draws_base);
+        let (token, draws) = parent.sampling.sample(logits, &mut rng);
+        let mut tokens = parent.tokens[..parent.prompt_len].to_vec();
+        tokens.push(token);
+        Ok(Seq {
+            group: parent.group,
+            choice,
+            fanout: 0,
+            announce: false,
+            logprobs: parent.logprobs,
+            draws_base: parent.draws_base,
+            tokens,
+            prompt_len: parent.prompt_len,
+            blocks,
+            hashes: parent.hashes.clone(),
+            n_cached: parent.prompt_len,
+            sampling: parent.sampling,
+            rng,
+            draws: parent.draws_base + u64::from(draws),
+            seed,
+            max_tokens: parent.max_tokens,
+            stop: parent.stop.clone(),
+            mode: Mode::Generate,
+            progress: None,
+        })
     }
 
     /// The simulated time of a step with these figures.
@@ -532,8 +743,9 @@ impl Engine {
     }
 
     /// Prefills `seq`: reuses the longest cached prefix, allocates the rest, runs the model,
-    /// registers the full blocks, samples the first token. Returns it and the tokens computed.
-    fn prefill_one(&mut self, seq: &mut Seq) -> Result<(u32, usize), SeqError> {
+    /// registers the full blocks, samples the first token (appended to `seq.tokens`). Returns
+    /// the prompt's logits and the tokens computed.
+    fn prefill_one(&mut self, seq: &mut Seq) -> Result<(Vec<f32>, usize), SeqError> {
         let b = self.model.shape().block_tokens() as usize;
         let prompt = &seq.tokens[..seq.prompt_len];
         let hashes = prompt_hashes(prompt, b);
@@ -586,11 +798,12 @@ impl Engine {
         let (token, draws) = seq.sampling.sample(&logits, &mut seq.rng);
         seq.draws += u64::from(draws);
         seq.tokens.push(token);
-        Ok((token, seq.prompt_len - start))
+        Ok((logits, seq.prompt_len - start))
     }
 
-    /// Feeds the last token of `seq` and samples the next.
-    fn decode_one(&mut self, seq: &mut Seq) -> Result<u32, SeqError> {
+    /// Feeds the last token of `seq` and samples the next; returns it and, when asked for, its
+    /// log-probabilities.
+    fn decode_one(&mut self, seq: &mut Seq) -> Result<(u32, Option<TokenLogprobs>), SeqError> {
         let b = self.model.shape().block_tokens() as usize;
         let pos = seq.n_cached;
         let input = seq.tokens[pos];
@@ -617,48 +830,93 @@ impl Engine {
         let (token, draws) = seq.sampling.sample(&logits, &mut seq.rng);
         seq.draws += u64::from(draws);
         seq.tokens.push(token);
-        Ok(token)
+        let logprobs = seq
+            .logprobs
+            .map(|k| token_logprobs(&logits, token, k as usize));
+        Ok((token, logprobs))
     }
 
     /// Runs one request to completion by itself (no other sequence is stepped differently) and
-    /// returns its completion. For the CLI and tests.
+    /// returns its completion (choice 0's). For the CLI and tests.
     ///
     /// # Errors
     /// The request's refusal or the sequence's failure.
     pub fn generate(&mut self, req: Request) -> Result<Vec<u32>, GenerateError> {
+        let mut all = self.generate_choices(req)?;
+        Ok(all.swap_remove(0))
+    }
+
+    /// As [`generate`](Self::generate), returning every choice's completion, in order.
+    ///
+    /// # Errors
+    /// The request's refusal or the sequence's failure.
+    pub fn generate_choices(&mut self, req: Request) -> Result<Vec<Vec<u32>>, GenerateError> {
+        let n = req.choices.n;
         let id = self.submit(Request {
             mode: Mode::Generate,
             ..req
         })?;
-        self.collect(id)
+        self.collect(id, n)
     }
 
-    /// Like [`generate`](Self::generate) for a sequence already started with [`resume`](Self::resume):
-    /// steps until it ends and returns the tokens it sampled after the first.
+    /// Like [`generate`](Self::generate) for a request already started with
+    /// [`resume`](Self::resume) (one choice): steps until it ends and returns the tokens it
+    /// sampled after the first.
     ///
     /// # Errors
     /// The sequence's failure.
     pub fn run_to_end(&mut self, id: SeqId) -> Result<Vec<u32>, GenerateError> {
-        if !self.running.iter().any(|s| s.id == id) {
+        if !self.running.iter().any(|s| s.group == id) {
             return Ok(Vec::new());
         }
-        self.collect(id)
+        let mut tokens = self.collect(id, 1)?.swap_remove(0);
+        tokens.remove(0);
+        Ok(tokens)
     }
 
-    /// Steps until sequence `id` ends; returns the tokens it emitted meanwhile.
-    fn collect(&mut self, id: SeqId) -> Result<Vec<u32>, GenerateError> {
-        let mut out = Vec::new();
-        loop {
+    /// Steps until each of request `id`'s `n` choices has ended; returns their tokens.
+    fn collect(&mut self, id: SeqId, n: u32) -> Result<Vec<Vec<u32>>, GenerateError> {
+        let mut out = vec![Vec::new(); n as usize];
+        let mut open = n;
+        while open > 0 {
             let (events, _) = self.step();
             for e in events {
                 match e {
-                    Event::Token { seq, token, .. } if seq == id => out.push(token),
-                    Event::Finished { seq, .. } if seq == id => return Ok(out),
+                    Event::Token {
+                        seq, choice, token, ..
+                    } if seq == id => out[choice as usize].push(token),
+                    Event::Finished { seq, .. } if seq == id => open -= 1,
                     Event::Failed { seq, error } if seq == id => return Err(error.into()),
                     _ => {}
                 }
             }
         }
+        Ok(out)
+    }
+}
+
+/// The event of `seq` ending.
+fn finished(seq: &Seq, reason: FinishReason) -> Event {
+    Event::Finished {
+        seq: seq.group,
+        choice: seq.choice,
+        reason,
+    }
+}
+
+/// The event announcing `seq`'s first token, with its log-probabilities under `logits` when
+/// asked for.
+fn first_token(seq: &Seq, logits: Option<&[f32]>) -> Event {
+    let token = seq.tokens[seq.prompt_len];
+    Event::Token {
+        seq: seq.group,
+        choice: seq.choice,
+        token,
+        index: 0,
+        logprobs: seq
+            .logprobs
+            .zip(logits)
+            .map(|(k, l)| token_logprobs(l, token, k as usize)),
     }
 }
 

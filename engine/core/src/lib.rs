@@ -8,10 +8,12 @@
 //! - [`sampler`] and [`rng`]: sampling exactly as `spec/pcg32.md` says, and PCG32 with its
 //!   O(log n) advance for the hand-off between engines.
 //! - [`request`]: the one request validation every door calls.
+//! - [`logprobs`]: the log-softmax OpenAI reports, computed once.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
 pub mod engine;
+pub mod logprobs;
 pub mod model;
 pub mod pool;
 pub mod request;

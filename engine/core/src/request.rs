@@ -40,6 +40,26 @@ pub enum RequestError {
     /// A sampling parameter is out of range.
     #[error(transparent)]
     Sampling(#[from] SamplingError),
+    /// `n` outside 1..=max.
+    #[error("n must be between 1 and {max}; got {n}")]
+    Choices {
+        /// Requested choices.
+        n: u32,
+        /// The most allowed.
+        max: u32,
+    },
+    /// Too many alternatives per token asked for.
+    #[error("at most {max} top log-probabilities per token; got {k}")]
+    TopLogprobs {
+        /// Requested alternatives.
+        k: u32,
+        /// The most allowed.
+        max: u32,
+    },
+    /// A prefill-only request makes one choice and no log-probabilities (the decode engine
+    /// makes the others).
+    #[error("a prefill-only request has one choice and no log-probabilities")]
+    PrefillChoices,
     /// Resumed blocks do not cover the prompt.
     #[error("{blocks} blocks cannot hold a prompt of {len} tokens at {block_tokens} per block")]
     BlocksDoNotFit {

@@ -95,6 +95,12 @@ impl Sampling {
         self.temperature == 0.0
     }
 
+    /// Draws every token takes: 0 greedy, 1 otherwise (`spec/pcg32.md`).
+    #[must_use]
+    pub fn draws_per_token(&self) -> u32 {
+        u32::from(!self.is_greedy())
+    }
+
     /// The validated temperature.
     #[must_use]
     pub fn temperature(&self) -> f32 {

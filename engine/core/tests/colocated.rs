@@ -37,6 +37,7 @@ fn req(prompt: &[u32], sampling: Sampling, seed: u64, max_tokens: u32, mode: Mod
         mode,
         draws_offset: 0,
         stop: tl_engine_core::stop::Stop::default(),
+        choices: tl_engine_core::engine::Choices::ONE,
     }
 }
 
@@ -168,6 +169,7 @@ fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
             seed,
             max_tokens: 12,
             stop: tl_engine_core::stop::Stop::default(),
+            choices: tl_engine_core::engine::Choices::ONE,
         })
         .unwrap();
     let rest = e.run_to_end(id).unwrap();
@@ -198,6 +200,7 @@ fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
             seed,
             max_tokens: 12,
             stop: tl_engine_core::stop::Stop::default(),
+            choices: tl_engine_core::engine::Choices::ONE,
         })
         .unwrap();
     let rest = d.run_to_end(id).unwrap();
@@ -472,7 +475,7 @@ fn stop_ends_the_sequence_at_the_matching_step() {
             for ev in events {
                 match ev {
                     Event::Token { seq, token, .. } if seq == id => got.push(token),
-                    Event::Finished { seq, reason } if seq == id => done = Some(reason),
+                    Event::Finished { seq, reason, .. } if seq == id => done = Some(reason),
                     _ => {}
                 }
             }

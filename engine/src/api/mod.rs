@@ -2,16 +2,21 @@
 //! by the gateway, the engines' decode front, the demo, the benches and the clients. [`sse`] is
 //! the one server-sent-events codec.
 //!
-//! Extensions beyond OpenAI's fields: `top_k`, `seed` (echoed), `choices[].tokens` (token ids),
+//! Extensions beyond OpenAI's fields: `top_k`, `seed` (echoed), `stop_token_ids`,
+//! `choices[].tokens` (token ids), `choices[].tl_logprobs` (log-probabilities by token id),
 //! `tl_resume` (the decode side of a transfer) and `tl_route` (where the gateway sent a request).
 
+use self::logprobs::{ChoiceLogprobs, Offsets, TlLogprob};
+
+pub mod logprobs;
 pub mod sse;
 
 use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
-use tl_engine_core::engine::FinishReason;
+use tl_engine_core::engine::{Choices, FinishReason, MAX_CHOICES};
+use tl_engine_core::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs};
 use tl_engine_core::model::BYTE_VOCAB;
 use tl_engine_core::model::{TextStream, decode_text, encode_text};
 use tl_engine_core::request::{Params, RequestError};
@@ -92,7 +97,30 @@ pub struct GenerationParams {
     /// Stop token ids (vLLM's extension).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stop_token_ids: Option<Vec<u32>>,
+    /// Completions of the prompt, 1 to 8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n: Option<u32>,
+    /// Completions: how many alternatives per token (0 to 5); chat: whether to report them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<LogprobsField>,
+    /// Chat: alternatives per token (0 to 20), with `logprobs: true`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_logprobs: Option<u32>,
 }
+
+/// OpenAI's `logprobs`: a count on completions, a flag on chat.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum LogprobsField {
+    /// Chat's.
+    Flag(bool),
+    /// Completions'.
+    Count(u32),
+}
+
+/// The most alternatives per token `/v1/completions` reports (OpenAI's limit); chat's is
+/// [`MAX_TOP_LOGPROBS`], which an engine's front also takes (the gateway passes chat's on).
+pub const MAX_COMPLETION_LOGPROBS: u32 = 5;
 
 /// OpenAI's `stop`: a string or a list of strings.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
@@ -205,6 +233,57 @@ impl GenerationParams {
         })
     }
 
+    /// The choices and log-probabilities asked for, checked for `flavor`'s door: completions
+    /// take `logprobs: k` (k at most `completion_max`), chat `logprobs: true` with
+    /// `top_logprobs: k`.
+    ///
+    /// # Errors
+    /// 400 naming the field.
+    pub fn choices(&self, flavor: Flavor, completion_max: u32) -> Result<Choices, ApiError> {
+        let n = self.n.unwrap_or(1);
+        if !(1..=MAX_CHOICES).contains(&n) {
+            return Err(ApiError::bad_request(format!(
+                "`n` must be between 1 and {MAX_CHOICES}; got {n}"
+            )));
+        }
+        let logprobs = match (flavor, self.logprobs, self.top_logprobs) {
+            (_, None | Some(LogprobsField::Flag(false)), None) => None,
+            (Flavor::Completion, Some(LogprobsField::Count(k)), None) => {
+                if k > completion_max {
+                    return Err(ApiError::bad_request(format!(
+                        "`logprobs` is at most {completion_max}; got {k}"
+                    )));
+                }
+                Some(k)
+            }
+            (Flavor::Chat, Some(LogprobsField::Flag(true)), k) => {
+                let k = k.unwrap_or(0);
+                if k > MAX_TOP_LOGPROBS {
+                    return Err(ApiError::bad_request(format!(
+                        "`top_logprobs` is at most {MAX_TOP_LOGPROBS}; got {k}"
+                    )));
+                }
+                Some(k)
+            }
+            (Flavor::Chat, _, Some(_)) => {
+                return Err(ApiError::bad_request(
+                    "`top_logprobs` needs `logprobs: true`",
+                ));
+            }
+            (Flavor::Completion, _, _) => {
+                return Err(ApiError::bad_request(format!(
+                    "`logprobs` on completions is a number from 0 to {completion_max}"
+                )));
+            }
+            (Flavor::Chat, _, None) => {
+                return Err(ApiError::bad_request(
+                    "`logprobs` on chat completions is true or false",
+                ));
+            }
+        };
+        Ok(Choices { n, logprobs })
+    }
+
     /// A usage chunk asked for at the end of the stream.
     #[must_use]
     pub fn include_usage(&self) -> bool {
@@ -225,6 +304,8 @@ const SHARED_FIELDS: &[&str] = &[
     "stream_options",
     "stop",
     "stop_token_ids",
+    "n",
+    "logprobs",
     // OpenAI's end-user id, for abuse monitoring: accepted, not used.
     "user",
 ];
@@ -253,9 +334,8 @@ impl Off {
 /// Fields OpenAI defines that this server does not implement: refused with 400 naming the field
 /// (never silently ignored), unless null or the value that means "off".
 const UNSUPPORTED_FIELDS: &[(&str, Off)] = &[
-    ("n", Off::One),
-    ("logprobs", Off::FalseOrZero),
-    ("top_logprobs", Off::FalseOrZero),
+    // Chat's own (a completion asking for it is told it is not supported there).
+    ("top_logprobs", Off::Never),
     ("echo", Off::FalseOrZero),
     ("best_of", Off::One),
     ("suffix", Off::Never),
@@ -323,7 +403,7 @@ pub const COMPLETION_FIELDS: &[&str] = &["prompt"];
 /// An engine's front: a completion, and the resume point of a transferred handle.
 pub const ENGINE_COMPLETION_FIELDS: &[&str] = &["prompt", "tl_resume"];
 /// The chat endpoint's own fields.
-pub const CHAT_FIELDS: &[&str] = &["messages"];
+pub const CHAT_FIELDS: &[&str] = &["messages", "top_logprobs"];
 
 /// `POST /v1/completions` body.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -411,7 +491,7 @@ pub struct AssistantText {
 /// One choice of a response or a stream chunk.
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 pub struct Choice {
-    /// Always 0 (one choice per request).
+    /// Which of the request's `n` choices.
     pub index: u32,
     /// Completion text.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -425,23 +505,20 @@ pub struct Choice {
     /// The token ids (extension).
     #[serde(default)]
     pub tokens: Vec<u32>,
-    /// Not computed: always null.
+    /// Log-probabilities, when asked for (null otherwise).
     #[serde(default)]
-    pub logprobs: Option<serde_json::Value>,
+    pub logprobs: Option<ChoiceLogprobs>,
+    /// The same by token id (extension), when asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tl_logprobs: Option<Vec<TlLogprob>>,
     /// `length` at the end; null before.
     #[serde(default)]
     pub finish_reason: Option<String>,
 }
 
 impl Choice {
-    /// The choice for these tokens, in the flavor's shape (`stream`: a chunk's delta).
-    #[must_use]
-    pub fn new(flavor: Flavor, stream: bool, tokens: Vec<u32>, finish: Option<String>) -> Self {
-        let text = decode_text(&tokens);
-        Self::with_text(flavor, stream, tokens, text, finish)
-    }
-
-    /// As [`new`](Self::new), with the text given (a stream's, decoded incrementally).
+    /// The choice for these tokens and their text, in the flavor's shape (`stream`: a chunk's
+    /// delta).
     #[must_use]
     pub fn with_text(
         flavor: Flavor,
@@ -608,28 +685,44 @@ impl ResponseMeta {
         }
     }
 
-    /// One stream chunk carrying `tokens` (and the finish reason on the last), their text
-    /// decoded by `text` (held-back bytes of a split character go out with the token that
-    /// completes them; the last chunk flushes the rest).
+    /// One stream chunk carrying choice `index`'s `tokens` (and the finish reason on its last),
+    /// their text decoded by the choice's `stream` (held-back bytes of a split character go out
+    /// with the token that completes them; the last chunk flushes the rest), and their
+    /// log-probabilities when asked for.
     #[must_use]
     pub fn chunk(
         &self,
-        text: &mut StreamText,
+        stream: &mut ChoiceStream,
+        index: u32,
         tokens: Vec<u32>,
+        logprobs: Option<Vec<TokenLogprobs>>,
         finish: Option<String>,
     ) -> Completion {
-        let mut s = text.push(&tokens);
+        let mut s = stream.text.push(&tokens);
         if let Some(f) = &finish {
-            s.push_str(&text.finish(f == "stop"));
+            s.push_str(&stream.text.finish(f == "stop"));
         }
-        self.body(
-            true,
-            Choice::with_text(self.flavor, true, tokens, s, finish),
-            None,
-        )
+        let offsets = stream.offsets.next(&tokens);
+        let mut choice = Choice::with_text(self.flavor, true, tokens, s, finish);
+        choice.index = index;
+        self.attach(&mut choice, logprobs, offsets);
+        self.body(true, choice, None)
     }
 
-    /// The stream's usage chunk (`stream_options.include_usage`): no choices, the counts.
+    fn attach(
+        &self,
+        choice: &mut Choice,
+        logprobs: Option<Vec<TokenLogprobs>>,
+        offsets: Vec<usize>,
+    ) {
+        if let Some(l) = logprobs {
+            choice.logprobs = Some(logprobs::render(self.flavor, &l, offsets));
+            choice.tl_logprobs = Some(l.iter().map(TlLogprob::from).collect());
+        }
+    }
+
+    /// The stream's usage chunk (`stream_options.include_usage`): no choices, the counts
+    /// (`completion_tokens` summed over the choices).
     #[must_use]
     pub fn usage_chunk(&self, completion_tokens: usize) -> Completion {
         let mut c = self.body(
@@ -641,22 +734,64 @@ impl ResponseMeta {
         c
     }
 
-    /// The whole response.
+    /// The whole response: one choice per entry of `choices`, in order; usage sums them.
     #[must_use]
-    pub fn whole(&self, tokens: Vec<u32>, finish: String) -> Completion {
-        let usage = Usage::new(self.prompt_tokens, tokens.len());
-        // OpenAI's text ends before the stop string; the tokens stay exact.
-        let cut = if finish == "stop" {
-            self.stop.matched(&tokens).unwrap_or(0)
-        } else {
-            0
-        };
-        let text = decode_text(&tokens[..tokens.len() - cut]);
-        self.body(
+    pub fn whole(&self, choices: Vec<ChoiceOut>) -> Completion {
+        let completion_tokens = choices.iter().map(|c| c.tokens.len()).sum();
+        let mut body = self.body(
             false,
-            Choice::with_text(self.flavor, false, tokens, text, Some(finish)),
-            Some(usage),
-        )
+            Choice::default(),
+            Some(Usage::new(self.prompt_tokens, completion_tokens)),
+        );
+        body.choices = choices
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| {
+                // OpenAI's text ends before the stop string; the tokens stay exact.
+                let cut = if c.finish == "stop" {
+                    self.stop.matched(&c.tokens).unwrap_or(0)
+                } else {
+                    0
+                };
+                let text = decode_text(&c.tokens[..c.tokens.len() - cut]);
+                let offsets = Offsets::default().next(&c.tokens);
+                let mut choice =
+                    Choice::with_text(self.flavor, false, c.tokens, text, Some(c.finish));
+                choice.index = i as u32;
+                self.attach(&mut choice, c.logprobs, offsets);
+                choice
+            })
+            .collect();
+        body
+    }
+}
+
+/// One choice of a whole response.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ChoiceOut {
+    /// Its tokens.
+    pub tokens: Vec<u32>,
+    /// Their log-probabilities, when asked for.
+    pub logprobs: Option<Vec<TokenLogprobs>>,
+    /// OpenAI's finish reason.
+    pub finish: String,
+}
+
+/// One choice's stream: its text ([`StreamText`]) and its log-probabilities' text offsets.
+#[derive(Debug, Default)]
+pub struct ChoiceStream {
+    text: StreamText,
+    offsets: Offsets,
+}
+
+impl ChoiceStream {
+    /// A choice's stream ending on `stop`.
+    #[must_use]
+    pub fn new(stop: Stop) -> Self {
+        Self {
+            text: StreamText::new(stop),
+            offsets: Offsets::default(),
+        }
     }
 }
 

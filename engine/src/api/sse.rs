@@ -150,12 +150,26 @@ mod tests {
             route: None,
             stop: Default::default(),
         };
-        let mut text = crate::api::StreamText::default();
+        let mut text = crate::api::ChoiceStream::default();
+        let lp = tl_engine_core::logprobs::TokenLogprobs {
+            token: 0xA9,
+            logprob: -0.1234567,
+            top: vec![(0xA9, -0.1234567), (7, -2.5e-8)],
+        };
         let events = vec![
-            StreamEvent::Chunk(Box::new(meta.chunk(&mut text, vec![0xC3], None))),
+            StreamEvent::Chunk(Box::new(meta.chunk(&mut text, 0, vec![0xC3], None, None))),
             StreamEvent::Chunk(Box::new(meta.chunk(
                 &mut text,
+                0,
+                vec![0xA9],
+                Some(vec![lp]),
+                None,
+            ))),
+            StreamEvent::Chunk(Box::new(meta.chunk(
+                &mut text,
+                0,
                 vec![],
+                None,
                 Some("length".into()),
             ))),
             StreamEvent::Error(ErrorDetail {

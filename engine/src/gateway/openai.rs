@@ -24,8 +24,9 @@ use super::Gateway;
 use super::request::{Job, Out};
 use crate::api::sse::{self, StreamEvent};
 use crate::api::{
-    ApiError, CHAT_FIELDS, COMPLETION_FIELDS, ChatRequest, CompletionRequest, ErrorDetail, Flavor,
-    GenerationParams, ResponseMeta, StreamText, completion_id, parse_fields, render_chat,
+    ApiError, CHAT_FIELDS, COMPLETION_FIELDS, ChatRequest, ChoiceOut, ChoiceStream,
+    CompletionRequest, ErrorDetail, Flavor, GenerationParams, MAX_COMPLETION_LOGPROBS,
+    ResponseMeta, completion_id, parse_fields, render_chat,
 };
 use crate::telemetry::metrics::SharedMetrics;
 
@@ -59,28 +60,37 @@ pub fn router(g: Arc<Gateway>) -> axum::Router {
 /// after the first, recorded when it ends.
 struct Meter {
     metrics: SharedMetrics,
-    first_at: Instant,
+    arrived: Instant,
+    first_at: Option<Instant>,
     tokens: u32,
 }
 
 impl Meter {
-    fn first(metrics: SharedMetrics, arrived: Instant) -> Self {
-        let now = Instant::now();
-        metrics.ttft_seconds.observe((now - arrived).as_secs_f64());
+    fn new(metrics: SharedMetrics, arrived: Instant) -> Self {
         Self {
             metrics,
-            first_at: now,
-            tokens: 1,
+            arrived,
+            first_at: None,
+            tokens: 0,
         }
     }
 
     fn token(&mut self) {
+        if self.first_at.is_none() {
+            let now = Instant::now();
+            self.metrics
+                .ttft_seconds
+                .observe((now - self.arrived).as_secs_f64());
+            self.first_at = Some(now);
+        }
         self.tokens += 1;
     }
 
     fn done(&self) {
-        if self.tokens > 1 {
-            let per = self.first_at.elapsed().as_secs_f64() / f64::from(self.tokens - 1);
+        if let Some(first) = self.first_at
+            && self.tokens > 1
+        {
+            let per = first.elapsed().as_secs_f64() / f64::from(self.tokens - 1);
             self.metrics.tpot_seconds.observe(per);
         }
     }
@@ -152,10 +162,15 @@ async fn start(
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };
+    let choices = match params.choices(flavor, MAX_COMPLETION_LOGPROBS) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
     let job = Job {
         prompt,
         params,
         stop,
+        choices,
     };
     serve(g, job, flavor)
         .await
@@ -185,6 +200,7 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
     let include_usage = job.params.include_usage();
     let prompt_tokens = job.prompt.len();
     let stop = job.stop.clone();
+    let n = job.choices.n;
     tokio::spawn(
         {
             let g = Arc::clone(&g);
@@ -196,25 +212,17 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
         }
         .instrument(tracing::Span::current()),
     );
-    // Wait for the first token (or the failure) before answering anything.
-    let (first, meta) = match rx.recv().await {
-        Some(Out::First {
-            token,
-            seed,
+    // Wait for the route (or the failure) before answering anything.
+    let meta = match rx.recv().await {
+        Some(Out::Start { seed, model, route }) => ResponseMeta {
+            id: completion_id(),
             model,
-            route,
-        }) => (
-            token,
-            ResponseMeta {
-                id: completion_id(),
-                model,
-                seed,
-                flavor,
-                prompt_tokens,
-                route: Some(route),
-                stop,
-            },
-        ),
+            seed,
+            flavor,
+            prompt_tokens,
+            route: Some(route),
+            stop,
+        },
         Some(Out::Fail(f)) => return Err(f),
         Some(other) => {
             return Err(ApiError::new(
@@ -225,20 +233,29 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
         }
         None => return Err(timed_out()),
     };
-    let mut meter = Meter::first(Arc::clone(&g.metrics), arrived);
+    let mut meter = Meter::new(Arc::clone(&g.metrics), arrived);
     if stream {
-        return Ok(relay_stream(meta, first, rx, meter, include_usage));
+        return Ok(relay_stream(meta, n, rx, meter, include_usage));
     }
-    let mut tokens = vec![first];
-    let finish = loop {
+    let mut choices = vec![ChoiceOut::default(); n as usize];
+    let mut open = n;
+    while open > 0 {
         match rx.recv().await {
-            Some(Out::Token(t)) => {
+            Some(Out::Token {
+                choice,
+                token,
+                logprobs,
+            }) => {
                 meter.token();
-                tokens.push(t);
+                let c = &mut choices[choice as usize];
+                c.tokens.push(token);
+                if let Some(l) = logprobs {
+                    c.logprobs.get_or_insert_with(Vec::new).push(l);
+                }
             }
-            Some(Out::Done { finish }) => {
-                meter.done();
-                break finish;
+            Some(Out::Done { choice, finish }) => {
+                choices[choice as usize].finish = finish;
+                open -= 1;
             }
             Some(Out::Broken(e)) => {
                 return Err(ApiError::new(
@@ -250,45 +267,51 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
             Some(_) => {}
             None => return Err(timed_out()),
         }
-    };
-    Ok(Json(meta.whole(tokens, finish)).into_response())
+    }
+    meter.done();
+    Ok(Json(meta.whole(choices)).into_response())
 }
 
 fn relay_stream(
     meta: ResponseMeta,
-    first: u32,
+    n: u32,
     mut rx: mpsc::Receiver<Out>,
     mut meter: Meter,
     include_usage: bool,
 ) -> Response {
     let (tx, response) = sse::channel(64);
     tokio::spawn(async move {
-        let mut text = StreamText::new(meta.stop.clone());
-        let mut chunk =
-            |tokens, finish| StreamEvent::Chunk(Box::new(meta.chunk(&mut text, tokens, finish)));
-        if !tx.send(&chunk(vec![first], None)).await {
-            return;
-        }
+        let mut streams: Vec<ChoiceStream> = (0..n)
+            .map(|_| ChoiceStream::new(meta.stop.clone()))
+            .collect();
+        let mut open = n;
         loop {
             let event = match rx.recv().await {
-                Some(Out::Token(t)) => {
+                Some(Out::Token {
+                    choice,
+                    token,
+                    logprobs,
+                }) => {
                     meter.token();
-                    chunk(vec![t], None)
+                    let c = meta.chunk(
+                        &mut streams[choice as usize],
+                        choice,
+                        vec![token],
+                        logprobs.map(|l| vec![l]),
+                        None,
+                    );
+                    StreamEvent::Chunk(Box::new(c))
                 }
-                Some(Out::Done { finish }) => {
-                    meter.done();
-                    if !tx.send(&chunk(vec![], Some(finish))).await {
-                        return;
-                    }
-                    // `stream_options.include_usage`: the counts, in a chunk of their own.
-                    if include_usage {
-                        let usage = meta.usage_chunk(meter.tokens as usize);
-                        if !tx.send(&StreamEvent::Chunk(Box::new(usage))).await {
-                            return;
-                        }
-                    }
-                    tx.send(&StreamEvent::Done).await;
-                    return;
+                Some(Out::Done { choice, finish }) => {
+                    open -= 1;
+                    let c = meta.chunk(
+                        &mut streams[choice as usize],
+                        choice,
+                        vec![],
+                        None,
+                        Some(finish),
+                    );
+                    StreamEvent::Chunk(Box::new(c))
                 }
                 Some(Out::Broken(e)) => StreamEvent::Error(e),
                 Some(_) => continue,
@@ -303,7 +326,20 @@ fn relay_stream(
             if !tx.send(&event).await || event.is_end() {
                 return;
             }
+            if open == 0 {
+                break;
+            }
         }
+        meter.done();
+        // `stream_options.include_usage`: the counts, summed over the choices, in a chunk of
+        // their own.
+        if include_usage {
+            let usage = meta.usage_chunk(meter.tokens as usize);
+            if !tx.send(&StreamEvent::Chunk(Box::new(usage))).await {
+                return;
+            }
+        }
+        tx.send(&StreamEvent::Done).await;
     });
     response
 }

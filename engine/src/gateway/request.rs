@@ -21,9 +21,12 @@ use super::plan::{Ranked, Reason, has_blocks_targets, plan};
 use super::upstream::Unclaimed;
 use crate::api::sse::StreamEvent;
 use crate::api::{
-    ApiError, CompletionRequest, ErrorDetail, GenerationParams, Prompt, RouteInfo, TlResume,
+    ApiError, CompletionRequest, ErrorDetail, GenerationParams, LogprobsField, Prompt, RouteInfo,
+    TlResume,
 };
 use crate::net::clients::EventStream;
+use tl_engine_core::engine::Choices;
+use tl_engine_core::logprobs::TokenLogprobs;
 use tl_engine_core::stop::Stop;
 
 /// A request that passed validation.
@@ -35,26 +38,43 @@ pub struct Job {
     pub params: GenerationParams,
     /// Its stop rules, valid.
     pub stop: Stop,
+    /// Its choices and log-probabilities, valid.
+    pub choices: Choices,
+}
+
+impl Job {
+    /// Log-probabilities asked for: then every token, the first included, comes from a decode
+    /// engine's stream (which computes them), never from a Prefill's handle.
+    fn wants_logprobs(&self) -> bool {
+        self.choices.logprobs.is_some()
+    }
 }
 
 /// What the request task tells the HTTP handler.
 #[derive(Debug)]
 pub enum Out {
-    /// Routing done, first token known.
-    First {
-        /// The token.
-        token: u32,
-        /// The seed used.
+    /// Routing done: an engine is producing the answer (tokens follow).
+    Start {
+        /// The seed used (choice i samples with seed + i).
         seed: u64,
         /// The model that answers.
         model: String,
         /// Where it went.
         route: RouteInfo,
     },
-    /// A later token.
-    Token(u32),
-    /// Done.
+    /// A token of one choice.
+    Token {
+        /// The choice.
+        choice: u32,
+        /// The token.
+        token: u32,
+        /// Its log-probabilities, when asked for.
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// One choice is done (the request is, once each of its choices is).
     Done {
+        /// The choice.
+        choice: u32,
         /// OpenAI's finish reason.
         finish: String,
     },
@@ -72,12 +92,29 @@ fn broken(message: impl Into<String>) -> Out {
     })
 }
 
-/// What to do with the first token of a relayed stream.
-enum First {
-    /// The client already has it (it came with the KvHandle).
-    Drop,
-    /// Announce it as the first token, with the route.
-    Announce(RouteInfo),
+/// One choice as the client has it, while an engine's stream is relayed.
+#[derive(Debug)]
+struct ChoiceState {
+    /// Its index in the response.
+    choice: u32,
+    /// Every token the client has, in order.
+    sent: Vec<u32>,
+    /// Finished (its last message sent).
+    done: bool,
+    /// The engine's next token for it is one the client already has (a Prefill's first token,
+    /// announced before the decode engine's stream opened).
+    skip: bool,
+}
+
+impl ChoiceState {
+    fn new(choice: u32) -> Self {
+        Self {
+            choice,
+            sent: Vec::new(),
+            done: false,
+            skip: false,
+        }
+    }
 }
 
 /// A Prefill that failed this way is worth trying on the next decode engine: the push was
@@ -132,16 +169,19 @@ enum Relayed {
     Lost(&'static str),
 }
 
-/// A disaggregated request after its first token: what the client has, and how to continue it
-/// on another decode engine if this one is lost.
+/// A disaggregated request's choice after its first Prefill: what the client has of it, and
+/// how to continue it on another decode engine if the one serving it is lost.
 struct Continuation<'a> {
     job: &'a Job,
     /// The request id; Prefills are `<id>-<n>`.
     id: &'a str,
     /// Prefills sent so far (the next one's `n`).
     attempts: u32,
-    /// Every token the client has, in order.
-    sent: Vec<u32>,
+    /// The choice, its tokens and state.
+    state: ChoiceState,
+    /// Leading tokens of `state.sent` that the current handle's prompt holds (the rest of the
+    /// request's prompt, after `job.prompt`).
+    held: usize,
     /// The seed the first Prefill reported.
     seed: u64,
     /// Draws one token consumes: 0 greedy, 1 otherwise (every token the same, `spec/pcg32.md`).
@@ -151,18 +191,22 @@ struct Continuation<'a> {
 }
 
 impl Continuation<'_> {
-    /// The prompt a decode engine holds once it holds the prompt and every sent token but the
-    /// last (which it takes as its first input).
-    fn resume_prompt(&self) -> Vec<u32> {
+    /// The prompt the current handle holds, and the tokens still to generate (the handle's
+    /// first token included).
+    fn resume_point(&self) -> (Vec<u32>, u32) {
         let mut p = self.job.prompt.clone();
-        p.extend_from_slice(&self.sent[..self.sent.len().saturating_sub(1)]);
-        p
+        p.extend_from_slice(&self.state.sent[..self.held]);
+        let max = self
+            .job
+            .params
+            .max_tokens()
+            .saturating_sub(self.held as u32);
+        (p, max)
     }
 
-    /// Tokens still to generate, the one being resumed from included.
-    fn resume_max_tokens(&self) -> u32 {
-        let before = self.sent.len().saturating_sub(1) as u32;
-        self.job.params.max_tokens().saturating_sub(before)
+    /// This choice's seed (`spec/pcg32.md`: choice i samples with seed + i).
+    fn choice_seed(&self) -> u64 {
+        self.seed.wrapping_add(u64::from(self.state.choice))
     }
 }
 
@@ -229,7 +273,8 @@ impl Gateway {
                         job: &job,
                         id: &id,
                         attempts,
-                        sent: Vec::new(),
+                        state: ChoiceState::new(0),
+                        held: 0,
                         seed: done.handle.seed,
                         draws_per_token: done.handle.rng_draws_consumed,
                         lost: Vec::new(),
@@ -325,9 +370,10 @@ impl Gateway {
         Err(PrefillEnd::NoDecode { retries })
     }
 
-    /// Sends the first token, then relays the decode engine's stream; when that engine is lost,
-    /// continues the request on another one (up to `max_failovers` times), so that the client
-    /// sees one unbroken stream.
+    /// Starts the answer, then relays the decode engine's stream of the request's choices. A
+    /// choice whose decode engine is lost continues on another one (up to `max_failovers` times
+    /// each), so that the client sees every choice unbroken; after a loss the unfinished
+    /// choices continue one after another, each as a request of its own with its seed.
     async fn finish_disaggregated(
         self: &Arc<Self>,
         mut c: Continuation<'_>,
@@ -336,64 +382,77 @@ impl Gateway {
     ) {
         let Prefilled {
             handle: h,
-            decode,
+            decode: d,
             mut route,
         } = first;
         route.blocks_sent = Some(h.blocks_sent);
         route.blocks_deduped = Some(h.blocks_deduped);
         route.payload_bytes = Some(h.payload_bytes);
-        let first = Out::First {
-            token: h.first_token,
+        let unclaimed = Unclaimed::new(Arc::clone(&self.upstream), &d.kv_address, &h.handle_id);
+        let start = Out::Start {
             seed: h.seed,
-            model: decode.model.clone(),
+            model: d.model.clone(),
             route,
         };
-        let mut current = (h, decode);
-        let mut next = Some(first);
+        if out.send(start).await.is_err() {
+            unclaimed.release().await;
+            return;
+        }
+        let mut states: Vec<ChoiceState> = (0..c.job.choices.n).map(ChoiceState::new).collect();
+        if !c.job.wants_logprobs() {
+            // The first token goes out at once (time to first token is the Prefill's).
+            states[0].skip = true;
+            if !announce(out, &mut states[0], h.first_token, c.job).await {
+                unclaimed.release().await;
+                return;
+            }
+            if c.job.choices.n == 1 && states[0].done {
+                unclaimed.release().await;
+                return;
+            }
+        }
+        let at = c.resume_point();
+        let cause = match self
+            .resume(c.job, at, &h, &d, unclaimed, &mut states, out)
+            .await
+        {
+            Relayed::Over => return,
+            Relayed::Lost(cause) => cause,
+        };
+        self.lost(&c, &d, cause);
+        c.lost.push(d.worker_id.clone());
+        for state in states.into_iter().filter(|s| !s.done) {
+            c.state = state;
+            c.state.skip = false;
+            c.held = c.state.sent.len();
+            if !self.fail_over(&mut c, cause, out).await {
+                return;
+            }
+        }
+    }
+
+    fn lost(&self, c: &Continuation<'_>, d: &WorkerStatus, cause: &str) {
+        tracing::warn!(
+            request_id = %c.id,
+            worker = %d.worker_id,
+            cause,
+            choice = c.state.choice,
+            tokens_sent = c.state.sent.len(),
+            "decode stream lost"
+        );
+    }
+
+    /// Continues choice `c.state` after its decode engine was lost (`cause`), until it is done
+    /// or the failovers allowed are spent. False when the request is over (given up, or the
+    /// client left).
+    async fn fail_over(
+        self: &Arc<Self>,
+        c: &mut Continuation<'_>,
+        mut cause: &'static str,
+        out: &mpsc::Sender<Out>,
+    ) -> bool {
         let mut failovers = 0;
         loop {
-            let (h, d) = &current;
-            let unclaimed = Unclaimed::new(Arc::clone(&self.upstream), &d.kv_address, &h.handle_id);
-            // Announce the handle's first token (a new token: the first of the request, or the
-            // one a failover's Prefill sampled).
-            let msg = next.take().unwrap_or(Out::Token(h.first_token));
-            if out.send(msg).await.is_err() {
-                // Gone before the decode engine claimed the handle.
-                unclaimed.release().await;
-                return;
-            }
-            c.sent.push(h.first_token);
-            // The first token (from the Prefill) may already end a stop rule.
-            if c.job.stop.matched(&c.sent).is_some() {
-                unclaimed.release().await;
-                let _ = out
-                    .send(Out::Done {
-                        finish: "stop".into(),
-                    })
-                    .await;
-                return;
-            }
-            if c.sent.len() >= c.job.params.max_tokens() as usize {
-                unclaimed.release().await;
-                let _ = out
-                    .send(Out::Done {
-                        finish: "length".into(),
-                    })
-                    .await;
-                return;
-            }
-            let cause = match self.resume(&mut c, h, d, unclaimed, out).await {
-                Relayed::Over => return,
-                Relayed::Lost(cause) => cause,
-            };
-            tracing::warn!(
-                request_id = %c.id,
-                worker = %d.worker_id,
-                cause,
-                tokens_sent = c.sent.len(),
-                "decode stream lost"
-            );
-            c.lost.push(d.worker_id.clone());
             let counted = |outcome| {
                 self.metrics
                     .failovers
@@ -405,49 +464,86 @@ impl Gateway {
                 let _ = out
                     .send(broken(format!(
                         "decode engine lost ({cause}) after {} tokens, and {failovers} failovers were allowed",
-                        c.sent.len()
+                        c.state.sent.len()
                     )))
                     .await;
-                return;
+                return false;
             }
             failovers += 1;
-            match self.continue_elsewhere(&mut c, out).await {
+            let (h, d) = match self.continue_elsewhere(c, out).await {
                 Ok(p) => {
                     counted("resumed");
-                    current = (p.handle, p.decode);
+                    (p.handle, p.decode)
                 }
-                Err(None) => return,
+                Err(None) => return false,
                 Err(Some(why)) => {
                     counted("gave_up");
                     let _ = out
                         .send(broken(format!(
                             "decode engine lost ({cause}) after {} tokens; no failover: {why}",
-                            c.sent.len()
+                            c.state.sent.len()
                         )))
                         .await;
-                    return;
+                    return false;
+                }
+            };
+            let unclaimed = Unclaimed::new(Arc::clone(&self.upstream), &d.kv_address, &h.handle_id);
+            c.held = c.state.sent.len();
+            if !c.job.wants_logprobs() {
+                // The new token the failover's Prefill sampled.
+                c.state.skip = true;
+                if !announce(out, &mut c.state, h.first_token, c.job).await {
+                    unclaimed.release().await;
+                    return false;
+                }
+                if c.state.done {
+                    unclaimed.release().await;
+                    return true;
+                }
+            }
+            let at = c.resume_point();
+            let mut one = [std::mem::replace(&mut c.state, ChoiceState::new(0))];
+            let relayed = self
+                .resume(c.job, at, &h, &d, unclaimed, &mut one, out)
+                .await;
+            let [state] = one;
+            c.state = state;
+            match relayed {
+                Relayed::Over => return c.state.done,
+                Relayed::Lost(again) => {
+                    self.lost(c, &d, again);
+                    c.lost.push(d.worker_id.clone());
+                    cause = again;
                 }
             }
         }
     }
 
-    /// Resumes handle `h` on decode engine `d` and relays its stream.
+    /// Resumes handle `h` (holding `at.0`, with `at.1` tokens to generate) on decode engine `d`
+    /// for the choices `states` (in the engine's order) and relays its stream.
+    #[allow(clippy::too_many_arguments)]
     async fn resume(
         &self,
-        c: &mut Continuation<'_>,
+        job: &Job,
+        at: (Vec<u32>, u32),
         h: &KvHandle,
         d: &WorkerStatus,
         unclaimed: Unclaimed,
+        states: &mut [ChoiceState],
         out: &mpsc::Sender<Out>,
     ) -> Relayed {
         let req = CompletionRequest {
-            prompt: Prompt::Tokens(c.resume_prompt()),
+            prompt: Prompt::Tokens(at.0),
             params: GenerationParams {
                 model: None,
                 seed: Some(h.seed),
                 stream: Some(true),
-                max_tokens: Some(c.resume_max_tokens()),
-                ..c.job.params.clone()
+                stream_options: None,
+                max_tokens: Some(at.1),
+                n: Some(states.len() as u32),
+                logprobs: job.choices.logprobs.map(LogprobsField::Count),
+                top_logprobs: None,
+                ..job.params.clone()
             },
             tl_resume: Some(TlResume {
                 first_token: h.first_token,
@@ -468,10 +564,9 @@ impl Gateway {
         match opened {
             Ok(Ok(events)) => {
                 // A 200 means the decode engine claimed the handle; from here, dropping the
-                // stream is what frees its blocks. Its first chunk repeats first_token, which
-                // the client already has.
+                // stream is what frees its blocks.
                 unclaimed.claimed();
-                relay(events, out, First::Drop, stall, &mut c.sent, &c.job.stop).await
+                relay(events, out, None, stall, states, &job.stop).await
             }
             // Refused, unreachable, or silent: the handle is released in the background (a
             // partitioned engine must not hold up the failover).
@@ -480,9 +575,10 @@ impl Gateway {
         }
     }
 
-    /// After decode engines in `c.lost` were lost: a Prefill of the prompt and every token sent
-    /// on a prefill engine, with the generator advanced past the draws those tokens used, pushed
-    /// to another decode engine. `Err(None)` when the client left meanwhile.
+    /// After decode engines in `c.lost` were lost: a Prefill of the prompt and every token of
+    /// the choice sent, on a prefill engine, with the choice's seed and the generator advanced
+    /// past the draws those tokens used, pushed to another decode engine. `Err(None)` when the
+    /// client left meanwhile.
     async fn continue_elsewhere(
         &self,
         c: &mut Continuation<'_>,
@@ -495,7 +591,7 @@ impl Gateway {
             .filter(|w| !c.lost.contains(&w.status.worker_id))
             .collect();
         let mut prompt = c.job.prompt.clone();
-        prompt.extend_from_slice(&c.sent);
+        prompt.extend_from_slice(&c.state.sent);
         let cached = self
             .upstream
             .cached_prefixes(&prompt, &has_blocks_targets(&workers))
@@ -507,15 +603,11 @@ impl Gateway {
         if plan.decode.is_empty() {
             return Err(Some("no other decode engine answered".into()));
         }
-        let max_tokens = c
-            .job
-            .params
-            .max_tokens()
-            .saturating_sub(c.sent.len() as u32);
+        let sent = c.state.sent.len() as u32;
         let mut sp = sampling(&c.job.params);
-        sp.seed = Some(c.seed);
-        sp.max_tokens = max_tokens;
-        let offset = c.draws_per_token.saturating_mul(c.sent.len() as u32);
+        sp.seed = Some(c.choice_seed());
+        sp.max_tokens = c.job.params.max_tokens().saturating_sub(sent);
+        let offset = c.draws_per_token.saturating_mul(sent);
         match self
             .prefill(
                 c.id,
@@ -581,6 +673,10 @@ impl Gateway {
             params: GenerationParams {
                 model: None,
                 stream: Some(true),
+                stream_options: None,
+                n: Some(job.choices.n),
+                logprobs: job.choices.logprobs.map(LogprobsField::Count),
+                top_logprobs: None,
                 ..job.params.clone()
             },
             tl_resume: None,
@@ -590,16 +686,10 @@ impl Gateway {
                 // No failover for a colocated request (nothing else holds its state): a lost
                 // stream is reported; the whole request's timeout bounds a silent one.
                 let quiet = Duration::from_millis(self.cfg.request_timeout_ms.max(1));
-                let mut sent = Vec::new();
-                if let Relayed::Lost(cause) = relay(
-                    events,
-                    out,
-                    First::Announce(route),
-                    quiet,
-                    &mut sent,
-                    &job.stop,
-                )
-                .await
+                let mut states: Vec<ChoiceState> =
+                    (0..job.choices.n).map(ChoiceState::new).collect();
+                if let Relayed::Lost(cause) =
+                    relay(events, out, Some(route), quiet, &mut states, &job.stop).await
                 {
                     let _ = out
                         .send(broken(format!("engine stream lost ({cause})")))
@@ -650,19 +740,46 @@ fn route(p: &WorkerStatus, d: &Ranked, retries: u32) -> RouteInfo {
     }
 }
 
-/// Forwards an engine's stream as [`Out`] messages; `first` says what becomes of the first
-/// token. Every token the client was sent is appended to `sent`. Dropping `events` on return
-/// closes the engine's request, which cancels its sequence.
+/// Sends `token` as the next token of `state`'s choice, and its end when it ends a stop rule or
+/// reaches `max_tokens`. False when the client has gone.
+async fn announce(out: &mpsc::Sender<Out>, state: &mut ChoiceState, token: u32, job: &Job) -> bool {
+    let msg = Out::Token {
+        choice: state.choice,
+        token,
+        logprobs: None,
+    };
+    if out.send(msg).await.is_err() {
+        return false;
+    }
+    state.sent.push(token);
+    let finish = if job.stop.matched(&state.sent).is_some() {
+        "stop"
+    } else if state.sent.len() >= job.params.max_tokens() as usize {
+        "length"
+    } else {
+        return true;
+    };
+    state.done = true;
+    let done = Out::Done {
+        choice: state.choice,
+        finish: finish.into(),
+    };
+    out.send(done).await.is_ok()
+}
+
+/// Forwards an engine's stream as [`Out`] messages, the engine's choice `i` as `states[i]`;
+/// with `start`, the first chunk starts the answer (its seed and model, and this route).
+/// Returns when every choice is done. Dropping `events` on return closes the engine's request,
+/// which cancels what is left of it.
 async fn relay(
     mut events: EventStream,
     out: &mpsc::Sender<Out>,
-    first: First,
+    mut start: Option<RouteInfo>,
     stall: Duration,
-    sent: &mut Vec<u32>,
+    states: &mut [ChoiceState],
     stop: &Stop,
 ) -> Relayed {
-    let mut first = Some(first);
-    loop {
+    while states.iter().any(|s| !s.done) {
         let event = tokio::select! {
             e = tokio::time::timeout(stall, events.next()) => e,
             () = out.closed() => return Relayed::Over,
@@ -670,8 +787,8 @@ async fn relay(
         let chunk = match event {
             Err(_) => return Relayed::Lost("stall"),
             Ok(Some(Ok(StreamEvent::Chunk(c)))) => c,
-            // An engine ends a stream after the chunk with its finish reason; a [DONE] before
-            // it is a stream cut short.
+            // An engine ends a stream after the chunks with its finish reasons; a [DONE] before
+            // them is a stream cut short.
             Ok(Some(Ok(StreamEvent::Done)) | Some(Err(_)) | None) => {
                 return Relayed::Lost("reset");
             }
@@ -680,38 +797,65 @@ async fn relay(
                 return Relayed::Over;
             }
         };
+        if let Some(route) = start.take() {
+            let msg = Out::Start {
+                seed: chunk.seed,
+                model: chunk.model.clone(),
+                route,
+            };
+            if out.send(msg).await.is_err() {
+                return Relayed::Over;
+            }
+        }
         for choice in &chunk.choices {
+            let Some(state) = states.get_mut(choice.index as usize) else {
+                continue;
+            };
+            let mut logprobs = choice.tl_logprobs.iter().flatten();
             for &t in &choice.tokens {
-                let msg = match first.take() {
-                    None => Out::Token(t),
-                    Some(First::Drop) => continue,
-                    Some(First::Announce(route)) => Out::First {
-                        token: t,
-                        seed: chunk.seed,
-                        model: chunk.model.clone(),
-                        route,
-                    },
+                let lp = logprobs.next().map(TokenLogprobs::from);
+                if state.done {
+                    break;
+                }
+                if std::mem::take(&mut state.skip) {
+                    continue;
+                }
+                let msg = Out::Token {
+                    choice: state.choice,
+                    token: t,
+                    logprobs: lp,
                 };
                 if out.send(msg).await.is_err() {
                     return Relayed::Over;
                 }
-                sent.push(t);
+                state.sent.push(t);
                 // The engine ends its sequence at the step that matched and says so; this
                 // check also catches a stop string that straddles a failover (the new engine
-                // sees only its own tokens). Dropping the stream cancels what is left.
-                if stop.matched(sent).is_some() {
-                    let _ = out
-                        .send(Out::Done {
-                            finish: "stop".into(),
-                        })
-                        .await;
+                // sees only its own tokens).
+                if stop.matched(&state.sent).is_some() {
+                    state.done = true;
+                    let done = Out::Done {
+                        choice: state.choice,
+                        finish: "stop".into(),
+                    };
+                    if out.send(done).await.is_err() {
+                        return Relayed::Over;
+                    }
+                }
+            }
+            if let Some(f) = &choice.finish_reason
+                && !state.done
+            {
+                state.done = true;
+                let done = Out::Done {
+                    choice: state.choice,
+                    finish: f.clone(),
+                };
+                if out.send(done).await.is_err() {
                     return Relayed::Over;
                 }
             }
-            if let Some(f) = &choice.finish_reason {
-                let _ = out.send(Out::Done { finish: f.clone() }).await;
-                return Relayed::Over;
-            }
         }
     }
+    Relayed::Over
 }

@@ -403,6 +403,7 @@ impl Config {
             mode: tl_engine_core::engine::Mode::Generate,
             draws_offset: 0,
             stop: tl_engine_core::stop::Stop::default(),
+            choices: tl_engine_core::engine::Choices::ONE,
         })
     }
 

@@ -11,7 +11,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use kvwire::prompt_hashes;
 use kvwire_grpc::KvReceiver;
-use tl_engine_core::engine::{Mode, Request, Resume};
+use tl_engine_core::engine::{Choices, Mode, Request, Resume};
+use tl_engine_core::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs};
 use tl_engine_core::pool::Blocks;
 use tl_engine_core::request::Limits;
 use tl_engine_core::rng::entropy_seed;
@@ -24,8 +25,8 @@ use super::runner::SeqEvent;
 use super::state::NodeState;
 use crate::api::sse::{self, StreamEvent};
 use crate::api::{
-    ApiError, CompletionRequest, ENGINE_COMPLETION_FIELDS, Flavor, KV_HANDLE_HEADER, ResponseMeta,
-    StreamText, TlResume, completion_id, finish_str, parse_fields,
+    ApiError, ChoiceOut, ChoiceStream, CompletionRequest, ENGINE_COMPLETION_FIELDS, Flavor,
+    KV_HANDLE_HEADER, ResponseMeta, TlResume, completion_id, finish_str, parse_fields,
 };
 use crate::net::tls::PeerRole;
 
@@ -67,7 +68,8 @@ impl DecodeFront {
         req: &CompletionRequest,
         sampling: Sampling,
         stop: Stop,
-    ) -> Result<(u64, u32, mpsc::UnboundedReceiver<SeqEvent>), ApiError> {
+        choices: Choices,
+    ) -> Result<(u64, mpsc::UnboundedReceiver<SeqEvent>), ApiError> {
         let not_found = |m: String| ApiError::new(StatusCode::NOT_FOUND, "not_found", m);
         let Some(TlResume {
             first_token,
@@ -120,8 +122,9 @@ impl DecodeFront {
             seed,
             max_tokens: req.params.max_tokens(),
             stop,
+            choices,
         });
-        Ok((seed, first_token, events))
+        Ok((seed, events))
     }
 
     async fn complete(&self, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
@@ -159,12 +162,11 @@ impl DecodeFront {
             .params(&prompt)
             .validate(Limits::of(model.as_ref()))?;
         let stop = req.params.stop_rules()?;
-        let (seed, first, events) = match handle {
-            Some(handle) => {
-                let (seed, first, ev) =
-                    self.resume(handle, &prompt, &req, sampling, stop.clone())?;
-                (seed, Some(first), ev)
-            }
+        // The gateway passes chat's alternatives on as a completion's count: the front takes
+        // up to chat's bound.
+        let choices = req.params.choices(Flavor::Completion, MAX_TOP_LOGPROBS)?;
+        let (seed, events) = match handle {
+            Some(handle) => self.resume(handle, &prompt, &req, sampling, stop.clone(), choices)?,
             None => {
                 let seed = req.params.seed.unwrap_or_else(entropy_seed);
                 let (_, ev) = runner.submit(Request {
@@ -175,8 +177,9 @@ impl DecodeFront {
                     mode: Mode::Generate,
                     draws_offset: 0,
                     stop: stop.clone(),
+                    choices,
                 });
-                (seed, None, ev)
+                (seed, ev)
             }
         };
         let meta = ResponseMeta {
@@ -189,9 +192,9 @@ impl DecodeFront {
             stop,
         };
         Ok(if req.params.streams() {
-            stream(meta, first, events, permit)
+            stream(meta, choices.n, events, permit)
         } else {
-            let r = collect(meta, first, events).await;
+            let r = collect(meta, choices.n, events).await;
             drop(permit);
             r?
         })
@@ -228,26 +231,41 @@ fn engine_error(message: impl Into<String>) -> ApiError {
 
 async fn collect(
     meta: ResponseMeta,
-    first: Option<u32>,
+    n: u32,
     mut events: mpsc::UnboundedReceiver<SeqEvent>,
 ) -> Result<Response, ApiError> {
-    let mut tokens: Vec<u32> = first.into_iter().collect();
-    let reason = loop {
+    let mut choices = vec![ChoiceOut::default(); n as usize];
+    let mut open = n;
+    while open > 0 {
         match events.recv().await {
-            Some(SeqEvent::Token { token, .. }) => tokens.push(token),
-            Some(SeqEvent::Finished(r)) => break r,
+            Some(SeqEvent::Token {
+                choice,
+                token,
+                logprobs,
+                ..
+            }) => {
+                let c = &mut choices[choice as usize];
+                c.tokens.push(token);
+                if let Some(l) = logprobs {
+                    c.logprobs.get_or_insert_with(Vec::new).push(l);
+                }
+            }
+            Some(SeqEvent::Finished { choice, reason }) => {
+                choices[choice as usize].finish = finish_str(reason).into();
+                open -= 1;
+            }
             Some(SeqEvent::Refused(e)) => return Err(e.into()),
             Some(SeqEvent::Failed(e)) => return Err(engine_error(e.to_string())),
             Some(SeqEvent::Prefilled(_)) => {}
             None => return Err(engine_error("the engine stopped")),
         }
-    };
-    Ok(Json(meta.whole(tokens, finish_str(reason).into())).into_response())
+    }
+    Ok(Json(meta.whole(choices)).into_response())
 }
 
 fn stream(
     meta: ResponseMeta,
-    first: Option<u32>,
+    n: u32,
     mut events: mpsc::UnboundedReceiver<SeqEvent>,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) -> Response {
@@ -255,19 +273,32 @@ fn stream(
     tokio::spawn(async move {
         // The request counts as in flight until its stream ends.
         let _permit = permit;
-        let mut text = StreamText::new(meta.stop.clone());
-        let mut chunk = |tokens: Vec<u32>, finish: Option<String>| {
-            StreamEvent::Chunk(Box::new(meta.chunk(&mut text, tokens, finish)))
+        let mut streams: Vec<ChoiceStream> = (0..n)
+            .map(|_| ChoiceStream::new(meta.stop.clone()))
+            .collect();
+        let mut open = n;
+        let mut chunk = |choice: u32, tokens, lp: Option<TokenLogprobs>, finish| {
+            let c = meta.chunk(
+                &mut streams[choice as usize],
+                choice,
+                tokens,
+                lp.map(|l| vec![l]),
+                finish,
+            );
+            StreamEvent::Chunk(Box::new(c))
         };
-        if let Some(t) = first
-            && !tx.send(&chunk(vec![t], None)).await
-        {
-            return;
-        }
         loop {
             let event = match events.recv().await {
-                Some(SeqEvent::Token { token, .. }) => chunk(vec![token], None),
-                Some(SeqEvent::Finished(r)) => chunk(vec![], Some(finish_str(r).into())),
+                Some(SeqEvent::Token {
+                    choice,
+                    token,
+                    logprobs,
+                    ..
+                }) => chunk(choice, vec![token], logprobs, None),
+                Some(SeqEvent::Finished { choice, reason }) => {
+                    open -= 1;
+                    chunk(choice, vec![], None, Some(finish_str(reason).into()))
+                }
                 Some(SeqEvent::Failed(e)) => {
                     StreamEvent::Error(engine_error(e.to_string()).detail())
                 }
@@ -275,18 +306,13 @@ fn stream(
                 Some(SeqEvent::Prefilled(_)) => continue,
                 None => break,
             };
-            let last = matches!(&event, StreamEvent::Chunk(c) if c.choices.iter().any(|c| c.finish_reason.is_some()))
-                || event.is_end();
             // A client that went away closes the stream: dropping `events` then cancels the
-            // sequence on the engine thread.
-            if !tx.send(&event).await {
+            // request on the engine thread.
+            if !tx.send(&event).await || event.is_end() {
                 return;
             }
-            if last {
-                if !event.is_end() {
-                    tx.send(&StreamEvent::Done).await;
-                }
-                return;
+            if open == 0 {
+                break;
             }
         }
         tx.send(&StreamEvent::Done).await;

@@ -214,6 +214,7 @@ impl PrefillService {
             mode: Mode::PrefillOnly,
             draws_offset: u64::from(req.rng_draws_offset),
             stop: tl_engine_core::stop::Stop::default(),
+            choices: tl_engine_core::engine::Choices::ONE,
         };
         let handle_id = format!(
             "{}-{}-{:016x}",

@@ -15,6 +15,7 @@ use std::time::Duration;
 use tl_engine_core::engine::{
     Engine, Event, FinishReason, PrefillOutput, PrefillProgress, Request, Resume, SeqError, SeqId,
 };
+use tl_engine_core::logprobs::TokenLogprobs;
 use tl_engine_core::model::Model;
 use tl_engine_core::pool::{BlockId, SharedKv};
 use tl_engine_core::request::RequestError;
@@ -23,16 +24,25 @@ use tokio::sync::{Notify, mpsc as tmpsc};
 /// What a subscriber hears about its sequence.
 #[derive(Debug)]
 pub enum SeqEvent {
-    /// A token; index 0 is the completion's first.
+    /// A token of one choice; index 0 is its completion's first.
     Token {
+        /// The choice.
+        choice: u32,
         /// The token.
         token: u32,
         /// Its index in the completion.
         index: u32,
+        /// Its log-probabilities, when asked for.
+        logprobs: Option<TokenLogprobs>,
     },
-    /// Ended normally.
-    Finished(FinishReason),
-    /// Failed; its blocks are released.
+    /// One choice ended normally (the request is over when each has).
+    Finished {
+        /// The choice.
+        choice: u32,
+        /// Why.
+        reason: FinishReason,
+    },
+    /// The request failed; every choice's blocks are released.
     Failed(SeqError),
     /// Refused before any work.
     Refused(RequestError),
@@ -292,7 +302,8 @@ impl PrefillProgress for Paced {
 
 fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
     let slept = Arc::new(AtomicU64::new(0));
-    let mut subs: HashMap<SeqId, (Key, tmpsc::UnboundedSender<SeqEvent>)> = HashMap::new();
+    // Each request's subscriber, and its choices still open.
+    let mut subs: HashMap<SeqId, (Key, tmpsc::UnboundedSender<SeqEvent>, u32)> = HashMap::new();
     let mut seq_of: HashMap<Key, SeqId> = HashMap::new();
     loop {
         // Block for work when idle; otherwise take whatever commands are waiting.
@@ -310,9 +321,10 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
                 Cmd::Submit(key, req, tx) => {
                     let (request, progress) = *req;
                     let progress = progress.map(|p| paced(p, &engine, &request, &slept));
+                    let n = request.choices.n;
                     match engine.submit_observed(request, progress) {
                         Ok(seq) => {
-                            subs.insert(seq, (key, tx));
+                            subs.insert(seq, (key, tx, n));
                             seq_of.insert(key, seq);
                         }
                         Err(e) => {
@@ -320,12 +332,12 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
                         }
                     }
                 }
-                Cmd::Resume(key, r, tx) => match engine.resume(*r) {
-                    Ok(seq) => {
-                        subs.insert(seq, (key, tx));
+                Cmd::Resume(key, r, tx) => match (r.choices.n, engine.resume(*r)) {
+                    (n, Ok(seq)) => {
+                        subs.insert(seq, (key, tx, n));
                         seq_of.insert(key, seq);
                     }
-                    Err(e) => {
+                    (_, Err(e)) => {
                         let _ = tx.send(SeqEvent::Refused(e));
                     }
                 },
@@ -353,21 +365,43 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
             std::thread::sleep(cost);
         }
         for ev in events {
-            let (seq, msg, last) = match ev {
-                Event::Token { seq, token, index } => {
-                    (seq, SeqEvent::Token { token, index }, false)
+            // `ends`: the choices this event ends (all of them for a failure).
+            let (seq, msg, ends) = match ev {
+                Event::Token {
+                    seq,
+                    choice,
+                    token,
+                    index,
+                    logprobs,
+                } => {
+                    let msg = SeqEvent::Token {
+                        choice,
+                        token,
+                        index,
+                        logprobs,
+                    };
+                    (seq, msg, 0)
                 }
-                Event::Finished { seq, reason } => (seq, SeqEvent::Finished(reason), true),
-                Event::Failed { seq, error } => (seq, SeqEvent::Failed(error), true),
-                Event::Prefilled { seq, output } => (seq, SeqEvent::Prefilled(output), true),
+                Event::Finished {
+                    seq,
+                    choice,
+                    reason,
+                } => (seq, SeqEvent::Finished { choice, reason }, 1),
+                Event::Failed { seq, error } => (seq, SeqEvent::Failed(error), u32::MAX),
+                Event::Prefilled { seq, output } => (seq, SeqEvent::Prefilled(output), u32::MAX),
             };
-            let delivered = subs.get(&seq).is_some_and(|(_, tx)| tx.send(msg).is_ok());
+            let mut last = false;
+            let delivered = subs.get_mut(&seq).is_some_and(|(_, tx, open)| {
+                *open = open.saturating_sub(ends);
+                last = *open == 0;
+                tx.send(msg).is_ok()
+            });
             if last || !delivered {
                 if !last {
                     // Nobody listens any more: stop the work and free its blocks.
                     engine.cancel(seq);
                 }
-                if let Some((key, _)) = subs.remove(&seq) {
+                if let Some((key, ..)) = subs.remove(&seq) {
                     seq_of.remove(&key);
                 }
             }

@@ -30,6 +30,7 @@ pub fn prefill(e: &mut Engine, prompt: &[u32]) -> PrefillOutput {
         mode: Mode::PrefillOnly,
         draws_offset: 0,
         stop: tl_engine_core::stop::Stop::default(),
+        choices: tl_engine_core::engine::Choices::ONE,
     })
     .unwrap();
     for ev in e.step().0 {

@@ -76,6 +76,7 @@ pub(crate) fn generate(args: &GenerateArgs) -> ExitCode {
         mode: Mode::Generate,
         draws_offset: 0,
         stop: tl_engine_core::stop::Stop::default(),
+        choices: tl_engine_core::engine::Choices::ONE,
     };
     match engine.generate(req) {
         Ok(tokens) => {

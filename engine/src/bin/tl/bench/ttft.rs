@@ -69,6 +69,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
             mode,
             draws_offset: 0,
             stop: tl_engine_core::stop::Stop::default(),
+            choices: tl_engine_core::engine::Choices::ONE,
         };
 
         // Colocated: prefill and first token on one engine.

@@ -1,0 +1,195 @@
+//! Log-probabilities in OpenAI's two shapes: completions' parallel lists
+//! (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) and chat's `content` entries
+//! (`token`, `logprob`, `bytes`, `top_logprobs`). Values are the core's
+//! [`TokenLogprobs`], carried unchanged (f32, printed shortest-exact), so a client reads the
+//! very numbers the engine computed.
+//!
+//! A token's string: its byte as a character when that byte is ASCII, `bytes:\xNN` for a lone
+//! byte of a multi-byte character (OpenAI's notation for tokens that are not valid UTF-8 by
+//! themselves), `<|bos|>`-style names for the specials.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use tl_engine_core::logprobs::TokenLogprobs;
+use tl_engine_core::model::{BOS, EOS, PAD, TextStream};
+
+use super::Flavor;
+
+/// The text of one token, as logprobs name it.
+#[must_use]
+pub fn token_str(t: u32) -> String {
+    match t {
+        0..=0x7F => char::from(t as u8).to_string(),
+        0x80..=0xFF => format!("bytes:\\x{t:02x}"),
+        BOS => "<|bos|>".into(),
+        EOS => "<|eos|>".into(),
+        PAD => "<|pad|>".into(),
+        _ => "<|unk|>".into(),
+    }
+}
+
+/// The bytes of one token (chat's `bytes`): none for a special.
+#[must_use]
+pub fn token_bytes(t: u32) -> Option<Vec<u8>> {
+    (t < 256).then(|| vec![t as u8])
+}
+
+/// A token's log-probabilities with ids (the `tl_logprobs` extension): what an engine sends the
+/// gateway, which renders OpenAI's shapes from it.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+pub struct TlLogprob {
+    /// The token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens and theirs, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl From<&TokenLogprobs> for TlLogprob {
+    fn from(l: &TokenLogprobs) -> Self {
+        Self {
+            token: l.token,
+            logprob: l.logprob,
+            top: l.top.clone(),
+        }
+    }
+}
+
+impl From<&TlLogprob> for TokenLogprobs {
+    fn from(l: &TlLogprob) -> Self {
+        Self {
+            token: l.token,
+            logprob: l.logprob,
+            top: l.top.clone(),
+        }
+    }
+}
+
+/// Completions' `logprobs`.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct CompletionLogprobs {
+    /// Each token's text.
+    pub tokens: Vec<String>,
+    /// Each token's log-probability.
+    pub token_logprobs: Vec<f32>,
+    /// The most likely tokens at each step, by text.
+    pub top_logprobs: Vec<BTreeMap<String, f32>>,
+    /// Each token's offset in the completion's text, in characters.
+    pub text_offset: Vec<usize>,
+}
+
+/// One alternative of chat's `top_logprobs`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+pub struct ChatTopLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// Its bytes (null for a special).
+    pub bytes: Option<Vec<u8>>,
+}
+
+/// One entry of chat's `logprobs.content`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+pub struct ChatTokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// Its bytes (null for a special).
+    pub bytes: Option<Vec<u8>>,
+    /// The most likely tokens at this step.
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+/// Chat's `logprobs`.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct ChatLogprobs {
+    /// One entry per token.
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+/// A choice's `logprobs`, in its endpoint's shape.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(untagged)]
+pub enum ChoiceLogprobs {
+    /// `/v1/completions`.
+    Completion(CompletionLogprobs),
+    /// `/v1/chat/completions`.
+    Chat(ChatLogprobs),
+}
+
+/// Text offsets as a completion streams: the characters of the text before each token.
+#[derive(Clone, Debug, Default)]
+pub struct Offsets {
+    text: TextStream,
+    chars: usize,
+}
+
+impl Offsets {
+    /// The offsets of `tokens`, continuing after the ones before.
+    pub fn next(&mut self, tokens: &[u32]) -> Vec<usize> {
+        tokens
+            .iter()
+            .map(|&t| {
+                let at = self.chars;
+                self.chars += self.text.push(&[t]).chars().count();
+                at
+            })
+            .collect()
+    }
+}
+
+/// `lps` in `flavor`'s shape, with `offsets` (from [`Offsets`]) for a completion.
+#[must_use]
+pub fn render(flavor: Flavor, lps: &[TokenLogprobs], offsets: Vec<usize>) -> ChoiceLogprobs {
+    match flavor {
+        Flavor::Completion => ChoiceLogprobs::Completion(CompletionLogprobs {
+            tokens: lps.iter().map(|l| token_str(l.token)).collect(),
+            token_logprobs: lps.iter().map(|l| l.logprob).collect(),
+            top_logprobs: lps
+                .iter()
+                .map(|l| l.top.iter().map(|&(t, p)| (token_str(t), p)).collect())
+                .collect(),
+            text_offset: offsets,
+        }),
+        Flavor::Chat => ChoiceLogprobs::Chat(ChatLogprobs {
+            content: lps
+                .iter()
+                .map(|l| ChatTokenLogprob {
+                    token: token_str(l.token),
+                    logprob: l.logprob,
+                    bytes: token_bytes(l.token),
+                    top_logprobs: l
+                        .top
+                        .iter()
+                        .map(|&(t, p)| ChatTopLogprob {
+                            token: token_str(t),
+                            logprob: p,
+                            bytes: token_bytes(t),
+                        })
+                        .collect(),
+                })
+                .collect(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_strings_are_distinct_and_offsets_count_characters() {
+        let names: std::collections::HashSet<String> = (0..260).map(token_str).collect();
+        assert_eq!(names.len(), 260, "two tokens share a name");
+        assert_eq!(token_str(u32::from(b'a')), "a");
+        assert_eq!(token_str(0xC3), "bytes:\\xc3");
+        // "aé" then "b": é is two byte tokens, one character.
+        let mut o = Offsets::default();
+        assert_eq!(o.next(&[0x61, 0xC3]), vec![0, 1]);
+        assert_eq!(o.next(&[0xA9, 0x62]), vec![1, 2]);
+    }
+}
