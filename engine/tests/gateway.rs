@@ -804,3 +804,249 @@ async fn stop_frees_blocks_at_the_matching_step() {
         assert!(common::settled(d, 0).await);
     }
 }
+
+/// The prefill engine's push figures: pushes, blocks sent with a payload, payload bytes.
+fn pushed(p: &EngineNode) -> (u64, u64, u64) {
+    let m = p.metrics();
+    let text = m.encode();
+    let pushes = text
+        .lines()
+        .find_map(|l| l.strip_prefix("tl_kv_push_seconds_count "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("tl_kv_push_seconds_count");
+    let bytes = m
+        .kv_payload_bytes
+        .get_or_create(&tl_engine::telemetry::metrics::Direction { direction: "sent" })
+        .get();
+    (pushes, m.kv_blocks_sent.get(), bytes)
+}
+
+fn choice_tokens(c: &Value) -> Vec<u32> {
+    c["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// `n` choices: one Prefill and one push (the same bytes as for one choice), the decode engine
+/// forks the choices, choice i equals a colocated run with seed + i, greedy choices are equal,
+/// a stream interleaves the choices by index, usage sums them, and the pools end where they
+/// began.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_share_one_prefill() {
+    use tl_engine::api::sse::StreamEvent;
+    let c = cluster(2).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    // Two prompts of one length with no common prefix: the same blocks to send, none deduped.
+    let one: Vec<u32> = (10..47).collect();
+    let many: Vec<u32> = (110..147).collect();
+    let post = |body: Value| {
+        let (http, addr) = (&http, &addr);
+        async move {
+            let r = http
+                .post(addr, "/v1/completions", &[], body.to_string())
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            r
+        }
+    };
+    let before = pushed(&c.p);
+    post(json!({ "prompt": one, "max_tokens": 8, "temperature": 0.8, "seed": 9 })).await;
+    let after_one = pushed(&c.p);
+    let v = post(json!({ "prompt": many, "max_tokens": 8, "temperature": 0.8, "seed": 9, "n": 3 }))
+        .await
+        .json();
+    let after_many = pushed(&c.p);
+    let delta = |a: (u64, u64, u64), b: (u64, u64, u64)| (b.0 - a.0, b.1 - a.1, b.2 - a.2);
+    assert_eq!(delta(before, after_one).0, 1, "one push for n = 1");
+    assert_eq!(
+        delta(after_one, after_many),
+        delta(before, after_one),
+        "n = 3 pushes what n = 1 pushes, once"
+    );
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, ch) in choices.iter().enumerate() {
+        assert_eq!(ch["index"], i);
+        assert_eq!(
+            choice_tokens(ch),
+            colocated(&many, 0.8, 9 + i as u64, 8),
+            "choice {i}"
+        );
+        assert_eq!(ch["finish_reason"], "length");
+    }
+    assert_ne!(choice_tokens(&choices[0]), choice_tokens(&choices[1]));
+    assert_eq!(v["usage"]["completion_tokens"], 24);
+    // Greedy: n equal choices.
+    let v = post(json!({ "prompt": many, "max_tokens": 6, "n": 4 }))
+        .await
+        .json();
+    let want = colocated(&many, 0.0, 0, 6);
+    let got: Vec<Vec<u32>> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(choice_tokens)
+        .collect();
+    assert_eq!(got, vec![want; 4]);
+    // Streamed, chat and completions: the chunks of each index concatenate to that choice's
+    // tokens and text, each index ends once, and the choices interleave.
+    for (path, mut body) in [
+        (
+            "/v1/completions",
+            json!({ "prompt": many, "max_tokens": 8, "temperature": 0.8, "seed": 9 }),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": "héllo wörld" }], "max_tokens": 8, "temperature": 0.8, "seed": 9 }),
+        ),
+    ] {
+        body["n"] = json!(3);
+        let whole = http
+            .post(&addr, path, &[], body.to_string())
+            .await
+            .unwrap()
+            .json();
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({ "include_usage": true });
+        let r = http.post(&addr, path, &[], body.to_string()).await.unwrap();
+        assert_eq!(r.status, 200);
+        let events = r.events().unwrap();
+        assert_eq!(events.last(), Some(&StreamEvent::Done));
+        let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); 3];
+        let mut text = vec![String::new(); 3];
+        let mut finishes = [0; 3];
+        let mut order = Vec::new();
+        let mut usage = None;
+        for e in &events {
+            let StreamEvent::Chunk(c) = e else { continue };
+            if c.choices.is_empty() {
+                usage = c.usage;
+            }
+            for ch in &c.choices {
+                let i = ch.index as usize;
+                order.push(i);
+                tokens[i].extend(&ch.tokens);
+                let t = ch.text.clone().or(ch.delta.clone().map(|d| d.content));
+                text[i].push_str(&t.unwrap_or_default());
+                finishes[i] += usize::from(ch.finish_reason.is_some());
+            }
+        }
+        assert_eq!(finishes, [1, 1, 1], "{path}");
+        assert!(order.windows(2).any(|w| w[0] > w[1]), "not interleaved: {order:?}");
+        for i in 0..3 {
+            let w = &whole["choices"][i];
+            assert_eq!(tokens[i], choice_tokens(w), "{path} choice {i}");
+            let wt = w["text"].as_str().or(w["message"]["content"].as_str());
+            assert_eq!(Some(text[i].as_str()), wt, "{path} choice {i}");
+        }
+        assert_eq!(usage.unwrap().completion_tokens, 24, "{path}");
+    }
+    for node in [&c.p, &c.d[0], &c.d[1]] {
+        assert!(common::settled(node, 0).await, "{}", node.state().id());
+    }
+}
+
+/// Log-probabilities through prefill + decode equal the colocated run's bit for bit (the first
+/// token's recomputed by the decode engine from the pushed KV), on completions and chat, whole
+/// and streamed, with n > 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_equal_colocated() {
+    use tl_engine::api::logprobs::token_str;
+    use tl_engine::api::sse::StreamEvent;
+    use tl_engine_core::engine::Choices;
+    let c = cluster(2).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let prompt: Vec<u32> = (40..75).collect();
+    let chat = json!([{ "role": "user", "content": "log me" }]);
+    let chat_prompt = tl_engine_core::model::encode_text(&render_chat(
+        &serde_json::from_value::<Vec<ChatMessage>>(chat.clone()).unwrap(),
+    ));
+    for (t, seed) in [(0.0f32, 4u64), (0.7, 31)] {
+        let s = SamplingRequest {
+            temperature: t,
+            ..SamplingRequest::default()
+        };
+        let reference = |p: &[u32], k: u32| {
+            let c = Choices {
+                n: 2,
+                logprobs: Some(k),
+            };
+            Config::default()
+                .colocated_choices(p, s, seed, 9, c)
+                .unwrap()
+        };
+        // Completions, whole: OpenAI's lists, and the ids extension.
+        let want = reference(&prompt, 5);
+        let body = json!({ "prompt": prompt, "max_tokens": 9, "temperature": t, "seed": seed, "n": 2, "logprobs": 5 });
+        let r = http
+            .post(&addr, "/v1/completions", &[], body.to_string())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v: tl_engine::api::Completion = serde_json::from_slice(&r.body).unwrap();
+        for (i, w) in want.iter().enumerate() {
+            let ch = &v.choices[i];
+            assert_eq!(ch.tokens, w.tokens);
+            let got: Vec<tl_engine_core::logprobs::TokenLogprobs> =
+                ch.tl_logprobs.as_ref().unwrap().iter().map(Into::into).collect();
+            assert_eq!(got, w.logprobs, "t {t} choice {i}");
+            let Some(tl_engine::api::logprobs::ChoiceLogprobs::Completion(l)) = &ch.logprobs else {
+                panic!("no completion logprobs: {:?}", ch.logprobs);
+            };
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let want_lp: Vec<f32> = w.logprobs.iter().map(|l| l.logprob).collect();
+            assert_eq!(bits(&l.token_logprobs), bits(&want_lp));
+            let names: Vec<String> = w.tokens.iter().map(|&t| token_str(t)).collect();
+            assert_eq!(l.tokens, names);
+            for (top, wl) in l.top_logprobs.iter().zip(&w.logprobs) {
+                assert_eq!(top.len(), 5);
+                for (tok, p) in &wl.top {
+                    assert_eq!(top[&token_str(*tok)].to_bits(), p.to_bits());
+                }
+            }
+            assert_eq!(l.text_offset.len(), w.tokens.len());
+        }
+        // Chat, streamed: each token's entry arrives with it.
+        let want = reference(&chat_prompt, 3);
+        let body = json!({ "messages": chat, "max_tokens": 9, "temperature": t, "seed": seed, "n": 2, "logprobs": true, "top_logprobs": 3, "stream": true });
+        let r = http
+            .post(&addr, "/v1/chat/completions", &[], body.to_string())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let mut got = vec![Vec::new(); 2];
+        for e in r.events().unwrap() {
+            let StreamEvent::Chunk(c) = e else { continue };
+            for ch in c.choices {
+                let Some(tl_engine::api::logprobs::ChoiceLogprobs::Chat(l)) = ch.logprobs else {
+                    continue;
+                };
+                got[ch.index as usize].extend(l.content);
+            }
+        }
+        for (i, w) in want.iter().enumerate() {
+            assert_eq!(got[i].len(), w.tokens.len(), "t {t} choice {i}");
+            for (entry, wl) in got[i].iter().zip(&w.logprobs) {
+                assert_eq!(entry.token, token_str(wl.token));
+                assert_eq!(entry.logprob.to_bits(), wl.logprob.to_bits());
+                let top: Vec<(String, u32)> = entry
+                    .top_logprobs
+                    .iter()
+                    .map(|x| (x.token.clone(), x.logprob.to_bits()))
+                    .collect();
+                let wtop: Vec<(String, u32)> =
+                    wl.top.iter().map(|(t, p)| (token_str(*t), p.to_bits())).collect();
+                assert_eq!(top, wtop);
+            }
+        }
+    }
+    for node in [&c.p, &c.d[0], &c.d[1]] {
+        assert!(common::settled(node, 0).await, "{}", node.state().id());
+    }
+}

@@ -843,14 +843,15 @@ impl Engine {
     /// The request's refusal or the sequence's failure.
     pub fn generate(&mut self, req: Request) -> Result<Vec<u32>, GenerateError> {
         let mut all = self.generate_choices(req)?;
-        Ok(all.swap_remove(0))
+        Ok(all.swap_remove(0).tokens)
     }
 
-    /// As [`generate`](Self::generate), returning every choice's completion, in order.
+    /// As [`generate`](Self::generate), returning every choice, in order, with its
+    /// log-probabilities (when asked for) and why it ended.
     ///
     /// # Errors
     /// The request's refusal or the sequence's failure.
-    pub fn generate_choices(&mut self, req: Request) -> Result<Vec<Vec<u32>>, GenerateError> {
+    pub fn generate_choices(&mut self, req: Request) -> Result<Vec<Generated>, GenerateError> {
         let n = req.choices.n;
         let id = self.submit(Request {
             mode: Mode::Generate,
@@ -869,23 +870,38 @@ impl Engine {
         if !self.running.iter().any(|s| s.group == id) {
             return Ok(Vec::new());
         }
-        let mut tokens = self.collect(id, 1)?.swap_remove(0);
+        let mut tokens = self.collect(id, 1)?.swap_remove(0).tokens;
         tokens.remove(0);
         Ok(tokens)
     }
 
-    /// Steps until each of request `id`'s `n` choices has ended; returns their tokens.
-    fn collect(&mut self, id: SeqId, n: u32) -> Result<Vec<Vec<u32>>, GenerateError> {
-        let mut out = vec![Vec::new(); n as usize];
+    /// Steps until each of request `id`'s `n` choices has ended; returns them.
+    fn collect(&mut self, id: SeqId, n: u32) -> Result<Vec<Generated>, GenerateError> {
+        let mut out = vec![Generated::default(); n as usize];
         let mut open = n;
         while open > 0 {
             let (events, _) = self.step();
             for e in events {
                 match e {
                     Event::Token {
-                        seq, choice, token, ..
-                    } if seq == id => out[choice as usize].push(token),
-                    Event::Finished { seq, .. } if seq == id => open -= 1,
+                        seq,
+                        choice,
+                        token,
+                        logprobs,
+                        ..
+                    } if seq == id => {
+                        let g = &mut out[choice as usize];
+                        g.tokens.push(token);
+                        g.logprobs.extend(logprobs);
+                    }
+                    Event::Finished {
+                        seq,
+                        choice,
+                        reason,
+                    } if seq == id => {
+                        out[choice as usize].finish = Some(reason);
+                        open -= 1;
+                    }
                     Event::Failed { seq, error } if seq == id => return Err(error.into()),
                     _ => {}
                 }
@@ -893,6 +909,17 @@ impl Engine {
         }
         Ok(out)
     }
+}
+
+/// One choice of a request run to its end.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Generated {
+    /// Its tokens.
+    pub tokens: Vec<u32>,
+    /// Each token's log-probabilities (empty unless asked for).
+    pub logprobs: Vec<TokenLogprobs>,
+    /// Why it ended.
+    pub finish: Option<FinishReason>,
 }
 
 /// The event of `seq` ending.

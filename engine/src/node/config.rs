@@ -385,6 +385,24 @@ impl Config {
         seed: u64,
         max_tokens: u32,
     ) -> Result<Vec<u32>, tl_engine_core::engine::GenerateError> {
+        let one = tl_engine_core::engine::Choices::ONE;
+        let mut all = self.colocated_choices(prompt, sampling, seed, max_tokens, one)?;
+        Ok(all.swap_remove(0).tokens)
+    }
+
+    /// As [`colocated`](Self::colocated) with `choices`: every choice, with its
+    /// log-probabilities when asked for.
+    ///
+    /// # Errors
+    /// As [`colocated`](Self::colocated).
+    pub fn colocated_choices(
+        &self,
+        prompt: &[u32],
+        sampling: tl_engine_core::sampler::SamplingRequest,
+        seed: u64,
+        max_tokens: u32,
+        choices: tl_engine_core::engine::Choices,
+    ) -> Result<Vec<tl_engine_core::engine::Generated>, tl_engine_core::engine::GenerateError> {
         let model = self.build_model();
         let params = tl_engine_core::request::Params {
             prompt,
@@ -392,19 +410,22 @@ impl Config {
             sampling,
         };
         let sampling = params.validate(tl_engine_core::request::Limits::of(model.as_ref()))?;
-        let blocks =
+        let per_choice =
             (prompt.len() + max_tokens as usize).div_ceil(self.shape().block_tokens() as usize);
+        let blocks = per_choice * choices.n as usize;
         let pool = SharedKv::new(KvPool::new(self.shape(), blocks + 1));
-        tl_engine_core::engine::Engine::new(model, pool).generate(tl_engine_core::engine::Request {
-            prompt: prompt.to_vec(),
-            sampling,
-            seed,
-            max_tokens,
-            mode: tl_engine_core::engine::Mode::Generate,
-            draws_offset: 0,
-            stop: tl_engine_core::stop::Stop::default(),
-            choices: tl_engine_core::engine::Choices::ONE,
-        })
+        tl_engine_core::engine::Engine::new(model, pool).generate_choices(
+            tl_engine_core::engine::Request {
+                prompt: prompt.to_vec(),
+                sampling,
+                seed,
+                max_tokens,
+                mode: tl_engine_core::engine::Mode::Generate,
+                draws_offset: 0,
+                stop: tl_engine_core::stop::Stop::default(),
+                choices,
+            },
+        )
     }
 
     /// The simulated compute cost.
