@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::eventually;
+use common::{colocated, eventually};
 use serde_json::{Value, json};
 use tl_engine::api::sse::StreamEvent;
 use tl_engine::gateway::GatewayNode;
@@ -14,7 +14,6 @@ use tl_engine::gateway::config::{GatewayConfig, GatewaySection};
 use tl_engine::net::clients::{EventStream, HttpClient};
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, Role};
-use tl_engine_core::sampler::SamplingRequest;
 
 const MAX_TOKENS: u32 = 14;
 
@@ -28,14 +27,6 @@ fn engine_cfg(id: &str, role: Role, registry: &str) -> Config {
         c.model.decode_us_per_seq = 15_000;
     }
     c
-}
-
-fn colocated(prompt: &[u32], t: f32, seed: u64, n: u32) -> Vec<u32> {
-    let s = SamplingRequest {
-        temperature: t,
-        ..SamplingRequest::default()
-    };
-    Config::default().colocated(prompt, s, seed, n).unwrap()
 }
 
 struct Cluster {

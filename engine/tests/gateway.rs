@@ -5,7 +5,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{eventually, settled, stream_tokens};
+use common::{
+    cluster, cluster_with, colocated, engine_cfg, eventually, settled, stream_tokens, wait_workers,
+};
 use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
 use serde_json::{Value, json};
 use tl_engine::api::{ChatMessage, render_chat};
@@ -17,33 +19,6 @@ use tl_engine::node::config::{Config, Role};
 use tl_engine::node::heartbeat::worker_status;
 use tl_engine_core::sampler::SamplingRequest;
 
-fn engine_cfg(id: &str, role: Role, registry: &str) -> Config {
-    let mut c = Config::for_worker(id, role, registry);
-    c.engine.heartbeat_ms = 100;
-    c.pool.n_blocks = 256;
-    c
-}
-
-async fn wait_workers(gw: &GatewayNode, n: usize) {
-    assert!(
-        eventually(Duration::from_secs(10), || gw
-            .registry()
-            .list(Instant::now())
-            .len()
-            == n)
-        .await,
-        "workers never registered"
-    );
-}
-
-fn colocated(prompt: &[u32], t: f32, seed: u64, n: u32) -> Vec<u32> {
-    let s = SamplingRequest {
-        temperature: t,
-        ..SamplingRequest::default()
-    };
-    Config::default().colocated(prompt, s, seed, n).unwrap()
-}
-
 fn tokens_of(v: &Value) -> Vec<u32> {
     v["choices"][0]["tokens"]
         .as_array()
@@ -51,34 +26,6 @@ fn tokens_of(v: &Value) -> Vec<u32> {
         .iter()
         .map(|t| t.as_u64().unwrap() as u32)
         .collect()
-}
-
-struct Cluster {
-    gw: GatewayNode,
-    p: EngineNode,
-    d: Vec<EngineNode>,
-}
-
-async fn cluster(decoders: usize) -> Cluster {
-    cluster_with(decoders, |_| {}).await
-}
-
-/// A gateway, a prefill engine and `decoders` decode engines, each decode configuration passed
-/// through `tweak` first.
-async fn cluster_with(decoders: usize, tweak: impl Fn(&mut Config)) -> Cluster {
-    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
-    let reg = gw.registry_addr().to_string();
-    let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
-        .await
-        .unwrap();
-    let mut d = Vec::new();
-    for i in 1..=decoders {
-        let mut cfg = engine_cfg(&format!("D{i}"), Role::Decode, &reg);
-        tweak(&mut cfg);
-        d.push(EngineNode::start(&cfg).await.unwrap());
-    }
-    wait_workers(&gw, 1 + decoders).await;
-    Cluster { gw, p, d }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -937,7 +884,10 @@ async fn n_choices_share_one_prefill() {
             }
         }
         assert_eq!(finishes, [1, 1, 1], "{path}");
-        assert!(order.windows(2).any(|w| w[0] > w[1]), "not interleaved: {order:?}");
+        assert!(
+            order.windows(2).any(|w| w[0] > w[1]),
+            "not interleaved: {order:?}"
+        );
         for i in 0..3 {
             let w = &whole["choices"][i];
             assert_eq!(tokens[i], choice_tokens(w), "{path} choice {i}");
@@ -993,8 +943,13 @@ async fn logprobs_equal_colocated() {
         for (i, w) in want.iter().enumerate() {
             let ch = &v.choices[i];
             assert_eq!(ch.tokens, w.tokens);
-            let got: Vec<tl_engine_core::logprobs::TokenLogprobs> =
-                ch.tl_logprobs.as_ref().unwrap().iter().map(Into::into).collect();
+            let got: Vec<tl_engine_core::logprobs::TokenLogprobs> = ch
+                .tl_logprobs
+                .as_ref()
+                .unwrap()
+                .iter()
+                .map(Into::into)
+                .collect();
             assert_eq!(got, w.logprobs, "t {t} choice {i}");
             let Some(tl_engine::api::logprobs::ChoiceLogprobs::Completion(l)) = &ch.logprobs else {
                 panic!("no completion logprobs: {:?}", ch.logprobs);
@@ -1040,8 +995,11 @@ async fn logprobs_equal_colocated() {
                     .iter()
                     .map(|x| (x.token.clone(), x.logprob.to_bits()))
                     .collect();
-                let wtop: Vec<(String, u32)> =
-                    wl.top.iter().map(|(t, p)| (token_str(*t), p.to_bits())).collect();
+                let wtop: Vec<(String, u32)> = wl
+                    .top
+                    .iter()
+                    .map(|(t, p)| (token_str(*t), p.to_bits()))
+                    .collect();
                 assert_eq!(top, wtop);
             }
         }

@@ -108,7 +108,9 @@ fn n_choices_fork_from_one_prefill() {
         let prompt: Vec<u32> = (0..len as u32).map(|i| 60 + i * 3).collect();
         for (s, seed) in [(seeded(0.9), 21u64), (Sampling::GREEDY, 5)] {
             let mut e = engine(64);
-            let id = e.submit(req(&prompt, s, seed, 9, choices(4, None))).unwrap();
+            let id = e
+                .submit(req(&prompt, s, seed, 9, choices(4, None)))
+                .unwrap();
             let (events, stats) = e.step();
             assert_eq!(stats.prefilled_tokens, len, "one prefill serves 4 choices");
             let firsts: Vec<u32> = events

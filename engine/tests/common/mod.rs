@@ -145,3 +145,76 @@ pub fn drill(args: &[&str]) -> serde_json::Value {
     assert!(out.status.success(), "tl drill {args:?} failed: {v}");
     v
 }
+
+/// The tokens one engine generates for `prompt` by itself (the colocated reference), at
+/// temperature `t` with `seed`.
+pub fn colocated(prompt: &[u32], t: f32, seed: u64, max_tokens: u32) -> Vec<u32> {
+    let s = tl_engine_core::sampler::SamplingRequest {
+        temperature: t,
+        ..Default::default()
+    };
+    tl_engine::node::config::Config::default()
+        .colocated(prompt, s, seed, max_tokens)
+        .unwrap()
+}
+
+/// An engine of `role` registering with `registry`, beating every 100 ms, 256 blocks.
+pub fn engine_cfg(
+    id: &str,
+    role: tl_engine::node::config::Role,
+    registry: &str,
+) -> tl_engine::node::config::Config {
+    let mut c = tl_engine::node::config::Config::for_worker(id, role, registry);
+    c.engine.heartbeat_ms = 100;
+    c.pool.n_blocks = 256;
+    c
+}
+
+/// Waits until `n` workers are registered with `gw` (panics after 10 s).
+pub async fn wait_workers(gw: &tl_engine::gateway::GatewayNode, n: usize) {
+    assert!(
+        eventually(Duration::from_secs(10), || gw
+            .registry()
+            .list(Instant::now())
+            .len()
+            == n)
+        .await,
+        "workers never registered"
+    );
+}
+
+/// A gateway with its registry, a prefill engine `P` and decode engines `D1..`, in process.
+pub struct Cluster {
+    pub gw: tl_engine::gateway::GatewayNode,
+    pub p: EngineNode,
+    pub d: Vec<EngineNode>,
+}
+
+/// [`cluster_with`] without changes.
+pub async fn cluster(decoders: usize) -> Cluster {
+    cluster_with(decoders, |_| {}).await
+}
+
+/// A gateway, a prefill engine and `decoders` decode engines, each decode configuration passed
+/// through `tweak` first.
+pub async fn cluster_with(
+    decoders: usize,
+    tweak: impl Fn(&mut tl_engine::node::config::Config),
+) -> Cluster {
+    use tl_engine::node::config::Role;
+    let gw = tl_engine::gateway::GatewayNode::start(&Default::default())
+        .await
+        .unwrap();
+    let reg = gw.registry_addr().to_string();
+    let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
+        .await
+        .unwrap();
+    let mut d = Vec::new();
+    for i in 1..=decoders {
+        let mut cfg = engine_cfg(&format!("D{i}"), Role::Decode, &reg);
+        tweak(&mut cfg);
+        d.push(EngineNode::start(&cfg).await.unwrap());
+    }
+    wait_workers(&gw, 1 + decoders).await;
+    Cluster { gw, p, d }
+}
