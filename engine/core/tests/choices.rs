@@ -247,3 +247,67 @@ fn logprobs_do_not_depend_on_temperature() {
     assert_eq!(first(0.3), cold);
     assert_eq!(first(1.7), cold);
 }
+
+/// A fork that finds no block for its tail fails the whole request, and every block it or its
+/// siblings took goes back (prefilled here, and resumed from transferred blocks).
+#[test]
+fn a_fork_without_a_block_fails_the_request_and_frees_everything() {
+    let b = TEST.block_tokens() as usize;
+    let prompt: Vec<u32> = (0..(3 * b + 2) as u32).collect();
+    // The prompt's 4 blocks and one more: the second fork's tail does not fit.
+    let mut e = engine(5);
+    let id = e
+        .submit(req(&prompt, seeded(0.5), 1, 6, choices(4, None)))
+        .unwrap();
+    let events = e.step().0;
+    assert!(
+        events
+            .iter()
+            .any(|ev| matches!(ev, Event::Failed { seq, .. } if *seq == id)),
+        "{events:?}"
+    );
+    assert!(e.is_idle());
+    assert_eq!(e.pool().lock().counts().used, 0, "blocks leaked");
+    e.pool().lock().check().unwrap();
+
+    let mut p = engine(8);
+    let out = prefill(&mut p, &prompt, seeded(0.5), 1);
+    let mut d = engine(5);
+    let ids: Vec<_> = {
+        let src = p.pool().lock();
+        let mut dst = d.pool().lock();
+        out.blocks
+            .ids()
+            .iter()
+            .enumerate()
+            .map(|(i, &bid)| {
+                let (bytes, fill) = src.export(bid).unwrap();
+                let hash = out.hashes.get(i).copied().unwrap_or(0);
+                dst.import(hash, fill, &bytes).unwrap()
+            })
+            .collect()
+    };
+    let id = d
+        .resume(Resume {
+            prompt: prompt.clone(),
+            blocks: Blocks::new(d.pool().clone(), ids),
+            first_token: out.first_token,
+            draws: u64::from(out.draws),
+            sampling: seeded(0.5),
+            seed: 1,
+            max_tokens: 6,
+            stop: Stop::default(),
+            choices: choices(4, Some(2)),
+        })
+        .unwrap();
+    let events = d.step().0;
+    assert!(
+        events
+            .iter()
+            .any(|ev| matches!(ev, Event::Failed { seq, .. } if *seq == id)),
+        "{events:?}"
+    );
+    assert!(d.is_idle());
+    assert_eq!(d.pool().lock().counts().used, 0, "blocks leaked");
+    d.pool().lock().check().unwrap();
+}
