@@ -300,3 +300,78 @@ async fn fresh_gateway_waits_for_registrations() {
         gw.stop().await;
     }
 }
+
+/// A request of three choices with logprobs whose decode engine dies mid-stream: each choice
+/// continues on the survivor with its own seed and draws, and every choice's tokens and
+/// log-probabilities equal its colocated run's (the logprobs of each failover's first token
+/// recomputed there from the pushed KV).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_continues_every_choice_exactly() {
+    use tl_engine_core::engine::Choices;
+    use tl_engine_core::logprobs::TokenLogprobs;
+    let prompt: Vec<u32> = (90..113).collect();
+    let (t, seed, n) = (0.8f32, 40u64, 3usize);
+    let s = tl_engine_core::sampler::SamplingRequest {
+        temperature: t,
+        ..Default::default()
+    };
+    let want: Vec<_> = (0..n as u64)
+        .map(|i| {
+            let one = Choices {
+                n: 1,
+                logprobs: Some(2),
+            };
+            Config::default()
+                .colocated_choices(&prompt, s, seed + i, MAX_TOKENS, one)
+                .unwrap()
+                .swap_remove(0)
+        })
+        .collect();
+    let mut c = Cluster::start(2, GatewaySection::default()).await;
+    let b = json!({ "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": t, "seed": seed,
+        "stream": true, "n": n, "logprobs": 2 });
+    let mut events = open(&c.gw, b.to_string()).await;
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut logprobs: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); n];
+    let mut finish = vec![Vec::new(); n];
+    let mut decode = None;
+    let mut killed = false;
+    let mut done = false;
+    while let Some(e) = tokio::time::timeout(Duration::from_secs(20), events.next())
+        .await
+        .expect("the stream went silent")
+    {
+        match e.unwrap() {
+            StreamEvent::Chunk(ch) => {
+                if let Some(r) = &ch.tl_route {
+                    decode = Some(r.decode.clone());
+                }
+                for x in &ch.choices {
+                    let i = x.index as usize;
+                    tokens[i].extend(&x.tokens);
+                    logprobs[i].extend(x.tl_logprobs.iter().flatten().map(Into::into));
+                    finish[i].extend(x.finish_reason.clone());
+                }
+            }
+            StreamEvent::Error(e) => panic!("error event: {}", e.message),
+            StreamEvent::Done => {
+                done = true;
+                break;
+            }
+        }
+        if !killed && tokens.iter().map(Vec::len).sum::<usize>() >= 2 * n {
+            killed = true;
+            c.kill(index_of(decode.as_deref().unwrap())).await;
+        }
+    }
+    assert!(killed && done);
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(tokens[i], w.tokens, "choice {i}");
+        assert_eq!(logprobs[i], w.logprobs, "choice {i}");
+        assert_eq!(finish[i], ["length"], "choice {i}");
+    }
+    // One failover per choice still running when its engine died.
+    let resumed: usize = c.failovers("reset", "resumed").parse().unwrap();
+    assert!((1..=n).contains(&resumed), "{resumed}");
+    assert!(c.settled().await, "blocks left in use");
+}
