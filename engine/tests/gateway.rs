@@ -19,13 +19,9 @@ use tl_engine::node::config::{Config, Role};
 use tl_engine::node::heartbeat::worker_status;
 use tl_engine_core::sampler::SamplingRequest;
 
+/// The first choice's token ids.
 fn tokens_of(v: &Value) -> Vec<u32> {
-    v["choices"][0]["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap() as u32)
-        .collect()
+    choice_tokens(&v["choices"][0])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -768,6 +764,7 @@ fn pushed(p: &EngineNode) -> (u64, u64, u64) {
     (pushes, m.kv_blocks_sent.get(), bytes)
 }
 
+/// A choice's token ids.
 fn choice_tokens(c: &Value) -> Vec<u32> {
     c["tokens"]
         .as_array()

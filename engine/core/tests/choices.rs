@@ -100,6 +100,25 @@ fn prefill(e: &mut Engine, prompt: &[u32], s: Sampling, seed: u64) -> PrefillOut
     panic!("no Prefilled event");
 }
 
+/// The prefill's blocks copied into `d`'s pool, as a transfer imports them.
+fn transfer(p: &Engine, out: &PrefillOutput, d: &Engine) -> Blocks {
+    let src = p.pool().lock();
+    let mut dst = d.pool().lock();
+    let ids = out
+        .blocks
+        .ids()
+        .iter()
+        .enumerate()
+        .map(|(i, &bid)| {
+            let (bytes, fill) = src.export(bid).unwrap();
+            let hash = out.hashes.get(i).copied().unwrap_or(0);
+            dst.import(hash, fill, &bytes).unwrap()
+        })
+        .collect();
+    drop((src, dst));
+    Blocks::new(d.pool().clone(), ids)
+}
+
 #[test]
 fn n_choices_fork_from_one_prefill() {
     let b = TEST.block_tokens() as usize;
@@ -180,20 +199,10 @@ fn resumed_choices_and_logprobs_equal_the_colocated_run() {
         let mut p = engine(64);
         let mut d = engine(64);
         let out = prefill(&mut p, &prompt, s, seed);
-        let mut imported = Vec::new();
-        {
-            let src = p.pool().lock();
-            let mut dst = d.pool().lock();
-            for (i, &bid) in out.blocks.ids().iter().enumerate() {
-                let (bytes, fill) = src.export(bid).unwrap();
-                let hash = out.hashes.get(i).copied().unwrap_or(0);
-                imported.push(dst.import(hash, fill, &bytes).unwrap());
-            }
-        }
         let id = d
             .resume(Resume {
                 prompt: prompt.clone(),
-                blocks: Blocks::new(d.pool().clone(), imported),
+                blocks: transfer(&p, &out, &d),
                 first_token: out.first_token,
                 draws: u64::from(out.draws),
                 sampling: s,
@@ -273,24 +282,10 @@ fn a_fork_without_a_block_fails_the_request_and_frees_everything() {
     let mut p = engine(8);
     let out = prefill(&mut p, &prompt, seeded(0.5), 1);
     let mut d = engine(5);
-    let ids: Vec<_> = {
-        let src = p.pool().lock();
-        let mut dst = d.pool().lock();
-        out.blocks
-            .ids()
-            .iter()
-            .enumerate()
-            .map(|(i, &bid)| {
-                let (bytes, fill) = src.export(bid).unwrap();
-                let hash = out.hashes.get(i).copied().unwrap_or(0);
-                dst.import(hash, fill, &bytes).unwrap()
-            })
-            .collect()
-    };
     let id = d
         .resume(Resume {
             prompt: prompt.clone(),
-            blocks: Blocks::new(d.pool().clone(), ids),
+            blocks: transfer(&p, &out, &d),
             first_token: out.first_token,
             draws: u64::from(out.draws),
             sampling: seeded(0.5),
