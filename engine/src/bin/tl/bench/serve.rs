@@ -4,7 +4,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use tl_engine::api::sse::StreamEvent;
-use tl_engine::api::{CompletionRequest, GenerationParams, Prompt};
+use tl_engine::api::{CompletionRequest, GenerationParams, LogprobsField, Prompt};
 use tl_engine::net::clients::{EventStream, HttpClient};
 
 use tl_engine::node::config::{Config, Role};
@@ -46,6 +46,12 @@ pub(crate) struct ServeArgs {
     /// Simulated decode cost per running sequence per step, microseconds.
     #[arg(long, default_value_t = 300)]
     decode_us_per_seq: u64,
+    /// Choices per request (`n`, 1 to 8): one prefill and one push serve them all.
+    #[arg(long, default_value_t = 1)]
+    n: u32,
+    /// Ask for this many alternatives' log-probabilities per token (completions' `logprobs`).
+    #[arg(long)]
+    logprobs: Option<u32>,
 }
 
 /// One request's timings.
@@ -126,6 +132,8 @@ async fn load(addr: &str, a: &ServeArgs) -> Result<serde_json::Value, BenchError
                         max_tokens: Some(a.max_tokens),
                         stream: Some(true),
                         seed: Some(i as u64),
+                        n: Some(a.n),
+                        logprobs: a.logprobs.map(LogprobsField::Count),
                         ..GenerationParams::default()
                     },
                     tl_resume: None,
@@ -298,6 +306,7 @@ async fn serve_bench(a: &ServeArgs) -> Result<serde_json::Value, BenchError> {
             "clients": a.clients, "requests": a.requests, "long_fraction": a.long_fraction, "long_tokens": a.long_tokens,
             "short_tokens": a.short_tokens, "max_tokens": a.max_tokens,
             "prefill_us_per_token": a.prefill_us_per_token, "decode_us_per_seq": a.decode_us_per_seq,
+            "n": a.n, "logprobs": a.logprobs,
             "shape": "test shape B=4 L=2 H=1 D=4, fake model, cost model by sleeping in the step loop",
         },
         "disaggregated_gateway_1p_2d": disagg,
