@@ -337,6 +337,8 @@ async fn failover_continues_every_choice_exactly() {
     let mut decode = None;
     let mut killed = false;
     let mut done = false;
+    // The choice of each token that arrived after the kill.
+    let mut after = Vec::new();
     while let Some(e) = tokio::time::timeout(Duration::from_secs(20), events.next())
         .await
         .expect("the stream went silent")
@@ -348,6 +350,9 @@ async fn failover_continues_every_choice_exactly() {
                 }
                 for x in &ch.choices {
                     let i = x.index as usize;
+                    if killed {
+                        after.extend(x.tokens.iter().map(|_| i));
+                    }
                     tokens[i].extend(&x.tokens);
                     logprobs[i].extend(x.tl_logprobs.iter().flatten().map(Into::into));
                     finish[i].extend(x.finish_reason.clone());
@@ -373,5 +378,9 @@ async fn failover_continues_every_choice_exactly() {
     // One failover per choice still running when its engine died.
     let resumed: usize = c.failovers("reset", "resumed").parse().unwrap();
     assert!((1..=n).contains(&resumed), "{resumed}");
+    // Several choices continued at once, not one after another.
+    if resumed > 1 {
+        assert!(after.windows(2).any(|w| w[0] > w[1]), "{after:?}");
+    }
     assert!(c.settled().await, "blocks left in use");
 }

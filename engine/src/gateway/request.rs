@@ -173,8 +173,9 @@ enum Relayed {
 /// how to continue it on another decode engine if the one serving it is lost.
 struct Continuation<'a> {
     job: &'a Job,
-    /// The request id; Prefills are `<id>-<n>`.
-    id: &'a str,
+    /// The request id, and the choice's after a failover (`<request id>-c<choice>`); its
+    /// Prefills are `<id>-<n>`.
+    id: String,
     /// Prefills sent so far (the next one's `n`).
     attempts: u32,
     /// The choice, its tokens and state.
@@ -271,7 +272,7 @@ impl Gateway {
                 Ok(done) => {
                     let c = Continuation {
                         job: &job,
-                        id: &id,
+                        id: id.clone(),
                         attempts,
                         state: ChoiceState::new(0),
                         held: 0,
@@ -373,7 +374,7 @@ impl Gateway {
     /// Starts the answer, then relays the decode engine's stream of the request's choices. A
     /// choice whose decode engine is lost continues on another one (up to `max_failovers` times
     /// each), so that the client sees every choice unbroken; after a loss the unfinished
-    /// choices continue one after another, each as a request of its own with its seed.
+    /// choices continue at once, each as a request of its own with its seed.
     async fn finish_disaggregated(
         self: &Arc<Self>,
         mut c: Continuation<'_>,
@@ -421,14 +422,29 @@ impl Gateway {
         };
         self.lost(&c, &d, cause);
         c.lost.push(d.worker_id.clone());
-        for state in states.into_iter().filter(|s| !s.done) {
-            c.state = state;
-            c.state.skip = false;
-            c.held = c.state.sent.len();
-            if !self.fail_over(&mut c, cause, out).await {
-                return;
-            }
-        }
+        // Each unfinished choice continues on its own, all at once: each is a request of its
+        // own now (its seed, its draws, its Prefills).
+        let unfinished: Vec<ChoiceState> = states.into_iter().filter(|s| !s.done).collect();
+        let several = unfinished.len() > 1;
+        let each = unfinished.into_iter().map(|mut state| {
+            state.skip = false;
+            let mut ci = Continuation {
+                job: c.job,
+                id: if several {
+                    format!("{}-c{}", c.id, state.choice)
+                } else {
+                    c.id.clone()
+                },
+                attempts: c.attempts,
+                held: state.sent.len(),
+                state,
+                seed: c.seed,
+                draws_per_token: c.draws_per_token,
+                lost: c.lost.clone(),
+            };
+            async move { self.fail_over(&mut ci, cause, out).await }
+        });
+        futures_util::future::join_all(each).await;
     }
 
     fn lost(&self, c: &Continuation<'_>, d: &WorkerStatus, cause: &str) {
@@ -610,7 +626,7 @@ impl Gateway {
         let offset = c.draws_per_token.saturating_mul(sent);
         match self
             .prefill(
-                c.id,
+                &c.id,
                 &mut c.attempts,
                 p,
                 &plan.decode,
