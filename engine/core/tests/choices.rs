@@ -257,6 +257,20 @@ fn logprobs_do_not_depend_on_temperature() {
     assert_eq!(first(1.7), cold);
 }
 
+/// The next step fails request `id`, and `e` is left idle with no block in use.
+fn fails_and_frees(e: &mut Engine, id: SeqId) {
+    let events = e.step().0;
+    assert!(
+        events
+            .iter()
+            .any(|ev| matches!(ev, Event::Failed { seq, .. } if *seq == id)),
+        "{events:?}"
+    );
+    assert!(e.is_idle());
+    assert_eq!(e.pool().lock().counts().used, 0, "blocks leaked");
+    e.pool().lock().check().unwrap();
+}
+
 /// A fork that finds no block for its tail fails the whole request, and every block it or its
 /// siblings took goes back (prefilled here, and resumed from transferred blocks).
 #[test]
@@ -268,16 +282,7 @@ fn a_fork_without_a_block_fails_the_request_and_frees_everything() {
     let id = e
         .submit(req(&prompt, seeded(0.5), 1, 6, choices(4, None)))
         .unwrap();
-    let events = e.step().0;
-    assert!(
-        events
-            .iter()
-            .any(|ev| matches!(ev, Event::Failed { seq, .. } if *seq == id)),
-        "{events:?}"
-    );
-    assert!(e.is_idle());
-    assert_eq!(e.pool().lock().counts().used, 0, "blocks leaked");
-    e.pool().lock().check().unwrap();
+    fails_and_frees(&mut e, id);
 
     let mut p = engine(8);
     let out = prefill(&mut p, &prompt, seeded(0.5), 1);
@@ -295,14 +300,5 @@ fn a_fork_without_a_block_fails_the_request_and_frees_everything() {
             choices: choices(4, Some(2)),
         })
         .unwrap();
-    let events = d.step().0;
-    assert!(
-        events
-            .iter()
-            .any(|ev| matches!(ev, Event::Failed { seq, .. } if *seq == id)),
-        "{events:?}"
-    );
-    assert!(d.is_idle());
-    assert_eq!(d.pool().lock().counts().used, 0, "blocks leaked");
-    d.pool().lock().check().unwrap();
+    fails_and_frees(&mut d, id);
 }
