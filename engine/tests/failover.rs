@@ -354,7 +354,7 @@ async fn failover_continues_every_choice_exactly() {
                         after.extend(x.tokens.iter().map(|_| i));
                     }
                     tokens[i].extend(&x.tokens);
-                    logprobs[i].extend(x.tl_logprobs.iter().flatten().map(Into::into));
+                    logprobs[i].extend(x.tl_logprobs.clone().into_iter().flatten().map(Into::into));
                     finish[i].extend(x.finish_reason.clone());
                 }
             }

@@ -942,9 +942,9 @@ async fn logprobs_equal_colocated() {
             assert_eq!(ch.tokens, w.tokens);
             let got: Vec<tl_engine_core::logprobs::TokenLogprobs> = ch
                 .tl_logprobs
-                .as_ref()
+                .clone()
                 .unwrap()
-                .iter()
+                .into_iter()
                 .map(Into::into)
                 .collect();
             assert_eq!(got, w.logprobs, "t {t} choice {i}");

@@ -199,19 +199,12 @@ fn resumed_choices_and_logprobs_equal_the_colocated_run() {
         let mut p = engine(64);
         let mut d = engine(64);
         let out = prefill(&mut p, &prompt, s, seed);
-        let id = d
-            .resume(Resume {
-                prompt: prompt.clone(),
-                blocks: transfer(&p, &out, &d),
-                first_token: out.first_token,
-                draws: u64::from(out.draws),
-                sampling: s,
-                seed,
-                max_tokens: 7,
-                stop: Stop::default(),
-                choices: choices(3, Some(5)),
-            })
-            .unwrap();
+        let id = resume_on(
+            &mut d,
+            &p,
+            &out,
+            &req(&prompt, s, seed, 7, choices(3, Some(5))),
+        );
         let got = drive(&mut d, id, 3);
         assert_eq!(got, want, "{s:?}");
         for g in &got {
@@ -257,6 +250,23 @@ fn logprobs_do_not_depend_on_temperature() {
     assert_eq!(first(1.7), cold);
 }
 
+/// Resumes `r` on `d` from `out` (prefilled on `p`), its blocks transferred into `d`'s pool.
+fn resume_on(d: &mut Engine, p: &Engine, out: &PrefillOutput, r: &Request) -> SeqId {
+    let blocks = transfer(p, out, d);
+    d.resume(Resume {
+        prompt: r.prompt.clone(),
+        blocks,
+        first_token: out.first_token,
+        draws: u64::from(out.draws),
+        sampling: r.sampling,
+        seed: r.seed,
+        max_tokens: r.max_tokens,
+        stop: r.stop.clone(),
+        choices: r.choices,
+    })
+    .unwrap()
+}
+
 /// The next step fails request `id`, and `e` is left idle with no block in use.
 fn fails_and_frees(e: &mut Engine, id: SeqId) {
     let events = e.step().0;
@@ -287,18 +297,7 @@ fn a_fork_without_a_block_fails_the_request_and_frees_everything() {
     let mut p = engine(8);
     let out = prefill(&mut p, &prompt, seeded(0.5), 1);
     let mut d = engine(5);
-    let id = d
-        .resume(Resume {
-            prompt: prompt.clone(),
-            blocks: transfer(&p, &out, &d),
-            first_token: out.first_token,
-            draws: u64::from(out.draws),
-            sampling: seeded(0.5),
-            seed: 1,
-            max_tokens: 6,
-            stop: Stop::default(),
-            choices: choices(4, Some(2)),
-        })
-        .unwrap();
+    let r = req(&prompt, seeded(0.5), 1, 6, choices(4, Some(2)));
+    let id = resume_on(&mut d, &p, &out, &r);
     fails_and_frees(&mut d, id);
 }

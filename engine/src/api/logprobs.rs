@@ -47,22 +47,22 @@ pub struct TlLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
-impl From<&TokenLogprobs> for TlLogprob {
-    fn from(l: &TokenLogprobs) -> Self {
+impl From<TokenLogprobs> for TlLogprob {
+    fn from(l: TokenLogprobs) -> Self {
         Self {
             token: l.token,
             logprob: l.logprob,
-            top: l.top.clone(),
+            top: l.top,
         }
     }
 }
 
-impl From<&TlLogprob> for TokenLogprobs {
-    fn from(l: &TlLogprob) -> Self {
+impl From<TlLogprob> for TokenLogprobs {
+    fn from(l: TlLogprob) -> Self {
         Self {
             token: l.token,
             logprob: l.logprob,
-            top: l.top.clone(),
+            top: l.top,
         }
     }
 }

@@ -717,7 +717,7 @@ impl ResponseMeta {
     ) {
         if let Some(l) = logprobs {
             choice.logprobs = Some(logprobs::render(self.flavor, &l, offsets));
-            choice.tl_logprobs = Some(l.iter().map(TlLogprob::from).collect());
+            choice.tl_logprobs = Some(l.into_iter().map(TlLogprob::from).collect());
         }
     }
 

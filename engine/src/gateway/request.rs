@@ -800,7 +800,7 @@ async fn relay(
             e = tokio::time::timeout(stall, events.next()) => e,
             () = out.closed() => return Relayed::Over,
         };
-        let chunk = match event {
+        let mut chunk = match event {
             Err(_) => return Relayed::Lost("stall"),
             Ok(Some(Ok(StreamEvent::Chunk(c)))) => c,
             // An engine ends a stream after the chunks with its finish reasons; a [DONE] before
@@ -823,11 +823,12 @@ async fn relay(
                 return Relayed::Over;
             }
         }
-        for choice in &chunk.choices {
+        // Owned: each token's log-probabilities move on to the client's chunk, uncopied.
+        for choice in std::mem::take(&mut chunk.choices) {
             let Some(state) = states.get_mut(choice.index as usize) else {
                 continue;
             };
-            let mut logprobs = choice.tl_logprobs.iter().flatten();
+            let mut logprobs = choice.tl_logprobs.into_iter().flatten();
             for &t in &choice.tokens {
                 let lp = logprobs.next().map(TokenLogprobs::from);
                 if state.done {
