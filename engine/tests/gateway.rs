@@ -1005,3 +1005,75 @@ async fn logprobs_equal_colocated() {
         assert!(common::settled(node, 0).await, "{}", node.state().id());
     }
 }
+
+/// A request counts on its decode engine from its Prefill until its stream ends, not only during
+/// the Prefill call: two long streams opened one after the other, with no heartbeat in between
+/// to report the first one's load, go to different decode engines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inflight_counts_last_until_the_stream_ends() {
+    let c = cluster_with(2, |cfg| {
+        // One beat at start-up, none for a minute after: only the gateway's own count can tell
+        // the planner that the first stream is running.
+        cfg.engine.heartbeat_ms = 60_000;
+        cfg.model.decode_us_per_seq = 2_000;
+    })
+    .await;
+    let addr = c.gw.http_addr().to_string();
+    let http = HttpClient::default();
+    let open = |seed: u64| {
+        let body = json!({
+            "prompt": (0..16).collect::<Vec<u32>>(),
+            "max_tokens": 400,
+            "stream": true,
+            "seed": seed,
+        });
+        let (http, addr) = (http.clone(), addr.clone());
+        async move {
+            let (status, stream) = http
+                .post_streaming(&addr, "/v1/completions", &[], body.to_string())
+                .await
+                .unwrap();
+            assert_eq!(status, 200);
+            stream
+        }
+    };
+    use http_body_util::BodyExt;
+    let mut first = open(1).await;
+    // The first token arrived: the Prefill has returned, the decode stream runs.
+    let f = first.frame().await.unwrap().unwrap();
+    let text = String::from_utf8_lossy(f.data_ref().unwrap()).into_owned();
+    let decode_of = |sse: &str| -> String {
+        let data = sse
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .expect("an SSE event");
+        let v: Value = serde_json::from_str(data).unwrap();
+        v["tl_route"]["decode"].as_str().unwrap().to_owned()
+    };
+    let d_first = decode_of(&text);
+    assert_eq!(
+        c.gw.gateway().inflight_on(&d_first),
+        1,
+        "the first stream is counted on {d_first} while it runs"
+    );
+    let mut second = open(2).await;
+    let f = second.frame().await.unwrap().unwrap();
+    let d_second = decode_of(&String::from_utf8_lossy(f.data_ref().unwrap()));
+    assert_ne!(
+        d_first, d_second,
+        "the second stream went to the engine already running the first"
+    );
+    drop(first);
+    drop(second);
+    // Once the streams end, nothing is counted, and every pool is back to empty.
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            c.gw.gateway().inflight_on("D1") == 0 && c.gw.gateway().inflight_on("D2") == 0
+        })
+        .await,
+        "a count outlived its stream"
+    );
+    for d in &c.d {
+        assert!(settled(d, 0).await);
+    }
+}

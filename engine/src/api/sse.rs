@@ -45,45 +45,98 @@ pub fn encode(event: &StreamEvent) -> String {
 
 /// Why received bytes are not a completion stream.
 #[derive(Debug, thiserror::Error)]
-#[error("malformed stream event {data:?}: {source}")]
-pub struct DecodeError {
-    /// The offending payload.
-    pub data: String,
-    /// serde's complaint.
-    pub source: serde_json::Error,
+#[non_exhaustive]
+pub enum DecodeError {
+    /// A `data:` payload that is neither `[DONE]`, an error object nor a completion chunk.
+    #[error("malformed stream event {data:?}: {source}")]
+    Malformed {
+        /// The offending payload.
+        data: String,
+        /// serde's complaint.
+        source: serde_json::Error,
+    },
+    /// An event grew past the decoder's bound before its blank line arrived.
+    #[error("a stream event exceeds {limit} bytes")]
+    TooLarge {
+        /// The bound, in bytes.
+        limit: usize,
+    },
 }
 
+/// The largest event a [`Decoder`] buffers by default: far above any chunk this project sends
+/// (one token per choice, with at most 20 alternatives each, for at most 8 choices).
+pub const DEFAULT_MAX_EVENT_BYTES: usize = 1 << 20;
+
 /// Splits a byte stream into events. Bytes are buffered until an event's blank line, so a frame
-/// boundary anywhere (inside a line, inside a UTF-8 character) is fine.
-#[derive(Debug, Default)]
+/// boundary anywhere (inside a line, inside a UTF-8 character) is fine. An event longer than the
+/// bound is an error, never an ever-growing buffer, and each received byte is scanned for the
+/// blank line once (plus one byte of overlap), not again on every push.
+#[derive(Debug)]
 pub struct Decoder {
     buf: Vec<u8>,
+    /// Bytes of `buf` already searched for `\n\n` without finding one.
+    scanned: usize,
+    max_event: usize,
+}
+
+impl Default for Decoder {
+    fn default() -> Self {
+        Self::with_max_event(DEFAULT_MAX_EVENT_BYTES)
+    }
 }
 
 impl Decoder {
-    /// A decoder with nothing buffered.
+    /// A decoder with nothing buffered, bounded by [`DEFAULT_MAX_EVENT_BYTES`].
     #[must_use]
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// A decoder refusing any event longer than `max_event` bytes.
+    #[must_use]
+    pub fn with_max_event(max_event: usize) -> Self {
+        Self {
+            buf: Vec::new(),
+            scanned: 0,
+            max_event: max_event.max(2),
+        }
+    }
+
     /// Feeds received bytes; returns the events they complete, in order.
     ///
     /// # Errors
-    /// A `data:` payload that is neither `[DONE]`, an error object nor a completion chunk.
+    /// A `data:` payload that is neither `[DONE]`, an error object nor a completion chunk, or an
+    /// event longer than the bound.
     pub fn push(&mut self, bytes: &[u8]) -> Result<Vec<StreamEvent>, DecodeError> {
         self.buf.extend_from_slice(bytes);
         let mut out = Vec::new();
-        while let Some(end) = self.buf.windows(2).position(|w| w == b"\n\n") {
-            let event: Vec<u8> = self.buf.drain(..end + 2).collect();
-            let text = String::from_utf8_lossy(&event);
+        loop {
+            // The blank line may straddle the previous push: step back one byte.
+            let from = self.scanned.saturating_sub(1);
+            let Some(at) = self.buf[from..].windows(2).position(|w| w == b"\n\n") else {
+                self.scanned = self.buf.len();
+                if self.buf.len() > self.max_event {
+                    return Err(DecodeError::TooLarge {
+                        limit: self.max_event,
+                    });
+                }
+                return Ok(out);
+            };
+            let end = from + at;
+            if end > self.max_event {
+                return Err(DecodeError::TooLarge {
+                    limit: self.max_event,
+                });
+            }
+            let text = String::from_utf8_lossy(&self.buf[..end]).into_owned();
+            self.buf.drain(..end + 2);
+            self.scanned = 0;
             for line in text.lines() {
                 if let Some(data) = line.strip_prefix("data:") {
                     out.push(decode_data(data.trim())?);
                 }
             }
         }
-        Ok(out)
     }
 }
 
@@ -91,7 +144,7 @@ fn decode_data(data: &str) -> Result<StreamEvent, DecodeError> {
     if data == "[DONE]" {
         return Ok(StreamEvent::Done);
     }
-    let err = |source| DecodeError {
+    let err = |source| DecodeError::Malformed {
         data: data.to_owned(),
         source,
     };
@@ -191,6 +244,60 @@ mod tests {
             }
             assert_eq!(got, events, "split {split}");
         }
-        assert!(Decoder::new().push(b"data: {nope\n\n").is_err());
+        assert!(matches!(
+            Decoder::new().push(b"data: {nope\n\n"),
+            Err(DecodeError::Malformed { .. })
+        ));
+    }
+
+    #[test]
+    fn an_event_past_the_bound_is_refused_and_the_buffer_stays_bounded() {
+        // A peer that never sends the blank line: refused once past the bound, whatever the
+        // push sizes, with at most one push of excess buffered.
+        for piece in [1usize, 7, 100, 5000] {
+            let mut d = Decoder::with_max_event(4096);
+            let junk = vec![b'x'; piece];
+            let mut fed = 0;
+            let err = loop {
+                match d.push(&junk) {
+                    Ok(ev) => assert!(ev.is_empty()),
+                    Err(e) => break e,
+                }
+                fed += piece;
+                assert!(
+                    fed <= 4096,
+                    "piece {piece}: {fed} bytes buffered without an error"
+                );
+            };
+            assert!(
+                matches!(err, DecodeError::TooLarge { limit: 4096 }),
+                "{err}"
+            );
+        }
+        // An event exactly at the bound passes; one byte over fails, even when its blank line
+        // arrives in the same push.
+        let ok = format!("data: {}\n\n", encode(&StreamEvent::Done));
+        let mut d = Decoder::with_max_event(ok.len() - 2);
+        assert_eq!(d.push(ok.as_bytes()).unwrap(), vec![StreamEvent::Done]);
+        let mut d = Decoder::with_max_event(ok.len() - 3);
+        assert!(matches!(
+            d.push(ok.as_bytes()),
+            Err(DecodeError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn a_blank_line_split_across_pushes_is_found() {
+        let mut d = Decoder::new();
+        assert!(d.push(b"data: [DONE]\n").unwrap().is_empty());
+        assert_eq!(d.push(b"\n").unwrap(), vec![StreamEvent::Done]);
+        // Two events in one push, then a third split byte by byte.
+        let two = b"data: [DONE]\n\ndata: [DONE]\n\n";
+        assert_eq!(d.push(two).unwrap().len(), 2);
+        let mut got = Vec::new();
+        for b in b"data: [DONE]\n\n" {
+            got.extend(d.push(&[*b]).unwrap());
+        }
+        assert_eq!(got, vec![StreamEvent::Done]);
     }
 }

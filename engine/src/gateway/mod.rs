@@ -102,6 +102,13 @@ impl Gateway {
         &self.registry
     }
 
+    /// Requests this gateway has on `worker` now: from each one's Prefill until its stream
+    /// there ends.
+    #[must_use]
+    pub fn inflight_on(&self, worker: &str) -> u32 {
+        self.inflight.on(worker)
+    }
+
     fn policy(&self) -> Policy {
         Policy {
             load_penalty_tokens: self.cfg.load_penalty_tokens,
@@ -166,7 +173,9 @@ impl GatewayNode {
             RegistryService::new(Arc::clone(&state))
                 .with_max_workers(cfg.limits.registry_max_workers.max(1)),
         ))
-        .with_auth(RolePolicy(registry::POLICY).when(tls.is_some()));
+        .with_auth(
+            RolePolicy::for_service::<RegistryService>(registry::POLICY).when(tls.is_some()),
+        );
         let registry_tls = tls
             .as_ref()
             .map(|t| t.server_config(&[b"h2"]))

@@ -310,7 +310,7 @@ impl RegistryNode {
         let state = Arc::new(RegistryState::default());
         let life = Lifecycle::new();
         let svc = Dispatch::new(Arc::new(RegistryService::new(Arc::clone(&state))))
-            .with_auth(RolePolicy(POLICY).when(tls.is_some()));
+            .with_auth(RolePolicy::for_service::<RegistryService>(POLICY).when(tls.is_some()));
         let server_tls = tls
             .map(|t| t.server_config(&[b"h2"]))
             .transpose()

@@ -144,6 +144,9 @@ struct Prefilled {
     handle: KvHandle,
     decode: WorkerStatus,
     route: RouteInfo,
+    /// The request counted on its decode engine until its stream there ends (dropped with
+    /// this, or kept by whoever relays that stream).
+    counted: super::inflight::InFlightGuard,
 }
 
 /// Why no Prefill went through.
@@ -340,7 +343,9 @@ impl Gateway {
                 rng_draws_offset: draws_offset,
             };
             *attempts += 1;
-            let _counted = self.inflight.enter(&d.worker.worker_id);
+            // Counted from the Prefill until the decode stream ends (the guard travels with
+            // the handle), so routing between heartbeats sees every stream this gateway runs.
+            let counted = self.inflight.enter(&d.worker.worker_id);
             let call = ctl.prefill(req.clone());
             tokio::pin!(call);
             let res = tokio::select! {
@@ -362,6 +367,7 @@ impl Gateway {
                         handle,
                         decode: d.worker.clone(),
                         route: route(p, d, retries),
+                        counted,
                     });
                 }
                 Err(s) if retryable(s.code()) => retries += 1,
@@ -385,6 +391,7 @@ impl Gateway {
             handle: h,
             decode: d,
             mut route,
+            counted,
         } = first;
         route.blocks_sent = Some(h.blocks_sent);
         route.blocks_deduped = Some(h.blocks_deduped);
@@ -420,6 +427,8 @@ impl Gateway {
             Relayed::Over => return,
             Relayed::Lost(cause) => cause,
         };
+        // The lost engine no longer runs this request.
+        drop(counted);
         self.lost(&c, &d, cause);
         c.lost.push(d.worker_id.clone());
         // Each unfinished choice continues on its own, all at once: each is a request of its
@@ -486,10 +495,10 @@ impl Gateway {
                 return false;
             }
             failovers += 1;
-            let (h, d) = match self.continue_elsewhere(c, out).await {
+            let (h, d, _counted) = match self.continue_elsewhere(c, out).await {
                 Ok(p) => {
                     counted("resumed");
-                    (p.handle, p.decode)
+                    (p.handle, p.decode, p.counted)
                 }
                 Err(None) => return false,
                 Err(Some(why)) => {

@@ -23,14 +23,48 @@ use crate::api::ApiError;
 /// Every role.
 pub const ANY: &[PeerRole] = &PeerRole::ALL;
 
-/// (method path, roles allowed); a path not in the table is open to every authenticated peer.
+/// (method path, roles allowed); a path not in the table is refused to everyone (fail closed).
 pub type Table = &'static [(&'static str, &'static [PeerRole])];
 
 /// A gRPC server's authorization table.
 #[derive(Debug)]
 pub struct RolePolicy(pub Table);
 
+/// The methods of service `S` that `table` does not list (refused to every caller), and the
+/// paths `table` lists that `S` does not serve. Both empty for a policy written for `S`.
+#[must_use]
+pub fn unlisted<S: kvwire_grpc::glue::Routes>(
+    table: Table,
+) -> (Vec<&'static str>, Vec<&'static str>) {
+    let routes: Vec<&'static str> = S::ROUTES.iter().map(|(p, _)| *p).collect();
+    let missing = routes
+        .iter()
+        .copied()
+        .filter(|r| !table.iter().any(|(p, _)| p == r))
+        .collect();
+    let extra = table
+        .iter()
+        .map(|(p, _)| *p)
+        .filter(|p| !routes.contains(p))
+        .collect();
+    (missing, extra)
+}
+
 impl RolePolicy {
+    /// The policy of service `S`: `table` must list exactly `S`'s methods. A method it leaves out
+    /// would be refused to everyone (fail closed); the mismatch is a programming error that the
+    /// tests of every service catch (`every_service_lists_exactly_its_methods`).
+    #[must_use]
+    pub fn for_service<S: kvwire_grpc::glue::Routes>(table: Table) -> Self {
+        debug_assert_eq!(
+            unlisted::<S>(table),
+            (Vec::new(), Vec::new()),
+            "the policy of {} does not list exactly its methods",
+            S::NAME
+        );
+        Self(table)
+    }
+
     /// The policy as `Dispatch` takes it, when mutual TLS is on.
     #[must_use]
     pub fn when(self, mtls: bool) -> Option<Arc<dyn Authorize>> {
@@ -50,7 +84,7 @@ fn allowed(table: Table, path: &str, role: PeerRole) -> bool {
     table
         .iter()
         .find(|(p, _)| *p == path)
-        .is_none_or(|(_, roles)| roles.contains(&role))
+        .is_some_and(|(_, roles)| roles.contains(&role))
 }
 
 impl Authorize for RolePolicy {
@@ -113,4 +147,60 @@ pub async fn require_roles(
         }
     }
     next.run(req).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TABLE: Table = &[
+        ("/a.S/Open", ANY),
+        ("/a.S/Gated", &[PeerRole::Gateway, PeerRole::Admin]),
+    ];
+
+    #[test]
+    fn unlisted_methods_are_refused() {
+        for role in PeerRole::ALL {
+            assert!(allowed(TABLE, "/a.S/Open", role), "{role:?}");
+            assert!(
+                !allowed(TABLE, "/a.S/Unlisted", role),
+                "{role:?}: unlisted passed"
+            );
+            assert!(!allowed(TABLE, "", role), "{role:?}: empty path passed");
+            // Only the exact path counts: no prefix, case or suffix match.
+            for near in ["/a.S/open", "/a.S/Open/", "/a.S/Ope", "/a.S/OpenX"] {
+                assert!(!allowed(TABLE, near, role), "{role:?}: {near} passed");
+            }
+        }
+        assert!(allowed(TABLE, "/a.S/Gated", PeerRole::Gateway));
+        assert!(!allowed(TABLE, "/a.S/Gated", PeerRole::Prefill));
+        assert!(
+            !allowed(&[], "/a.S/Open", PeerRole::Admin),
+            "an empty table refuses all"
+        );
+    }
+
+    #[test]
+    fn every_service_lists_exactly_its_methods() {
+        use crate::gateway::registry::{POLICY as REGISTRY, RegistryService};
+        use crate::node::KV_POLICY;
+        use crate::node::control::{EngineControl, POLICY as CONTROL};
+        let none = (Vec::new(), Vec::new());
+        assert_eq!(unlisted::<EngineControl>(CONTROL), none, "EngineControl");
+        assert_eq!(
+            unlisted::<RegistryService>(REGISTRY),
+            none,
+            "WorkerRegistry"
+        );
+        assert_eq!(
+            unlisted::<kvwire_grpc::KvTransferService>(KV_POLICY),
+            none,
+            "KvTransfer"
+        );
+        // And the check itself sees a missing and an extra method.
+        let short: Table = &[(kvwire_grpc::pb::kv::path::PUSH_KV, ANY), ("/x.Y/Z", ANY)];
+        let (missing, extra) = unlisted::<kvwire_grpc::KvTransferService>(short);
+        assert_eq!(missing.len(), 2, "{missing:?}");
+        assert_eq!(extra, vec!["/x.Y/Z"]);
+    }
 }

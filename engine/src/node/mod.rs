@@ -165,8 +165,8 @@ impl EngineNode {
         });
 
         let control = EngineControl::new(Arc::clone(&state), prefill, receiver.clone());
-        let svc =
-            Dispatch::new(Arc::new(control)).with_auth(RolePolicy(control::POLICY).when(mtls));
+        let svc = Dispatch::new(Arc::new(control))
+            .with_auth(RolePolicy::for_service::<EngineControl>(control::POLICY).when(mtls));
         let advertise = &cfg.engine.advertise_address;
         let h2 = limits.h2();
         let grpc = serve_grpc(
@@ -187,7 +187,7 @@ impl EngineNode {
                     cfg.engine.id.clone(),
                 )))
                 .into_service()
-                .with_auth(RolePolicy(KV_POLICY).when(mtls));
+                .with_auth(RolePolicy::for_service::<KvTransferService>(KV_POLICY).when(mtls));
             let kv = serve_grpc(
                 &life,
                 bind(&cfg.engine.kv_listen).await?,
