@@ -115,7 +115,7 @@ async fn open(gw: &GatewayNode, body: String) -> EventStream {
 #[derive(Debug, Default)]
 struct Read {
     tokens: Vec<u32>,
-    finish: Vec<String>,
+    finish: Vec<tl_engine::api::Finish>,
     error: Option<String>,
     done: bool,
     decode: Option<String>,
@@ -134,7 +134,7 @@ async fn read(events: &mut EventStream, into: &mut Read, stop_after: Option<usiz
                 }
                 for ch in &c.choices {
                     into.tokens.extend(&ch.tokens);
-                    into.finish.extend(ch.finish_reason.clone());
+                    into.finish.extend(ch.finish_reason);
                 }
                 if stop_after.is_some_and(|n| into.tokens.len() >= n) {
                     return;
@@ -169,7 +169,7 @@ async fn failover_continues_the_stream_exactly() {
         assert_eq!(got.error, None, "t={t}");
         assert!(got.done, "t={t}: no [DONE]");
         assert_eq!(got.tokens, want, "t={t}: stream differs from colocated");
-        assert_eq!(got.finish, ["length"]);
+        assert_eq!(got.finish, [tl_engine::api::Finish::Length]);
         assert_eq!(c.failovers("reset", "resumed"), "1", "t={t}");
         assert!(c.settled().await, "t={t}: blocks left in use");
         drop(events);
@@ -355,7 +355,7 @@ async fn failover_continues_every_choice_exactly() {
                     }
                     tokens[i].extend(&x.tokens);
                     logprobs[i].extend(x.tl_logprobs.clone().into_iter().flatten().map(Into::into));
-                    finish[i].extend(x.finish_reason.clone());
+                    finish[i].extend(x.finish_reason);
                 }
             }
             StreamEvent::Error(e) => panic!("error event: {}", e.message),
@@ -373,7 +373,7 @@ async fn failover_continues_every_choice_exactly() {
     for (i, w) in want.iter().enumerate() {
         assert_eq!(tokens[i], w.tokens, "choice {i}");
         assert_eq!(logprobs[i], w.logprobs, "choice {i}");
-        assert_eq!(finish[i], ["length"], "choice {i}");
+        assert_eq!(finish[i], [tl_engine::api::Finish::Length], "choice {i}");
     }
     // One failover per choice still running when its engine died.
     let resumed: usize = c.failovers("reset", "resumed").parse().unwrap();

@@ -737,13 +737,13 @@ async fn stop_frees_blocks_at_the_matching_step() {
                 for ch in &c.choices {
                     text.push_str(ch.text.as_deref().unwrap_or_default());
                     tokens.extend(&ch.tokens);
-                    finish = finish.or(ch.finish_reason.clone());
+                    finish = finish.or(ch.finish_reason);
                 }
             }
         }
         assert_eq!(text, want_text, "{body}");
         assert_eq!(tokens, want_tokens, "{body}");
-        assert_eq!(finish.as_deref(), Some("stop"));
+        assert_eq!(finish, Some(tl_engine::api::Finish::Stop));
         assert!(common::settled(d, 0).await);
     }
 }

@@ -406,7 +406,7 @@ pub const ENGINE_COMPLETION_FIELDS: &[&str] = &["prompt", "tl_resume"];
 pub const CHAT_FIELDS: &[&str] = &["messages", "top_logprobs"];
 
 /// `POST /v1/completions` body.
-#[derive(Clone, Debug, Deserialize, Serialize)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 pub struct CompletionRequest {
     /// The prompt.
     pub prompt: Prompt,
@@ -513,7 +513,7 @@ pub struct Choice {
     pub tl_logprobs: Option<Vec<TlLogprob>>,
     /// `length` at the end; null before.
     #[serde(default)]
-    pub finish_reason: Option<String>,
+    pub finish_reason: Option<Finish>,
 }
 
 impl Choice {
@@ -525,7 +525,7 @@ impl Choice {
         stream: bool,
         tokens: Vec<u32>,
         text: String,
-        finish: Option<String>,
+        finish: Option<Finish>,
     ) -> Self {
         let mut c = Choice {
             tokens,
@@ -696,11 +696,11 @@ impl ResponseMeta {
         index: u32,
         tokens: Vec<u32>,
         logprobs: Option<Vec<TokenLogprobs>>,
-        finish: Option<String>,
+        finish: Option<Finish>,
     ) -> Completion {
         let mut s = stream.text.push(&tokens);
-        if let Some(f) = &finish {
-            s.push_str(&stream.text.finish(f == "stop"));
+        if let Some(f) = finish {
+            s.push_str(&stream.text.finish(f == Finish::Stop));
         }
         let offsets = stream.offsets.next(&tokens);
         let mut choice = Choice::with_text(self.flavor, true, tokens, s, finish);
@@ -748,7 +748,7 @@ impl ResponseMeta {
             .enumerate()
             .map(|(i, c)| {
                 // OpenAI's text ends before the stop string; the tokens stay exact.
-                let cut = if c.finish == "stop" {
+                let cut = if c.finish == Finish::Stop {
                     self.stop.matched(&c.tokens).unwrap_or(0)
                 } else {
                     0
@@ -773,8 +773,8 @@ pub struct ChoiceOut {
     pub tokens: Vec<u32>,
     /// Their log-probabilities, when asked for.
     pub logprobs: Option<Vec<TokenLogprobs>>,
-    /// OpenAI's finish reason.
-    pub finish: String,
+    /// Why it ended.
+    pub finish: Finish,
 }
 
 /// One choice's stream: its text ([`StreamText`]) and its log-probabilities' text offsets.
@@ -828,8 +828,9 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    /// An error with this status, type and message.
-    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+    /// An error with this status, type and message: only through the constructors below, one
+    /// per kind, so a status and its type never disagree.
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
         Self {
             status,
             kind,
@@ -837,9 +838,70 @@ impl ApiError {
         }
     }
 
-    /// 400 `invalid_request_error`.
+    /// 400 `invalid_request_error`: the request's own fault.
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+    }
+
+    /// 401 `invalid_request_error`: no API key, or not a known one.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", message)
+    }
+
+    /// 403 `permission_denied`: the caller's certificate role may not call this.
+    pub fn permission_denied(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "permission_denied", message)
+    }
+
+    /// 404 `not_found`: nothing of that name (a KV handle).
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+
+    /// 404 `model_not_found`: the model is not served here.
+    pub fn model_not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "model_not_found", message)
+    }
+
+    /// 409 `conflict`: the request disagrees with what it resumes.
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, "conflict", message)
+    }
+
+    /// 429 `rate_limit`: too many requests in flight here.
+    pub fn rate_limited(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit", message)
+    }
+
+    /// 429 `engine_error`: an engine's pool is full now.
+    pub fn engine_busy(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::TOO_MANY_REQUESTS, "engine_error", message)
+    }
+
+    /// 502 `engine_error`: an engine failed the request.
+    pub fn engine(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_GATEWAY, "engine_error", message)
+    }
+
+    /// 503 `engine_error`: this engine cannot run the request now.
+    pub fn engine_unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "engine_error", message)
+    }
+
+    /// 503 `unavailable`: nothing can serve the request now (no engine, draining).
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message)
+    }
+
+    /// 504 `timeout`: the request took longer than allowed.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout", message)
+    }
+
+    /// Its HTTP status.
+    #[must_use]
+    pub fn status(&self) -> StatusCode {
+        self.status
     }
 
     /// The body as a stream event (no status code in it).
@@ -896,11 +958,22 @@ pub fn now_secs() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// The reason string OpenAI uses.
-#[must_use]
-pub fn finish_str(r: FinishReason) -> &'static str {
-    match r {
-        FinishReason::Length | FinishReason::Context => "length",
-        FinishReason::Stop => "stop",
+/// Why a choice ended, as OpenAI names it (`finish_reason`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Finish {
+    /// `max_tokens` reached, or the engine's context is full.
+    #[default]
+    Length,
+    /// A stop string or stop token matched.
+    Stop,
+}
+
+impl From<FinishReason> for Finish {
+    fn from(r: FinishReason) -> Self {
+        match r {
+            FinishReason::Length | FinishReason::Context => Finish::Length,
+            FinishReason::Stop => Finish::Stop,
+        }
     }
 }

@@ -223,7 +223,7 @@ mod tests {
                 0,
                 vec![],
                 None,
-                Some("length".into()),
+                Some(crate::api::Finish::Length),
             ))),
             StreamEvent::Error(ErrorDetail {
                 message: "boom".into(),

@@ -14,6 +14,10 @@
 //! max_failovers = 2                # times one request may continue on another decode engine
 //! startup_grace_ms = 5000          # after a (re)start, a request finding no engine waits this
 //!                                  # long for the engines to register before 503
+//! prefill_decode_attempts = 2      # decode engines one Prefill tries (best ranked first) before
+//!                                  # the request falls back to a `both` engine
+//! cancel_release_wait_ms = 5000    # after cancelling a Prefill (the client left), how long to
+//!                                  # wait for a handle that still arrives, to release it
 //!
 //! [gateway.public_tls]             # HTTPS on the public endpoint (no client certificates)
 //! cert = "public.pem"
@@ -69,6 +73,12 @@ pub struct GatewaySection {
     /// waits for engines to register (a restarted gateway's registry is empty until the next
     /// beats) instead of answering 503 at once.
     pub startup_grace_ms: u64,
+    /// Decode engines one Prefill is tried against, best ranked first, before the request
+    /// falls back to a colocated engine (at least 1).
+    pub prefill_decode_attempts: u32,
+    /// After a Prefill was cancelled (the client left): how long to wait for a handle that
+    /// still arrives, to release it rather than leave it to its lease (milliseconds).
+    pub cancel_release_wait_ms: u64,
 }
 
 impl Default for GatewaySection {
@@ -87,6 +97,8 @@ impl Default for GatewaySection {
             stall_timeout_ms: 3_000,
             max_failovers: 2,
             startup_grace_ms: 5_000,
+            prefill_decode_attempts: 2,
+            cancel_release_wait_ms: 5_000,
         }
     }
 }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
-use axum::http::StatusCode;
+
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
@@ -90,5 +90,5 @@ pub async fn require_key(State(keys): State<ApiKeys>, req: Request, next: Next) 
 }
 
 fn unauthorized(message: &str) -> Response {
-    ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", message).into_response()
+    ApiError::unauthorized(message).into_response()
 }

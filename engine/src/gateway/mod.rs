@@ -8,7 +8,8 @@
 //! | choosing prefill and decode engines: a pure function | [`plan`] |
 //! | requests in flight per engine | [`inflight`] |
 //! | clients of the engines (one channel cache) | [`upstream`] |
-//! | one request's life, as a task | [`request`] |
+//! | one request's life: its decisions, with no I/O | [`session`] |
+//! | one request's life: the task that performs them | [`request`] |
 //! | the OpenAI HTTP handlers | [`openai`] |
 //! | API keys on the public endpoint | [`keys`] |
 
@@ -19,6 +20,7 @@ pub mod openai;
 pub mod plan;
 pub mod registry;
 pub mod request;
+pub mod session;
 pub mod upstream;
 
 use std::net::SocketAddr;

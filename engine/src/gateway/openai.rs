@@ -178,20 +178,12 @@ async fn start(
 }
 
 fn timed_out() -> ApiError {
-    ApiError::new(
-        StatusCode::GATEWAY_TIMEOUT,
-        "timeout",
-        "the request timed out",
-    )
+    ApiError::timeout("the request timed out")
 }
 
 async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, ApiError> {
     let Ok(permit) = Arc::clone(&g.permits).try_acquire_owned() else {
-        return Err(ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit",
-            "too many requests in flight",
-        ));
+        return Err(ApiError::rate_limited("too many requests in flight"));
     };
     let arrived = Instant::now();
     let (tx, mut rx) = mpsc::channel::<Out>(64);
@@ -225,11 +217,7 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
         },
         Some(Out::Fail(f)) => return Err(f),
         Some(other) => {
-            return Err(ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "engine_error",
-                format!("unexpected {other:?}"),
-            ));
+            return Err(ApiError::engine(format!("unexpected {other:?}")));
         }
         None => return Err(timed_out()),
     };
@@ -258,11 +246,7 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
                 open -= 1;
             }
             Some(Out::Broken(e)) => {
-                return Err(ApiError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "engine_error",
-                    e.message,
-                ));
+                return Err(ApiError::engine(e.message));
             }
             Some(_) => {}
             None => return Err(timed_out()),

@@ -53,16 +53,17 @@ pub enum Reason {
     },
     /// Nobody holds a prefix: the least loaded.
     ByLoad,
-    /// No disaggregated pair exists: a `both` engine runs it alone.
-    Colocated,
 }
+
+/// The route reason of a request a `both` engine runs alone: no disaggregated pair exists, or
+/// every decode engine tried refused the push.
+pub const FALLBACK_REASON: &str = "fallback: colocated on a both-role engine";
 
 impl fmt::Display for Reason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Reason::PrefixHit { blocks } => write!(f, "prefix hit: {blocks} blocks cached"),
             Reason::ByLoad => f.write_str("no cached prefix: by load"),
-            Reason::Colocated => f.write_str("fallback: colocated on a both-role engine"),
         }
     }
 }
@@ -97,6 +98,20 @@ impl Plan {
     #[must_use]
     pub fn is_empty(&self) -> bool {
         (self.prefill.is_none() || self.decode.is_empty()) && self.fallback.is_none()
+    }
+}
+
+/// The label of a plan's routing decision (`tl_route_decisions_total{reason}`, the `route`
+/// span's `reason`).
+#[must_use]
+pub fn reason_label(plan: &Plan) -> &'static str {
+    match (plan.decode.first(), &plan.fallback) {
+        (Some(d), _) if plan.prefill.is_some() => match d.reason {
+            Reason::PrefixHit { .. } => "prefix_hit",
+            Reason::ByLoad => "by_load",
+        },
+        (_, Some(_)) => "colocated",
+        _ => "none",
     }
 }
 

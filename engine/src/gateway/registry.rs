@@ -42,6 +42,9 @@ struct Entry {
 #[derive(Debug, Default)]
 pub struct RegistryState {
     workers: Mutex<HashMap<String, Entry>>,
+    /// Woken by every beat recorded: a request waiting for engines to register
+    /// (`startup_grace_ms`) looks again then, instead of polling.
+    beats: tokio::sync::Notify,
 }
 
 impl RegistryState {
@@ -64,7 +67,14 @@ impl RegistryState {
                 drain,
             },
         );
+        drop(w);
+        self.beats.notify_waiters();
         HeartbeatAck { drain }
+    }
+
+    /// Resolves at the next beat recorded after this future was first polled (or `enable`d).
+    pub fn next_beat(&self) -> tokio::sync::futures::Notified<'_> {
+        self.beats.notified()
     }
 
     /// Records a beat from a peer, within the registry's bounds: a worker id of at most

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use axum::extract::Request;
-use axum::http::StatusCode;
+
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use kvwire_grpc::glue::Authorize;
@@ -129,17 +129,15 @@ pub async fn require_roles(
         match peer {
             Some(p) if policy.roles.contains(&p.role) => {}
             Some(p) => {
-                return ApiError::new(
-                    StatusCode::FORBIDDEN,
-                    "permission_denied",
-                    format!("{} may not call {}", p.uri(), req.uri().path()),
-                )
+                return ApiError::permission_denied(format!(
+                    "{} may not call {}",
+                    p.uri(),
+                    req.uri().path()
+                ))
                 .into_response();
             }
             None => {
-                return ApiError::new(
-                    StatusCode::FORBIDDEN,
-                    "permission_denied",
+                return ApiError::permission_denied(
                     "the client certificate carries no spiffe://tl/ROLE/ID identity",
                 )
                 .into_response();

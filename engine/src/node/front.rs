@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use kvwire::prompt_hashes;
@@ -26,7 +26,7 @@ use super::state::NodeState;
 use crate::api::sse::{self, StreamEvent};
 use crate::api::{
     ApiError, ChoiceOut, ChoiceStream, CompletionRequest, ENGINE_COMPLETION_FIELDS, Flavor,
-    KV_HANDLE_HEADER, ResponseMeta, TlResume, completion_id, finish_str, parse_fields,
+    KV_HANDLE_HEADER, ResponseMeta, TlResume, completion_id, parse_fields,
 };
 use crate::net::tls::PeerRole;
 
@@ -70,7 +70,7 @@ impl DecodeFront {
         stop: Stop,
         choices: Choices,
     ) -> Result<(u64, mpsc::UnboundedReceiver<SeqEvent>), ApiError> {
-        let not_found = |m: String| ApiError::new(StatusCode::NOT_FOUND, "not_found", m);
+        let not_found = ApiError::not_found;
         let Some(TlResume {
             first_token,
             rng_draws_consumed,
@@ -98,14 +98,10 @@ impl DecodeFront {
         }
         if hashes != expect || tokens != prompt.len() as u64 {
             // Not this prompt's blocks: leave the handle to its owner.
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                "conflict",
-                format!(
-                    "KV handle {handle:?} holds {tokens} tokens in other blocks than this prompt's {}",
-                    prompt.len()
-                ),
-            ));
+            return Err(ApiError::conflict(format!(
+                "KV handle {handle:?} holds {tokens} tokens in other blocks than this prompt's {}",
+                prompt.len()
+            )));
         }
         let Some(claimed) = self.receiver.claim(handle) else {
             return Err(not_found(format!(
@@ -134,25 +130,17 @@ impl DecodeFront {
         if let Some(m) = req.params.model()
             && m != model.name()
         {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "model_not_found",
-                format!("model {m:?} is not served here"),
-            ));
+            return Err(ApiError::model_not_found(format!(
+                "model {m:?} is not served here"
+            )));
         }
         let handle = headers.get(KV_HANDLE_HEADER).and_then(|v| v.to_str().ok());
         // A draining engine takes no new request, but finishes the handles pushed before.
         if self.state.is_draining() && handle.is_none() {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
-                "this engine is draining",
-            ));
+            return Err(ApiError::unavailable("this engine is draining"));
         }
         let Ok(permit) = Arc::clone(&self.inflight).try_acquire_owned() else {
-            return Err(ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit",
+            return Err(ApiError::rate_limited(
                 "too many requests in flight on this engine",
             ));
         };
@@ -226,7 +214,7 @@ async fn completions(
 }
 
 fn engine_error(message: impl Into<String>) -> ApiError {
-    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "engine_error", message)
+    ApiError::engine_unavailable(message)
 }
 
 async fn collect(
@@ -251,7 +239,7 @@ async fn collect(
                 }
             }
             Some(SeqEvent::Finished { choice, reason }) => {
-                choices[choice as usize].finish = finish_str(reason).into();
+                choices[choice as usize].finish = reason.into();
                 open -= 1;
             }
             Some(SeqEvent::Refused(e)) => return Err(e.into()),
@@ -297,7 +285,7 @@ fn stream(
                 }) => chunk(choice, vec![token], logprobs, None),
                 Some(SeqEvent::Finished { choice, reason }) => {
                     open -= 1;
-                    chunk(choice, vec![], None, Some(finish_str(reason).into()))
+                    chunk(choice, vec![], None, Some(reason.into()))
                 }
                 Some(SeqEvent::Failed(e)) => {
                     StreamEvent::Error(engine_error(e.to_string()).detail())
