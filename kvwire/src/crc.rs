@@ -26,15 +26,20 @@ pub enum CrcImpl {
     CrcFast,
 }
 
-impl std::str::FromStr for CrcImpl {
-    type Err = String;
+/// A name that is not one of [`CrcImpl`]'s.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?}: expected auto, crc32c or crc-fast")]
+pub struct UnknownCrcImpl(pub String);
 
-    fn from_str(s: &str) -> Result<Self, String> {
+impl std::str::FromStr for CrcImpl {
+    type Err = UnknownCrcImpl;
+
+    fn from_str(s: &str) -> Result<Self, UnknownCrcImpl> {
         match s {
             "auto" => Ok(Self::Auto),
             "crc32c" => Ok(Self::Crc32c),
             "crc-fast" => Ok(Self::CrcFast),
-            other => Err(format!("{other:?}: expected auto, crc32c or crc-fast")),
+            other => Err(UnknownCrcImpl(other.to_owned())),
         }
     }
 }
@@ -65,6 +70,9 @@ pub fn set_crc_impl(choice: CrcImpl) {
 
 /// True when `crc-fast` computes (the override, else the CPU's features: its AVX-512 VPCLMULQDQ
 /// path makes it the faster crate).
+// cargo-mutants: on a CPU with both AVX-512 VL and VPCLMULQDQ, deleting the `2` arm and `&&` ->
+// `||` below are equivalent (the automatic choice is `crc-fast` there too); on any other CPU
+// `the_crc_override_picks_the_implementation` kills both.
 fn wide_folding() -> bool {
     match CHOICE.load(std::sync::atomic::Ordering::Relaxed) {
         1 => return false,

@@ -10,7 +10,7 @@ mod payload;
 mod read;
 mod write;
 
-pub use crc::{CRC32C_RESIDUE, Crc32c, CrcImpl, crc32c, crc32c_impl, set_crc_impl};
+pub use crc::{CRC32C_RESIDUE, Crc32c, CrcImpl, UnknownCrcImpl, crc32c, crc32c_impl, set_crc_impl};
 pub use format::{Dims, Formats, Shape, WireFormat};
 pub use hash::{FNV_OFFSET_BASIS, FNV_PRIME, block_hash, fnv1a64, prompt_hashes};
 pub use header::{HEADER_LEN, Header, MAGIC, RECORD_HEAD_LEN, RecordHead, TRAILER_LEN};

@@ -267,7 +267,45 @@ struct Seq {
     progress: Option<Arc<dyn PrefillProgress>>,
 }
 
+/// What every sequence of a request shares, and where its generator stands.
+struct SeqRules {
+    sampling: Sampling,
+    seed: u64,
+    /// Draws of `seed`'s stream already consumed.
+    draws: u64,
+    max_tokens: u32,
+    stop: Stop,
+    logprobs: Option<u32>,
+}
+
 impl Seq {
+    /// Choice 0 of request `group` over `tokens` (the first `prompt_len` its prompt), waiting to
+    /// be prefilled; its generator `draws` draws into `seed`'s stream. The one place a sequence
+    /// is made: a submitted, resumed or forked one changes only the fields that differ.
+    fn new(group: SeqId, tokens: Vec<u32>, prompt_len: usize, blocks: Blocks, r: SeqRules) -> Self {
+        Self {
+            group,
+            choice: 0,
+            fanout: 0,
+            announce: false,
+            logprobs: r.logprobs,
+            draws_base: r.draws,
+            tokens,
+            prompt_len,
+            blocks,
+            hashes: Vec::new(),
+            n_cached: 0,
+            sampling: r.sampling,
+            rng: resume_rng(r.seed, r.draws),
+            draws: r.draws,
+            seed: r.seed,
+            max_tokens: r.max_tokens,
+            stop: r.stop,
+            mode: Mode::Generate,
+            progress: None,
+        }
+    }
+
     fn generated(&self) -> u32 {
         (self.tokens.len() - self.prompt_len) as u32
     }
@@ -414,26 +452,20 @@ impl Engine {
         }
         let id = self.new_id();
         let prompt_len = req.prompt.len();
-        self.waiting.push_back(Seq {
-            group: id,
-            choice: 0,
-            fanout: req.choices.n - 1,
-            announce: false,
-            logprobs: req.choices.logprobs,
-            draws_base: req.draws_offset,
-            tokens: req.prompt,
-            prompt_len,
-            blocks: Blocks::new(self.pool.clone(), Vec::new()),
-            hashes: Vec::new(),
-            n_cached: 0,
+        let rules = SeqRules {
             sampling: req.sampling,
-            rng: resume_rng(req.seed, req.draws_offset),
-            draws: req.draws_offset,
             seed: req.seed,
+            draws: req.draws_offset,
             max_tokens: req.max_tokens,
             stop: req.stop,
+            logprobs: req.choices.logprobs,
+        };
+        let blocks = Blocks::new(self.pool.clone(), Vec::new());
+        self.waiting.push_back(Seq {
+            fanout: req.choices.n - 1,
             mode: req.mode,
             progress,
+            ..Seq::new(id, req.prompt, prompt_len, blocks, rules)
         });
         Ok(id)
     }
@@ -482,27 +514,23 @@ impl Engine {
         let prompt_len = prompt.len();
         let mut tokens = prompt;
         tokens.push(first_token);
-        self.running.push(Seq {
-            group: id,
-            choice: 0,
-            fanout: choices.n - 1,
-            announce: true,
-            logprobs: choices.logprobs,
-            // Every token takes the same draws (spec/pcg32.md): the first took 0 or 1.
-            draws_base: draws.saturating_sub(u64::from(sampling.draws_per_token())),
-            tokens,
-            prompt_len,
-            blocks,
-            hashes,
-            n_cached: prompt_len,
+        // Every token takes the same draws (spec/pcg32.md): the first took 0 or 1.
+        let draws_base = draws.saturating_sub(u64::from(sampling.draws_per_token()));
+        let rules = SeqRules {
             sampling,
-            rng: resume_rng(seed, draws),
-            draws,
             seed,
+            draws,
             max_tokens,
             stop,
-            mode: Mode::Generate,
-            progress: None,
+            logprobs: choices.logprobs,
+        };
+        self.running.push(Seq {
+            fanout: choices.n - 1,
+            announce: true,
+            draws_base,
+            hashes,
+            n_cached: prompt_len,
+            ..Seq::new(id, tokens, prompt_len, blocks, rules)
         });
         Ok(id)
     }
@@ -698,26 +726,22 @@ impl Engine {
         let (token, draws) = parent.sampling.sample(logits, &mut rng);
         let mut tokens = parent.tokens[..parent.prompt_len].to_vec();
         tokens.push(token);
-        Ok(Seq {
-            group: parent.group,
-            choice,
-            fanout: 0,
-            announce: false,
-            logprobs: parent.logprobs,
-            draws_base: parent.draws_base,
-            tokens,
-            prompt_len: parent.prompt_len,
-            blocks,
-            hashes: parent.hashes.clone(),
-            n_cached: parent.prompt_len,
+        let rules = SeqRules {
             sampling: parent.sampling,
-            rng,
-            draws: parent.draws_base + u64::from(draws),
             seed,
+            draws: parent.draws_base + u64::from(draws),
             max_tokens: parent.max_tokens,
             stop: parent.stop.clone(),
-            mode: Mode::Generate,
-            progress: None,
+            logprobs: parent.logprobs,
+        };
+        Ok(Seq {
+            choice,
+            draws_base: parent.draws_base,
+            hashes: parent.hashes.clone(),
+            n_cached: parent.prompt_len,
+            // The generator as the first token's sampling left it.
+            rng,
+            ..Seq::new(parent.group, tokens, parent.prompt_len, blocks, rules)
         })
     }
 

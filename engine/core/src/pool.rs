@@ -527,8 +527,8 @@ impl KvPool {
     /// Verifies every invariant; `Err` says which one broke. Used by tests and debug builds.
     ///
     /// # Errors
-    /// A description of the first broken invariant.
-    pub fn check(&self) -> Result<(), String> {
+    /// The first broken invariant, described.
+    pub fn check(&self) -> Result<(), InvariantError> {
         let total = self.meta.len();
         let used = self.meta.iter().filter(|m| m.refs > 0).count();
         let cached = self
@@ -537,62 +537,69 @@ impl KvPool {
             .filter(|m| m.refs == 0 && m.hash != 0)
             .count();
         if used != self.used || cached != self.cached {
-            return Err(format!(
+            return Err(InvariantError(format!(
                 "counters used {}/{} cached {}/{}",
                 self.used, used, self.cached, cached
-            ));
+            )));
         }
         if used + cached + self.free.len() != total {
-            return Err(format!(
+            return Err(InvariantError(format!(
                 "used {used} + cached {cached} + free {} != total {total}",
                 self.free.len()
-            ));
+            )));
         }
         for &id in &self.free {
             let m = &self.meta[id as usize];
             if m.refs != 0 || m.hash != 0 {
-                return Err(format!(
+                return Err(InvariantError(format!(
                     "free block {id} has refs {} hash {:#x}",
                     m.refs, m.hash
-                ));
+                )));
             }
         }
         for (&hash, &id) in &self.index {
             if self.meta.get(id as usize).map(|m| m.hash) != Some(hash) {
-                return Err(format!(
+                return Err(InvariantError(format!(
                     "index {hash:#x} -> {id} but the block says otherwise"
-                ));
+                )));
             }
         }
         let named = self.meta.iter().filter(|m| m.hash != 0).count();
         if named != self.index.len() {
-            return Err(format!(
+            return Err(InvariantError(format!(
                 "{named} named blocks but {} index entries",
                 self.index.len()
-            ));
+            )));
         }
         let (mut n, mut at, mut prev) = (0, self.lru_head, NIL);
         while at != NIL {
             let m = &self.meta[at as usize];
             if m.refs != 0 || m.hash == 0 || m.prev != prev {
-                return Err(format!(
+                return Err(InvariantError(format!(
                     "LRU holds block {at} with refs {} hash {:#x}",
                     m.refs, m.hash
-                ));
+                )));
             }
             n += 1;
             if n > total {
-                return Err("LRU has a cycle".into());
+                return Err(InvariantError("LRU has a cycle".into()));
             }
             prev = at;
             at = m.next;
         }
         if n != cached || self.lru_tail != prev {
-            return Err(format!("LRU has {n} blocks, {cached} cached"));
+            return Err(InvariantError(format!(
+                "LRU has {n} blocks, {cached} cached"
+            )));
         }
         Ok(())
     }
 }
+
+/// A pool invariant that [`KvPool::check`] found broken (a bug in the pool, never bad input).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("pool invariant broken: {0}")]
+pub struct InvariantError(pub String);
 
 /// The pool shared by a server's tasks and the engine thread.
 ///
@@ -755,29 +762,13 @@ impl Drop for PoolGuard<'_> {
 pub struct Blocks {
     pool: SharedKv,
     ids: Vec<BlockId>,
-    forget: bool,
 }
 
 impl Blocks {
     /// Owns one reference on each of `ids` (already taken), releasing them on drop.
     #[must_use]
     pub fn new(pool: SharedKv, ids: Vec<BlockId>) -> Self {
-        Self {
-            pool,
-            ids,
-            forget: false,
-        }
-    }
-
-    /// Like [`new`](Self::new), but on drop blocks that reach zero are unregistered and freed,
-    /// not cached (see [`KvPool::release_forget`]).
-    #[must_use]
-    pub fn forgetting(pool: SharedKv, ids: Vec<BlockId>) -> Self {
-        Self {
-            pool,
-            ids,
-            forget: true,
-        }
+        Self { pool, ids }
     }
 
     /// The blocks, in order.
@@ -809,11 +800,6 @@ impl Blocks {
         std::mem::take(&mut self.ids)
     }
 
-    /// From now on, drop releases normally (blocks stay cached when registered).
-    pub fn keep_on_drop(&mut self) {
-        self.forget = false;
-    }
-
     /// The pool these references are in.
     #[must_use]
     pub fn pool(&self) -> &SharedKv {
@@ -828,11 +814,7 @@ impl Drop for Blocks {
         }
         let mut pool = self.pool.lock();
         for &id in &self.ids {
-            let res = if self.forget {
-                pool.release_forget(id)
-            } else {
-                pool.release(id)
-            };
+            let res = pool.release(id);
             debug_assert!(
                 res.is_ok(),
                 "guard released block {id} it did not hold: {res:?}"

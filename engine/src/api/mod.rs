@@ -935,15 +935,6 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// Parses a JSON request body; a malformed one is a 400 naming serde's complaint.
-///
-/// # Errors
-/// 400 `invalid_request_error`.
-pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("malformed request: {e}")))
-}
-
 /// A fresh completion id: random, so it cannot be guessed from another.
 #[must_use]
 pub fn completion_id() -> String {

@@ -5,6 +5,7 @@
 //! |---|---|
 //! | configuration | [`config`] |
 //! | the WorkerRegistry server (and `tl registry`) | [`registry`] |
+//! | a worker as last heard from, and when it is stale | [`worker`] |
 //! | choosing prefill and decode engines: a pure function | [`plan`] |
 //! | requests in flight per engine | [`inflight`] |
 //! | clients of the engines (one channel cache) | [`upstream`] |
@@ -22,6 +23,7 @@ pub mod registry;
 pub mod request;
 pub mod session;
 pub mod upstream;
+pub mod worker;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -13,35 +13,10 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::time::Duration;
 
 use kvwire_grpc::pb::control::{Role as PbRole, WorkerStatus};
 
-use super::registry::is_stale;
-
-/// A worker as the registry last heard from it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct WorkerView {
-    /// Its last status.
-    pub status: WorkerStatus,
-    /// Time since that beat.
-    pub age: Duration,
-}
-
-impl WorkerView {
-    fn is(&self, role: PbRole) -> bool {
-        self.status.role == role as i32
-    }
-
-    /// Can take new work: not draining, not stale.
-    fn usable(&self) -> bool {
-        !self.status.draining && !is_stale(&self.status, self.age)
-    }
-
-    fn load(&self) -> u32 {
-        self.status.queue_depth + self.status.running
-    }
-}
+pub use super::worker::WorkerView;
 
 /// Why a decode engine was chosen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -222,6 +197,8 @@ pub fn plan(
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     const POLICY: Policy = Policy {

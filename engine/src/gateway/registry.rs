@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvwire_grpc::H2Limits;
 use kvwire_grpc::glue::{self, Dispatch, Handler, Limits, ResponseFuture, Routes};
@@ -20,16 +20,11 @@ use tokio_util::sync::DropGuard;
 use tonic::Status;
 use tonic::body::Body;
 
-use super::plan::WorkerView;
+use super::worker::WorkerView;
+pub use super::worker::{DEFAULT_HEARTBEAT_MS, MISSED_BEATS, is_stale};
 use crate::net::authz::{RolePolicy, Table};
 use crate::net::server::{Lifecycle, bind, serve_grpc};
 use crate::net::tls::{PeerId, PeerRole, Tls};
-
-/// The heartbeat interval a worker that does not say is assumed to use.
-pub const DEFAULT_HEARTBEAT_MS: u32 = 2000;
-
-/// Missed beats after which a worker is forgotten.
-pub const MISSED_BEATS: u32 = 3;
 
 #[derive(Debug)]
 struct Entry {
@@ -201,17 +196,6 @@ fn registers_as(role: PeerRole) -> Option<PbRole> {
         PeerRole::Both => Some(PbRole::Both),
         PeerRole::Gateway | PeerRole::Admin => None,
     }
-}
-
-/// True when a worker's last beat is older than [`MISSED_BEATS`] of its intervals.
-#[must_use]
-pub fn is_stale(status: &WorkerStatus, age: Duration) -> bool {
-    let ms = if status.heartbeat_ms == 0 {
-        DEFAULT_HEARTBEAT_MS
-    } else {
-        status.heartbeat_ms
-    };
-    age > Duration::from_millis(u64::from(ms) * u64::from(MISSED_BEATS))
 }
 
 /// Registry messages are small: a larger one is refused by tonic's decoder (OUT_OF_RANGE)

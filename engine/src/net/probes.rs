@@ -24,13 +24,25 @@ use super::server::Caller;
 /// The longest drain a probe may ask for.
 pub const MAX_DRAIN: Duration = Duration::from_secs(600);
 
+/// Why a process does not take new work (`GET /readyz` answers 503 with it).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NotReady {
+    /// The worker is draining.
+    #[error("worker {worker} is draining")]
+    Draining {
+        /// Its id.
+        worker: String,
+    },
+}
+
 /// What the probes ask a process.
 pub trait Probe: Send + Sync + 'static {
     /// `Ok` when it takes new work; else why not.
     ///
     /// # Errors
     /// The reason it is not ready.
-    fn ready(&self) -> Result<(), String>;
+    fn ready(&self) -> Result<(), NotReady>;
 
     /// Starts draining and resolves with the work left once it has ended or `deadline` passed;
     /// `None` when this process has nothing to drain.
@@ -46,7 +58,7 @@ pub trait Probe: Send + Sync + 'static {
 pub struct AlwaysReady;
 
 impl Probe for AlwaysReady {
-    fn ready(&self) -> Result<(), String> {
+    fn ready(&self) -> Result<(), NotReady> {
         Ok(())
     }
 
@@ -116,11 +128,13 @@ mod tests {
     struct Fake(AtomicUsize);
 
     impl Probe for Fake {
-        fn ready(&self) -> Result<(), String> {
+        fn ready(&self) -> Result<(), NotReady> {
             if self.0.load(Ordering::SeqCst) == 0 {
                 Ok(())
             } else {
-                Err("draining".into())
+                Err(NotReady::Draining {
+                    worker: "fake".into(),
+                })
             }
         }
 
@@ -167,7 +181,7 @@ mod tests {
         assert_eq!((status, body.as_str()), (200, r#"{"remaining":0}"#));
         assert_eq!(probe.0.load(Ordering::SeqCst), 1);
         let (status, body) = call(&mut app, "GET", "/readyz", "127.0.0.1:1").await;
-        assert_eq!((status, body.as_str()), (503, "draining\n"));
+        assert_eq!((status, body.as_str()), (503, "worker fake is draining\n"));
         // A process with nothing to drain says so.
         let mut gw = router(Arc::new(AlwaysReady));
         assert_eq!(call(&mut gw, "POST", "/drain", "[::1]:1").await.0, 404);

@@ -13,6 +13,8 @@
 //! advertise_address = ""        # host peers reach this engine at; empty: the bound address
 //! push_while_prefilling = true  # prefill roles: stream each block as soon as it is written
 //! metrics_listen = "127.0.0.1:0" # GET /metrics (Prometheus text), plaintext, any address
+//! max_prefill_tokens = 0        # prompt tokens one step prefills (the first waiting request is
+//!                               # always admitted); 0: every waiting request
 //!
 //! [model]
 //! kind = "fake"                 # the only kind: the deterministic fake model, named "fake"
@@ -157,6 +159,9 @@ pub struct EngineSection {
     /// `GET /metrics` listen address (plaintext: metrics carry no secrets, and a scraper
     /// usually reaches it from outside, so it may be any address).
     pub metrics_listen: String,
+    /// Prompt tokens one engine step may prefill (the first waiting request is always
+    /// admitted, however long); 0: every waiting request.
+    pub max_prefill_tokens: usize,
 }
 
 impl Default for EngineSection {
@@ -172,6 +177,7 @@ impl Default for EngineSection {
             advertise_address: String::new(),
             push_while_prefilling: true,
             metrics_listen: "127.0.0.1:0".into(),
+            max_prefill_tokens: 0,
         }
     }
 }

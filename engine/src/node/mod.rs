@@ -102,6 +102,10 @@ impl EngineNode {
         let pool = cfg.build_pool();
         let mut engine = Engine::new(model.clone(), pool.clone());
         engine.set_cost(cfg.cost());
+        engine.set_scheduler(tl_engine_core::scheduler::Scheduler {
+            max_prefill_tokens: (cfg.engine.max_prefill_tokens > 0)
+                .then_some(cfg.engine.max_prefill_tokens),
+        });
         let (runner, thread) = Runner::start(engine)?;
         let role = cfg.engine.role;
         let limits = &cfg.limits;

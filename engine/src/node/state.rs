@@ -174,9 +174,11 @@ impl Drop for PrefillInFlight {
 }
 
 impl crate::net::probes::Probe for NodeState {
-    fn ready(&self) -> Result<(), String> {
+    fn ready(&self) -> Result<(), crate::net::probes::NotReady> {
         if self.is_draining() {
-            Err(format!("worker {} is draining", self.id))
+            Err(crate::net::probes::NotReady::Draining {
+                worker: self.id.clone(),
+            })
         } else {
             Ok(())
         }

@@ -1,0 +1,48 @@
+//! A worker as the gateway knows it: its last status and that status's age, and when that age
+//! makes it stale. Both the registry (which forgets stale workers) and the planner (which routes
+//! over live ones) use it, so it sits below both.
+
+use std::time::Duration;
+
+use kvwire_grpc::pb::control::{Role as PbRole, WorkerStatus};
+
+/// The heartbeat interval a worker that does not say is assumed to use.
+pub const DEFAULT_HEARTBEAT_MS: u32 = 2000;
+
+/// Missed beats after which a worker is forgotten.
+pub const MISSED_BEATS: u32 = 3;
+
+/// True when a worker's last beat is older than [`MISSED_BEATS`] of its intervals.
+#[must_use]
+pub fn is_stale(status: &WorkerStatus, age: Duration) -> bool {
+    let ms = if status.heartbeat_ms == 0 {
+        DEFAULT_HEARTBEAT_MS
+    } else {
+        status.heartbeat_ms
+    };
+    age > Duration::from_millis(u64::from(ms) * u64::from(MISSED_BEATS))
+}
+
+/// A worker as the registry last heard from it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerView {
+    /// Its last status.
+    pub status: WorkerStatus,
+    /// Time since that beat.
+    pub age: Duration,
+}
+
+impl WorkerView {
+    pub(super) fn is(&self, role: PbRole) -> bool {
+        self.status.role == role as i32
+    }
+
+    /// Can take new work: not draining, not stale.
+    pub(super) fn usable(&self) -> bool {
+        !self.status.draining && !is_stale(&self.status, self.age)
+    }
+
+    pub(super) fn load(&self) -> u32 {
+        self.status.queue_depth + self.status.running
+    }
+}
