@@ -9,6 +9,7 @@
 use self::logprobs::{ChoiceLogprobs, Offsets, TlLogprob};
 
 pub mod logprobs;
+pub mod render;
 pub mod sse;
 
 use axum::Json;

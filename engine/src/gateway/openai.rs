@@ -22,11 +22,11 @@ use tracing::Instrument;
 
 use super::Gateway;
 use super::request::{Job, Out};
-use crate::api::sse::{self, StreamEvent};
+use crate::api::render::{self, ChoiceEvent, ChoiceSource};
 use crate::api::{
-    ApiError, CHAT_FIELDS, COMPLETION_FIELDS, ChatRequest, ChoiceOut, ChoiceStream,
-    CompletionRequest, ErrorDetail, Flavor, GenerationParams, MAX_COMPLETION_LOGPROBS,
-    ResponseMeta, completion_id, parse_fields, render_chat,
+    ApiError, CHAT_FIELDS, COMPLETION_FIELDS, ChatRequest, CompletionRequest, Flavor,
+    GenerationParams, MAX_COMPLETION_LOGPROBS, ResponseMeta, completion_id, parse_fields,
+    render_chat,
 };
 use crate::telemetry::metrics::SharedMetrics;
 
@@ -221,111 +221,55 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
         }
         None => return Err(timed_out()),
     };
-    let mut meter = Meter::new(Arc::clone(&g.metrics), arrived);
+    let mut src = Answer {
+        rx,
+        meter: Meter::new(Arc::clone(&g.metrics), arrived),
+    };
     if stream {
-        return Ok(relay_stream(meta, n, rx, meter, include_usage));
+        return Ok(render::stream(meta, n, src, include_usage, 64));
     }
-    let mut choices = vec![ChoiceOut::default(); n as usize];
-    let mut open = n;
-    while open > 0 {
-        match rx.recv().await {
-            Some(Out::Token {
-                choice,
-                token,
-                logprobs,
-            }) => {
-                meter.token();
-                let c = &mut choices[choice as usize];
-                c.tokens.push(token);
-                if let Some(l) = logprobs {
-                    c.logprobs.get_or_insert_with(Vec::new).push(l);
-                }
-            }
-            Some(Out::Done { choice, finish }) => {
-                choices[choice as usize].finish = finish;
-                open -= 1;
-            }
-            Some(Out::Broken(e)) => {
-                return Err(ApiError::engine(e.message));
-            }
-            Some(_) => {}
-            None => return Err(timed_out()),
-        }
-    }
-    meter.done();
-    Ok(Json(meta.whole(choices)).into_response())
+    render::whole(&meta, n, &mut src).await
 }
 
-fn relay_stream(
-    meta: ResponseMeta,
-    n: u32,
-    mut rx: mpsc::Receiver<Out>,
-    mut meter: Meter,
-    include_usage: bool,
-) -> Response {
-    let (tx, response) = sse::channel(64);
-    tokio::spawn(async move {
-        let mut streams: Vec<ChoiceStream> = (0..n)
-            .map(|_| ChoiceStream::new(meta.stop.clone()))
-            .collect();
-        let mut open = n;
+/// The request task's messages after the start, as the renderer takes them; the time to first
+/// token and per token recorded on the way.
+struct Answer {
+    rx: mpsc::Receiver<Out>,
+    meter: Meter,
+}
+
+impl ChoiceSource for Answer {
+    async fn next(&mut self) -> Option<ChoiceEvent> {
         loop {
-            let event = match rx.recv().await {
-                Some(Out::Token {
+            return Some(match self.rx.recv().await? {
+                Out::Token {
                     choice,
                     token,
                     logprobs,
-                }) => {
-                    meter.token();
-                    let c = meta.chunk(
-                        &mut streams[choice as usize],
+                } => {
+                    self.meter.token();
+                    ChoiceEvent::Token {
                         choice,
-                        vec![token],
-                        logprobs.map(|l| vec![l]),
-                        None,
-                    );
-                    StreamEvent::Chunk(Box::new(c))
+                        token,
+                        logprobs,
+                    }
                 }
-                Some(Out::Done { choice, finish }) => {
-                    open -= 1;
-                    let c = meta.chunk(
-                        &mut streams[choice as usize],
-                        choice,
-                        vec![],
-                        None,
-                        Some(finish),
-                    );
-                    StreamEvent::Chunk(Box::new(c))
-                }
-                Some(Out::Broken(e)) => StreamEvent::Error(e),
-                Some(_) => continue,
-                None => StreamEvent::Error(ErrorDetail {
-                    message: "the request timed out".into(),
-                    kind: "timeout".into(),
-                    code: None,
-                }),
-            };
-            // A client that left closes the response; returning drops `rx`, which ends the
-            // request task.
-            if !tx.send(&event).await || event.is_end() {
-                return;
-            }
-            if open == 0 {
-                break;
-            }
+                Out::Done { choice, finish } => ChoiceEvent::Done { choice, finish },
+                Out::Broken(e) => ChoiceEvent::Broken(e),
+                Out::Fail(e) => ChoiceEvent::Failed(e),
+                Out::Start { .. } => continue,
+            });
         }
-        meter.done();
-        // `stream_options.include_usage`: the counts, summed over the choices, in a chunk of
-        // their own.
-        if include_usage {
-            let usage = meta.usage_chunk(meter.tokens as usize);
-            if !tx.send(&StreamEvent::Chunk(Box::new(usage))).await {
-                return;
-            }
-        }
-        tx.send(&StreamEvent::Done).await;
-    });
-    response
+    }
+
+    /// The request task was dropped by the request timeout.
+    fn cut_short(&self, _stream: bool) -> Option<ApiError> {
+        Some(timed_out())
+    }
+
+    fn finished(&mut self) {
+        self.meter.done();
+    }
 }
 
 /// `GET /v1/models`: one entry per model the live engines serve.

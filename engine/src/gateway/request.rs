@@ -152,6 +152,19 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
 }
 
 impl Driver<'_> {
+    /// Runs `task` as the lane's stream (aborted when the lane closes, or with the request).
+    fn lane_task<F>(
+        &mut self,
+        lane: LaneId,
+        task: impl FnOnce(Arc<Gateway>, mpsc::Sender<Event>) -> F,
+    ) where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let fut = task(Arc::clone(self.g), self.events.clone());
+        let h = self.tasks.spawn(fut.in_current_span());
+        self.streams.insert(lane, h);
+    }
+
     /// Keeps the driver's books on an event before the session sees it.
     async fn observe(&mut self, event: &Event) {
         match event {
@@ -253,27 +266,22 @@ impl Driver<'_> {
                 request,
                 quiet,
             } => {
-                let (g, tx) = (Arc::clone(self.g), self.events.clone());
-                let h = self.tasks.spawn(
-                    async move {
-                        let opened = tokio::time::timeout(
-                            quiet,
-                            g.upstream
-                                .stream(&decode.http_address, Some(&handle_id), &request),
-                        )
-                        .await;
-                        let events = match opened {
-                            Ok(Ok(events)) => events,
-                            Ok(Err(_)) => return lost(&tx, lane, LossCause::Reset).await,
-                            Err(_) => return lost(&tx, lane, LossCause::Stall).await,
-                        };
-                        if tx.send(Event::Opened { lane }).await.is_ok() {
-                            relay(events, &tx, lane, quiet).await;
-                        }
+                self.lane_task(lane, async move |g, tx| {
+                    let opened = tokio::time::timeout(
+                        quiet,
+                        g.upstream
+                            .stream(&decode.http_address, Some(&handle_id), &request),
+                    )
+                    .await;
+                    let events = match opened {
+                        Ok(Ok(events)) => events,
+                        Ok(Err(_)) => return lost(&tx, lane, LossCause::Reset).await,
+                        Err(_) => return lost(&tx, lane, LossCause::Stall).await,
+                    };
+                    if tx.send(Event::Opened { lane }).await.is_ok() {
+                        relay(events, &tx, lane, quiet).await;
                     }
-                    .in_current_span(),
-                );
-                self.streams.insert(lane, h);
+                });
             }
             Action::Colocated {
                 lane,
@@ -281,14 +289,9 @@ impl Driver<'_> {
                 request,
                 quiet,
             } => {
-                let (g, tx) = (Arc::clone(self.g), self.events.clone());
-                let h = self.tasks.spawn(
-                    async move {
-                        colocated(&g, &target, &request, &tx, lane, quiet).await;
-                    }
-                    .in_current_span(),
-                );
-                self.streams.insert(lane, h);
+                self.lane_task(lane, async move |g, tx| {
+                    colocated(&g, &target, &request, &tx, lane, quiet).await;
+                });
             }
             Action::Emit(o) => {
                 if self.out.send(o).await.is_err() {

@@ -4,7 +4,6 @@
 
 use std::sync::Arc;
 
-use axum::Json;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
@@ -12,7 +11,7 @@ use axum::routing::post;
 use kvwire::prompt_hashes;
 use kvwire_grpc::KvReceiver;
 use tl_engine_core::engine::{Choices, Mode, Request, Resume};
-use tl_engine_core::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs};
+use tl_engine_core::logprobs::MAX_TOP_LOGPROBS;
 use tl_engine_core::pool::Blocks;
 use tl_engine_core::request::Limits;
 use tl_engine_core::rng::entropy_seed;
@@ -23,10 +22,10 @@ use tracing::Instrument;
 
 use super::runner::SeqEvent;
 use super::state::NodeState;
-use crate::api::sse::{self, StreamEvent};
+use crate::api::render::{self, ChoiceEvent, ChoiceSource};
 use crate::api::{
-    ApiError, ChoiceOut, ChoiceStream, CompletionRequest, ENGINE_COMPLETION_FIELDS, Flavor,
-    KV_HANDLE_HEADER, ResponseMeta, TlResume, completion_id, parse_fields,
+    ApiError, CompletionRequest, ENGINE_COMPLETION_FIELDS, Flavor, KV_HANDLE_HEADER, ResponseMeta,
+    TlResume, completion_id, parse_fields,
 };
 use crate::net::tls::PeerRole;
 
@@ -179,13 +178,17 @@ impl DecodeFront {
             route: None,
             stop,
         };
-        Ok(if req.params.streams() {
-            stream(meta, choices.n, events, permit)
+        let mut src = Sequences {
+            events,
+            _permit: permit,
+        };
+        if req.params.streams() {
+            // A client that went away closes the stream: dropping the events then cancels the
+            // request on the engine thread.
+            Ok(render::stream(meta, choices.n, src, false, 16))
         } else {
-            let r = collect(meta, choices.n, events).await;
-            drop(permit);
-            r?
-        })
+            render::whole(&meta, choices.n, &mut src).await
+        }
     }
 }
 
@@ -217,93 +220,41 @@ fn engine_error(message: impl Into<String>) -> ApiError {
     ApiError::engine_unavailable(message)
 }
 
-async fn collect(
-    meta: ResponseMeta,
-    n: u32,
-    mut events: mpsc::UnboundedReceiver<SeqEvent>,
-) -> Result<Response, ApiError> {
-    let mut choices = vec![ChoiceOut::default(); n as usize];
-    let mut open = n;
-    while open > 0 {
-        match events.recv().await {
-            Some(SeqEvent::Token {
-                choice,
-                token,
-                logprobs,
-                ..
-            }) => {
-                let c = &mut choices[choice as usize];
-                c.tokens.push(token);
-                if let Some(l) = logprobs {
-                    c.logprobs.get_or_insert_with(Vec::new).push(l);
-                }
-            }
-            Some(SeqEvent::Finished { choice, reason }) => {
-                choices[choice as usize].finish = reason.into();
-                open -= 1;
-            }
-            Some(SeqEvent::Refused(e)) => return Err(e.into()),
-            Some(SeqEvent::Failed(e)) => return Err(engine_error(e.to_string())),
-            Some(SeqEvent::Prefilled(_)) => {}
-            None => return Err(engine_error("the engine stopped")),
-        }
-    }
-    Ok(Json(meta.whole(choices)).into_response())
+/// An engine's events for one request, as the renderer takes them; the request counts as in
+/// flight (the permit) until they end.
+struct Sequences {
+    events: mpsc::UnboundedReceiver<SeqEvent>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
-fn stream(
-    meta: ResponseMeta,
-    n: u32,
-    mut events: mpsc::UnboundedReceiver<SeqEvent>,
-    permit: tokio::sync::OwnedSemaphorePermit,
-) -> Response {
-    let (tx, response) = sse::channel(16);
-    tokio::spawn(async move {
-        // The request counts as in flight until its stream ends.
-        let _permit = permit;
-        let mut streams: Vec<ChoiceStream> = (0..n)
-            .map(|_| ChoiceStream::new(meta.stop.clone()))
-            .collect();
-        let mut open = n;
-        let mut chunk = |choice: u32, tokens, lp: Option<TokenLogprobs>, finish| {
-            let c = meta.chunk(
-                &mut streams[choice as usize],
-                choice,
-                tokens,
-                lp.map(|l| vec![l]),
-                finish,
-            );
-            StreamEvent::Chunk(Box::new(c))
-        };
+impl ChoiceSource for Sequences {
+    async fn next(&mut self) -> Option<ChoiceEvent> {
         loop {
-            let event = match events.recv().await {
-                Some(SeqEvent::Token {
+            return Some(match self.events.recv().await? {
+                SeqEvent::Token {
                     choice,
                     token,
                     logprobs,
                     ..
-                }) => chunk(choice, vec![token], logprobs, None),
-                Some(SeqEvent::Finished { choice, reason }) => {
-                    open -= 1;
-                    chunk(choice, vec![], None, Some(reason.into()))
-                }
-                Some(SeqEvent::Failed(e)) => {
-                    StreamEvent::Error(engine_error(e.to_string()).detail())
-                }
-                Some(SeqEvent::Refused(e)) => StreamEvent::Error(ApiError::from(e).detail()),
-                Some(SeqEvent::Prefilled(_)) => continue,
-                None => break,
-            };
-            // A client that went away closes the stream: dropping `events` then cancels the
-            // request on the engine thread.
-            if !tx.send(&event).await || event.is_end() {
-                return;
-            }
-            if open == 0 {
-                break;
-            }
+                } => ChoiceEvent::Token {
+                    choice,
+                    token,
+                    logprobs,
+                },
+                SeqEvent::Finished { choice, reason } => ChoiceEvent::Done {
+                    choice,
+                    finish: reason.into(),
+                },
+                SeqEvent::Refused(e) => ChoiceEvent::Failed(e.into()),
+                SeqEvent::Failed(e) => ChoiceEvent::Failed(engine_error(e.to_string())),
+                SeqEvent::Prefilled(_) => continue,
+            });
         }
-        tx.send(&StreamEvent::Done).await;
-    });
-    response
+    }
+
+    /// The engine thread stopped: a whole response says so; a stream just ends, and the
+    /// gateway, seeing no finish reason, fails over.
+    fn cut_short(&self, stream: bool) -> Option<ApiError> {
+        (!stream).then(|| engine_error("the engine stopped"))
+    }
 }
