@@ -1,0 +1,147 @@
+//! Errors as OpenAI shapes them: one constructor per kind, each with its status.
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use tl_engine_core::request::RequestError;
+
+/// The `error` object of an error response or an error stream event.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct ErrorDetail {
+    /// What went wrong.
+    pub message: String,
+    /// `invalid_request_error`, `engine_error`, `timeout`, ...
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The HTTP status (whole responses only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<u16>,
+}
+
+/// An error response body: `{"error": {...}}`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// A refusal as an HTTP answer: the status and OpenAI's error body. Every error an HTTP door
+/// returns goes through this type.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiError {
+    /// The status.
+    pub status: StatusCode,
+    /// The `type` field.
+    pub kind: &'static str,
+    /// The message.
+    pub message: String,
+}
+
+impl ApiError {
+    /// An error with this status, type and message: only through the constructors below, one
+    /// per kind, so a status and its type never disagree.
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// 400 `invalid_request_error`: the request's own fault.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+    }
+
+    /// 401 `invalid_request_error`: no API key, or not a known one.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", message)
+    }
+
+    /// 403 `permission_denied`: the caller's certificate role may not call this.
+    pub fn permission_denied(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "permission_denied", message)
+    }
+
+    /// 404 `not_found`: nothing of that name (a KV handle).
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+
+    /// 404 `model_not_found`: the model is not served here.
+    pub fn model_not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "model_not_found", message)
+    }
+
+    /// 409 `conflict`: the request disagrees with what it resumes.
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, "conflict", message)
+    }
+
+    /// 429 `rate_limit`: too many requests in flight here.
+    pub fn rate_limited(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit", message)
+    }
+
+    /// 429 `engine_error`: an engine's pool is full now.
+    pub fn engine_busy(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::TOO_MANY_REQUESTS, "engine_error", message)
+    }
+
+    /// 502 `engine_error`: an engine failed the request.
+    pub fn engine(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_GATEWAY, "engine_error", message)
+    }
+
+    /// 503 `engine_error`: this engine cannot run the request now.
+    pub fn engine_unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "engine_error", message)
+    }
+
+    /// 503 `unavailable`: nothing can serve the request now (no engine, draining).
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message)
+    }
+
+    /// 504 `timeout`: the request took longer than allowed.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout", message)
+    }
+
+    /// Its HTTP status.
+    #[must_use]
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The body as a stream event (no status code in it).
+    #[must_use]
+    pub fn detail(&self) -> ErrorDetail {
+        ErrorDetail {
+            message: self.message.clone(),
+            kind: self.kind.into(),
+            code: None,
+        }
+    }
+}
+
+/// The one mapping of a refused request to HTTP: 400 with the core's message.
+impl From<RequestError> for ApiError {
+    fn from(e: RequestError) -> Self {
+        Self::bad_request(e.to_string())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = ErrorBody {
+            error: ErrorDetail {
+                message: self.message,
+                kind: self.kind.into(),
+                code: Some(self.status.as_u16()),
+            },
+        };
+        (self.status, Json(body)).into_response()
+    }
+}
