@@ -80,12 +80,15 @@ async fn push_refusals_keep_their_codes_over_grpc() {
     let out = prefill(&mut p, &prompt(1, 10));
     let st = transfer(
         &t,
-        &d.addr,
         store(p.pool()),
-        "h1",
-        "fake",
+        kvwire_grpc::Push {
+            target: &d.addr,
+            handle_id: "h1",
+            model: "fake",
+            hashes: &out.hashes,
+            n_blocks: out.blocks.ids().len(),
+        },
         out.blocks.ids(),
-        &out.hashes,
     )
     .await
     .unwrap();
@@ -158,12 +161,15 @@ async fn release_frees_the_handle() {
     let out = prefill(&mut p, &prompt(2, 11));
     transfer(
         &t,
-        &d.addr,
         store(p.pool()),
-        "r1",
-        "fake",
+        kvwire_grpc::Push {
+            target: &d.addr,
+            handle_id: "r1",
+            model: "fake",
+            hashes: &out.hashes,
+            n_blocks: out.blocks.ids().len(),
+        },
         out.blocks.ids(),
-        &out.hashes,
     )
     .await
     .unwrap();
@@ -202,12 +208,15 @@ async fn bytes_moved_are_missing_blocks_plus_tail() {
     let out = prefill(&mut p, &long);
     let st = transfer(
         &t,
-        &d.addr,
         store(p.pool()),
-        "b0",
-        "fake",
+        kvwire_grpc::Push {
+            target: &d.addr,
+            handle_id: "b0",
+            model: "fake",
+            hashes: &out.hashes,
+            n_blocks: out.blocks.ids().len(),
+        },
         out.blocks.ids(),
-        &out.hashes,
     )
     .await
     .unwrap();
@@ -224,12 +233,15 @@ async fn bytes_moved_are_missing_blocks_plus_tail() {
     assert_eq!(out.hashes.len(), 5);
     let st = transfer(
         &t,
-        &d.addr,
         store(p.pool()),
-        "b1",
-        "fake",
+        kvwire_grpc::Push {
+            target: &d.addr,
+            handle_id: "b1",
+            model: "fake",
+            hashes: &out.hashes,
+            n_blocks: out.blocks.ids().len(),
+        },
         out.blocks.ids(),
-        &out.hashes,
     )
     .await
     .unwrap();
@@ -243,12 +255,15 @@ async fn bytes_moved_are_missing_blocks_plus_tail() {
     let out = prefill(&mut p, &long[..20]);
     let st = transfer(
         &t,
-        &d.addr,
         store(p.pool()),
-        "b2",
-        "fake",
+        kvwire_grpc::Push {
+            target: &d.addr,
+            handle_id: "b2",
+            model: "fake",
+            hashes: &out.hashes,
+            n_blocks: out.blocks.ids().len(),
+        },
         out.blocks.ids(),
-        &out.hashes,
     )
     .await
     .unwrap();
@@ -471,12 +486,15 @@ async fn evicted_block_is_resent() {
     // Warm the decode side so HasBlocks says "present" for all three full blocks.
     transfer(
         &plain,
-        &d.addr,
         store(p.pool()),
-        "warm",
-        "fake",
+        kvwire_grpc::Push {
+            target: &d.addr,
+            handle_id: "warm",
+            model: "fake",
+            hashes: &out.hashes,
+            n_blocks: out.blocks.ids().len(),
+        },
         out.blocks.ids(),
-        &out.hashes,
     )
     .await
     .unwrap();
@@ -491,12 +509,15 @@ async fn evicted_block_is_resent() {
     };
     let st = transfer(
         &t,
-        &d.addr,
         store(p.pool()),
-        "evicted",
-        "fake",
+        kvwire_grpc::Push {
+            target: &d.addr,
+            handle_id: "evicted",
+            model: "fake",
+            hashes: &out.hashes,
+            n_blocks: out.blocks.ids().len(),
+        },
         out.blocks.ids(),
-        &out.hashes,
     )
     .await
     .unwrap();
@@ -531,23 +552,29 @@ async fn handle_lease_expires() {
     let out = prefill(&mut p, &prompt(7, 6));
     transfer(
         &t,
-        &d.addr,
         store(p.pool()),
-        "lease-a",
-        "fake",
+        kvwire_grpc::Push {
+            target: &d.addr,
+            handle_id: "lease-a",
+            model: "fake",
+            hashes: &out.hashes,
+            n_blocks: out.blocks.ids().len(),
+        },
         out.blocks.ids(),
-        &out.hashes,
     )
     .await
     .unwrap();
     transfer(
         &t,
-        &d.addr,
         store(p.pool()),
-        "lease-b",
-        "fake",
+        kvwire_grpc::Push {
+            target: &d.addr,
+            handle_id: "lease-b",
+            model: "fake",
+            hashes: &out.hashes,
+            n_blocks: out.blocks.ids().len(),
+        },
         out.blocks.ids(),
-        &out.hashes,
     )
     .await
     .unwrap();
@@ -586,12 +613,15 @@ async fn has_blocks_takes_no_reference() {
     let out = prefill(&mut p, &prompt(8, 9));
     transfer(
         &t,
-        &d.addr,
         store(p.pool()),
-        "hb",
-        "fake",
+        kvwire_grpc::Push {
+            target: &d.addr,
+            handle_id: "hb",
+            model: "fake",
+            hashes: &out.hashes,
+            n_blocks: out.blocks.ids().len(),
+        },
         out.blocks.ids(),
-        &out.hashes,
     )
     .await
     .unwrap();
@@ -678,12 +708,15 @@ async fn sixteen_concurrent_transfers_with_shared_prefixes() {
         tasks.push(tokio::spawn(async move {
             transfer(
                 t.as_ref(),
-                &addr,
                 st,
-                &format!("c{i}"),
-                "fake",
+                kvwire_grpc::Push {
+                    target: &addr,
+                    handle_id: &format!("c{i}"),
+                    model: "fake",
+                    hashes: &hashes,
+                    n_blocks: ids.len(),
+                },
                 &ids,
-                &hashes,
             )
             .await
         }));
@@ -730,24 +763,30 @@ async fn unreachable_target_is_unavailable() {
     let out = prefill(&mut p, &prompt(10, 9));
     let err = transfer(
         &t,
-        &closed,
         store(p.pool()),
-        "u",
-        "fake",
+        kvwire_grpc::Push {
+            target: &closed,
+            handle_id: "u",
+            model: "fake",
+            hashes: &out.hashes,
+            n_blocks: out.blocks.ids().len(),
+        },
         out.blocks.ids(),
-        &out.hashes,
     )
     .await
     .unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err}");
     let err = transfer(
         &t,
-        "not a target",
         store(p.pool()),
-        "u",
-        "fake",
+        kvwire_grpc::Push {
+            target: "not a target",
+            handle_id: "u",
+            model: "fake",
+            hashes: &out.hashes,
+            n_blocks: out.blocks.ids().len(),
+        },
         out.blocks.ids(),
-        &out.hashes,
     )
     .await
     .unwrap_err();
@@ -767,24 +806,30 @@ async fn long_prompt_at_a_small_block_shape() {
     assert_eq!(out.hashes.len(), 1000);
     let st = transfer(
         &t,
-        &d.addr,
         store(p.pool()),
-        "long",
-        "fake",
+        kvwire_grpc::Push {
+            target: &d.addr,
+            handle_id: "long",
+            model: "fake",
+            hashes: &out.hashes,
+            n_blocks: out.blocks.ids().len(),
+        },
         out.blocks.ids(),
-        &out.hashes,
     )
     .await
     .unwrap();
     assert_eq!((st.sent, st.deduped), (1000, 0));
     let st = transfer(
         &t,
-        &d.addr,
         store(p.pool()),
-        "long-again",
-        "fake",
+        kvwire_grpc::Push {
+            target: &d.addr,
+            handle_id: "long-again",
+            model: "fake",
+            hashes: &out.hashes,
+            n_blocks: out.blocks.ids().len(),
+        },
         out.blocks.ids(),
-        &out.hashes,
     )
     .await
     .unwrap();

@@ -174,7 +174,7 @@ impl Default for ReceiverLimits {
 /// use std::time::{Duration, Instant};
 /// use kvwire::{Shape, prompt_hashes};
 /// use kvwire_grpc::memory::{LocalTransport, MemStore};
-/// use kvwire_grpc::{KvReceiver, KvStore, transfer};
+/// use kvwire_grpc::{KvReceiver, KvStore, Push, transfer};
 ///
 /// let shape = Shape::v1(4, 2, 1, 4);
 /// let store = Arc::new(MemStore::new(shape, 8));
@@ -192,7 +192,8 @@ impl Default for ReceiverLimits {
 /// let prefill = Arc::new(MemStore::new(shape, 8));
 /// let id = prefill.put(hashes[0], 4, &vec![3u8; shape.payload_bytes().unwrap()]).unwrap();
 /// let t = LocalTransport::new(Arc::clone(&rx));
-/// transfer(&t, "d", prefill as Arc<dyn KvStore>, "h", "fake", &[id], &hashes).await.unwrap();
+/// let push = Push { target: "d", handle_id: "h", model: "fake", hashes: &hashes, n_blocks: 1 };
+/// transfer(&t, prefill as Arc<dyn KvStore>, push, &[id]).await.unwrap();
 /// # });
 /// // The handle waits for its claim: the prompt it holds can be checked first.
 /// assert_eq!(rx.peek("h"), Some((hashes.clone(), 4)));

@@ -319,7 +319,7 @@ impl Drop for KvServerHandle {
 /// use std::sync::Arc;
 /// use kvwire::Shape;
 /// use kvwire_grpc::memory::MemStore;
-/// use kvwire_grpc::{GrpcTransport, KvReceiver, KvStore, TransportConfig, serve_kv, transfer};
+/// use kvwire_grpc::{GrpcTransport, KvReceiver, KvStore, Push, TransportConfig, serve_kv, transfer};
 ///
 /// # tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(async {
 /// let shape = Shape::v1(4, 2, 1, 4);
@@ -333,7 +333,8 @@ impl Drop for KvServerHandle {
 /// let transport = GrpcTransport::new(TransportConfig::for_envelope(shape.envelope_len(1).unwrap()));
 /// let target = server.local_addr().to_string();
 /// let store = Arc::clone(&prefill) as Arc<dyn KvStore>;
-/// let stats = transfer(&transport, &target, store, "h", "fake", &[id], &[]).await.unwrap();
+/// let push = Push { target: &target, handle_id: "h", model: "fake", hashes: &[], n_blocks: 1 };
+/// let stats = transfer(&transport, store, push, &[id]).await.unwrap();
 /// assert_eq!(stats.sent, 1);
 /// assert!(rx.claim("h").is_some());
 /// server.shutdown().await;

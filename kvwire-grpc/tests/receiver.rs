@@ -9,7 +9,7 @@ use bytes::Bytes;
 use kvwire::{CRC32C_RESIDUE, RecordIn, Shape, block_hash, crc32c, write_to_vec};
 use kvwire_grpc::memory::{LocalTransport, MemSnapshot, MemStore};
 use kvwire_grpc::pb::kv::{KvAck, KvChunk};
-use kvwire_grpc::{KvReceiver, KvStore, ReceiverLimits, transfer};
+use kvwire_grpc::{KvReceiver, KvStore, Push, ReceiverLimits, transfer};
 use tonic::{Code, Status};
 
 const TEST: Shape = Shape::v1(4, 2, 1, 4);
@@ -98,9 +98,20 @@ async fn push_accepts_dedups_and_refuses() {
     let (ids, hashes) = prompt_on(&src);
 
     // Import: nothing held yet; the bytes arrive as they left.
-    let st = transfer(&d.transport, "d", src_dyn(), "h1", "fake", &ids, &hashes)
-        .await
-        .unwrap();
+    let st = transfer(
+        &d.transport,
+        src_dyn(),
+        Push {
+            target: "d",
+            handle_id: "h1",
+            model: "fake",
+            hashes: &hashes,
+            n_blocks: ids.len(),
+        },
+        &ids,
+    )
+    .await
+    .unwrap();
     assert_eq!((st.sent, st.deduped, st.resent), (3, 0, 0));
     let claimed = d.rx.claim("h1").unwrap();
     assert_eq!(claimed.tokens(), 10);
@@ -118,9 +129,20 @@ async fn push_accepts_dedups_and_refuses() {
     drop(claimed);
 
     // Dedup: the two full blocks are held now; only the tail moves.
-    let st = transfer(&d.transport, "d", src_dyn(), "h2", "fake", &ids, &hashes)
-        .await
-        .unwrap();
+    let st = transfer(
+        &d.transport,
+        src_dyn(),
+        Push {
+            target: "d",
+            handle_id: "h2",
+            model: "fake",
+            hashes: &hashes,
+            n_blocks: ids.len(),
+        },
+        &ids,
+    )
+    .await
+    .unwrap();
     assert_eq!((st.sent, st.deduped), (1, 2));
     assert!(d.rx.release("h2"));
 
@@ -128,9 +150,20 @@ async fn push_accepts_dedups_and_refuses() {
     // on arrival under the chunk hash.
     let lone = src.put(0, 4, &payload(7)).unwrap();
     let h = block_hash(0, &[9, 9, 9, 9]);
-    let st = transfer(&d.transport, "d", src_dyn(), "h3", "fake", &[lone], &[h])
-        .await
-        .unwrap();
+    let st = transfer(
+        &d.transport,
+        src_dyn(),
+        Push {
+            target: "d",
+            handle_id: "h3",
+            model: "fake",
+            hashes: &[h],
+            n_blocks: [lone].len(),
+        },
+        &[lone],
+    )
+    .await
+    .unwrap();
     assert_eq!(st.sent, 1);
     let c = d.rx.claim("h3").unwrap();
     assert_eq!(d.store.take_ref(h), Some(c.ids()[0]));
@@ -313,9 +346,20 @@ async fn refused_dedup_drops_the_references_it_took() {
     let src = Arc::new(MemStore::new(TEST, 8));
     let (ids, hashes) = prompt_on(&src);
     let src_dyn = Arc::clone(&src) as Arc<dyn KvStore>;
-    transfer(&d.transport, "d", src_dyn, "h", "fake", &ids, &hashes)
-        .await
-        .unwrap();
+    transfer(
+        &d.transport,
+        src_dyn,
+        Push {
+            target: "d",
+            handle_id: "h",
+            model: "fake",
+            hashes: &hashes,
+            n_blocks: ids.len(),
+        },
+        &ids,
+    )
+    .await
+    .unwrap();
     assert!(d.rx.release("h"));
     let before = d.store.snapshot();
     assert_eq!(before.cached, 2, "full blocks stay cached");

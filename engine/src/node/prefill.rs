@@ -329,7 +329,7 @@ impl PrefillService {
                 }
             };
             let moved = tokio::select! {
-                r = kvwire_grpc::transfer(&*self.transport, push.target, store, push.handle_id, push.model, output.blocks.ids(), &output.hashes) => r,
+                r = kvwire_grpc::transfer(&*self.transport, store, kvwire_grpc::Push { target: push.target, handle_id: push.handle_id, model: push.model, hashes: &output.hashes, n_blocks: output.blocks.ids().len() }, output.blocks.ids()) => r,
                 _ = &mut cancelled => return Err(cancelled_status()),
             };
             (Some(output), Some(moved.map_err(transfer_status)?))

@@ -152,12 +152,15 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
                         (0..ids.len() as u64).map(|i| (n << 20) + i + 1).collect();
                     let r = kvwire_grpc::transfer(
                         &t,
-                        &kv,
                         Arc::clone(&store),
-                        &h,
-                        "fake",
+                        kvwire_grpc::Push {
+                            target: &kv,
+                            handle_id: &h,
+                            model: "fake",
+                            hashes: &hashes,
+                            n_blocks: ids.len(),
+                        },
                         &ids,
-                        &hashes,
                     )
                     .await;
                     if r.is_err() {

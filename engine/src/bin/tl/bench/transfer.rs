@@ -201,12 +201,15 @@ impl Pusher<'_> {
         let start = Instant::now();
         let st = kvwire_grpc::transfer(
             transport,
-            target,
             std::sync::Arc::clone(&self.src),
-            handle,
-            "fake",
+            kvwire_grpc::Push {
+                target,
+                handle_id: handle,
+                model: "fake",
+                hashes: &self.hashes[..count],
+                n_blocks: self.ids[..count].len(),
+            },
             &self.ids[..count],
-            &self.hashes[..count],
         )
         .await?;
         let secs = start.elapsed().as_secs_f64();
@@ -383,24 +386,30 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     // Push the prefix and release it normally, so its blocks stay cached on the decode side.
     let st_prefix = kvwire_grpc::transfer(
         &transport,
-        &target,
         Arc::clone(&src_store),
-        "prefix",
-        "fake",
+        kvwire_grpc::Push {
+            target: &target,
+            handle_id: "prefix",
+            model: "fake",
+            hashes: &hashes[..cached],
+            n_blocks: ids[..cached].len(),
+        },
         &ids[..cached],
-        &hashes[..cached],
     )
     .await?;
     rx.release("prefix");
     let start = Instant::now();
     let st75 = kvwire_grpc::transfer(
         &transport,
-        &target,
         Arc::clone(&src_store),
-        "dedup",
-        "fake",
+        kvwire_grpc::Push {
+            target: &target,
+            handle_id: "dedup",
+            model: "fake",
+            hashes: &hashes,
+            n_blocks: ids.len(),
+        },
         &ids,
-        &hashes,
     )
     .await?;
     let secs75 = start.elapsed().as_secs_f64();

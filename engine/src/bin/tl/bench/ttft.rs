@@ -112,12 +112,15 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         let t = Instant::now();
         let st = kvwire_grpc::transfer(
             &transport,
-            &kv,
             store,
-            "ttft",
-            "fake",
+            kvwire_grpc::Push {
+                target: &kv,
+                handle_id: "ttft",
+                model: "fake",
+                hashes: &out.hashes,
+                n_blocks: out.blocks.ids().len(),
+            },
             out.blocks.ids(),
-            &out.hashes,
         )
         .await?;
         let transfer = t.elapsed();
@@ -140,12 +143,15 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
                 let t = Instant::now();
                 kvwire_grpc::transfer(
                     &transport,
-                    &kv,
                     Arc::clone(&qstore),
-                    &handle,
-                    "fake",
+                    kvwire_grpc::Push {
+                        target: &kv,
+                        handle_id: &handle,
+                        model: "fake",
+                        hashes: &[],
+                        n_blocks: small.blocks.ids().len(),
+                    },
                     small.blocks.ids(),
-                    &[],
                 )
                 .await?;
                 warm_single.push(t.elapsed());

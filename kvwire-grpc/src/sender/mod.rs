@@ -2,387 +2,20 @@
 //! its gRPC implementation [`GrpcTransport`], and [`transfer`], which sends a prompt's blocks
 //! minus the ones the target already holds.
 
-use std::collections::HashMap;
-use std::future::Future;
-use std::pin::Pin;
+mod encode;
+mod transport;
+
+use self::encode::LazyBlock;
+pub use self::encode::{ChunkStream, OutChunk};
+pub use self::transport::{GrpcTransport, KvTransport, TransportConfig};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
-use bytes::BufMut;
-use kvwire::CRC32C_RESIDUE;
-use prost::Message;
-use prost::encoding::{WireType, encode_key, encode_varint};
-use tokio_stream::{Stream, StreamExt};
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
-use tonic::transport::{Channel, ClientTlsConfig};
-use tonic::{Code, Request, Status};
+use tokio_stream::StreamExt;
+use tonic::{Code, Status};
 
-use crate::glue::{self, Limits};
-use crate::pb::kv::{HasBlocksRequest, KvAck, KvChunk, ReleaseRequest, ReleaseResponse, path};
+use crate::pb::kv::{HasBlocksRequest, KvChunk};
 use crate::store::{BlockId, KvStore, StoreError};
-
-/// The chunks of one push, produced lazily as the transport drains them.
-pub type ChunkStream = Pin<Box<dyn Stream<Item = OutChunk> + Send>>;
-
-/// A chunk on its way out. Its payload is either in the message already, or still a block in
-/// the sender's pool, copied straight into the gRPC encode buffer when the chunk is encoded: one
-/// copy from the slab to the wire buffer, with the envelope's CRC computed on the way.
-#[derive(Clone, Debug)]
-pub struct OutChunk {
-    /// The chunk; its `payload` is empty while the block is still in the pool.
-    pub chunk: KvChunk,
-    block: Option<LazyBlock>,
-}
-
-#[derive(Clone, Debug)]
-struct LazyBlock {
-    store: Arc<dyn KvStore>,
-    id: BlockId,
-    envelope_len: usize,
-    failed: Arc<Mutex<Option<StoreError>>>,
-}
-
-impl From<KvChunk> for OutChunk {
-    fn from(chunk: KvChunk) -> Self {
-        Self { chunk, block: None }
-    }
-}
-
-impl OutChunk {
-    /// True when the chunk carries a payload (in the message or still in the pool).
-    #[must_use]
-    pub fn has_payload(&self) -> bool {
-        self.block.is_some() || !self.chunk.payload.is_empty()
-    }
-
-    /// The chunk with its payload in the message: the envelope written from the pool and its
-    /// CRC-32C set. For transports that do not encode protobuf (an in-process one).
-    ///
-    /// # Errors
-    /// When the block is no longer held (also recorded, so the transfer reports it).
-    pub fn materialize(self) -> Result<KvChunk, StoreError> {
-        let Some(block) = self.block else {
-            return Ok(self.chunk);
-        };
-        let mut envelope = Vec::with_capacity(block.envelope_len);
-        if let Err(e) = block.store.write_envelope(block.id, &mut envelope) {
-            *block
-                .failed
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e.clone());
-            return Err(e);
-        }
-        Ok(KvChunk {
-            payload_crc32c: kvwire::crc32c(&envelope),
-            payload: envelope.into(),
-            ..self.chunk
-        })
-    }
-}
-
-/// Encodes [`OutChunk`]s as `tl.kv.v1.KvChunk` (writing a lazy payload from the pool) and
-/// decodes [`KvAck`]s.
-#[derive(Debug, Default)]
-struct PushCodec;
-
-#[derive(Debug, Default)]
-struct PushEncoder;
-
-#[derive(Debug, Default)]
-struct AckDecoder;
-
-impl Codec for PushCodec {
-    type Encode = OutChunk;
-    type Decode = KvAck;
-    type Encoder = PushEncoder;
-    type Decoder = AckDecoder;
-
-    fn encoder(&mut self) -> PushEncoder {
-        PushEncoder
-    }
-
-    fn decoder(&mut self) -> AckDecoder {
-        AckDecoder
-    }
-}
-
-impl Encoder for PushEncoder {
-    type Item = OutChunk;
-    type Error = Status;
-
-    fn encode(&mut self, item: OutChunk, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        if let Some(block) = &item.block {
-            // One allocation for the whole message: the envelope is written in place.
-            let c = &item.chunk;
-            buf.reserve(block.envelope_len + c.handle_id.len() + c.model.len() + 64);
-        }
-        encode_chunk(item, buf)
-    }
-}
-
-/// Writes `item` as a `tl.kv.v1.KvChunk`: prost's own encoding when the payload is in the
-/// message; otherwise the same fields in tag order, exactly as prost would write them, with the
-/// payload (tag 6) written from the pool straight into `buf`. `push_encoder_matches_prost`
-/// holds the two to the same bytes.
-fn encode_chunk<B: BufMut>(item: OutChunk, buf: &mut B) -> Result<(), Status> {
-    let Some(block) = item.block else {
-        return item
-            .chunk
-            .encode(buf)
-            .map_err(|e| Status::internal(format!("encoding a chunk: {e}")));
-    };
-    let c = &item.chunk;
-    use prost::encoding::{fixed32, string, uint32, uint64};
-    if !c.handle_id.is_empty() {
-        string::encode(1, &c.handle_id, buf);
-    }
-    if c.index != 0 {
-        uint32::encode(2, &c.index, buf);
-    }
-    if c.total != 0 {
-        uint32::encode(3, &c.total, buf);
-    }
-    if c.hash != 0 {
-        uint64::encode(4, &c.hash, buf);
-    }
-    if c.kv_format != 0 {
-        uint32::encode(5, &c.kv_format, buf);
-    }
-    encode_key(6, WireType::LengthDelimited, buf);
-    encode_varint(block.envelope_len as u64, buf);
-    let before = buf.remaining_mut();
-    if let Err(e) = block.store.write_envelope(block.id, buf) {
-        let msg = e.to_string();
-        *block
-            .failed
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
-        return Err(Status::internal(msg));
-    }
-    debug_assert_eq!(before - buf.remaining_mut(), block.envelope_len);
-    // The CRC-32C of a whole valid envelope is the residue: no second pass needed.
-    fixed32::encode(7, &CRC32C_RESIDUE, buf);
-    if !c.model.is_empty() {
-        string::encode(8, &c.model, buf);
-    }
-    Ok(())
-}
-
-impl Decoder for AckDecoder {
-    type Item = KvAck;
-    type Error = Status;
-
-    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<KvAck>, Status> {
-        KvAck::decode(buf)
-            .map(Some)
-            .map_err(|e| Status::internal(format!("decoding KvAck: {e}")))
-    }
-}
-
-/// How the prefill side reaches decode engines.
-pub trait KvTransport: Send + Sync {
-    /// Asks `target` which hashes it holds.
-    fn has_blocks(
-        &self,
-        target: &str,
-        req: HasBlocksRequest,
-    ) -> impl Future<Output = Result<Vec<bool>, Status>> + Send;
-    /// Streams `chunks` to `target`.
-    fn push(
-        &self,
-        target: &str,
-        chunks: ChunkStream,
-    ) -> impl Future<Output = Result<KvAck, Status>> + Send;
-    /// Releases a handle on `target`.
-    fn release(
-        &self,
-        target: &str,
-        handle_id: &str,
-    ) -> impl Future<Output = Result<bool, Status>> + Send;
-}
-
-/// Settings of [`GrpcTransport`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TransportConfig {
-    /// Bound on HasBlocks and Release calls.
-    pub call_timeout: Duration,
-    /// Bound on a whole push.
-    pub push_timeout: Duration,
-    /// Bound on establishing a connection.
-    pub connect_timeout: Duration,
-    /// HTTP/2 stream flow-control window.
-    pub stream_window: u32,
-    /// HTTP/2 connection flow-control window.
-    pub connection_window: u32,
-    /// Largest message either way (set from the block size).
-    pub max_message: usize,
-    /// Channels (connections) kept to peers; beyond it the least recently used is closed.
-    pub max_channels: usize,
-    /// HTTP/2 keepalive: ping interval and how long an unanswered ping means a dead peer.
-    pub keepalive: Option<(Duration, Duration)>,
-}
-
-impl TransportConfig {
-    /// Windows sized for multi-MiB messages (tonic's 64 KiB defaults cap a loopback push at a
-    /// fraction of raw TCP) and a message limit that fits one envelope of `block_envelope` bytes
-    /// (and at least 4 MiB).
-    #[must_use]
-    pub fn for_envelope(block_envelope: usize) -> Self {
-        Self {
-            call_timeout: Duration::from_secs(5),
-            push_timeout: Duration::from_secs(120),
-            connect_timeout: Duration::from_secs(2),
-            stream_window: 32 << 20,
-            connection_window: 64 << 20,
-            // One envelope plus the chunk's fields, but never below tonic's 4 MiB default: a
-            // HasBlocks request for a long prompt at a small block shape is larger than a block.
-            max_message: (block_envelope + 1024).max(4 << 20),
-            max_channels: 256,
-            keepalive: Some((Duration::from_secs(10), Duration::from_secs(20))),
-        }
-    }
-}
-
-/// [`KvTransport`] over gRPC: one lazily connected channel per target, reused by every call.
-/// It is also the process's one channel cache: a gateway reaches an engine's EngineControl over
-/// the same [`channel`](Self::channel) (one connection per peer address).
-#[derive(Debug)]
-pub struct GrpcTransport {
-    cfg: TransportConfig,
-    tls: Option<ClientTlsConfig>,
-    channels: Mutex<Channels>,
-}
-
-/// The channel cache: one channel per target, at most `max_channels`, with a use stamp each.
-#[derive(Debug, Default)]
-struct Channels {
-    map: HashMap<String, (Channel, u64)>,
-    clock: u64,
-}
-
-impl GrpcTransport {
-    /// A transport with these settings.
-    #[must_use]
-    pub fn new(cfg: TransportConfig) -> Self {
-        Self {
-            cfg,
-            tls: None,
-            channels: Mutex::new(Channels::default()),
-        }
-    }
-
-    /// Connects over mutual TLS with these settings from now on.
-    #[must_use]
-    pub fn with_tls(mut self, tls: Option<ClientTlsConfig>) -> Self {
-        self.tls = tls;
-        self
-    }
-
-    /// The settings.
-    #[must_use]
-    pub fn config(&self) -> TransportConfig {
-        self.cfg
-    }
-
-    /// The channel to `target` (`host:port`), created on first use. At most `max_channels` are
-    /// kept: a new one closes the least recently used (its calls in flight finish).
-    ///
-    /// # Errors
-    /// INVALID_ARGUMENT when `target` is not a `host:port`.
-    pub fn channel(&self, target: &str) -> Result<Channel, Status> {
-        let mut cache = self
-            .channels
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        cache.clock += 1;
-        let now = cache.clock;
-        if let Some((c, used)) = cache.map.get_mut(target) {
-            *used = now;
-            return Ok(c.clone());
-        }
-        while cache.map.len() >= self.cfg.max_channels.max(1) {
-            let oldest = cache
-                .map
-                .iter()
-                .min_by_key(|(_, (_, used))| *used)
-                .map(|(k, _)| k.clone());
-            match oldest {
-                Some(k) => cache.map.remove(&k),
-                None => break,
-            };
-        }
-        let c = glue::endpoint(target, self.cfg.connect_timeout, self.tls.as_ref())?
-            .initial_stream_window_size(self.cfg.stream_window)
-            .initial_connection_window_size(self.cfg.connection_window)
-            .http2_adaptive_window(false);
-        let c = match self.cfg.keepalive {
-            Some((every, timeout)) => c
-                .http2_keep_alive_interval(every)
-                .keep_alive_timeout(timeout)
-                .keep_alive_while_idle(true),
-            None => c,
-        }
-        .connect_lazy();
-        cache.map.insert(target.to_owned(), (c.clone(), now));
-        Ok(c)
-    }
-
-    /// Channels cached now.
-    #[must_use]
-    pub fn channels(&self) -> usize {
-        self.channels
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .map
-            .len()
-    }
-
-    fn limits(&self) -> Limits {
-        Limits {
-            max_decode: self.cfg.max_message,
-            max_encode: self.cfg.max_message,
-        }
-    }
-}
-
-impl KvTransport for GrpcTransport {
-    async fn has_blocks(&self, target: &str, req: HasBlocksRequest) -> Result<Vec<bool>, Status> {
-        let ch = self.channel(target)?;
-        let call = glue::unary::<_, crate::pb::kv::HasBlocksResponse>(
-            ch,
-            path::HAS_BLOCKS,
-            self.limits(),
-            Request::new(req),
-        );
-        Ok(glue::bounded(self.cfg.call_timeout, "HasBlocks", call)
-            .await?
-            .present)
-    }
-
-    async fn push(&self, target: &str, chunks: ChunkStream) -> Result<KvAck, Status> {
-        let ch = self.channel(target)?;
-        let call = glue::client_streaming_with(
-            ch,
-            path::PUSH_KV,
-            self.limits(),
-            Request::new(chunks),
-            PushCodec,
-        );
-        glue::bounded(self.cfg.push_timeout, "PushKv", call).await
-    }
-
-    async fn release(&self, target: &str, handle_id: &str) -> Result<bool, Status> {
-        let ch = self.channel(target)?;
-        let req = Request::new(ReleaseRequest {
-            handle_id: handle_id.to_owned(),
-        });
-        let call = glue::unary::<_, ReleaseResponse>(ch, path::RELEASE, self.limits(), req);
-        Ok(glue::bounded(self.cfg.call_timeout, "Release", call)
-            .await?
-            .released)
-    }
-}
 
 /// What a transfer moved.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -547,10 +180,10 @@ impl PushPlan {
     }
 }
 
-/// Moves a prompt's KV blocks to `target` under `handle_id`.
+/// Moves a prompt's KV blocks to `push.target` under `push.handle_id`.
 ///
-/// `ids` are the prompt's blocks in order (the partial tail last, if any); `hashes` the chained
-/// hashes of its full blocks. Asks HasBlocks, then pushes the blocks the target holds as empty
+/// `ids` are the prompt's blocks in order (the partial tail last, if any), `push.n_blocks` of
+/// them; `push.hashes` the chained hashes of its full blocks. Asks HasBlocks, then pushes the blocks the target holds as empty
 /// payloads and the rest as one-block envelopes (a full block this pool never registered travels
 /// with envelope hash 0 and the chunk hash set). On NOT_FOUND (a block evicted between the two
 /// calls) every payload is resent once. The caller keeps its references throughout and drops them
@@ -560,22 +193,18 @@ impl PushPlan {
 /// The target's status passed through, a local export failure, or bad arguments.
 pub async fn transfer<T: KvTransport + ?Sized>(
     transport: &T,
-    target: &str,
     store: Arc<dyn KvStore>,
-    handle_id: &str,
-    model: &str,
+    push: Push<'_>,
     ids: &[BlockId],
-    hashes: &[u64],
 ) -> Result<TransferStats, TransferError> {
-    let source = Source::Ready(ids.into());
-    let push = Push {
-        target,
-        handle_id,
-        model,
-        hashes,
-        n_blocks: ids.len(),
-    };
-    run_push(transport, &[store], push, source).await
+    if ids.len() != push.n_blocks {
+        return Err(TransferError::BadRequest(format!(
+            "{} block ids for a push of {} blocks",
+            ids.len(),
+            push.n_blocks
+        )));
+    }
+    run_push(transport, &[store], push, Source::Ready(ids.into())).await
 }
 
 /// [`transfer`] offering several formats, best first: one store per format, each a view of the
@@ -795,29 +424,11 @@ async fn run_push<T: KvTransport + ?Sized>(
 mod tests {
     use std::sync::{Arc, Mutex};
 
-    #[tokio::test]
-    async fn channel_cache_is_bounded_least_recently_used_first() {
-        let mut cfg = super::TransportConfig::for_envelope(172);
-        cfg.max_channels = 2;
-        let t = super::GrpcTransport::new(cfg);
-        let a = t.channel("127.0.0.1:1").unwrap();
-        t.channel("127.0.0.1:2").unwrap();
-        // Use the first again: the second is now the least recently used.
-        t.channel("127.0.0.1:1").unwrap();
-        t.channel("127.0.0.1:3").unwrap();
-        assert_eq!(t.channels(), 2);
-        let cache = t.channels.lock().unwrap();
-        let mut kept: Vec<&str> = cache.map.keys().map(String::as_str).collect();
-        kept.sort_unstable();
-        assert_eq!(kept, ["127.0.0.1:1", "127.0.0.1:3"]);
-        drop(a);
-    }
-
     use bytes::BytesMut;
     use kvwire::{RecordIn, Shape, crc32c, write_to_vec};
     use prost::Message;
 
-    use super::{LazyBlock, OutChunk, encode_chunk};
+    use super::encode::{LazyBlock, OutChunk, encode_chunk};
     use crate::memory::MemStore;
     use crate::pb::kv::KvChunk;
     use crate::store::KvStore;

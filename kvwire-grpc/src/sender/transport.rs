@@ -1,0 +1,239 @@
+//! Where a push goes: [`KvTransport`] (HasBlocks, PushKv, Release to a target) and its gRPC
+//! implementation [`GrpcTransport`], with one cached channel per target.
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tonic::transport::{Channel, ClientTlsConfig};
+use tonic::{Request, Status};
+
+use crate::glue::{self, Limits};
+use crate::pb::kv::{HasBlocksRequest, KvAck, ReleaseRequest, ReleaseResponse, path};
+
+use super::encode::{ChunkStream, PushCodec};
+
+/// How the prefill side reaches decode engines.
+pub trait KvTransport: Send + Sync {
+    /// Asks `target` which hashes it holds.
+    fn has_blocks(
+        &self,
+        target: &str,
+        req: HasBlocksRequest,
+    ) -> impl Future<Output = Result<Vec<bool>, Status>> + Send;
+    /// Streams `chunks` to `target`.
+    fn push(
+        &self,
+        target: &str,
+        chunks: ChunkStream,
+    ) -> impl Future<Output = Result<KvAck, Status>> + Send;
+    /// Releases a handle on `target`.
+    fn release(
+        &self,
+        target: &str,
+        handle_id: &str,
+    ) -> impl Future<Output = Result<bool, Status>> + Send;
+}
+
+/// Settings of [`GrpcTransport`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransportConfig {
+    /// Bound on HasBlocks and Release calls.
+    pub call_timeout: Duration,
+    /// Bound on a whole push.
+    pub push_timeout: Duration,
+    /// Bound on establishing a connection.
+    pub connect_timeout: Duration,
+    /// HTTP/2 stream flow-control window.
+    pub stream_window: u32,
+    /// HTTP/2 connection flow-control window.
+    pub connection_window: u32,
+    /// Largest message either way (set from the block size).
+    pub max_message: usize,
+    /// Channels (connections) kept to peers; beyond it the least recently used is closed.
+    pub max_channels: usize,
+    /// HTTP/2 keepalive: ping interval and how long an unanswered ping means a dead peer.
+    pub keepalive: Option<(Duration, Duration)>,
+}
+
+impl TransportConfig {
+    /// Windows sized for multi-MiB messages (tonic's 64 KiB defaults cap a loopback push at a
+    /// fraction of raw TCP) and a message limit that fits one envelope of `block_envelope` bytes
+    /// (and at least 4 MiB).
+    #[must_use]
+    pub fn for_envelope(block_envelope: usize) -> Self {
+        Self {
+            call_timeout: Duration::from_secs(5),
+            push_timeout: Duration::from_secs(120),
+            connect_timeout: Duration::from_secs(2),
+            stream_window: 32 << 20,
+            connection_window: 64 << 20,
+            // One envelope plus the chunk's fields, but never below tonic's 4 MiB default: a
+            // HasBlocks request for a long prompt at a small block shape is larger than a block.
+            max_message: (block_envelope + 1024).max(4 << 20),
+            max_channels: 256,
+            keepalive: Some((Duration::from_secs(10), Duration::from_secs(20))),
+        }
+    }
+}
+
+/// [`KvTransport`] over gRPC: one lazily connected channel per target, reused by every call.
+/// It is also the process's one channel cache: a gateway reaches an engine's EngineControl over
+/// the same [`channel`](Self::channel) (one connection per peer address).
+#[derive(Debug)]
+pub struct GrpcTransport {
+    cfg: TransportConfig,
+    tls: Option<ClientTlsConfig>,
+    channels: Mutex<Channels>,
+}
+
+/// The channel cache: one channel per target, at most `max_channels`, with a use stamp each.
+#[derive(Debug, Default)]
+struct Channels {
+    map: HashMap<String, (Channel, u64)>,
+    clock: u64,
+}
+
+impl GrpcTransport {
+    /// A transport with these settings.
+    #[must_use]
+    pub fn new(cfg: TransportConfig) -> Self {
+        Self {
+            cfg,
+            tls: None,
+            channels: Mutex::new(Channels::default()),
+        }
+    }
+
+    /// Connects over mutual TLS with these settings from now on.
+    #[must_use]
+    pub fn with_tls(mut self, tls: Option<ClientTlsConfig>) -> Self {
+        self.tls = tls;
+        self
+    }
+
+    /// The settings.
+    #[must_use]
+    pub fn config(&self) -> TransportConfig {
+        self.cfg
+    }
+
+    /// The channel to `target` (`host:port`), created on first use. At most `max_channels` are
+    /// kept: a new one closes the least recently used (its calls in flight finish).
+    ///
+    /// # Errors
+    /// INVALID_ARGUMENT when `target` is not a `host:port`.
+    pub fn channel(&self, target: &str) -> Result<Channel, Status> {
+        let mut cache = self
+            .channels
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        cache.clock += 1;
+        let now = cache.clock;
+        if let Some((c, used)) = cache.map.get_mut(target) {
+            *used = now;
+            return Ok(c.clone());
+        }
+        while cache.map.len() >= self.cfg.max_channels.max(1) {
+            let oldest = cache
+                .map
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| k.clone());
+            match oldest {
+                Some(k) => cache.map.remove(&k),
+                None => break,
+            };
+        }
+        let c = glue::endpoint(target, self.cfg.connect_timeout, self.tls.as_ref())?
+            .initial_stream_window_size(self.cfg.stream_window)
+            .initial_connection_window_size(self.cfg.connection_window)
+            .http2_adaptive_window(false);
+        let c = match self.cfg.keepalive {
+            Some((every, timeout)) => c
+                .http2_keep_alive_interval(every)
+                .keep_alive_timeout(timeout)
+                .keep_alive_while_idle(true),
+            None => c,
+        }
+        .connect_lazy();
+        cache.map.insert(target.to_owned(), (c.clone(), now));
+        Ok(c)
+    }
+
+    /// Channels cached now.
+    #[must_use]
+    pub fn channels(&self) -> usize {
+        self.channels
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .map
+            .len()
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            max_decode: self.cfg.max_message,
+            max_encode: self.cfg.max_message,
+        }
+    }
+}
+
+impl KvTransport for GrpcTransport {
+    async fn has_blocks(&self, target: &str, req: HasBlocksRequest) -> Result<Vec<bool>, Status> {
+        let ch = self.channel(target)?;
+        let call = glue::unary::<_, crate::pb::kv::HasBlocksResponse>(
+            ch,
+            path::HAS_BLOCKS,
+            self.limits(),
+            Request::new(req),
+        );
+        Ok(glue::bounded(self.cfg.call_timeout, "HasBlocks", call)
+            .await?
+            .present)
+    }
+
+    async fn push(&self, target: &str, chunks: ChunkStream) -> Result<KvAck, Status> {
+        let ch = self.channel(target)?;
+        let call = glue::client_streaming_with(
+            ch,
+            path::PUSH_KV,
+            self.limits(),
+            Request::new(chunks),
+            PushCodec,
+        );
+        glue::bounded(self.cfg.push_timeout, "PushKv", call).await
+    }
+
+    async fn release(&self, target: &str, handle_id: &str) -> Result<bool, Status> {
+        let ch = self.channel(target)?;
+        let req = Request::new(ReleaseRequest {
+            handle_id: handle_id.to_owned(),
+        });
+        let call = glue::unary::<_, ReleaseResponse>(ch, path::RELEASE, self.limits(), req);
+        Ok(glue::bounded(self.cfg.call_timeout, "Release", call)
+            .await?
+            .released)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[tokio::test]
+    async fn channel_cache_is_bounded_least_recently_used_first() {
+        let mut cfg = super::TransportConfig::for_envelope(172);
+        cfg.max_channels = 2;
+        let t = super::GrpcTransport::new(cfg);
+        let a = t.channel("127.0.0.1:1").unwrap();
+        t.channel("127.0.0.1:2").unwrap();
+        // Use the first again: the second is now the least recently used.
+        t.channel("127.0.0.1:1").unwrap();
+        t.channel("127.0.0.1:3").unwrap();
+        assert_eq!(t.channels(), 2);
+        let cache = t.channels.lock().unwrap();
+        let mut kept: Vec<&str> = cache.map.keys().map(String::as_str).collect();
+        kept.sort_unstable();
+        assert_eq!(kept, ["127.0.0.1:1", "127.0.0.1:3"]);
+        drop(a);
+    }
+}
