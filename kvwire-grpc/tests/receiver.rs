@@ -444,3 +444,76 @@ fn push_limits_refuse_before_taking_blocks() {
     assert!(rx.release("h2"));
     assert_eq!(store.snapshot(), base);
 }
+
+/// What only the engine's tests used to pin, pinned by the receiver's own (found by `cargo
+/// mutants`): the accessors, the wake-ups, the exact bound on a push's blocks, and the token
+/// count of a prompt whose first block was deduplicated.
+#[tokio::test]
+async fn bounds_wakeups_and_accessors() {
+    let limits = ReceiverLimits {
+        max_blocks: 3,
+        ..ReceiverLimits::default()
+    };
+    let store = Arc::new(MemStore::new(TEST, 16));
+    let rx = Arc::new(
+        KvReceiver::new(Arc::clone(&store) as Arc<dyn KvStore>, "m-1")
+            .with_limits(limits)
+            .with_lease(Duration::from_millis(40)),
+    );
+    assert_eq!(rx.limits(), limits);
+    assert_eq!(rx.lease(), Duration::from_millis(40));
+    assert_eq!(rx.model(), "m-1");
+    let shown = format!("{rx:?}");
+    assert!(shown.contains("KvReceiver") && shown.contains("m-1"), "{shown}");
+
+    // A push of exactly max_blocks passes; one more is refused before anything is taken.
+    let before = store.snapshot();
+    let over = push(
+        &rx,
+        vec![chunk("h-over", 0, 4, 0, envelope(TEST, 0, 4, 1))],
+    )
+    .unwrap_err();
+    assert_eq!(over.code(), Code::InvalidArgument, "{over:?}");
+    assert_eq!(store.snapshot(), before);
+
+    // A cached first block (deduplicated), then two sent: the handle holds 4 + 4 + 2 tokens.
+    let h0 = block_hash(0, &[1, 2, 3, 4]);
+    let h1 = block_hash(h0, &[5, 6, 7, 8]);
+    let cached = store.put(h0, 4, &payload(9)).unwrap();
+    store.release(&[cached]);
+    let waiter = {
+        let rx = Arc::clone(&rx);
+        tokio::spawn(async move { rx.changed().await })
+    };
+    tokio::task::yield_now().await;
+    push(
+        &rx,
+        vec![
+            chunk("h", 0, 3, h0, Bytes::new()),
+            chunk("h", 1, 3, h1, envelope(TEST, h1, 4, 2)),
+            chunk("h", 2, 3, 0, envelope(TEST, 0, 2, 3)),
+        ],
+    )
+    .unwrap();
+    assert_eq!(rx.peek("h"), Some((vec![h0, h1, 0], 10)));
+    // The push's end woke the waiter.
+    tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("no wake-up at the push's end")
+        .unwrap();
+
+    // Nobody claims it: the lease's end frees its blocks and wakes waiters too.
+    let waiter = {
+        let rx = Arc::clone(&rx);
+        tokio::spawn(async move { rx.changed().await })
+    };
+    tokio::task::yield_now().await;
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    assert_eq!(rx.expire_leases(Instant::now()), 1);
+    tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("no wake-up at the lease's end")
+        .unwrap();
+    assert_eq!(rx.peek("h"), None);
+    assert_eq!(store.snapshot().used, 0, "blocks in use after the lease");
+}
