@@ -1052,7 +1052,7 @@ async fn inflight_counts_last_until_the_stream_ends() {
     };
     let d_first = decode_of(&text);
     assert_eq!(
-        c.gw.gateway().inflight_on(&d_first),
+        c.gw.gateway().routed_on(&d_first),
         1,
         "the first stream is counted on {d_first} while it runs"
     );
@@ -1068,7 +1068,7 @@ async fn inflight_counts_last_until_the_stream_ends() {
     // Once the streams end, nothing is counted, and every pool is back to empty.
     assert!(
         eventually(Duration::from_secs(5), || {
-            c.gw.gateway().inflight_on("D1") == 0 && c.gw.gateway().inflight_on("D2") == 0
+            c.gw.gateway().routed_on("D1") == 0 && c.gw.gateway().routed_on("D2") == 0
         })
         .await,
         "a count outlived its stream"

@@ -116,7 +116,7 @@ impl From<RecvError> for Status {
 
 /// Blocks held under a completed push's handle.
 #[derive(Debug)]
-struct Held {
+struct HeldHandle {
     ids: Vec<BlockId>,
     hashes: Vec<u64>,
     tokens: u64,
@@ -125,7 +125,7 @@ struct Held {
 
 #[derive(Debug, Default)]
 struct State {
-    pending: HashMap<String, Held>,
+    pending: HashMap<String, HeldHandle>,
     /// Handles of pushes in progress.
     inflight: HashSet<String>,
     /// Pushes in progress, counted from before their first chunk.
@@ -439,7 +439,7 @@ impl KvReceiver {
 
     /// Releases every handle whose lease ended before `now`; returns how many.
     pub fn expire_leases(&self, now: Instant) -> usize {
-        let expired: Vec<Held> = {
+        let expired: Vec<HeldHandle> = {
             let mut s = self.state();
             let gone: Vec<String> = s
                 .pending
@@ -447,7 +447,7 @@ impl KvReceiver {
                 .filter(|(_, h)| h.deadline <= now)
                 .map(|(k, _)| k.clone())
                 .collect();
-            let held: Vec<Held> = gone.iter().filter_map(|k| s.pending.remove(k)).collect();
+            let held: Vec<HeldHandle> = gone.iter().filter_map(|k| s.pending.remove(k)).collect();
             s.leases_expired += held.len() as u64;
             held
         };
@@ -673,7 +673,7 @@ impl PushState {
                 self.next, self.total
             )));
         }
-        let held = Held {
+        let held = HeldHandle {
             ids: std::mem::take(&mut self.ids),
             hashes: std::mem::take(&mut self.hashes),
             tokens: self.tokens,

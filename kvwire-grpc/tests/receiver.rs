@@ -464,15 +464,14 @@ async fn bounds_wakeups_and_accessors() {
     assert_eq!(rx.lease(), Duration::from_millis(40));
     assert_eq!(rx.model(), "m-1");
     let shown = format!("{rx:?}");
-    assert!(shown.contains("KvReceiver") && shown.contains("m-1"), "{shown}");
+    assert!(
+        shown.contains("KvReceiver") && shown.contains("m-1"),
+        "{shown}"
+    );
 
     // A push of exactly max_blocks passes; one more is refused before anything is taken.
     let before = store.snapshot();
-    let over = push(
-        &rx,
-        vec![chunk("h-over", 0, 4, 0, envelope(TEST, 0, 4, 1))],
-    )
-    .unwrap_err();
+    let over = push(&rx, vec![chunk("h-over", 0, 4, 0, envelope(TEST, 0, 4, 1))]).unwrap_err();
     assert_eq!(over.code(), Code::InvalidArgument, "{over:?}");
     assert_eq!(store.snapshot(), before);
 

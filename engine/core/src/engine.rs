@@ -700,7 +700,7 @@ impl Engine {
         let tail = (!parent.prompt_len.is_multiple_of(b)).then(|| parent.blocks.ids()[full]);
         let (ids, fill) = {
             let mut pool = self.pool.lock();
-            let mut held = Held::new(&mut pool);
+            let mut held = LockedRefs::new(&mut pool);
             for &id in &parent.blocks.ids()[..full] {
                 held.pool.retain(id)?;
                 held.ids.push(id);
@@ -777,7 +777,7 @@ impl Engine {
         // Under the lock: references on the cached prefix and the rest allocated, all or nothing.
         let (ids, reused) = {
             let mut pool = self.pool.lock();
-            let mut held = Held::new(&mut pool);
+            let mut held = LockedRefs::new(&mut pool);
             for &h in &hashes {
                 match held.pool.lookup_ref(h) {
                     Some(id) => held.ids.push(id),
@@ -985,12 +985,12 @@ pub enum GenerateError {
 
 /// References taken while the pool is locked, released (inside the same lock) unless committed:
 /// the in-lock twin of [`Blocks`], whose drop takes the lock itself.
-struct Held<'p> {
+struct LockedRefs<'p> {
     pool: &'p mut KvPool,
     ids: Vec<BlockId>,
 }
 
-impl<'p> Held<'p> {
+impl<'p> LockedRefs<'p> {
     fn new(pool: &'p mut KvPool) -> Self {
         Self {
             pool,
@@ -1003,7 +1003,7 @@ impl<'p> Held<'p> {
     }
 }
 
-impl Drop for Held<'_> {
+impl Drop for LockedRefs<'_> {
     fn drop(&mut self) {
         for &id in &self.ids {
             // Plain release: reused prefix blocks go back to the cache, fresh ones (not yet

@@ -7,7 +7,7 @@
 //! | the WorkerRegistry server (and `tl registry`) | [`registry`] |
 //! | a worker as last heard from, and when it is stale | [`worker`] |
 //! | choosing prefill and decode engines: a pure function | [`plan`] |
-//! | requests in flight per engine | [`inflight`] |
+//! | the load this gateway routed to each engine, until each stream ends | [`routed`] |
 //! | clients of the engines (one channel cache) | [`upstream`] |
 //! | one request's life: its decisions, with no I/O | [`session`] |
 //! | one request's life: the task that performs them | [`request`] |
@@ -15,12 +15,12 @@
 //! | API keys on the public endpoint | [`keys`] |
 
 pub mod config;
-pub mod inflight;
 pub mod keys;
 pub mod openai;
 pub mod plan;
 pub mod registry;
 pub mod request;
+pub mod routed;
 pub mod session;
 pub mod upstream;
 pub mod worker;
@@ -35,9 +35,9 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::DropGuard;
 
 use self::config::{GatewayConfig, GatewaySection};
-use self::inflight::InFlight;
 use self::plan::Policy;
 use self::registry::{RegistryService, RegistryState};
+use self::routed::RoutedLoad;
 use self::upstream::Upstream;
 use crate::net::authz::RolePolicy;
 use crate::net::limits::LimitsSection;
@@ -52,7 +52,7 @@ pub struct Gateway {
     cfg: GatewaySection,
     upstream: Arc<Upstream>,
     permits: Arc<Semaphore>,
-    inflight: Arc<InFlight>,
+    routed: Arc<RoutedLoad>,
     api_keys: keys::ApiKeys,
     metrics: SharedMetrics,
     /// When this gateway started: for a while after, a request that finds no engine waits for
@@ -81,7 +81,7 @@ impl Gateway {
             )?),
             registry,
             cfg,
-            inflight: Arc::new(InFlight::default()),
+            routed: Arc::new(RoutedLoad::default()),
             api_keys,
             metrics: Arc::new(Metrics::new()),
             started: Instant::now(),
@@ -109,8 +109,8 @@ impl Gateway {
     /// Requests this gateway has on `worker` now: from each one's Prefill until its stream
     /// there ends.
     #[must_use]
-    pub fn inflight_on(&self, worker: &str) -> u32 {
-        self.inflight.on(worker)
+    pub fn routed_on(&self, worker: &str) -> u32 {
+        self.routed.on(worker)
     }
 
     fn policy(&self) -> Policy {

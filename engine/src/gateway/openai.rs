@@ -338,7 +338,7 @@ async fn workers(State(g): State<Arc<Gateway>>) -> Response {
                 "grpc_address": w.grpc_address, "kv_address": w.kv_address, "kv_format": w.kv_format,
                 "queue_depth": w.queue_depth, "running": w.running, "free_blocks": w.free_blocks,
                 "total_blocks": w.total_blocks, "draining": w.draining, "block_tokens": w.block_tokens,
-                "heartbeat_ms": w.heartbeat_ms, "routed_in_flight": g.inflight.on(&w.worker_id),
+                "heartbeat_ms": w.heartbeat_ms, "routed_in_flight": g.routed.on(&w.worker_id),
             })
         })
         .collect();

@@ -8,7 +8,7 @@
 //!   the session says so, or in the background when dropped;
 //! - a relayed stream is a task, aborted when its lane closes (dropping the stream cancels the
 //!   sequence on the engine);
-//! - the request counts on its decode engine ([`InFlightGuard`]) from the Prefill until the
+//! - the request counts on its decode engine ([`RoutedGuard`]) from the Prefill until the
 //!   lane's stream ends.
 
 use std::collections::{HashMap, VecDeque};
@@ -22,8 +22,8 @@ use tracing::Instrument;
 use tracing::field::Empty;
 
 use super::Gateway;
-use super::inflight::InFlightGuard;
 use super::plan::{WorkerView, decode_candidates, has_blocks_targets, plan};
+use super::routed::RoutedGuard;
 use super::session::{
     Action, Event, LaneId, LossCause, PrefillFailure, RetryPolicy, Session, Unservable,
 };
@@ -46,7 +46,7 @@ struct Driver<'g> {
     /// Each lane's relayed stream.
     streams: HashMap<LaneId, AbortHandle>,
     /// Each lane's count on its decode engine.
-    counted: HashMap<LaneId, InFlightGuard>,
+    counted: HashMap<LaneId, RoutedGuard>,
     /// The decode engine of each lane's last Prefill: where its handle lives.
     pushed_to: HashMap<LaneId, WorkerStatus>,
     /// Handles not yet claimed.
@@ -239,7 +239,7 @@ impl Driver<'_> {
                 // Counted from the Prefill until the lane's stream ends, so routing between
                 // heartbeats sees every stream this gateway runs.
                 self.counted
-                    .insert(lane, self.g.inflight.enter(&decode.worker_id));
+                    .insert(lane, self.g.routed.enter(&decode.worker_id));
                 self.pushed_to.insert(lane, decode);
                 let tx = self.events.clone();
                 self.tasks.spawn(
@@ -378,7 +378,7 @@ impl Gateway {
             .cached_prefixes(prompt, &has_blocks_targets(&workers))
             .instrument(route_span.clone())
             .await;
-        let p = plan(&workers, &cached, &self.inflight.snapshot(), self.policy());
+        let p = plan(&workers, &cached, &self.routed.snapshot(), self.policy());
         route_span.record("reason", super::plan::reason_label(&p));
         Ok(p)
     }

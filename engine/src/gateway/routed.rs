@@ -7,9 +7,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Requests in flight per worker id.
 #[derive(Debug, Default)]
-pub struct InFlight(Mutex<HashMap<String, u32>>);
+pub struct RoutedLoad(Mutex<HashMap<String, u32>>);
 
-impl InFlight {
+impl RoutedLoad {
     fn lock(&self) -> MutexGuard<'_, HashMap<String, u32>> {
         self.0
             .lock()
@@ -19,9 +19,9 @@ impl InFlight {
     /// Counts one request on `worker` for as long as the guard lives, whichever way the request
     /// ends (a timeout drops it mid-way).
     #[must_use]
-    pub fn enter(self: &Arc<Self>, worker: &str) -> InFlightGuard {
+    pub fn enter(self: &Arc<Self>, worker: &str) -> RoutedGuard {
         *self.lock().entry(worker.to_owned()).or_insert(0) += 1;
-        InFlightGuard {
+        RoutedGuard {
             counts: Arc::clone(self),
             worker: worker.to_owned(),
         }
@@ -42,12 +42,12 @@ impl InFlight {
 
 /// One request counted on one worker.
 #[derive(Debug)]
-pub struct InFlightGuard {
-    counts: Arc<InFlight>,
+pub struct RoutedGuard {
+    counts: Arc<RoutedLoad>,
     worker: String,
 }
 
-impl Drop for InFlightGuard {
+impl Drop for RoutedGuard {
     fn drop(&mut self) {
         let mut m = self.counts.lock();
         if let Some(n) = m.get_mut(&self.worker) {
