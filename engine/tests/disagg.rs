@@ -92,6 +92,7 @@ async fn disaggregated_equals_colocated() {
                     sampling: sampling(t, tp, k, seed, 12),
                     decode_target: da.kv.clone(),
                     rng_draws_offset: 0,
+                    decode_holds: None,
                 })
                 .await
                 .unwrap();
@@ -180,6 +181,7 @@ impl Pair {
             sampling: sampling(0.0, 1.0, 0, Some(1), 4),
             decode_target: self.target.clone(),
             rng_draws_offset: 0,
+            decode_holds: None,
         }
     }
 
@@ -448,6 +450,7 @@ async fn resume_refusals_and_client_abort() {
         sampling: sampling(0.0, 1.0, 0, Some(5), 8),
         decode_target: da.kv.clone(),
         rng_draws_offset: 0,
+        decode_holds: None,
     };
     let h = ctl.prefill(pre("a")).await.unwrap();
     // Unknown handle: 404. Another prompt: 409 and the handle is still there.
@@ -590,6 +593,7 @@ async fn pipelined_push_equals_serial_push() {
                         sampling: sampling(t, 1.0, 0, Some(seed), 8),
                         decode_target: target.clone(),
                         rng_draws_offset: 0,
+                        decode_holds: None,
                     })
                     .await
                     .unwrap();
@@ -654,6 +658,7 @@ async fn cancelled_prefill_undoes_a_push_midway() {
         sampling: sampling(0.0, 1.0, 0, Some(1), 4),
         decode_target: d.addresses().kv,
         rng_draws_offset: 0,
+        decode_holds: None,
     };
     let c2 = ctl.clone();
     let call = tokio::spawn(async move { c2.prefill(req).await });

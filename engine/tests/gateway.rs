@@ -116,6 +116,7 @@ async fn routing_prefers_the_cached_prefix_unless_far_more_loaded() {
             sampling: Some(SamplingParams::default()),
             decode_target: d2.addresses().kv,
             rng_draws_offset: 0,
+            decode_holds: None,
         })
         .await
         .unwrap();
@@ -1073,6 +1074,63 @@ async fn inflight_counts_last_until_the_stream_ends() {
         .await,
         "a count outlived its stream"
     );
+    for d in &c.d {
+        assert!(settled(d, 0).await);
+    }
+}
+
+/// The gateway's HasBlocks answer travels with the Prefill: each decode engine is asked once per
+/// request (by the routing gateway), never again by the prefill engine before its push, and the
+/// push dedups exactly as if it had asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_engines_are_asked_has_blocks_once_per_request() {
+    let c = cluster(2).await;
+    let addr = c.gw.http_addr().to_string();
+    let http = HttpClient::default();
+    let asked = |c: &common::Cluster| -> Vec<u64> {
+        c.d.iter()
+            .map(|d| d.receiver().unwrap().stats().has_blocks_answered)
+            .collect()
+    };
+    let before = asked(&c);
+    let prompt: Vec<u32> = (0..37).collect();
+    let body = json!({ "prompt": prompt, "max_tokens": 4, "seed": 3 }).to_string();
+    let first: Value = http
+        .post(&addr, "/v1/completions", &[], body.clone())
+        .await
+        .unwrap()
+        .json();
+    assert_eq!(tokens_of(&first), colocated(&prompt, 0.0, 3, 4));
+    let after_one = asked(&c);
+    for (i, (a, b)) in after_one.iter().zip(&before).enumerate() {
+        assert_eq!(
+            a - b,
+            1,
+            "D{}: asked {} times for one request",
+            i + 1,
+            a - b
+        );
+    }
+    // The same prompt again: the engine that holds it is asked once more, and the push sends
+    // only the tail (every full block deduplicated by the gateway's answer).
+    let second: Value = http
+        .post(&addr, "/v1/completions", &[], body)
+        .await
+        .unwrap()
+        .json();
+    assert_eq!(tokens_of(&second), tokens_of(&first));
+    assert_eq!(second["tl_route"]["cached_blocks"], 9, "{second}");
+    assert_eq!(second["tl_route"]["blocks_deduped"], 9, "{second}");
+    assert_eq!(second["tl_route"]["blocks_sent"], 1, "{second}");
+    for (i, (a, b)) in asked(&c).iter().zip(&after_one).enumerate() {
+        assert_eq!(
+            a - b,
+            1,
+            "D{}: asked {} times for the second request",
+            i + 1,
+            a - b
+        );
+    }
     for d in &c.d {
         assert!(settled(d, 0).await);
     }

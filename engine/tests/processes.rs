@@ -145,6 +145,7 @@ async fn registry_and_engines_as_processes() {
             }),
             decode_target: dec.kv_address.clone(),
             rng_draws_offset: 0,
+            decode_holds: None,
         })
         .await
         .unwrap();

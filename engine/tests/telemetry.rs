@@ -76,6 +76,7 @@ async fn metrics_count_what_moved() {
         }),
         decode_target: d.addresses().kv,
         rng_draws_offset: 0,
+        decode_holds: None,
     };
     // The listening line names the metrics listener.
     let line: serde_json::Value = serde_json::from_str(&p.listening_line()).unwrap();

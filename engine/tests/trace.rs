@@ -79,6 +79,7 @@ async fn kv_transfer_spans_link_prefill_and_decode() {
             }),
             decode_target: d.addresses().kv,
             rng_draws_offset: 0,
+            decode_holds: None,
         })
         .await
         .unwrap();

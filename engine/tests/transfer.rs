@@ -87,6 +87,7 @@ async fn push_refusals_keep_their_codes_over_grpc() {
             model: "fake",
             hashes: &out.hashes,
             n_blocks: out.blocks.ids().len(),
+            known: None,
         },
         out.blocks.ids(),
     )
@@ -168,6 +169,7 @@ async fn release_frees_the_handle() {
             model: "fake",
             hashes: &out.hashes,
             n_blocks: out.blocks.ids().len(),
+            known: None,
         },
         out.blocks.ids(),
     )
@@ -215,6 +217,7 @@ async fn bytes_moved_are_missing_blocks_plus_tail() {
             model: "fake",
             hashes: &out.hashes,
             n_blocks: out.blocks.ids().len(),
+            known: None,
         },
         out.blocks.ids(),
     )
@@ -240,6 +243,7 @@ async fn bytes_moved_are_missing_blocks_plus_tail() {
             model: "fake",
             hashes: &out.hashes,
             n_blocks: out.blocks.ids().len(),
+            known: None,
         },
         out.blocks.ids(),
     )
@@ -262,6 +266,7 @@ async fn bytes_moved_are_missing_blocks_plus_tail() {
             model: "fake",
             hashes: &out.hashes,
             n_blocks: out.blocks.ids().len(),
+            known: None,
         },
         out.blocks.ids(),
     )
@@ -343,6 +348,7 @@ async fn transfer_reset_frees_both_sides() {
         }),
         decode_target: target.into(),
         rng_draws_offset: 0,
+        decode_holds: None,
     };
     // P's prompts stay cached there (refcount 0): the baseline to return to is "nothing used".
     let p_back = |what: &str| {
@@ -493,6 +499,7 @@ async fn evicted_block_is_resent() {
             model: "fake",
             hashes: &out.hashes,
             n_blocks: out.blocks.ids().len(),
+            known: None,
         },
         out.blocks.ids(),
     )
@@ -516,6 +523,7 @@ async fn evicted_block_is_resent() {
             model: "fake",
             hashes: &out.hashes,
             n_blocks: out.blocks.ids().len(),
+            known: None,
         },
         out.blocks.ids(),
     )
@@ -559,6 +567,7 @@ async fn handle_lease_expires() {
             model: "fake",
             hashes: &out.hashes,
             n_blocks: out.blocks.ids().len(),
+            known: None,
         },
         out.blocks.ids(),
     )
@@ -573,6 +582,7 @@ async fn handle_lease_expires() {
             model: "fake",
             hashes: &out.hashes,
             n_blocks: out.blocks.ids().len(),
+            known: None,
         },
         out.blocks.ids(),
     )
@@ -620,6 +630,7 @@ async fn has_blocks_takes_no_reference() {
             model: "fake",
             hashes: &out.hashes,
             n_blocks: out.blocks.ids().len(),
+            known: None,
         },
         out.blocks.ids(),
     )
@@ -715,6 +726,7 @@ async fn sixteen_concurrent_transfers_with_shared_prefixes() {
                     model: "fake",
                     hashes: &hashes,
                     n_blocks: ids.len(),
+                    known: None,
                 },
                 &ids,
             )
@@ -770,6 +782,7 @@ async fn unreachable_target_is_unavailable() {
             model: "fake",
             hashes: &out.hashes,
             n_blocks: out.blocks.ids().len(),
+            known: None,
         },
         out.blocks.ids(),
     )
@@ -785,6 +798,7 @@ async fn unreachable_target_is_unavailable() {
             model: "fake",
             hashes: &out.hashes,
             n_blocks: out.blocks.ids().len(),
+            known: None,
         },
         out.blocks.ids(),
     )
@@ -813,6 +827,7 @@ async fn long_prompt_at_a_small_block_shape() {
             model: "fake",
             hashes: &out.hashes,
             n_blocks: out.blocks.ids().len(),
+            known: None,
         },
         out.blocks.ids(),
     )
@@ -828,6 +843,7 @@ async fn long_prompt_at_a_small_block_shape() {
             model: "fake",
             hashes: &out.hashes,
             n_blocks: out.blocks.ids().len(),
+            known: None,
         },
         out.blocks.ids(),
     )

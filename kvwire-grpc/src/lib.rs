@@ -23,7 +23,7 @@ pub mod store;
 
 pub use receiver::{Claimed, KvReceiver, PushState, ReceiverLimits, RecvError};
 pub use sender::{
-    BlockFeed, GrpcTransport, KvTransport, OutChunk, Push, TransferError, TransferStats,
+    BlockFeed, GrpcTransport, Holds, KvTransport, OutChunk, Push, TransferError, TransferStats,
     TransportConfig, transfer, transfer_formats, transfer_streaming,
 };
 pub use server::{

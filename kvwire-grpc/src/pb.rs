@@ -107,6 +107,19 @@ pub mod engine {
         /// Draws already consumed by earlier tokens of the same request (failover; 0 normally).
         #[prost(uint32, tag = "5")]
         pub rng_draws_offset: u32,
+        /// The decode engine's HasBlocks answer as the gateway got it while routing; absent:
+        /// the prefill engine asks.
+        #[prost(message, optional, tag = "6")]
+        pub decode_holds: Option<DecodeHolds>,
+    }
+
+    /// A decode engine's HasBlocks answer: its format, and one flag per full block.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct DecodeHolds {
+        #[prost(uint32, tag = "1")]
+        pub kv_format: u32,
+        #[prost(bool, repeated, tag = "2")]
+        pub present: Vec<bool>,
     }
 
     #[derive(Clone, PartialEq, prost::Message)]

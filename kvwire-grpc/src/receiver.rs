@@ -142,6 +142,8 @@ pub struct ReceiverStats {
     pub inflight: usize,
     /// Handles released because their lease ran out.
     pub leases_expired: u64,
+    /// HasBlocks questions answered (a routing gateway's and a pushing prefill engine's).
+    pub has_blocks_answered: u64,
 }
 
 /// What one receiver lets its peers hold at once (CONTRACTS section 8). Every bound is checked
@@ -192,7 +194,7 @@ impl Default for ReceiverLimits {
 /// let prefill = Arc::new(MemStore::new(shape, 8));
 /// let id = prefill.put(hashes[0], 4, &vec![3u8; shape.payload_bytes().unwrap()]).unwrap();
 /// let t = LocalTransport::new(Arc::clone(&rx));
-/// let push = Push { target: "d", handle_id: "h", model: "fake", hashes: &hashes, n_blocks: 1 };
+/// let push = Push { target: "d", handle_id: "h", model: "fake", hashes: &hashes, n_blocks: 1, known: None };
 /// transfer(&t, prefill as Arc<dyn KvStore>, push, &[id]).await.unwrap();
 /// # });
 /// // The handle waits for its claim: the prompt it holds can be checked first.
@@ -214,6 +216,7 @@ pub struct KvReceiver {
     draining: std::sync::atomic::AtomicBool,
     changed: tokio::sync::Notify,
     state: Mutex<State>,
+    has_blocks_answered: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for KvReceiver {
@@ -248,6 +251,7 @@ impl KvReceiver {
             draining: std::sync::atomic::AtomicBool::new(false),
             changed: tokio::sync::Notify::new(),
             state: Mutex::new(State::default()),
+            has_blocks_answered: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -349,6 +353,8 @@ impl KvReceiver {
                 self.limits.max_blocks
             )));
         }
+        self.has_blocks_answered
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(self.store.contains(hashes))
     }
 
@@ -434,6 +440,9 @@ impl KvReceiver {
             pending: s.pending.len(),
             inflight: s.active,
             leases_expired: s.leases_expired,
+            has_blocks_answered: self
+                .has_blocks_answered
+                .load(std::sync::atomic::Ordering::Relaxed),
         }
     }
 

@@ -333,7 +333,7 @@ impl Drop for KvServerHandle {
 /// let transport = GrpcTransport::new(TransportConfig::for_envelope(shape.envelope_len(1).unwrap()));
 /// let target = server.local_addr().to_string();
 /// let store = Arc::clone(&prefill) as Arc<dyn KvStore>;
-/// let push = Push { target: &target, handle_id: "h", model: "fake", hashes: &[], n_blocks: 1 };
+/// let push = Push { target: &target, handle_id: "h", model: "fake", hashes: &[], n_blocks: 1, known: None };
 /// let stats = transfer(&transport, store, push, &[id]).await.unwrap();
 /// assert_eq!(stats.sent, 1);
 /// assert!(rx.claim("h").is_some());

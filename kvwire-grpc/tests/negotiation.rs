@@ -135,6 +135,7 @@ fn push<'a>(handle: &'a str, hashes: &'a [u64]) -> Push<'a> {
         model: "fake",
         hashes,
         n_blocks: 4,
+        known: None,
     }
 }
 

@@ -173,6 +173,10 @@ fn proto_matches_hand_written_messages() {
         ("max_tokens", U32(12)),
     ];
     conform(&p, "tl.engine.v1.SamplingParams", &sp, &sp_fields);
+    let holds_fields = [
+        ("kv_format", U32(1)),
+        ("present", List(vec![Bool(true), Bool(false)])),
+    ];
     conform(
         &p,
         "tl.engine.v1.PrefillRequest",
@@ -182,6 +186,10 @@ fn proto_matches_hand_written_messages() {
             sampling: Some(sp),
             decode_target: "d:1".into(),
             rng_draws_offset: 7,
+            decode_holds: Some(engine::DecodeHolds {
+                kv_format: 1,
+                present: vec![true, false],
+            }),
         },
         &[
             ("request_id", String("r".into())),
@@ -192,7 +200,20 @@ fn proto_matches_hand_written_messages() {
             ),
             ("decode_target", String("d:1".into())),
             ("rng_draws_offset", U32(7)),
+            (
+                "decode_holds",
+                Message(dynamic(&p, "tl.engine.v1.DecodeHolds", &holds_fields)),
+            ),
         ],
+    );
+    conform(
+        &p,
+        "tl.engine.v1.DecodeHolds",
+        &engine::DecodeHolds {
+            kv_format: 1,
+            present: vec![true, false],
+        },
+        &holds_fields,
     );
     conform(
         &p,
@@ -395,7 +416,7 @@ fn proto_matches_hand_written_messages() {
     );
 
     // Every message of the three packages was checked above.
-    let checked = 6 + 9 + 6;
+    let checked = 6 + 10 + 6;
     assert_eq!(
         p.all_messages().count(),
         checked,

@@ -107,6 +107,7 @@ async fn push_accepts_dedups_and_refuses() {
             model: "fake",
             hashes: &hashes,
             n_blocks: ids.len(),
+            known: None,
         },
         &ids,
     )
@@ -138,6 +139,7 @@ async fn push_accepts_dedups_and_refuses() {
             model: "fake",
             hashes: &hashes,
             n_blocks: ids.len(),
+            known: None,
         },
         &ids,
     )
@@ -159,6 +161,7 @@ async fn push_accepts_dedups_and_refuses() {
             model: "fake",
             hashes: &[h],
             n_blocks: [lone].len(),
+            known: None,
         },
         &[lone],
     )
@@ -355,6 +358,7 @@ async fn refused_dedup_drops_the_references_it_took() {
             model: "fake",
             hashes: &hashes,
             n_blocks: ids.len(),
+            known: None,
         },
         &ids,
     )

@@ -364,7 +364,7 @@ impl Gateway {
         prompt: &[u32],
         exclude: &[String],
         model: Option<&str>,
-    ) -> Result<super::plan::Plan, Unservable> {
+    ) -> super::session::Planned {
         let first = exclude.is_empty() && model.is_some();
         let workers = self.workers_for(exclude, first).await;
         if let Some(m) = model.filter(|m| !m.is_empty())
@@ -373,14 +373,18 @@ impl Gateway {
             return Err(Unservable::UnknownModel(m.to_owned()));
         }
         let route_span = tracing::info_span!("route", otel.kind = "internal", reason = Empty);
-        let cached = self
+        let holds = self
             .upstream
             .cached_prefixes(prompt, &has_blocks_targets(&workers))
             .instrument(route_span.clone())
             .await;
+        let cached: HashMap<String, usize> = holds
+            .iter()
+            .map(|(id, h)| (id.clone(), h.present.iter().take_while(|&&x| x).count()))
+            .collect();
         let p = plan(&workers, &cached, &self.routed.snapshot(), self.policy());
         route_span.record("reason", super::plan::reason_label(&p));
-        Ok(p)
+        Ok((p, holds))
     }
 }
 

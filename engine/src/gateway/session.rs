@@ -27,7 +27,9 @@
 use std::time::Duration;
 
 use kvwire_grpc::pb::control::WorkerStatus;
-use kvwire_grpc::pb::engine::{KvHandle, PrefillRequest, SamplingParams};
+use std::collections::HashMap;
+
+use kvwire_grpc::pb::engine::{DecodeHolds, KvHandle, PrefillRequest, SamplingParams};
 use tonic::Code;
 
 use super::plan::{FALLBACK_REASON, Plan, Ranked};
@@ -170,6 +172,13 @@ pub enum Unservable {
     UnknownModel(String),
 }
 
+/// The decode engines' HasBlocks answers, by worker id.
+pub type Holds = HashMap<String, DecodeHolds>;
+
+/// The planner's answer: the plan, and the HasBlocks answer of each decode engine that gave
+/// one (handed to the Prefill that pushes there).
+pub type Planned = Result<(Plan, Holds), Unservable>;
+
 /// What happened, as the driver saw it.
 #[derive(Debug)]
 pub enum Event {
@@ -177,8 +186,9 @@ pub enum Event {
     Planned {
         /// The lane.
         lane: LaneId,
-        /// The plan, over the live workers less those excluded.
-        plan: Box<Result<Plan, Unservable>>,
+        /// The plan, over the live workers less those excluded, and the HasBlocks answer of
+        /// each decode engine that gave one (handed to the Prefill that pushes there).
+        plan: Box<Planned>,
     },
     /// The Prefill of [`Action::Prefill`] returned its handle.
     Prefilled {
@@ -390,6 +400,8 @@ struct Prefilling {
     /// Lane 0's colocated fallback, when every decode engine tried refuses.
     fallback: Option<WorkerStatus>,
     request_id: String,
+    /// The decode engines' HasBlocks answers, by worker id.
+    holds: HashMap<String, DecodeHolds>,
 }
 
 #[derive(Debug)]
@@ -595,7 +607,7 @@ impl Session {
         }
     }
 
-    fn planned(&mut self, lane: LaneId, plan: Result<Plan, Unservable>, a: &mut Vec<Action>) {
+    fn planned(&mut self, lane: LaneId, plan: Planned, a: &mut Vec<Action>) {
         if !self.live(lane) {
             if let Some(l) = self.lanes.get_mut(lane) {
                 l.phase = Phase::Over;
@@ -603,7 +615,7 @@ impl Session {
             return;
         }
         let first = !self.continuing(lane);
-        let plan = match plan {
+        let (plan, holds) = match plan {
             Ok(p) => p,
             Err(Unservable::UnknownModel(m)) => {
                 let msg = format!("unknown model {m:?}");
@@ -635,6 +647,7 @@ impl Session {
                     retries: 0,
                     fallback: if first { fallback } else { None },
                     request_id: String::new(),
+                    holds,
                 }));
                 self.send_prefill(lane, a);
             }
@@ -718,6 +731,7 @@ impl Session {
                 sampling: Some(sampling),
                 decode_target: d.kv_address.clone(),
                 rng_draws_offset: offset,
+                decode_holds: p.holds.get(&d.worker_id).cloned(),
             },
             decode: d,
         });
@@ -1232,26 +1246,48 @@ mod tests {
     fn plan_for(lane: LaneId, decode: &[&str], fallback: Option<&str>) -> Event {
         Event::Planned {
             lane,
-            plan: Box::new(Ok(Plan {
-                prefill: Some(worker("P", PbRole::Prefill)),
-                decode: decode
-                    .iter()
-                    .map(|d| Ranked {
-                        worker: worker(d, PbRole::Decode),
-                        cached_blocks: 0,
-                        score: 0.0,
-                        reason: Reason::ByLoad,
-                    })
-                    .collect(),
-                fallback: fallback.map(|b| worker(b, PbRole::Both)),
-            })),
+            plan: Box::new(Ok((
+                Plan {
+                    prefill: Some(worker("P", PbRole::Prefill)),
+                    decode: decode
+                        .iter()
+                        .map(|d| Ranked {
+                            worker: worker(d, PbRole::Decode),
+                            cached_blocks: 0,
+                            score: 0.0,
+                            reason: Reason::ByLoad,
+                        })
+                        .collect(),
+                    fallback: fallback.map(|b| worker(b, PbRole::Both)),
+                },
+                holds(decode),
+            ))),
         }
+    }
+
+    /// Each decode engine's HasBlocks answer: engine `i` (in plan order) holds its first `i`
+    /// blocks of 3.
+    fn holds(decode: &[&str]) -> HashMap<String, DecodeHolds> {
+        decode
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let present = (0..3).map(|b| b < i).collect();
+                (
+                    (*d).to_owned(),
+                    DecodeHolds {
+                        kv_format: 1,
+                        present,
+                    },
+                )
+            })
+            .collect()
     }
 
     fn no_prefill(lane: LaneId) -> Event {
         Event::Planned {
             lane,
-            plan: Box::new(Ok(Plan::default())),
+            plan: Box::new(Ok((Plan::default(), HashMap::new()))),
         }
     }
 
@@ -2035,6 +2071,41 @@ mod tests {
                 over: true,
             },
         ]
+    }
+
+    /// The gateway's HasBlocks answer travels with the Prefill to the engine it pushes to, so
+    /// the decode engine is asked once per request; a retry carries the next engine's.
+    #[test]
+    fn the_prefill_carries_its_decode_engines_answer() {
+        let holds_of = |a: &[Action]| -> Vec<Option<Vec<bool>>> {
+            a.iter()
+                .filter_map(|x| match x {
+                    Action::Prefill { request, .. } => {
+                        Some(request.decode_holds.as_ref().map(|h| h.present.clone()))
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        let mut s = Session::new(job(1, 0.0, false, &[]), "r".into(), RetryPolicy::default());
+        s.start();
+        let a = s.on(plan(&["D1", "D2"], None));
+        assert_eq!(holds_of(&a), [Some(vec![false, false, false])]);
+        let a = s.on(failed(0, Code::Unavailable));
+        assert_eq!(holds_of(&a), [Some(vec![true, false, false])]);
+        // An engine that gave no answer is not in the plan; one in the plan without an answer
+        // (an older gateway's) leaves the prefill engine to ask.
+        let mut s = Session::new(job(1, 0.0, false, &[]), "r".into(), RetryPolicy::default());
+        s.start();
+        let Event::Planned { plan, .. } = plan(&["D1"], None) else {
+            unreachable!()
+        };
+        let Ok((p, _)) = *plan else { unreachable!() };
+        let a = s.on(Event::Planned {
+            lane: 0,
+            plan: Box::new(Ok((p, HashMap::new()))),
+        });
+        assert_eq!(holds_of(&a), [None]);
     }
 
     #[test]

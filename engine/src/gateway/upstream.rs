@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use kvwire::prompt_hashes;
 use kvwire_grpc::pb::control::WorkerStatus;
+use kvwire_grpc::pb::engine::DecodeHolds;
 use kvwire_grpc::pb::kv::HasBlocksRequest;
 use kvwire_grpc::{GrpcTransport, KvTransport, TransportConfig};
 use tokio::task::JoinSet;
@@ -74,21 +75,24 @@ impl Upstream {
     }
 
     /// Asks every decode engine in `decoders` at once which of `prompt`'s full blocks it holds;
-    /// returns, per worker id, the length of the prefix it holds. An engine that fails or takes
-    /// longer than the HasBlocks timeout is left out.
+    /// returns, per worker id, its answer (handed on to the Prefill, so the prefill engine does
+    /// not ask again). An engine that fails, answers a wrong count, or takes longer than the
+    /// HasBlocks timeout is left out.
     pub async fn cached_prefixes(
         &self,
         prompt: &[u32],
         decoders: &[&WorkerStatus],
-    ) -> HashMap<String, usize> {
+    ) -> HashMap<String, DecodeHolds> {
         let mut asks = JoinSet::new();
         for w in decoders {
+            let kv_format = w.kv_format.max(kvwire_grpc::KV_FORMAT_V1);
             let req = HasBlocksRequest {
                 hashes: prompt_hashes(prompt, w.block_tokens.max(1) as usize),
                 // The format the engine beats with (v1 from every engine of this project).
-                kv_format: w.kv_format.max(kvwire_grpc::KV_FORMAT_V1),
+                kv_format,
                 model: w.model.clone(),
             };
+            let n = req.hashes.len();
             let (transport, id, addr) = (
                 Arc::clone(&self.transport),
                 w.worker_id.clone(),
@@ -97,13 +101,15 @@ impl Upstream {
             let limit = self.has_blocks_timeout;
             asks.spawn(async move {
                 let present = tokio::time::timeout(limit, transport.has_blocks(&addr, req)).await;
-                (id, present)
+                (id, kv_format, n, present)
             });
         }
         let mut cached = HashMap::new();
         while let Some(done) = asks.join_next().await {
-            if let Ok((id, Ok(Ok(present)))) = done {
-                cached.insert(id, present.iter().take_while(|&&x| x).count());
+            if let Ok((id, kv_format, n, Ok(Ok(present)))) = done
+                && present.len() == n
+            {
+                cached.insert(id, DecodeHolds { kv_format, present });
             }
         }
         cached

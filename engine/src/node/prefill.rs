@@ -232,6 +232,11 @@ impl PrefillService {
             model: &model,
             hashes: &hashes,
             n_blocks: req.prompt_tokens.len().div_ceil(b),
+            // The gateway's HasBlocks answer while routing: the decode engine is asked once.
+            known: req.decode_holds.as_ref().map(|h| kvwire_grpc::Holds {
+                kv_format: h.kv_format,
+                present: &h.present,
+            }),
         };
         let started = std::time::Instant::now();
         let cancelled_status =
@@ -329,7 +334,7 @@ impl PrefillService {
                 }
             };
             let moved = tokio::select! {
-                r = kvwire_grpc::transfer(&*self.transport, store, kvwire_grpc::Push { target: push.target, handle_id: push.handle_id, model: push.model, hashes: &output.hashes, n_blocks: output.blocks.ids().len() }, output.blocks.ids()) => r,
+                r = kvwire_grpc::transfer(&*self.transport, store, Push { hashes: &output.hashes, n_blocks: output.blocks.ids().len(), ..push }, output.blocks.ids()) => r,
                 _ = &mut cancelled => return Err(cancelled_status()),
             };
             (Some(output), Some(moved.map_err(transfer_status)?))

@@ -232,7 +232,7 @@ pub async fn transfer<T: KvTransport + ?Sized>(
 /// let as_v1 = Arc::new(MemStore::new(v1, 8));
 /// let id = as_v1.put(0, 2, &vec![0u8; v1.payload_bytes().unwrap()]).unwrap();
 /// let offer: [Arc<dyn KvStore>; 2] = [as_v2, as_v1];
-/// let push = Push { target: "d", handle_id: "h", model: "fake", hashes: &[], n_blocks: 1 };
+/// let push = Push { target: "d", handle_id: "h", model: "fake", hashes: &[], n_blocks: 1, known: None };
 /// let stats = transfer_formats(&LocalTransport::new(rx), &offer, push, &[id]).await.unwrap();
 /// assert_eq!(stats.kv_format, 1); // negotiated down
 /// # });
@@ -271,7 +271,7 @@ pub async fn transfer_formats<T: KvTransport + ?Sized>(
 /// let hashes = prompt_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4);
 /// // The prefill publishes each block's id as soon as the block is written.
 /// let (written, feed) = tokio::sync::watch::channel(Vec::new());
-/// let push = Push { target: "d", handle_id: "h", model: "fake", hashes: &hashes, n_blocks: 2 };
+/// let push = Push { target: "d", handle_id: "h", model: "fake", hashes: &hashes, n_blocks: 2, known: None };
 /// let moving = transfer_streaming(&t, Arc::clone(&prefill) as Arc<dyn KvStore>, push, feed);
 /// let writing = async {
 ///     let payload = vec![5u8; shape.payload_bytes().unwrap()];
@@ -312,6 +312,20 @@ pub struct Push<'a> {
     pub hashes: &'a [u64],
     /// The prompt's blocks: `hashes.len()`, plus one for a partial tail.
     pub n_blocks: usize,
+    /// What the target already answered HasBlocks for these hashes (the gateway asked it while
+    /// routing): the push goes by it instead of asking again, when it is in the first offered
+    /// format and has one flag per hash. A block evicted since is found missing by the push
+    /// (NOT_FOUND), and every payload is resent once, as when the push asked itself.
+    pub known: Option<Holds<'a>>,
+}
+
+/// A target's HasBlocks answer: in which format, and one flag per full block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Holds<'a> {
+    /// The format it was asked in.
+    pub kv_format: u32,
+    /// Whether it holds each block.
+    pub present: &'a [bool],
 }
 
 /// HasBlocks in each offered format, in order, until the target serves one: that store, and
@@ -322,6 +336,12 @@ async fn negotiate<T: KvTransport + ?Sized>(
     p: &Push<'_>,
 ) -> Result<(Arc<dyn KvStore>, Vec<bool>), TransferError> {
     let hashes = p.hashes;
+    if let (Some(k), Some(first)) = (p.known, stores.first())
+        && k.kv_format == first.kv_format()
+        && k.present.len() == hashes.len()
+    {
+        return Ok((Arc::clone(first), k.present.to_vec()));
+    }
     let mut last = None;
     for store in stores {
         // With one format and no full block there is nothing to ask.

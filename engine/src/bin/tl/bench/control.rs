@@ -159,6 +159,7 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
                             model: "fake",
                             hashes: &hashes,
                             n_blocks: ids.len(),
+                            known: None,
                         },
                         &ids,
                     )

@@ -208,6 +208,7 @@ impl Pusher<'_> {
                 model: "fake",
                 hashes: &self.hashes[..count],
                 n_blocks: self.ids[..count].len(),
+                known: None,
             },
             &self.ids[..count],
         )
@@ -393,6 +394,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
             model: "fake",
             hashes: &hashes[..cached],
             n_blocks: ids[..cached].len(),
+            known: None,
         },
         &ids[..cached],
     )
@@ -408,6 +410,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
             model: "fake",
             hashes: &hashes,
             n_blocks: ids.len(),
+            known: None,
         },
         &ids,
     )

@@ -119,6 +119,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
                 model: "fake",
                 hashes: &out.hashes,
                 n_blocks: out.blocks.ids().len(),
+                known: None,
             },
             out.blocks.ids(),
         )
@@ -150,6 +151,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
                         model: "fake",
                         hashes: &[],
                         n_blocks: small.blocks.ids().len(),
+                        known: None,
                     },
                     small.blocks.ids(),
                 )
@@ -272,6 +274,7 @@ async fn prefill_rpc(
         }),
         decode_target: kv.clone(),
         rng_draws_offset: 0,
+        decode_holds: None,
     };
     let release = GrpcTransport::new(TransportConfig::for_envelope(1 << 10));
     let warm = ctl.prefill(request("warm", vec![7])).await?;
