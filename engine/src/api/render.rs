@@ -14,7 +14,7 @@ use super::sse::{self, StreamEvent};
 use super::{ApiError, ChoiceOut, ChoiceStream, ErrorDetail, Finish, ResponseMeta};
 
 /// One thing that happened to a request's choices.
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 pub enum ChoiceEvent {
     /// The next token of a choice.
     Token {

@@ -215,7 +215,7 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
             route: Some(route),
             stop,
         },
-        Some(Out::Fail(f)) => return Err(f),
+        Some(Out::Choice(ChoiceEvent::Failed(f))) => return Err(f),
         Some(other) => {
             return Err(ApiError::engine(format!("unexpected {other:?}")));
         }
@@ -241,24 +241,15 @@ struct Answer {
 impl ChoiceSource for Answer {
     async fn next(&mut self) -> Option<ChoiceEvent> {
         loop {
-            return Some(match self.rx.recv().await? {
-                Out::Token {
-                    choice,
-                    token,
-                    logprobs,
-                } => {
-                    self.meter.token();
-                    ChoiceEvent::Token {
-                        choice,
-                        token,
-                        logprobs,
+            match self.rx.recv().await? {
+                Out::Choice(e) => {
+                    if matches!(e, ChoiceEvent::Token { .. }) {
+                        self.meter.token();
                     }
+                    return Some(e);
                 }
-                Out::Done { choice, finish } => ChoiceEvent::Done { choice, finish },
-                Out::Broken(e) => ChoiceEvent::Broken(e),
-                Out::Fail(e) => ChoiceEvent::Failed(e),
-                Out::Start { .. } => continue,
-            });
+                Out::Start { .. } => {}
+            }
         }
     }
 

@@ -33,6 +33,7 @@ use kvwire_grpc::pb::engine::{DecodeHolds, KvHandle, PrefillRequest, SamplingPar
 use tonic::Code;
 
 use super::plan::{FALLBACK_REASON, Plan, Ranked};
+use crate::api::render::ChoiceEvent;
 use crate::api::{
     ApiError, Completion, CompletionRequest, ErrorDetail, Finish, GenerationParams, LogprobsField,
     Prompt, RouteInfo, TlResume,
@@ -65,7 +66,7 @@ impl Job {
 /// What the request tells the HTTP handler.
 #[derive(Debug, PartialEq)]
 pub enum Out {
-    /// Routing done: an engine is producing the answer (tokens follow).
+    /// Routing done: an engine is producing the answer (its choices' events follow).
     Start {
         /// The seed used (choice i samples with seed + i).
         seed: u64,
@@ -74,26 +75,9 @@ pub enum Out {
         /// Where it went.
         route: RouteInfo,
     },
-    /// A token of one choice.
-    Token {
-        /// The choice.
-        choice: u32,
-        /// The token.
-        token: u32,
-        /// Its log-probabilities, when asked for.
-        logprobs: Option<TokenLogprobs>,
-    },
-    /// One choice is done (the request is, once each of its choices is).
-    Done {
-        /// The choice.
-        choice: u32,
-        /// Why it ended.
-        finish: Finish,
-    },
-    /// Failed before the first token.
-    Fail(ApiError),
-    /// Failed after tokens went out.
-    Broken(ErrorDetail),
+    /// A token or the end of a choice, or the request's failure: before the start, a
+    /// [`ChoiceEvent::Failed`] is the whole answer.
+    Choice(ChoiceEvent),
 }
 
 /// The retry policy of one request: how far it tries before it gives up.
@@ -520,7 +504,7 @@ impl Session {
             Event::Chunk { lane, chunk } => self.chunk(lane, *chunk, &mut a),
             Event::EngineError { lane, error } => {
                 if self.live(lane) {
-                    self.emit(&mut a, Out::Broken(error));
+                    self.emit(&mut a, Out::Choice(ChoiceEvent::Broken(error)));
                     self.finish(&mut a);
                 }
             }
@@ -541,9 +525,12 @@ impl Session {
                         code: None,
                     };
                     if self.started {
-                        self.emit(&mut a, Out::Broken(detail));
+                        self.emit(&mut a, Out::Choice(ChoiceEvent::Broken(detail)));
                     } else {
-                        self.emit(&mut a, Out::Fail(ApiError::unavailable(detail.message)));
+                        self.emit(
+                            &mut a,
+                            Out::Choice(ChoiceEvent::Failed(ApiError::unavailable(detail.message))),
+                        );
                     }
                     self.finish(&mut a);
                 }
@@ -620,7 +607,10 @@ impl Session {
             Err(Unservable::UnknownModel(m)) => {
                 let msg = format!("unknown model {m:?}");
                 if first {
-                    self.emit(a, Out::Fail(ApiError::bad_request(msg)));
+                    self.emit(
+                        a,
+                        Out::Choice(ChoiceEvent::Failed(ApiError::bad_request(msg))),
+                    );
                     self.finish(a);
                 } else {
                     self.give_up(lane, &format!("no failover: {msg}"), a);
@@ -670,9 +660,9 @@ impl Session {
             self.lanes[0].phase = Phase::Over;
             self.emit(
                 a,
-                Out::Fail(ApiError::unavailable(
+                Out::Choice(ChoiceEvent::Failed(ApiError::unavailable(
                     "no engine can serve this request now",
-                )),
+                ))),
             );
             self.finish(a);
             return;
@@ -807,7 +797,10 @@ impl Session {
         let first = !self.continuing(lane);
         match refused {
             Some((code, message)) if first => {
-                self.emit(a, Out::Fail(prefill_refusal(code, message)));
+                self.emit(
+                    a,
+                    Out::Choice(ChoiceEvent::Failed(prefill_refusal(code, message))),
+                );
                 self.finish(a);
             }
             Some((_, message)) => {
@@ -935,11 +928,11 @@ impl Session {
     ) {
         self.emit(
             a,
-            Out::Token {
+            Out::Choice(ChoiceEvent::Token {
                 choice,
                 token,
                 logprobs,
-            },
+            }),
         );
         let c = &mut self.choices[choice as usize];
         c.sent.push(token);
@@ -955,7 +948,7 @@ impl Session {
 
     fn end_choice(&mut self, choice: u32, finish: Finish, a: &mut Vec<Action>) {
         self.choices[choice as usize].done = true;
-        self.emit(a, Out::Done { choice, finish });
+        self.emit(a, Out::Choice(ChoiceEvent::Done { choice, finish }));
     }
 
     fn finish_if_done(&mut self, a: &mut Vec<Action>) {
@@ -997,11 +990,11 @@ impl Session {
                 }
                 self.emit(
                     a,
-                    Out::Token {
+                    Out::Choice(ChoiceEvent::Token {
                         choice,
                         token: t,
                         logprobs: lp,
-                    },
+                    }),
                 );
                 let st = &mut self.choices[choice as usize];
                 st.sent.push(t);
@@ -1055,7 +1048,7 @@ impl Session {
             Some(s) => ApiError::engine(format!("fallback engine: answered {s}")),
             None => ApiError::unavailable(format!("fallback engine: {message}")),
         };
-        self.emit(a, Out::Fail(e));
+        self.emit(a, Out::Choice(ChoiceEvent::Failed(e)));
         self.finish(a);
     }
 
@@ -1085,10 +1078,10 @@ impl Session {
             // No failover for a colocated request: nothing else holds its state.
             self.emit(
                 a,
-                Out::Broken(engine_detail(format!(
+                Out::Choice(ChoiceEvent::Broken(engine_detail(format!(
                     "engine stream lost ({})",
                     cause.as_str()
-                ))),
+                )))),
             );
             self.finish(a);
             return;
@@ -1152,7 +1145,7 @@ impl Session {
                     resumed: false,
                 });
                 self.lanes[t].phase = Phase::Over;
-                self.emit(a, Out::Broken(engine_detail(msg)));
+                self.emit(a, Out::Choice(ChoiceEvent::Broken(engine_detail(msg))));
                 self.finish(a);
                 return;
             }
@@ -1181,7 +1174,7 @@ impl Session {
             "decode engine lost ({}) after {sent} tokens; {why}",
             cause.as_str()
         );
-        self.emit(a, Out::Broken(engine_detail(msg)));
+        self.emit(a, Out::Choice(ChoiceEvent::Broken(engine_detail(msg))));
         self.finish(a);
     }
 }
@@ -1401,10 +1394,16 @@ mod tests {
                 "start seed={seed} {}->{} retries={}",
                 route.prefill, route.decode, route.retries
             ),
-            Action::Emit(Out::Token { choice, token, .. }) => format!("token {choice}:{token}"),
-            Action::Emit(Out::Done { choice, finish }) => format!("done {choice}:{finish:?}"),
-            Action::Emit(Out::Fail(e)) => format!("fail {} {}", e.status().as_u16(), e.message),
-            Action::Emit(Out::Broken(e)) => format!("broken {}", e.message),
+            Action::Emit(Out::Choice(ChoiceEvent::Token { choice, token, .. })) => {
+                format!("token {choice}:{token}")
+            }
+            Action::Emit(Out::Choice(ChoiceEvent::Done { choice, finish })) => {
+                format!("done {choice}:{finish:?}")
+            }
+            Action::Emit(Out::Choice(ChoiceEvent::Failed(e))) => {
+                format!("fail {} {}", e.status().as_u16(), e.message)
+            }
+            Action::Emit(Out::Choice(ChoiceEvent::Broken(e))) => format!("broken {}", e.message),
             Action::Release { lane, wait } => {
                 format!("release {lane}{}", if *wait { "" } else { " background" })
             }
