@@ -269,15 +269,13 @@ impl PrefillService {
                     break Ok(());
                 }
                 tokio::select! {
-                    ev = events.recv(), if output.is_none() => match ev {
-                        Some(SeqEvent::Prefilled(out)) => {
+                    ev = events.recv(), if output.is_none() => match prefill_event(ev) {
+                        Some(Ok(out)) => {
                             computing = None;
                             output = Some(out);
                         }
-                        Some(SeqEvent::Refused(e)) => break Err(request_status(&e)),
-                        Some(SeqEvent::Failed(e)) => break Err(seq_status(&e)),
-                        Some(_) => {}
-                        None => break Err(Status::unavailable("the engine stopped")),
+                        Some(Err(e)) => break Err(e),
+                        None => {}
                     },
                     r = &mut push, if moved.is_none() => match r {
                         Ok(stats) => {
@@ -320,12 +318,10 @@ impl PrefillService {
             let (key, mut events) = runner.submit(request);
             let output = loop {
                 tokio::select! {
-                    ev = events.recv() => match ev {
-                        Some(SeqEvent::Prefilled(out)) => break out,
-                        Some(SeqEvent::Refused(e)) => return Err(request_status(&e)),
-                        Some(SeqEvent::Failed(e)) => return Err(seq_status(&e)),
-                        Some(_) => {}
-                        None => return Err(Status::unavailable("the engine stopped")),
+                    ev = events.recv() => match prefill_event(ev) {
+                        Some(Ok(out)) => break out,
+                        Some(Err(e)) => return Err(e),
+                        None => {}
                     },
                     _ = &mut cancelled => {
                         runner.cancel(key);
@@ -395,6 +391,20 @@ impl PrefillService {
 
 /// The prefill side's `kv.transfer` span (kind CLIENT); the decode side's SERVER span is its
 /// child, through the `traceparent` the push carries.
+/// What one engine event means to a Prefill: its output, its failure, or nothing yet (the
+/// pipelined and the plain Prefill read the engine's events through this one function).
+fn prefill_event(
+    ev: Option<SeqEvent>,
+) -> Option<Result<tl_engine_core::engine::PrefillOutput, Status>> {
+    match ev {
+        Some(SeqEvent::Prefilled(out)) => Some(Ok(out)),
+        Some(SeqEvent::Refused(e)) => Some(Err(request_status(&e))),
+        Some(SeqEvent::Failed(e)) => Some(Err(seq_status(&e))),
+        Some(_) => None,
+        None => Some(Err(Status::unavailable("the engine stopped"))),
+    }
+}
+
 fn transfer_span(handle_id: &str, worker: &str) -> tracing::Span {
     tracing::info_span!(
         "kv.transfer",
