@@ -29,19 +29,17 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvwire_grpc::glue::Dispatch;
 use kvwire_grpc::pb::control::WorkerStatus;
 use tokio::sync::Semaphore;
 use tokio_util::sync::DropGuard;
 
 use self::config::{GatewayConfig, GatewaySection};
 use self::plan::Policy;
-use self::registry::{RegistryService, RegistryState};
+use self::registry::RegistryState;
 use self::routed::RoutedLoad;
 use self::upstream::Upstream;
-use crate::net::authz::RolePolicy;
 use crate::net::limits::LimitsSection;
-use crate::net::server::{Lifecycle, bind, serve_grpc, serve_http};
+use crate::net::server::{Lifecycle, bind, serve_http};
 use crate::net::tls::{PublicTls, Tls, TlsError};
 use crate::telemetry::metrics::{Metrics, SharedMetrics};
 
@@ -173,25 +171,14 @@ impl GatewayNode {
         let api_keys = keys::ApiKeys::load(&g.api_keys_file).map_err(|e| invalid(&e))?;
         let life = Lifecycle::new();
         let state = Arc::new(RegistryState::default());
-        let svc = Dispatch::new(Arc::new(
-            RegistryService::new(Arc::clone(&state))
-                .with_max_workers(cfg.limits.registry_max_workers.max(1)),
-        ))
-        .with_auth(
-            RolePolicy::for_service::<RegistryService>(registry::POLICY).when(tls.is_some()),
-        );
-        let registry_tls = tls
-            .as_ref()
-            .map(|t| t.server_config(&[b"h2"]))
-            .transpose()
-            .map_err(|e| invalid(&e))?;
-        let registry_addr = serve_grpc(
+        let registry_addr = registry::serve_registry(
             &life,
-            bind(&g.registry_listen).await?,
-            svc,
-            registry_tls,
-            cfg.limits.h2(),
-        )?;
+            &g.registry_listen,
+            Arc::clone(&state),
+            tls.as_ref(),
+            &cfg.limits,
+        )
+        .await?;
         let gateway = Arc::new(
             Gateway::new(state, g.clone(), tls.as_ref(), api_keys, &cfg.limits)
                 .map_err(|e| invalid(&e))?,
@@ -209,19 +196,14 @@ impl GatewayNode {
             public_tls,
             cfg.limits.http(),
         )?;
-        let registry = Arc::clone(&gateway.registry);
-        gateway
-            .metrics
-            .on_scrape(move |m| workers_by_role(m, &registry.list(Instant::now())));
-        let metrics_addr = serve_http(
+        let metrics_addr = registry::serve_metrics(
             &life,
-            bind(&g.metrics_listen).await?,
-            crate::telemetry::metrics::router(Arc::clone(&gateway.metrics)).merge(
-                crate::net::probes::router(Arc::new(crate::net::probes::AlwaysReady)),
-            ),
-            None,
-            cfg.limits.http(),
-        )?;
+            &g.metrics_listen,
+            Arc::clone(&gateway.registry),
+            Arc::clone(&gateway.metrics),
+            &cfg.limits,
+        )
+        .await?;
         Ok(Self {
             gateway,
             registry_addr,

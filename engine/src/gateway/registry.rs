@@ -10,7 +10,6 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use kvwire_grpc::H2Limits;
 use kvwire_grpc::glue::{self, Dispatch, Handler, Limits, ResponseFuture, Routes};
 use kvwire_grpc::pb::control::{
     HeartbeatAck, ListWorkersRequest, ListWorkersResponse, Role as PbRole, SetDrainRequest,
@@ -23,6 +22,7 @@ use tonic::body::Body;
 use super::worker::WorkerView;
 pub use super::worker::{DEFAULT_HEARTBEAT_MS, MISSED_BEATS, is_stale};
 use crate::net::authz::{RolePolicy, Table};
+use crate::net::limits::LimitsSection;
 use crate::net::server::{Lifecycle, bind, serve_grpc};
 use crate::net::tls::{PeerId, PeerRole, Tls};
 
@@ -280,6 +280,54 @@ impl RegistryService {
     }
 }
 
+/// Serves the WorkerRegistry over `state` on `listen` (mutual TLS when `tls` is given, each
+/// method checked against [`POLICY`]), holding at most `registry_max_workers`: the one way the
+/// gateway and `tl registry` serve it.
+///
+/// # Errors
+/// When the address cannot be bound or the TLS configuration cannot be built.
+pub async fn serve_registry(
+    life: &Lifecycle,
+    listen: &str,
+    state: Arc<RegistryState>,
+    tls: Option<&Tls>,
+    limits: &LimitsSection,
+) -> std::io::Result<SocketAddr> {
+    let svc = Dispatch::new(Arc::new(
+        RegistryService::new(state).with_max_workers(limits.registry_max_workers.max(1)),
+    ))
+    .with_auth(RolePolicy::for_service::<RegistryService>(POLICY).when(tls.is_some()));
+    let server_tls = tls
+        .map(|t| t.server_config(&[b"h2"]))
+        .transpose()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+    serve_grpc(life, bind(listen).await?, svc, server_tls, limits.h2())
+}
+
+/// Serves `GET /metrics` (with `tl_workers{role}` from `state` at each scrape) and the probes on
+/// `listen`, plaintext.
+///
+/// # Errors
+/// When the address cannot be bound.
+pub async fn serve_metrics(
+    life: &Lifecycle,
+    listen: &str,
+    state: Arc<RegistryState>,
+    metrics: crate::telemetry::metrics::SharedMetrics,
+    limits: &LimitsSection,
+) -> std::io::Result<SocketAddr> {
+    metrics.on_scrape(move |m| super::workers_by_role(m, &state.list(Instant::now())));
+    crate::net::server::serve_http(
+        life,
+        bind(listen).await?,
+        crate::telemetry::metrics::router(metrics).merge(crate::net::probes::router(Arc::new(
+            crate::net::probes::AlwaysReady,
+        ))),
+        None,
+        limits.http(),
+    )
+}
+
 /// A registry served alone (`tl registry`).
 #[derive(Debug)]
 pub struct RegistryNode {
@@ -303,31 +351,11 @@ impl RegistryNode {
     ) -> std::io::Result<Self> {
         let state = Arc::new(RegistryState::default());
         let life = Lifecycle::new();
-        let svc = Dispatch::new(Arc::new(RegistryService::new(Arc::clone(&state))))
-            .with_auth(RolePolicy::for_service::<RegistryService>(POLICY).when(tls.is_some()));
-        let server_tls = tls
-            .map(|t| t.server_config(&[b"h2"]))
-            .transpose()
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
-        let addr = serve_grpc(
-            &life,
-            bind(listen).await?,
-            svc,
-            server_tls,
-            H2Limits::default(),
-        )?;
+        let limits = LimitsSection::default();
+        let addr = serve_registry(&life, listen, Arc::clone(&state), tls, &limits).await?;
         let metrics = Arc::new(crate::telemetry::metrics::Metrics::new());
-        let live = Arc::clone(&state);
-        metrics.on_scrape(move |m| super::workers_by_role(m, &live.list(Instant::now())));
-        let metrics_addr = crate::net::server::serve_http(
-            &life,
-            bind(metrics_listen).await?,
-            crate::telemetry::metrics::router(metrics).merge(crate::net::probes::router(Arc::new(
-                crate::net::probes::AlwaysReady,
-            ))),
-            None,
-            crate::net::server::HttpLimits::default(),
-        )?;
+        let metrics_addr =
+            serve_metrics(&life, metrics_listen, Arc::clone(&state), metrics, &limits).await?;
         Ok(Self {
             state,
             addr,
