@@ -126,16 +126,15 @@ impl Gateway {
 
 /// Sets `tl_workers{role}` from the live workers, every role reported (0 when none is live).
 pub fn workers_by_role(m: &Metrics, live: &[WorkerStatus]) {
-    use kvwire_grpc::pb::control::Role as PbRole;
-    for (role, pb) in [
-        ("prefill", PbRole::Prefill),
-        ("decode", PbRole::Decode),
-        ("both", PbRole::Both),
-    ] {
-        let n = live.iter().filter(|w| w.role == pb as i32).count();
+    use crate::net::role::Role;
+    for role in Role::ALL {
+        let n = live
+            .iter()
+            .filter(|w| Role::from_wire(w.role) == Some(role))
+            .count();
         m.workers
             .get_or_create(&crate::telemetry::metrics::Role {
-                role: role.to_owned(),
+                role: role.name().to_owned(),
             })
             .set(n as i64);
     }

@@ -12,7 +12,6 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use kvwire_grpc::pb::control::Role as PbRole;
 use serde::Serialize;
 use serde_json::json;
 use tl_engine_core::model::{BYTE_VOCAB, encode_text};
@@ -318,12 +317,7 @@ async fn workers(State(g): State<Arc<Gateway>>) -> Response {
         .into_iter()
         .map(|v| {
             let w = v.status;
-            let role = match PbRole::try_from(w.role).unwrap_or(PbRole::Unspecified) {
-                PbRole::Prefill => "prefill",
-                PbRole::Decode => "decode",
-                PbRole::Both => "both",
-                PbRole::Unspecified => "unspecified",
-            };
+            let role = crate::net::role::Role::from_wire(w.role).map_or("unspecified", |r| r.name());
             json!({
                 "worker_id": w.worker_id, "role": role, "model": w.model, "http_address": w.http_address,
                 "grpc_address": w.grpc_address, "kv_address": w.kv_address, "kv_format": w.kv_format,

@@ -188,14 +188,11 @@ pub const POLICY: Table = &[
     (path::SET_DRAIN, &[PeerRole::Gateway, PeerRole::Admin]),
 ];
 
-/// The registry role that a certificate role may register as.
+/// The registry role that a certificate role may register as (gateway and admin: none).
 fn registers_as(role: PeerRole) -> Option<PbRole> {
-    match role {
-        PeerRole::Prefill => Some(PbRole::Prefill),
-        PeerRole::Decode => Some(PbRole::Decode),
-        PeerRole::Both => Some(PbRole::Both),
-        PeerRole::Gateway | PeerRole::Admin => None,
-    }
+    crate::net::role::Role::try_from(role)
+        .ok()
+        .map(PbRole::from)
 }
 
 /// Registry messages are small: a larger one is refused by tonic's decoder (OUT_OF_RANGE)

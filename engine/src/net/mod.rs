@@ -5,6 +5,7 @@ pub mod authz;
 pub mod clients;
 pub mod limits;
 pub mod probes;
+pub mod role;
 pub mod server;
 pub mod tls;
 

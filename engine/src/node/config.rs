@@ -54,63 +54,7 @@ use tl_engine_core::engine::CostModel;
 use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
 use tl_engine_core::pool::{KvPool, SharedKv};
 
-/// What an engine does.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    /// Runs prompts and ships their KV.
-    Prefill,
-    /// Receives KV and generates.
-    Decode,
-    /// Both, in one process (also serves colocated requests).
-    #[default]
-    Both,
-}
-
-impl Role {
-    /// True for prefill and both.
-    #[must_use]
-    pub fn prefills(self) -> bool {
-        matches!(self, Role::Prefill | Role::Both)
-    }
-
-    /// True for decode and both.
-    #[must_use]
-    pub fn decodes(self) -> bool {
-        matches!(self, Role::Decode | Role::Both)
-    }
-
-    /// The contract's role strings: `prefill`, `decode`, or both of them.
-    #[must_use]
-    pub fn names(self) -> Vec<String> {
-        let mut v = Vec::new();
-        if self.prefills() {
-            v.push("prefill".to_owned());
-        }
-        if self.decodes() {
-            v.push("decode".to_owned());
-        }
-        v
-    }
-}
-
-/// A role name that is not `prefill`, `decode` or `both`.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("role {0:?}: expected prefill, decode or both")]
-pub struct UnknownRole(pub String);
-
-impl std::str::FromStr for Role {
-    type Err = UnknownRole;
-
-    fn from_str(s: &str) -> Result<Self, UnknownRole> {
-        match s {
-            "prefill" => Ok(Role::Prefill),
-            "decode" => Ok(Role::Decode),
-            "both" => Ok(Role::Both),
-            other => Err(UnknownRole(other.to_owned())),
-        }
-    }
-}
+pub use crate::net::role::{Role, UnknownRole};
 
 /// The whole configuration file.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]

@@ -13,7 +13,6 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
-use super::config::Role;
 use super::state::NodeState;
 use crate::net::clients::RegistryClient;
 
@@ -76,11 +75,7 @@ pub fn worker_status(node: &NodeState, addrs: &Addresses, heartbeat_ms: u32) -> 
         http_address: if_decodes(&addrs.http),
         grpc_address: addrs.grpc.clone(),
         kv_address: if_decodes(&addrs.kv),
-        role: match role {
-            Role::Prefill => PbRole::Prefill,
-            Role::Decode => PbRole::Decode,
-            Role::Both => PbRole::Both,
-        } as i32,
+        role: PbRole::from(role) as i32,
         model: model.name().to_owned(),
         kv_format: kvwire_grpc::KV_FORMAT_V1,
         queue_depth: node.queue_depth(),

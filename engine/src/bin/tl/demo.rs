@@ -98,11 +98,7 @@ const REQUESTS: [(&str, &str); 7] = [
 ];
 
 fn config(id: &str, role: Role, registry: &str, certs: &Path) -> Result<Config, DemoError> {
-    let peer = match role {
-        Role::Prefill => PeerRole::Prefill,
-        Role::Decode => PeerRole::Decode,
-        Role::Both => PeerRole::Both,
-    };
+    let peer = PeerRole::from(role);
     let mut c = Config::for_worker(id, role, registry);
     c.tls = Some(issue(certs, id, peer, &[])?.section());
     c.engine.heartbeat_ms = 50;
