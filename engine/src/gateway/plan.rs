@@ -14,7 +14,9 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use kvwire_grpc::pb::control::{Role as PbRole, WorkerStatus};
+use kvwire_grpc::pb::control::WorkerStatus;
+
+use crate::net::role::Role;
 
 pub use super::worker::WorkerView;
 
@@ -108,7 +110,7 @@ pub fn score(cached_prefix_tokens: usize, load: u32, load_penalty_tokens: f64) -
     cached_prefix_tokens as f64 - load_penalty_tokens * f64::from(load)
 }
 
-fn least_loaded(workers: &[WorkerView], role: PbRole) -> Option<&WorkerView> {
+fn least_loaded(workers: &[WorkerView], role: Role) -> Option<&WorkerView> {
     workers
         .iter()
         .filter(|w| w.is(role) && w.usable())
@@ -124,7 +126,7 @@ fn least_loaded(workers: &[WorkerView], role: PbRole) -> Option<&WorkerView> {
 pub fn decode_candidates(workers: &[WorkerView]) -> Vec<&WorkerStatus> {
     workers
         .iter()
-        .filter(|w| w.is(PbRole::Decode) && w.usable() && !w.status.kv_address.is_empty())
+        .filter(|w| w.is(Role::Decode) && w.usable() && w.kv_target().is_some())
         .map(|w| &w.status)
         .collect()
 }
@@ -133,7 +135,7 @@ pub fn decode_candidates(workers: &[WorkerView]) -> Vec<&WorkerStatus> {
 /// exists to pair them with (else none: the request can only run colocated).
 #[must_use]
 pub fn has_blocks_targets(workers: &[WorkerView]) -> Vec<&WorkerStatus> {
-    if least_loaded(workers, PbRole::Prefill).is_some() {
+    if least_loaded(workers, Role::Prefill).is_some() {
         decode_candidates(workers)
     } else {
         Vec::new()
@@ -150,7 +152,7 @@ pub fn plan(
     in_flight: &HashMap<String, u32>,
     policy: Policy,
 ) -> Plan {
-    let prefill = least_loaded(workers, PbRole::Prefill).map(|w| w.status.clone());
+    let prefill = least_loaded(workers, Role::Prefill).map(|w| w.status.clone());
     let mut decode: Vec<Ranked> = if prefill.is_some() {
         decode_candidates(workers)
             .into_iter()
@@ -185,8 +187,8 @@ pub fn plan(
             .then(b.worker.free_blocks.cmp(&a.worker.free_blocks))
             .then_with(|| a.worker.worker_id.cmp(&b.worker.worker_id))
     });
-    let fallback = least_loaded(workers, PbRole::Both)
-        .filter(|w| !w.status.http_address.is_empty())
+    let fallback = least_loaded(workers, Role::Both)
+        .filter(|w| w.front().is_some())
         .map(|w| w.status.clone());
     Plan {
         prefill,
@@ -198,6 +200,8 @@ pub fn plan(
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
+
+    use kvwire_grpc::pb::control::Role as PbRole;
 
     use super::*;
 

@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use kvwire_grpc::pb::control::{Role as PbRole, WorkerStatus};
+use kvwire_grpc::pb::control::WorkerStatus;
+
+use crate::net::role::Role;
 
 /// The heartbeat interval a worker that does not say is assumed to use.
 pub const DEFAULT_HEARTBEAT_MS: u32 = 2000;
@@ -33,8 +35,28 @@ pub struct WorkerView {
 }
 
 impl WorkerView {
-    pub(super) fn is(&self, role: PbRole) -> bool {
-        self.status.role == role as i32
+    /// Its role; `None` for a role this gateway does not know (never routed to).
+    #[must_use]
+    pub fn role(&self) -> Option<Role> {
+        Role::from_wire(self.status.role)
+    }
+
+    pub(super) fn is(&self, role: Role) -> bool {
+        self.role() == Some(role)
+    }
+
+    /// Where it receives KV (a decode role that advertised its KvTransfer address).
+    #[must_use]
+    pub fn kv_target(&self) -> Option<&str> {
+        let a = &self.status.kv_address;
+        (self.role().is_some_and(Role::decodes) && !a.is_empty()).then_some(a.as_str())
+    }
+
+    /// Its OpenAI front (a decode role that advertised its HTTP address).
+    #[must_use]
+    pub fn front(&self) -> Option<&str> {
+        let a = &self.status.http_address;
+        (self.role().is_some_and(Role::decodes) && !a.is_empty()).then_some(a.as_str())
     }
 
     /// Can take new work: not draining, not stale.
