@@ -27,14 +27,14 @@ pub type ResponseFuture =
 
 /// Message size limits of one method, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Limits {
+pub struct MessageLimits {
     /// Largest message decoded.
     pub max_decode: usize,
     /// Largest message encoded.
     pub max_encode: usize,
 }
 
-impl Default for Limits {
+impl Default for MessageLimits {
     /// tonic's own defaults: 4 MiB decoded, unbounded encoded.
     fn default() -> Self {
         Self {
@@ -256,7 +256,7 @@ where
 }
 
 /// The server side of one call, with `limits` on both directions.
-fn server<Req, Resp>(limits: Limits) -> Grpc<ProstCodec<Resp, Req>>
+fn server<Req, Resp>(limits: MessageLimits) -> Grpc<ProstCodec<Resp, Req>>
 where
     Req: prost::Message + Default + Send + 'static,
     Resp: prost::Message + Send + 'static,
@@ -269,7 +269,7 @@ where
 /// Answers one unary call with `handler`.
 pub fn serve_unary<Req, Resp, F, Fut>(
     req: http::Request<Body>,
-    limits: Limits,
+    limits: MessageLimits,
     handler: F,
 ) -> ResponseFuture
 where
@@ -287,7 +287,7 @@ where
 /// Answers one client-streaming call with `handler`, which reads the request stream.
 pub fn serve_client_streaming<Req, Resp, F, Fut>(
     req: http::Request<Body>,
-    limits: Limits,
+    limits: MessageLimits,
     handler: F,
 ) -> ResponseFuture
 where
@@ -308,7 +308,7 @@ pub fn unimplemented(path: &str) -> ResponseFuture {
     Box::pin(async move { Ok(resp) })
 }
 
-fn client(channel: Channel, limits: Limits) -> tonic::client::Grpc<Channel> {
+fn client(channel: Channel, limits: MessageLimits) -> tonic::client::Grpc<Channel> {
     tonic::client::Grpc::new(channel)
         .max_decoding_message_size(limits.max_decode)
         .max_encoding_message_size(limits.max_encode)
@@ -321,7 +321,7 @@ fn client(channel: Channel, limits: Limits) -> tonic::client::Grpc<Channel> {
 pub async fn unary<Req, Resp>(
     channel: Channel,
     path: &'static str,
-    limits: Limits,
+    limits: MessageLimits,
     req: Request<Req>,
 ) -> Result<Resp, Status>
 where
@@ -347,7 +347,7 @@ where
 pub async fn client_streaming<S, Req, Resp>(
     channel: Channel,
     path: &'static str,
-    limits: Limits,
+    limits: MessageLimits,
     req: Request<S>,
 ) -> Result<Resp, Status>
 where
@@ -373,7 +373,7 @@ where
 pub async fn client_streaming_with<S, C>(
     channel: Channel,
     path: &'static str,
-    limits: Limits,
+    limits: MessageLimits,
     req: Request<S>,
     codec: C,
 ) -> Result<C::Decode, Status>

@@ -12,7 +12,7 @@ use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Status, Streaming};
 
-use crate::glue::{self, Dispatch, Handler, Limits, ResponseFuture, Routes};
+use crate::glue::{self, Dispatch, Handler, MessageLimits, ResponseFuture, Routes};
 use crate::pb::kv::{
     HasBlocksRequest, HasBlocksResponse, KvAck, KvChunk, ReleaseRequest, ReleaseResponse, path,
 };
@@ -54,8 +54,8 @@ pub trait PushObserver: Send + Sync + std::fmt::Debug {
 #[derive(Clone, Debug)]
 pub struct KvTransferService {
     rx: Arc<KvReceiver>,
-    push: Limits,
-    small: Limits,
+    push: MessageLimits,
+    small: MessageLimits,
     timeouts: ServiceLimits,
     observer: Option<Arc<dyn PushObserver>>,
 }
@@ -77,11 +77,11 @@ impl KvTransferService {
             .envelope_len(1)
             .unwrap_or(usize::MAX - 4096);
         Self {
-            push: Limits {
+            push: MessageLimits {
                 max_decode: envelope.saturating_add(4096),
                 max_encode: 4096,
             },
-            small: Limits {
+            small: MessageLimits {
                 max_decode: limits.small_message,
                 max_encode: limits.small_message,
             },
@@ -106,7 +106,7 @@ impl KvTransferService {
 
     /// The message limits of PushKv, and of HasBlocks and Release.
     #[must_use]
-    pub fn limits(&self) -> (Limits, Limits) {
+    pub fn limits(&self) -> (MessageLimits, MessageLimits) {
         (self.push, self.small)
     }
 }

@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use kvwire_grpc::glue::{self, Dispatch, Handler, Limits, ResponseFuture, Routes};
+use kvwire_grpc::glue::{self, Dispatch, Handler, MessageLimits, ResponseFuture, Routes};
 use kvwire_grpc::pb::control::{
     HeartbeatAck, ListWorkersRequest, ListWorkersResponse, Role as PbRole, SetDrainRequest,
     SetDrainResponse, WorkerStatus, path,
@@ -197,7 +197,7 @@ fn registers_as(role: PeerRole) -> Option<PbRole> {
 
 /// Registry messages are small: a larger one is refused by tonic's decoder (OUT_OF_RANGE)
 /// before anything is allocated for it.
-const SMALL: Limits = Limits {
+const SMALL: MessageLimits = MessageLimits {
     max_decode: 1 << 20,
     max_encode: usize::MAX,
 };

@@ -9,7 +9,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvwire_grpc::glue::{self, Limits};
+use kvwire_grpc::glue::{self, MessageLimits};
 use kvwire_grpc::pb::control::{
     HeartbeatAck, ListWorkersRequest, ListWorkersResponse, SetDrainRequest, SetDrainResponse,
     WorkerStatus, path as reg_path,
@@ -64,7 +64,7 @@ impl ControlClient {
         glue::unary(
             self.channel.clone(),
             path::PREFILL,
-            Limits::default(),
+            MessageLimits::default(),
             Request::new(req),
         )
         .await
@@ -78,7 +78,7 @@ impl ControlClient {
         glue::unary(
             self.channel.clone(),
             path::INFO,
-            Limits::default(),
+            MessageLimits::default(),
             Request::new(InfoRequest {}),
         )
         .await
@@ -92,7 +92,7 @@ impl ControlClient {
         let r: CancelResponse = glue::unary(
             self.channel.clone(),
             path::CANCEL,
-            Limits::default(),
+            MessageLimits::default(),
             Request::new(CancelRequest {
                 request_id: request_id.into(),
             }),
@@ -109,7 +109,7 @@ impl ControlClient {
         let r: DrainResponse = glue::unary(
             self.channel.clone(),
             path::DRAIN,
-            Limits::default(),
+            MessageLimits::default(),
             Request::new(DrainRequest { deadline_ms }),
         )
         .await?;
@@ -156,7 +156,7 @@ impl RegistryClient {
         let call = glue::unary::<Req, Resp>(
             self.channel.clone(),
             path,
-            Limits::default(),
+            MessageLimits::default(),
             Request::new(req),
         );
         glue::bounded(self.timeout, path, call).await

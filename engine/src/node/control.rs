@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvwire_grpc::glue::{self, Handler, Limits, ResponseFuture, Routes};
+use kvwire_grpc::glue::{self, Handler, MessageLimits, ResponseFuture, Routes};
 use kvwire_grpc::pb::engine::{
     CancelRequest, CancelResponse, DrainRequest, DrainResponse, InfoRequest, InfoResponse,
     PrefillRequest, path,
@@ -29,7 +29,7 @@ pub const POLICY: Table = &[
 
 /// Info, Cancel and Drain carry a few words: a larger message is refused by the decoder
 /// (OUT_OF_RANGE) before it is buffered. Prefill keeps tonic's 4 MiB (a prompt of token ids).
-const SMALL: Limits = Limits {
+const SMALL: MessageLimits = MessageLimits {
     max_decode: 1 << 20,
     max_encode: 1 << 20,
 };
@@ -72,7 +72,7 @@ impl EngineControl {
         let me = Arc::clone(self);
         glue::serve_unary(
             req,
-            Limits::default(),
+            MessageLimits::default(),
             move |m: PrefillRequest| async move {
                 match &me.prefill {
                     Some(p) => p.prefill(m).await,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tonic::transport::{Channel, ClientTlsConfig};
 use tonic::{Request, Status};
 
-use crate::glue::{self, Limits};
+use crate::glue::{self, MessageLimits};
 use crate::pb::kv::{HasBlocksRequest, KvAck, ReleaseRequest, ReleaseResponse, path};
 
 use super::encode::{ChunkStream, PushCodec};
@@ -171,8 +171,8 @@ impl GrpcTransport {
             .len()
     }
 
-    fn limits(&self) -> Limits {
-        Limits {
+    fn limits(&self) -> MessageLimits {
+        MessageLimits {
             max_decode: self.cfg.max_message,
             max_encode: self.cfg.max_message,
         }
