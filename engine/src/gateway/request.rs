@@ -316,7 +316,10 @@ impl Driver<'_> {
                 ..
             } => {
                 if let Ok(ctl) = self.g.upstream.control(&prefill.grpc_address) {
-                    let _ = ctl.cancel(&request_id).await;
+                    // A hung prefill engine must not hold the request's clean-up past its
+                    // bound; the Prefill's own answer is still awaited within it.
+                    let wait = self.g.retry_policy().release_wait;
+                    let _ = tokio::time::timeout(wait, ctl.cancel(&request_id)).await;
                 }
             }
             Action::Close { lane } => {

@@ -584,10 +584,14 @@ impl Session {
                     });
                 }
                 Phase::Cancelled => l.phase = Phase::Cancelled,
-                Phase::Resuming { .. } => a.push(Action::Release {
-                    lane: i,
-                    wait: true,
-                }),
+                Phase::Resuming { .. } => {
+                    // The resume may be opening: stop it, and give the handle back.
+                    a.push(Action::Close { lane: i });
+                    a.push(Action::Release {
+                        lane: i,
+                        wait: true,
+                    });
+                }
                 Phase::Streaming { .. } => a.push(Action::Close { lane: i }),
                 Phase::Planning | Phase::Over => {}
             }
@@ -2013,6 +2017,7 @@ mod tests {
                         Event::Drain,
                         &[
                             "broken the gateway is draining: this request was ended before it finished",
+                            "close 0",
                             "release 0",
                             "finish",
                         ],
