@@ -69,6 +69,23 @@ async fn push_raw(t: &GrpcTransport, addr: &str, chunks: Vec<KvChunk>) -> Result
     .await
 }
 
+/// A push of model `fake` to `target`.
+fn push_of<'a>(
+    target: &'a str,
+    handle_id: &'a str,
+    hashes: &'a [u64],
+    n_blocks: usize,
+) -> kvwire_grpc::Push<'a> {
+    kvwire_grpc::Push {
+        target,
+        handle_id,
+        model: "fake",
+        hashes,
+        n_blocks,
+        known: None,
+    }
+}
+
 /// The receiver's rules are tested in memory (`kvwire-grpc/tests/receiver.rs`); over a real
 /// socket, each refusal keeps its code, an imported block arrives byte for byte in the engine's
 /// pool, and the pool is unchanged by every refused push.
@@ -81,14 +98,7 @@ async fn push_refusals_keep_their_codes_over_grpc() {
     let st = transfer(
         &t,
         store(p.pool()),
-        kvwire_grpc::Push {
-            target: &d.addr,
-            handle_id: "h1",
-            model: "fake",
-            hashes: &out.hashes,
-            n_blocks: out.blocks.ids().len(),
-            known: None,
-        },
+        push_of(&d.addr, "h1", &out.hashes, out.blocks.ids().len()),
         out.blocks.ids(),
     )
     .await
@@ -163,14 +173,7 @@ async fn release_frees_the_handle() {
     transfer(
         &t,
         store(p.pool()),
-        kvwire_grpc::Push {
-            target: &d.addr,
-            handle_id: "r1",
-            model: "fake",
-            hashes: &out.hashes,
-            n_blocks: out.blocks.ids().len(),
-            known: None,
-        },
+        push_of(&d.addr, "r1", &out.hashes, out.blocks.ids().len()),
         out.blocks.ids(),
     )
     .await
@@ -211,14 +214,7 @@ async fn bytes_moved_are_missing_blocks_plus_tail() {
     let st = transfer(
         &t,
         store(p.pool()),
-        kvwire_grpc::Push {
-            target: &d.addr,
-            handle_id: "b0",
-            model: "fake",
-            hashes: &out.hashes,
-            n_blocks: out.blocks.ids().len(),
-            known: None,
-        },
+        push_of(&d.addr, "b0", &out.hashes, out.blocks.ids().len()),
         out.blocks.ids(),
     )
     .await
@@ -237,14 +233,7 @@ async fn bytes_moved_are_missing_blocks_plus_tail() {
     let st = transfer(
         &t,
         store(p.pool()),
-        kvwire_grpc::Push {
-            target: &d.addr,
-            handle_id: "b1",
-            model: "fake",
-            hashes: &out.hashes,
-            n_blocks: out.blocks.ids().len(),
-            known: None,
-        },
+        push_of(&d.addr, "b1", &out.hashes, out.blocks.ids().len()),
         out.blocks.ids(),
     )
     .await
@@ -260,14 +249,7 @@ async fn bytes_moved_are_missing_blocks_plus_tail() {
     let st = transfer(
         &t,
         store(p.pool()),
-        kvwire_grpc::Push {
-            target: &d.addr,
-            handle_id: "b2",
-            model: "fake",
-            hashes: &out.hashes,
-            n_blocks: out.blocks.ids().len(),
-            known: None,
-        },
+        push_of(&d.addr, "b2", &out.hashes, out.blocks.ids().len()),
         out.blocks.ids(),
     )
     .await
@@ -493,14 +475,7 @@ async fn evicted_block_is_resent() {
     transfer(
         &plain,
         store(p.pool()),
-        kvwire_grpc::Push {
-            target: &d.addr,
-            handle_id: "warm",
-            model: "fake",
-            hashes: &out.hashes,
-            n_blocks: out.blocks.ids().len(),
-            known: None,
-        },
+        push_of(&d.addr, "warm", &out.hashes, out.blocks.ids().len()),
         out.blocks.ids(),
     )
     .await
@@ -517,14 +492,7 @@ async fn evicted_block_is_resent() {
     let st = transfer(
         &t,
         store(p.pool()),
-        kvwire_grpc::Push {
-            target: &d.addr,
-            handle_id: "evicted",
-            model: "fake",
-            hashes: &out.hashes,
-            n_blocks: out.blocks.ids().len(),
-            known: None,
-        },
+        push_of(&d.addr, "evicted", &out.hashes, out.blocks.ids().len()),
         out.blocks.ids(),
     )
     .await
@@ -561,14 +529,7 @@ async fn handle_lease_expires() {
     transfer(
         &t,
         store(p.pool()),
-        kvwire_grpc::Push {
-            target: &d.addr,
-            handle_id: "lease-a",
-            model: "fake",
-            hashes: &out.hashes,
-            n_blocks: out.blocks.ids().len(),
-            known: None,
-        },
+        push_of(&d.addr, "lease-a", &out.hashes, out.blocks.ids().len()),
         out.blocks.ids(),
     )
     .await
@@ -576,14 +537,7 @@ async fn handle_lease_expires() {
     transfer(
         &t,
         store(p.pool()),
-        kvwire_grpc::Push {
-            target: &d.addr,
-            handle_id: "lease-b",
-            model: "fake",
-            hashes: &out.hashes,
-            n_blocks: out.blocks.ids().len(),
-            known: None,
-        },
+        push_of(&d.addr, "lease-b", &out.hashes, out.blocks.ids().len()),
         out.blocks.ids(),
     )
     .await
@@ -624,14 +578,7 @@ async fn has_blocks_takes_no_reference() {
     transfer(
         &t,
         store(p.pool()),
-        kvwire_grpc::Push {
-            target: &d.addr,
-            handle_id: "hb",
-            model: "fake",
-            hashes: &out.hashes,
-            n_blocks: out.blocks.ids().len(),
-            known: None,
-        },
+        push_of(&d.addr, "hb", &out.hashes, out.blocks.ids().len()),
         out.blocks.ids(),
     )
     .await
@@ -720,14 +667,7 @@ async fn sixteen_concurrent_transfers_with_shared_prefixes() {
             transfer(
                 t.as_ref(),
                 st,
-                kvwire_grpc::Push {
-                    target: &addr,
-                    handle_id: &format!("c{i}"),
-                    model: "fake",
-                    hashes: &hashes,
-                    n_blocks: ids.len(),
-                    known: None,
-                },
+                push_of(&addr, &format!("c{i}"), &hashes, ids.len()),
                 &ids,
             )
             .await
@@ -776,14 +716,7 @@ async fn unreachable_target_is_unavailable() {
     let err = transfer(
         &t,
         store(p.pool()),
-        kvwire_grpc::Push {
-            target: &closed,
-            handle_id: "u",
-            model: "fake",
-            hashes: &out.hashes,
-            n_blocks: out.blocks.ids().len(),
-            known: None,
-        },
+        push_of(&closed, "u", &out.hashes, out.blocks.ids().len()),
         out.blocks.ids(),
     )
     .await
@@ -792,14 +725,7 @@ async fn unreachable_target_is_unavailable() {
     let err = transfer(
         &t,
         store(p.pool()),
-        kvwire_grpc::Push {
-            target: "not a target",
-            handle_id: "u",
-            model: "fake",
-            hashes: &out.hashes,
-            n_blocks: out.blocks.ids().len(),
-            known: None,
-        },
+        push_of("not a target", "u", &out.hashes, out.blocks.ids().len()),
         out.blocks.ids(),
     )
     .await
@@ -821,14 +747,7 @@ async fn long_prompt_at_a_small_block_shape() {
     let st = transfer(
         &t,
         store(p.pool()),
-        kvwire_grpc::Push {
-            target: &d.addr,
-            handle_id: "long",
-            model: "fake",
-            hashes: &out.hashes,
-            n_blocks: out.blocks.ids().len(),
-            known: None,
-        },
+        push_of(&d.addr, "long", &out.hashes, out.blocks.ids().len()),
         out.blocks.ids(),
     )
     .await
@@ -837,14 +756,7 @@ async fn long_prompt_at_a_small_block_shape() {
     let st = transfer(
         &t,
         store(p.pool()),
-        kvwire_grpc::Push {
-            target: &d.addr,
-            handle_id: "long-again",
-            model: "fake",
-            hashes: &out.hashes,
-            n_blocks: out.blocks.ids().len(),
-            known: None,
-        },
+        push_of(&d.addr, "long-again", &out.hashes, out.blocks.ids().len()),
         out.blocks.ids(),
     )
     .await

@@ -68,6 +68,18 @@ fn chunk(handle: &str, index: u32, total: u32, hash: u64, payload: Bytes) -> KvC
     }
 }
 
+/// A push to the test's decode side `d` of model `fake`.
+fn to_d<'a>(handle_id: &'a str, hashes: &'a [u64], n_blocks: usize) -> Push<'a> {
+    Push {
+        target: "d",
+        handle_id,
+        model: "fake",
+        hashes,
+        n_blocks,
+        known: None,
+    }
+}
+
 /// Feeds `chunks` to one push, as the service does.
 fn push(rx: &Arc<KvReceiver>, chunks: Vec<KvChunk>) -> Result<KvAck, Status> {
     let mut p = rx.begin_push()?;
@@ -101,14 +113,7 @@ async fn push_accepts_dedups_and_refuses() {
     let st = transfer(
         &d.transport,
         src_dyn(),
-        Push {
-            target: "d",
-            handle_id: "h1",
-            model: "fake",
-            hashes: &hashes,
-            n_blocks: ids.len(),
-            known: None,
-        },
+        to_d("h1", &hashes, ids.len()),
         &ids,
     )
     .await
@@ -133,14 +138,7 @@ async fn push_accepts_dedups_and_refuses() {
     let st = transfer(
         &d.transport,
         src_dyn(),
-        Push {
-            target: "d",
-            handle_id: "h2",
-            model: "fake",
-            hashes: &hashes,
-            n_blocks: ids.len(),
-            known: None,
-        },
+        to_d("h2", &hashes, ids.len()),
         &ids,
     )
     .await
@@ -155,14 +153,7 @@ async fn push_accepts_dedups_and_refuses() {
     let st = transfer(
         &d.transport,
         src_dyn(),
-        Push {
-            target: "d",
-            handle_id: "h3",
-            model: "fake",
-            hashes: &[h],
-            n_blocks: [lone].len(),
-            known: None,
-        },
+        to_d("h3", &[h], [lone].len()),
         &[lone],
     )
     .await
@@ -349,21 +340,9 @@ async fn refused_dedup_drops_the_references_it_took() {
     let src = Arc::new(MemStore::new(TEST, 8));
     let (ids, hashes) = prompt_on(&src);
     let src_dyn = Arc::clone(&src) as Arc<dyn KvStore>;
-    transfer(
-        &d.transport,
-        src_dyn,
-        Push {
-            target: "d",
-            handle_id: "h",
-            model: "fake",
-            hashes: &hashes,
-            n_blocks: ids.len(),
-            known: None,
-        },
-        &ids,
-    )
-    .await
-    .unwrap();
+    transfer(&d.transport, src_dyn, to_d("h", &hashes, ids.len()), &ids)
+        .await
+        .unwrap();
     assert!(d.rx.release("h"));
     let before = d.store.snapshot();
     assert_eq!(before.cached, 2, "full blocks stay cached");

@@ -1463,17 +1463,22 @@ mod tests {
         over: bool,
     }
 
+    /// The request's first step: planned on P with `decode` (D1 first), its Prefill to D1.
+    fn routed(decode: &[&str]) -> (Event, &'static [&'static str]) {
+        (
+            plan(decode, None),
+            &[
+                "routed by_load",
+                "prefill 0 r-0 to D1 len=10 seed=Some(7) max=8 offset=0",
+            ],
+        )
+    }
+
     /// The request planned on P with D1 then D2, prefilled onto D1 (first token 100, `draws`
     /// draws), and its stream on D1 opened: the steps every failover case starts with.
     fn opened(draws: u32) -> Vec<(Event, &'static [&'static str])> {
         vec![
-            (
-                plan(&["D1", "D2"], None),
-                &[
-                    "routed by_load",
-                    "prefill 0 r-0 to D1 len=10 seed=Some(7) max=8 offset=0",
-                ],
-            ),
+            routed(&["D1", "D2"]),
             (
                 handle(0, 100, draws, SEED),
                 &[
@@ -1533,13 +1538,7 @@ mod tests {
                 job: job(1, 0.0, true, &[]),
                 policy,
                 steps: vec![
-                    (
-                        plan(&["D1", "D2"], None),
-                        &[
-                            "routed by_load",
-                            "prefill 0 r-0 to D1 len=10 seed=Some(7) max=8 offset=0",
-                        ],
-                    ),
+                    routed(&["D1", "D2"]),
                     (
                         handle(0, 100, 0, SEED),
                         &[
@@ -1671,13 +1670,7 @@ mod tests {
                 job: job(1, 0.0, false, &[]),
                 policy,
                 steps: vec![
-                    (
-                        plan(&["D1", "D2"], None),
-                        &[
-                            "routed by_load",
-                            "prefill 0 r-0 to D1 len=10 seed=Some(7) max=8 offset=0",
-                        ],
-                    ),
+                    routed(&["D1", "D2"]),
                     (
                         handle(0, 100, 0, SEED),
                         &[
@@ -1727,13 +1720,7 @@ mod tests {
                 job: job(1, 0.0, false, &[]),
                 policy,
                 steps: vec![
-                    (
-                        plan(&["D1", "D2"], None),
-                        &[
-                            "routed by_load",
-                            "prefill 0 r-0 to D1 len=10 seed=Some(7) max=8 offset=0",
-                        ],
-                    ),
+                    routed(&["D1", "D2"]),
                     (
                         failed(0, Code::Unavailable),
                         &["prefill 0 r-1 to D2 len=10 seed=Some(7) max=8 offset=0"],
@@ -1750,13 +1737,7 @@ mod tests {
                 job: job(1, 0.0, false, &[]),
                 policy,
                 steps: vec![
-                    (
-                        plan(&["D1", "D2"], None),
-                        &[
-                            "routed by_load",
-                            "prefill 0 r-0 to D1 len=10 seed=Some(7) max=8 offset=0",
-                        ],
-                    ),
+                    routed(&["D1", "D2"]),
                     (
                         failed(0, Code::InvalidArgument),
                         &["fail 400 InvalidArgument", "finish"],
@@ -1769,13 +1750,7 @@ mod tests {
                 job: job(1, 0.0, false, &[b"xy"]),
                 policy,
                 steps: vec![
-                    (
-                        plan(&["D1", "D2"], None),
-                        &[
-                            "routed by_load",
-                            "prefill 0 r-0 to D1 len=10 seed=Some(7) max=8 offset=0",
-                        ],
-                    ),
+                    routed(&["D1", "D2"]),
                     (
                         handle(0, 120, 0, SEED),
                         &[
@@ -1820,13 +1795,7 @@ mod tests {
                 job: job(3, 0.8, false, &[]),
                 policy,
                 steps: vec![
-                    (
-                        plan(&["D1", "D2"], None),
-                        &[
-                            "routed by_load",
-                            "prefill 0 r-0 to D1 len=10 seed=Some(7) max=8 offset=0",
-                        ],
-                    ),
+                    routed(&["D1", "D2"]),
                     (
                         handle(0, 100, 1, SEED),
                         &[
@@ -1998,13 +1967,7 @@ mod tests {
                 job: job(2, 0.0, false, &[]),
                 policy,
                 steps: vec![
-                    (
-                        plan(&["D1"], None),
-                        &[
-                            "routed by_load",
-                            "prefill 0 r-0 to D1 len=10 seed=Some(7) max=8 offset=0",
-                        ],
-                    ),
+                    routed(&["D1"]),
                     (
                         handle(0, 100, 0, SEED),
                         &[
@@ -2030,13 +1993,7 @@ mod tests {
                 job: job(1, 0.0, false, &[]),
                 policy,
                 steps: vec![
-                    (
-                        plan(&["D1"], None),
-                        &[
-                            "routed by_load",
-                            "prefill 0 r-0 to D1 len=10 seed=Some(7) max=8 offset=0",
-                        ],
-                    ),
+                    routed(&["D1"]),
                     (
                         Event::Drain,
                         &[
@@ -2054,13 +2011,7 @@ mod tests {
                 job: job(1, 0.0, false, &[b"d"]),
                 policy,
                 steps: vec![
-                    (
-                        plan(&["D1"], None),
-                        &[
-                            "routed by_load",
-                            "prefill 0 r-0 to D1 len=10 seed=Some(7) max=8 offset=0",
-                        ],
-                    ),
+                    routed(&["D1"]),
                     (
                         handle(0, u32::from(b'd'), 0, SEED),
                         &[
