@@ -9,11 +9,24 @@ use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_mai
 use kvwire::Shape;
 use tl_engine_core::engine::{Engine, Mode, Request};
 use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
-use tl_engine_core::pool::{KvPool, SharedKv};
+use tl_engine_core::pool::{BlockKey, KvPool, SharedKv};
 use tl_engine_core::sampler::{Sampling, SamplingRequest};
 
 const REAL: Shape = Shape::v1(16, 32, 8, 128);
 const TEST: Shape = Shape::v1(4, 2, 1, 4);
+
+/// An import with no name (the bench measures the copy).
+const ANON: BlockKey<'static> = BlockKey {
+    scope: 0,
+    hash: 0,
+    tokens: &[],
+    parent: None,
+};
+
+/// Block `i` of the lookup bench: four tokens, a first block of scope 0.
+fn tokens(i: u32) -> [u32; 4] {
+    [i, i ^ 1, i ^ 2, i ^ 3]
+}
 
 fn import_export(c: &mut Criterion) {
     let p = REAL.payload_bytes().expect("fixed shape");
@@ -27,11 +40,11 @@ fn import_export(c: &mut Criterion) {
     });
     g.bench_function("import", |b| {
         b.iter(|| {
-            let id = pool.import(0, 16, black_box(&src), 0).expect("room");
+            let id = pool.import(ANON, 16, black_box(&src), 0).expect("room");
             pool.lock().release(id).expect("held");
         })
     });
-    let id = pool.import(0, 16, &src, 0).expect("room");
+    let id = pool.import(ANON, 16, &src, 0).expect("room");
     g.bench_function("export_copy", |b| {
         b.iter(|| {
             let bytes = pool.read(black_box(id)).expect("exists");
@@ -46,18 +59,27 @@ fn lookup(c: &mut Criterion) {
     let mut pool = KvPool::new(TEST, N);
     let ids = pool.allocate(N).expect("room");
     for (i, &id) in ids.iter().enumerate() {
-        pool.register(id, kvwire::block_hash(0, &[i as u32]));
+        let t = tokens(i as u32);
+        let key = BlockKey {
+            scope: 0,
+            hash: kvwire::block_hash(0, &t),
+            tokens: &t,
+            parent: None,
+        };
+        pool.register(id, key);
     }
     for id in ids {
         pool.release(id).expect("held");
     }
-    // Half present, half absent, spread over the table.
-    let probes: Vec<u64> = (0..1000u32)
+    // Half present, half absent, spread over the table: each found block's tokens are
+    // compared, as every lookup does.
+    let probes: Vec<(u64, [u32; 4])> = (0..1000u32)
         .map(|i| {
+            let t = tokens(i * 97);
             if i % 2 == 0 {
-                kvwire::block_hash(0, &[i * 97])
+                (kvwire::block_hash(0, &t), t)
             } else {
-                kvwire::block_hash(1, &[i])
+                (kvwire::block_hash(1, &t), t)
             }
         })
         .collect();
@@ -67,7 +89,15 @@ fn lookup(c: &mut Criterion) {
         b.iter(|| {
             probes
                 .iter()
-                .filter(|&&h| pool.lookup(black_box(h)).is_some())
+                .filter(|(hash, t)| {
+                    let key = BlockKey {
+                        scope: 0,
+                        hash: *hash,
+                        tokens: t,
+                        parent: None,
+                    };
+                    pool.lookup(black_box(key)).is_some()
+                })
                 .count()
         })
     });
@@ -104,6 +134,7 @@ fn decode_step(c: &mut Criterion) {
                         draws_offset: 0,
                         stop: tl_engine_core::stop::Stop::default(),
                         choices: tl_engine_core::engine::Choices::ONE,
+                        scope: 0,
                     })
                     .expect("valid");
                 }

@@ -87,6 +87,7 @@ async fn disaggregated_equals_colocated() {
         for &(t, tp, k, seed) in &settings {
             let h = ctl
                 .prefill(PrefillRequest {
+                    cache_scope: Default::default(),
                     request_id: format!("r{n}"),
                     prompt_tokens: prompt.clone(),
                     sampling: sampling(t, tp, k, seed, 12),
@@ -176,6 +177,7 @@ impl Pair {
 
     fn good(&self) -> PrefillRequest {
         PrefillRequest {
+            cache_scope: Default::default(),
             request_id: "ok".into(),
             prompt_tokens: vec![1, 2, 3, 4, 5],
             sampling: sampling(0.0, 1.0, 0, Some(1), 4),
@@ -445,6 +447,7 @@ async fn resume_refusals_and_client_abort() {
     let http = HttpClient::default();
     let prompt: Vec<u32> = (1..=10).collect();
     let pre = |id: &str| PrefillRequest {
+        cache_scope: Default::default(),
         request_id: id.into(),
         prompt_tokens: prompt.clone(),
         sampling: sampling(0.0, 1.0, 0, Some(5), 8),
@@ -588,6 +591,7 @@ async fn pipelined_push_equals_serial_push() {
             for (j, (t, seed)) in [(0.0, 1), (0.9, 0xbeef)].into_iter().enumerate() {
                 let mut h = ctl
                     .prefill(PrefillRequest {
+                        cache_scope: Default::default(),
                         request_id: format!("r{i}-{j}"),
                         prompt_tokens: prompt.clone(),
                         sampling: sampling(t, 1.0, 0, Some(seed), 8),
@@ -653,6 +657,7 @@ async fn cancelled_prefill_undoes_a_push_midway() {
     let d = EngineNode::start(&config("D", Role::Decode)).await.unwrap();
     let ctl = ControlClient::new(&p.addresses().grpc).unwrap();
     let req = PrefillRequest {
+        cache_scope: Default::default(),
         request_id: "slow".into(),
         prompt_tokens: (0..40).collect(),
         sampling: sampling(0.0, 1.0, 0, Some(1), 4),

@@ -111,6 +111,7 @@ async fn routing_prefers_the_cached_prefix_unless_far_more_loaded() {
     let ctl = ControlClient::new(&p.addresses().grpc).unwrap();
     let h = ctl
         .prefill(PrefillRequest {
+            cache_scope: Default::default(),
             request_id: "warm".into(),
             prompt_tokens: prompt[..128].to_vec(),
             sampling: Some(SamplingParams::default()),

@@ -47,6 +47,8 @@ fn envelope(shape: Shape, fill: u32, byte: u8) -> bytes::Bytes {
 fn chunk(handle: &str, index: u32, total: u32) -> OutChunk {
     let payload = envelope(TEST, 1, index as u8);
     OutChunk::from(KvChunk {
+        cache_scope: Default::default(),
+        tokens: Default::default(),
         handle_id: handle.into(),
         index,
         total,
@@ -241,6 +243,7 @@ async fn drain_honours_pending_handles() {
     let ctl = ControlClient::new(&pa.grpc).unwrap();
     let prompt: Vec<u32> = (1..=10).collect();
     let prefill = |id: &str| PrefillRequest {
+        cache_scope: Default::default(),
         request_id: id.into(),
         prompt_tokens: prompt.clone(),
         sampling: Some(SamplingParams {

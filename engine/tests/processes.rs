@@ -134,6 +134,7 @@ async fn registry_and_engines_as_processes() {
     let ctl = ControlClient::new(&pre.grpc_address).unwrap();
     let h = ctl
         .prefill(PrefillRequest {
+            cache_scope: Default::default(),
             request_id: "proc-1".into(),
             prompt_tokens: prompt.clone(),
             sampling: Some(SamplingParams {
@@ -181,6 +182,7 @@ async fn registry_and_engines_as_processes() {
     .unwrap();
     let want = Engine::new(cfg.build_model(), cfg.build_pool())
         .generate(Request {
+            scope: Default::default(),
             prompt,
             sampling,
             seed: 99,

@@ -67,6 +67,7 @@ async fn metrics_count_what_moved() {
     let d = EngineNode::start(&dc).await.unwrap();
     let ctl = ControlClient::new(&p.addresses().grpc).unwrap();
     let request = |id: &str, prompt: Vec<u32>| PrefillRequest {
+        cache_scope: Default::default(),
         request_id: id.into(),
         prompt_tokens: prompt,
         sampling: Some(SamplingParams {

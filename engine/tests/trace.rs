@@ -70,6 +70,7 @@ async fn kv_transfer_spans_link_prefill_and_decode() {
     let ctl = ControlClient::new(&p.addresses().grpc).unwrap();
     let h = ctl
         .prefill(PrefillRequest {
+            cache_scope: Default::default(),
             request_id: "traced".into(),
             prompt_tokens: (0..18).collect(),
             sampling: Some(SamplingParams {

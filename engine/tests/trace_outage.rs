@@ -34,6 +34,7 @@ async fn exporter_outage_never_blocks_requests() {
         let one = Instant::now();
         let h = ctl
             .prefill(PrefillRequest {
+                cache_scope: Default::default(),
                 request_id: format!("r{i}"),
                 prompt_tokens: (i..i + 18).collect(),
                 sampling: Some(SamplingParams {

@@ -50,6 +50,8 @@ fn chunk(handle: &str, index: u32, total: u32, hash: u64, payload: Bytes) -> KvC
         crc32c(&payload)
     };
     KvChunk {
+        cache_scope: Default::default(),
+        tokens: Default::default(),
         handle_id: handle.into(),
         index,
         total,
@@ -75,8 +77,11 @@ fn push_of<'a>(
     handle_id: &'a str,
     hashes: &'a [u64],
     n_blocks: usize,
+    tokens: &'a [u32],
 ) -> kvwire_grpc::Push<'a> {
     kvwire_grpc::Push {
+        scope: 0,
+        tokens,
         target,
         handle_id,
         model: "fake",
@@ -98,7 +103,13 @@ async fn push_refusals_keep_their_codes_over_grpc() {
     let st = transfer(
         &t,
         store(p.pool()),
-        push_of(&d.addr, "h1", &out.hashes, out.blocks.ids().len()),
+        push_of(
+            &d.addr,
+            "h1",
+            &out.hashes,
+            out.blocks.ids().len(),
+            &out.prompt,
+        ),
         out.blocks.ids(),
     )
     .await
@@ -173,7 +184,13 @@ async fn release_frees_the_handle() {
     transfer(
         &t,
         store(p.pool()),
-        push_of(&d.addr, "r1", &out.hashes, out.blocks.ids().len()),
+        push_of(
+            &d.addr,
+            "r1",
+            &out.hashes,
+            out.blocks.ids().len(),
+            &out.prompt,
+        ),
         out.blocks.ids(),
     )
     .await
@@ -214,7 +231,13 @@ async fn bytes_moved_are_missing_blocks_plus_tail() {
     let st = transfer(
         &t,
         store(p.pool()),
-        push_of(&d.addr, "b0", &out.hashes, out.blocks.ids().len()),
+        push_of(
+            &d.addr,
+            "b0",
+            &out.hashes,
+            out.blocks.ids().len(),
+            &out.prompt,
+        ),
         out.blocks.ids(),
     )
     .await
@@ -233,7 +256,13 @@ async fn bytes_moved_are_missing_blocks_plus_tail() {
     let st = transfer(
         &t,
         store(p.pool()),
-        push_of(&d.addr, "b1", &out.hashes, out.blocks.ids().len()),
+        push_of(
+            &d.addr,
+            "b1",
+            &out.hashes,
+            out.blocks.ids().len(),
+            &out.prompt,
+        ),
         out.blocks.ids(),
     )
     .await
@@ -249,7 +278,13 @@ async fn bytes_moved_are_missing_blocks_plus_tail() {
     let st = transfer(
         &t,
         store(p.pool()),
-        push_of(&d.addr, "b2", &out.hashes, out.blocks.ids().len()),
+        push_of(
+            &d.addr,
+            "b2",
+            &out.hashes,
+            out.blocks.ids().len(),
+            &out.prompt,
+        ),
         out.blocks.ids(),
     )
     .await
@@ -321,6 +356,7 @@ async fn transfer_reset_frees_both_sides() {
     let kv = d.addresses().kv;
     let (p_base, d_base) = (snapshot(&pool_p), snapshot(&pool_d));
     let request = |id: &str, seed: u32, target: &str| PrefillRequest {
+        cache_scope: Default::default(),
         request_id: id.into(),
         prompt_tokens: prompt(seed, 40), // 10 blocks, 160 KiB
         sampling: Some(SamplingParams {
@@ -475,7 +511,13 @@ async fn evicted_block_is_resent() {
     transfer(
         &plain,
         store(p.pool()),
-        push_of(&d.addr, "warm", &out.hashes, out.blocks.ids().len()),
+        push_of(
+            &d.addr,
+            "warm",
+            &out.hashes,
+            out.blocks.ids().len(),
+            &out.prompt,
+        ),
         out.blocks.ids(),
     )
     .await
@@ -492,7 +534,13 @@ async fn evicted_block_is_resent() {
     let st = transfer(
         &t,
         store(p.pool()),
-        push_of(&d.addr, "evicted", &out.hashes, out.blocks.ids().len()),
+        push_of(
+            &d.addr,
+            "evicted",
+            &out.hashes,
+            out.blocks.ids().len(),
+            &out.prompt,
+        ),
         out.blocks.ids(),
     )
     .await
@@ -529,7 +577,13 @@ async fn handle_lease_expires() {
     transfer(
         &t,
         store(p.pool()),
-        push_of(&d.addr, "lease-a", &out.hashes, out.blocks.ids().len()),
+        push_of(
+            &d.addr,
+            "lease-a",
+            &out.hashes,
+            out.blocks.ids().len(),
+            &out.prompt,
+        ),
         out.blocks.ids(),
     )
     .await
@@ -537,7 +591,13 @@ async fn handle_lease_expires() {
     transfer(
         &t,
         store(p.pool()),
-        push_of(&d.addr, "lease-b", &out.hashes, out.blocks.ids().len()),
+        push_of(
+            &d.addr,
+            "lease-b",
+            &out.hashes,
+            out.blocks.ids().len(),
+            &out.prompt,
+        ),
         out.blocks.ids(),
     )
     .await
@@ -578,7 +638,13 @@ async fn has_blocks_takes_no_reference() {
     transfer(
         &t,
         store(p.pool()),
-        push_of(&d.addr, "hb", &out.hashes, out.blocks.ids().len()),
+        push_of(
+            &d.addr,
+            "hb",
+            &out.hashes,
+            out.blocks.ids().len(),
+            &out.prompt,
+        ),
         out.blocks.ids(),
     )
     .await
@@ -589,18 +655,26 @@ async fn has_blocks_takes_no_reference() {
     assert_eq!((before.counts.used, before.counts.cached), (0, 2));
     let mut hashes = out.hashes.clone();
     hashes.push(424_242);
+    let mut tokens = out.prompt[..8].to_vec();
+    tokens.extend([1, 2, 3, 4]);
+    let ask = || HasBlocksRequest {
+        hashes: hashes.clone(),
+        kv_format: 1,
+        model: "fake".into(),
+        tokens: tokens.clone(),
+        cache_scope: 0,
+    };
     // In process: the pool, the store and the receiver, each asked three times.
     for _ in 0..3 {
         {
             let pool = d.pool.lock();
-            let found: Vec<bool> = hashes.iter().map(|&h| pool.lookup(h).is_some()).collect();
-            assert_eq!(found, [true, true, false]);
+            assert_eq!(pool.lookup_prefix(0, &hashes, &tokens).len(), 2);
         }
-        assert_eq!(d.rx.store().contains(&hashes), [true, true, false]);
         assert_eq!(
-            d.rx.has_blocks(&hashes, 1, "fake").unwrap(),
+            d.rx.store().contains(0, &hashes, &tokens),
             [true, true, false]
         );
+        assert_eq!(d.rx.has_blocks(&ask()).unwrap(), [true, true, false]);
         assert_eq!(
             snapshot(&d.pool),
             before,
@@ -608,14 +682,10 @@ async fn has_blocks_takes_no_reference() {
         );
     }
     // A lookup does not refresh the LRU: the first cached block is still the next eviction.
-    let lru_first = d.pool.lock().lookup(hashes[0]).unwrap();
+    let lru_first = d.pool.lock().lookup_prefix(0, &hashes, &tokens)[0];
     // Over the RPC.
     for _ in 0..3 {
-        let req = HasBlocksRequest {
-            hashes: hashes.clone(),
-            kv_format: 1,
-            model: "fake".into(),
-        };
+        let req = ask();
         assert_eq!(
             t.has_blocks(&d.addr, req).await.unwrap(),
             [true, true, false]
@@ -628,9 +698,9 @@ async fn has_blocks_takes_no_reference() {
         (1, "other", Code::FailedPrecondition),
     ] {
         let req = HasBlocksRequest {
-            hashes: hashes.clone(),
             kv_format: fmt,
             model: model.into(),
+            ..ask()
         };
         assert_eq!(t.has_blocks(&d.addr, req).await.unwrap_err().code(), code);
     }
@@ -663,11 +733,12 @@ async fn sixteen_concurrent_transfers_with_shared_prefixes() {
     for (i, out) in outs.iter().enumerate() {
         let (t, addr, st) = (Arc::clone(&t), d.addr.clone(), store(p.pool()));
         let (ids, hashes) = (out.blocks.ids().to_vec(), out.hashes.clone());
+        let tokens = out.prompt.clone();
         tasks.push(tokio::spawn(async move {
             transfer(
                 t.as_ref(),
                 st,
-                push_of(&addr, &format!("c{i}"), &hashes, ids.len()),
+                push_of(&addr, &format!("c{i}"), &hashes, ids.len(), &tokens),
                 &ids,
             )
             .await
@@ -684,8 +755,9 @@ async fn sixteen_concurrent_transfers_with_shared_prefixes() {
         pool.check().unwrap();
         // The shared prefix blocks are registered once; every handle holds a reference on them
         // (imported, or deduped against a block another push registered).
-        for &h in &outs[0].hashes[..4] {
-            let id = pool.lookup(h).unwrap();
+        let shared = pool.lookup_prefix(0, &outs[0].hashes[..4], &outs[0].prompt);
+        assert_eq!(shared.len(), 4);
+        for id in shared {
             assert!(pool.info(id).unwrap().2 >= 1);
         }
     }
@@ -716,7 +788,13 @@ async fn unreachable_target_is_unavailable() {
     let err = transfer(
         &t,
         store(p.pool()),
-        push_of(&closed, "u", &out.hashes, out.blocks.ids().len()),
+        push_of(
+            &closed,
+            "u",
+            &out.hashes,
+            out.blocks.ids().len(),
+            &out.prompt,
+        ),
         out.blocks.ids(),
     )
     .await
@@ -725,7 +803,13 @@ async fn unreachable_target_is_unavailable() {
     let err = transfer(
         &t,
         store(p.pool()),
-        push_of("not a target", "u", &out.hashes, out.blocks.ids().len()),
+        push_of(
+            "not a target",
+            "u",
+            &out.hashes,
+            out.blocks.ids().len(),
+            &out.prompt,
+        ),
         out.blocks.ids(),
     )
     .await
@@ -747,7 +831,13 @@ async fn long_prompt_at_a_small_block_shape() {
     let st = transfer(
         &t,
         store(p.pool()),
-        push_of(&d.addr, "long", &out.hashes, out.blocks.ids().len()),
+        push_of(
+            &d.addr,
+            "long",
+            &out.hashes,
+            out.blocks.ids().len(),
+            &out.prompt,
+        ),
         out.blocks.ids(),
     )
     .await
@@ -756,7 +846,13 @@ async fn long_prompt_at_a_small_block_shape() {
     let st = transfer(
         &t,
         store(p.pool()),
-        push_of(&d.addr, "long-again", &out.hashes, out.blocks.ids().len()),
+        push_of(
+            &d.addr,
+            "long-again",
+            &out.hashes,
+            out.blocks.ids().len(),
+            &out.prompt,
+        ),
         out.blocks.ids(),
     )
     .await

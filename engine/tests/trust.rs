@@ -139,6 +139,8 @@ impl Caller {
 
 fn has_blocks() -> HasBlocksRequest {
     HasBlocksRequest {
+        cache_scope: Default::default(),
+        tokens: Default::default(),
         hashes: vec![1],
         kv_format: 1,
         model: "fake".into(),

@@ -151,6 +151,7 @@ async fn one_validation_for_every_door() {
         assert_eq!(http_message(&http, &engine, &c).await, want, "engine HTTP");
         if c.via_prefill {
             let req = PrefillRequest {
+                cache_scope: Default::default(),
                 request_id: "r".into(),
                 prompt_tokens: c.prompt.clone(),
                 sampling: Some(SamplingParams {

@@ -21,7 +21,7 @@ pub mod sender;
 pub mod server;
 pub mod store;
 
-pub use receiver::{Claimed, KvReceiver, PushState, ReceiverLimits, RecvError};
+pub use receiver::{Claimed, HandleView, KvReceiver, PushState, ReceiverLimits, RecvError};
 pub use sender::{
     BlockFeed, GrpcTransport, Holds, KvTransport, OutChunk, Push, TransferError, TransferStats,
     TransportConfig, transfer, transfer_formats, transfer_streaming,
@@ -29,7 +29,7 @@ pub use sender::{
 pub use server::{
     H2Limits, KvServerHandle, KvTransferService, PushObserver, ServiceLimits, serve_kv,
 };
-pub use store::{BlockId, KvStore, StoreError};
+pub use store::{BlockId, BlockKey, KvStore, StoreError};
 
 /// The `kv_format` of `kv.wire.v1`.
 pub const KV_FORMAT_V1: u32 = 1;

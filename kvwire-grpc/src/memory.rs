@@ -21,7 +21,7 @@ use tonic::Status;
 use crate::pb::kv::{HasBlocksRequest, KvAck};
 use crate::receiver::KvReceiver;
 use crate::sender::{ChunkStream, KvTransport};
-use crate::store::{BlockId, KvStore, StoreError};
+use crate::store::{BlockId, BlockKey, KvStore, StoreError};
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Slot {
@@ -30,12 +30,20 @@ struct Slot {
     /// 0 when unregistered.
     hash: u64,
     refs: u32,
+    /// The identity: the block's tokens, its scope, and its parent with that parent's
+    /// generation when this block was named.
+    tokens: Vec<u32>,
+    scope: u64,
+    parent: Option<(BlockId, u32)>,
+    /// Bumped each time the slot is freed or evicted, so a child naming it as parent no longer
+    /// matches once it holds something else.
+    generation: u32,
 }
 
 #[derive(Debug)]
 struct Inner {
     slots: Vec<Slot>,
-    index: HashMap<u64, BlockId>,
+    index: HashMap<(u64, u64), BlockId>,
     free: Vec<BlockId>,
     /// Registered blocks with no reference, oldest first.
     cached: VecDeque<BlockId>,
@@ -93,7 +101,7 @@ impl MemStore {
     #[must_use]
     pub fn snapshot(&self) -> MemSnapshot {
         let s = self.lock();
-        let mut index: Vec<(u64, BlockId)> = s.index.iter().map(|(&h, &id)| (h, id)).collect();
+        let mut index: Vec<(u64, BlockId)> = s.index.iter().map(|(&(_, h), &id)| (h, id)).collect();
         index.sort_unstable();
         MemSnapshot {
             used: s.slots.iter().filter(|b| b.refs > 0).count(),
@@ -118,13 +126,14 @@ impl MemStore {
             .map(|b| (b.payload.clone(), b.fill))
     }
 
-    /// Puts a block holding `payload` with `fill` tokens, registered under `hash` (when non-zero),
-    /// and returns it with one reference: the sending side of a test.
+    /// Puts a block holding `payload` with `fill` tokens, named by `key` as
+    /// [`KvStore::import`] names it, and returns it with one reference: the sending side of a
+    /// test.
     ///
     /// # Errors
     /// As [`KvStore::import`].
-    pub fn put(&self, hash: u64, fill: u32, payload: &[u8]) -> Result<BlockId, StoreError> {
-        self.import(hash, fill, payload)
+    pub fn put(&self, key: BlockKey<'_>, fill: u32, payload: &[u8]) -> Result<BlockId, StoreError> {
+        self.import(key, fill, payload)
     }
 
     fn drop_ref(&self, ids: &[BlockId], forget: bool) {
@@ -138,17 +147,41 @@ impl MemStore {
             if b.refs > 0 {
                 continue;
             }
-            let hash = b.hash;
+            let (hash, scope) = (b.hash, b.scope);
             if hash != 0 && !forget {
                 s.cached.push_back(id);
             } else {
                 if hash != 0 {
-                    s.index.remove(&hash);
+                    s.index.remove(&(scope, hash));
                 }
-                s.slots[id as usize] = Slot::default();
+                s.reset(id);
                 s.free.push(id);
             }
         }
+    }
+}
+
+impl Inner {
+    fn reset(&mut self, id: BlockId) {
+        let generation = self.slots[id as usize].generation.wrapping_add(1);
+        self.slots[id as usize] = Slot {
+            generation,
+            ..Slot::default()
+        };
+    }
+
+    /// The block `key` names: same scope and hash, the same tokens, and the given parent as it
+    /// was when the block was named.
+    fn find(&self, key: BlockKey<'_>) -> Option<BlockId> {
+        if key.hash == 0 {
+            return None;
+        }
+        let id = *self.index.get(&(key.scope, key.hash))?;
+        let b = &self.slots[id as usize];
+        let parent = key
+            .parent
+            .map(|p| (p, self.slots.get(p as usize).map_or(0, |s| s.generation)));
+        (b.tokens == key.tokens && b.parent == parent).then_some(id)
     }
 }
 
@@ -157,17 +190,28 @@ impl KvStore for MemStore {
         self.shape
     }
 
-    fn contains(&self, hashes: &[u64]) -> Vec<bool> {
+    fn contains(&self, scope: u64, hashes: &[u64], tokens: &[u32]) -> Vec<bool> {
         let s = self.lock();
-        hashes
-            .iter()
-            .map(|h| *h != 0 && s.index.contains_key(h))
-            .collect()
+        let b = self.shape.block_tokens() as usize;
+        let mut out = vec![false; hashes.len()];
+        let mut parent = None;
+        for (i, (&hash, tokens)) in hashes.iter().zip(tokens.chunks_exact(b)).enumerate() {
+            let key = BlockKey {
+                scope,
+                hash,
+                tokens,
+                parent,
+            };
+            let Some(id) = s.find(key) else { break };
+            out[i] = true;
+            parent = Some(id);
+        }
+        out
     }
 
-    fn take_ref(&self, hash: u64) -> Option<BlockId> {
+    fn take_ref(&self, key: BlockKey<'_>) -> Option<BlockId> {
         let mut s = self.lock();
-        let id = *s.index.get(&hash)?;
+        let id = s.find(key)?;
         if s.slots[id as usize].refs == 0 {
             s.cached.retain(|&c| c != id);
         }
@@ -175,7 +219,7 @@ impl KvStore for MemStore {
         Some(id)
     }
 
-    fn import(&self, hash: u64, fill: u32, payload: &[u8]) -> Result<BlockId, StoreError> {
+    fn import(&self, key: BlockKey<'_>, fill: u32, payload: &[u8]) -> Result<BlockId, StoreError> {
         if payload.len() != self.payload || fill == 0 || fill > self.shape.block_tokens() {
             return Err(StoreError::pool(std::io::Error::other(format!(
                 "a block is {} bytes with fill in 1..={}",
@@ -188,20 +232,44 @@ impl KvStore for MemStore {
             Some(id) => id,
             None => {
                 let id = s.cached.pop_front().ok_or(StoreError::Exhausted)?;
-                let old = s.slots[id as usize].hash;
+                let old = &s.slots[id as usize];
+                let old = (old.scope, old.hash);
                 s.index.remove(&old);
+                s.reset(id);
                 id
             }
         };
-        let named = hash != 0 && !s.index.contains_key(&hash);
+        let parent = match key.parent {
+            None => Some(None),
+            Some(p) => s
+                .slots
+                .get(p as usize)
+                .filter(|ps| ps.hash != 0)
+                .map(|ps| Some((p, ps.generation))),
+        };
+        let known = key.tokens.len() == fill as usize;
+        let named = key.hash != 0
+            && known
+            && fill == self.shape.block_tokens()
+            && parent.is_some()
+            && !s.index.contains_key(&(key.scope, key.hash));
         if named {
-            s.index.insert(hash, id);
+            s.index.insert((key.scope, key.hash), id);
         }
-        s.slots[id as usize] = Slot {
+        let slot = &mut s.slots[id as usize];
+        *slot = Slot {
             payload: payload.to_vec(),
             fill,
-            hash: if named { hash } else { 0 },
+            hash: if named { key.hash } else { 0 },
             refs: 1,
+            tokens: if known {
+                key.tokens.to_vec()
+            } else {
+                Vec::new()
+            },
+            scope: key.scope,
+            parent: parent.flatten(),
+            generation: slot.generation,
         };
         Ok(id)
     }
@@ -247,7 +315,7 @@ impl LocalTransport {
 
 impl KvTransport for LocalTransport {
     async fn has_blocks(&self, _target: &str, req: HasBlocksRequest) -> Result<Vec<bool>, Status> {
-        Ok(self.rx.has_blocks(&req.hashes, req.kv_format, &req.model)?)
+        Ok(self.rx.has_blocks(&req)?)
     }
 
     async fn push(&self, _target: &str, mut chunks: ChunkStream) -> Result<KvAck, Status> {

@@ -15,6 +15,13 @@ pub mod kv {
         pub kv_format: u32,
         #[prost(string, tag = "3")]
         pub model: String,
+        /// The prompt's tokens, B per hash: a block is present only when its stored tokens, and
+        /// every earlier block's, equal these.
+        #[prost(uint32, repeated, tag = "4")]
+        pub tokens: Vec<u32>,
+        /// The tenant scope (0: shared).
+        #[prost(uint64, tag = "5")]
+        pub cache_scope: u64,
     }
 
     #[derive(Clone, PartialEq, prost::Message)]
@@ -43,6 +50,12 @@ pub mod kv {
         pub payload_crc32c: u32,
         #[prost(string, tag = "8")]
         pub model: String,
+        /// The block's tokens (its fill), checked against `hash`.
+        #[prost(uint32, repeated, tag = "9")]
+        pub tokens: Vec<u32>,
+        /// The tenant scope of the push (0: shared).
+        #[prost(uint64, tag = "10")]
+        pub cache_scope: u64,
     }
 
     #[derive(Clone, PartialEq, prost::Message)]
@@ -111,6 +124,9 @@ pub mod engine {
         /// the prefill engine asks.
         #[prost(message, optional, tag = "6")]
         pub decode_holds: Option<DecodeHolds>,
+        /// The tenant scope the prompt's blocks are cached and deduplicated in (0: shared).
+        #[prost(uint64, tag = "7")]
+        pub cache_scope: u64,
     }
 
     /// A decode engine's HasBlocks answer: its format, and one flag per full block.

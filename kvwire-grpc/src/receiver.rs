@@ -21,11 +21,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvwire::{ErrorKind, Formats, ReadError, Reader, crc32c};
+use kvwire::{ErrorKind, Formats, ReadError, Reader, block_hash, crc32c};
 use tonic::{Code, Status};
 
-use crate::pb::kv::{KvAck, KvChunk};
-use crate::store::{BlockId, KvStore, StoreError};
+use crate::pb::kv::{HasBlocksRequest, KvAck, KvChunk};
+use crate::store::{BlockId, BlockKey, KvStore, StoreError};
 
 /// Why a HasBlocks call or a chunk was refused; [`Status`] gets the contract's code.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -120,7 +120,24 @@ struct HeldHandle {
     ids: Vec<BlockId>,
     hashes: Vec<u64>,
     tokens: u64,
+    /// The prompt the chunks named, when every chunk carried its tokens.
+    prompt: Option<Vec<u32>>,
+    scope: u64,
     deadline: Instant,
+}
+
+/// What a held handle names, for the claimer to compare with its request before claiming.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HandleView {
+    /// The chunk hashes, in order (0 for the tail).
+    pub hashes: Vec<u64>,
+    /// Tokens the blocks hold (the sum of their fills).
+    pub tokens: u64,
+    /// The prompt the chunks named, token by token; `None` when a chunk carried no tokens (an
+    /// older sender), and then only the hashes can be compared.
+    pub prompt: Option<Vec<u32>>,
+    /// The tenant scope the push was made in.
+    pub scope: u64,
 }
 
 #[derive(Debug, Default)]
@@ -176,7 +193,8 @@ impl Default for ReceiverLimits {
 /// use std::time::{Duration, Instant};
 /// use kvwire::{Shape, prompt_hashes};
 /// use kvwire_grpc::memory::{LocalTransport, MemStore};
-/// use kvwire_grpc::{KvReceiver, KvStore, Push, transfer};
+/// use kvwire_grpc::pb::kv::HasBlocksRequest;
+/// use kvwire_grpc::{BlockKey, KvReceiver, KvStore, Push, transfer};
 ///
 /// let shape = Shape::v1(4, 2, 1, 4);
 /// let store = Arc::new(MemStore::new(shape, 8));
@@ -185,20 +203,32 @@ impl Default for ReceiverLimits {
 ///         .with_lease(Duration::from_secs(30)),
 /// );
 /// let hashes = prompt_hashes(&[1, 2, 3, 4], 4);
-/// // HasBlocks: free, takes no reference.
-/// assert_eq!(rx.has_blocks(&hashes, 1, "fake").unwrap(), vec![false]);
+/// // HasBlocks: free, takes no reference; the tokens decide, the hashes only index them.
+/// let ask = HasBlocksRequest {
+///     hashes: hashes.clone(), kv_format: 1, model: "fake".into(), tokens: vec![1, 2, 3, 4], cache_scope: 0,
+/// };
+/// assert_eq!(rx.has_blocks(&ask).unwrap(), vec![false]);
 /// // Another format or model is refused (FAILED_PRECONDITION).
-/// assert_eq!(rx.has_blocks(&hashes, 2, "fake").unwrap_err().code(), tonic::Code::FailedPrecondition);
+/// let v2 = HasBlocksRequest { kv_format: 2, ..ask.clone() };
+/// assert_eq!(rx.has_blocks(&v2).unwrap_err().code(), tonic::Code::FailedPrecondition);
 ///
 /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
 /// let prefill = Arc::new(MemStore::new(shape, 8));
-/// let id = prefill.put(hashes[0], 4, &vec![3u8; shape.payload_bytes().unwrap()]).unwrap();
+/// let id = prefill.put(BlockKey::ANON, 4, &vec![3u8; shape.payload_bytes().unwrap()]).unwrap();
 /// let t = LocalTransport::new(Arc::clone(&rx));
-/// let push = Push { target: "d", handle_id: "h", model: "fake", hashes: &hashes, n_blocks: 1, known: None };
+/// let push = Push {
+///     target: "d", handle_id: "h", model: "fake", hashes: &hashes, n_blocks: 1, known: None,
+///     tokens: &[1, 2, 3, 4], scope: 0,
+/// };
 /// transfer(&t, prefill as Arc<dyn KvStore>, push, &[id]).await.unwrap();
 /// # });
 /// // The handle waits for its claim: the prompt it holds can be checked first.
-/// assert_eq!(rx.peek("h"), Some((hashes.clone(), 4)));
+/// let held = rx.peek("h").unwrap();
+/// assert_eq!((held.hashes, held.prompt), (hashes.clone(), Some(vec![1, 2, 3, 4])));
+/// // Now the block is present, for these tokens only.
+/// assert_eq!(rx.has_blocks(&ask).unwrap(), vec![true]);
+/// let other = HasBlocksRequest { tokens: vec![1, 2, 3, 5], ..ask.clone() };
+/// assert_eq!(rx.has_blocks(&other).unwrap(), vec![false]);
 /// assert_eq!(rx.stats().pending, 1);
 /// // Nobody claims it: at the end of its lease its blocks go back (or call `release`).
 /// assert_eq!(rx.expire_leases(Instant::now() + Duration::from_secs(31)), 1);
@@ -335,17 +365,16 @@ impl KvReceiver {
         Ok(())
     }
 
-    /// Which of `hashes` this receiver holds. Takes no reference and changes no count.
+    /// Which of the request's blocks this receiver holds: a leading run of blocks whose stored
+    /// tokens equal the request's, in its scope. A request without its tokens (an older peer)
+    /// finds nothing present. Takes no reference and changes no count.
     ///
     /// # Errors
-    /// FAILED_PRECONDITION for a format or model this receiver does not serve.
-    pub fn has_blocks(
-        &self,
-        hashes: &[u64],
-        kv_format: u32,
-        model: &str,
-    ) -> Result<Vec<bool>, RecvError> {
-        self.check_format(kv_format, model)?;
+    /// FAILED_PRECONDITION for a format or model this receiver does not serve; INVALID_ARGUMENT
+    /// for more hashes than a prompt can have, or tokens that are not B per hash.
+    pub fn has_blocks(&self, req: &HasBlocksRequest) -> Result<Vec<bool>, RecvError> {
+        self.check_format(req.kv_format, &req.model)?;
+        let hashes = &req.hashes;
         if hashes.len() > self.limits.max_blocks as usize {
             return Err(RecvError::Invalid(format!(
                 "{} hashes; a prompt has at most {} blocks",
@@ -353,9 +382,17 @@ impl KvReceiver {
                 self.limits.max_blocks
             )));
         }
+        let b = self.block_tokens as usize;
+        if !req.tokens.is_empty() && req.tokens.len() != hashes.len() * b {
+            return Err(RecvError::Invalid(format!(
+                "{} tokens for {} hashes; B = {b} per hash",
+                req.tokens.len(),
+                hashes.len()
+            )));
+        }
         self.has_blocks_answered
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(self.store.contains(hashes))
+        Ok(self.store.contains(req.cache_scope, hashes, &req.tokens))
     }
 
     /// Starts receiving one push, before any of it is read: refused while draining, or when
@@ -386,17 +423,21 @@ impl KvReceiver {
             imported: Vec::new(),
             hashes: Vec::new(),
             tokens: 0,
+            prompt: Some(Vec::new()),
+            scope: 0,
             ack: KvAck::default(),
         })
     }
 
-    /// The chunk hashes and token count held under `handle`, without claiming it.
+    /// What `handle` holds, without claiming it.
     #[must_use]
-    pub fn peek(&self, handle: &str) -> Option<(Vec<u64>, u64)> {
-        self.state()
-            .pending
-            .get(handle)
-            .map(|h| (h.hashes.clone(), h.tokens))
+    pub fn peek(&self, handle: &str) -> Option<HandleView> {
+        self.state().pending.get(handle).map(|h| HandleView {
+            hashes: h.hashes.clone(),
+            tokens: h.tokens,
+            prompt: h.prompt.clone(),
+            scope: h.scope,
+        })
     }
 
     /// Takes the blocks held under `handle` (their references move to the caller).
@@ -409,6 +450,7 @@ impl KvReceiver {
             ids: held.ids,
             hashes: held.hashes,
             tokens: held.tokens,
+            scope: held.scope,
         })
     }
 
@@ -477,9 +519,16 @@ pub struct Claimed {
     ids: Vec<BlockId>,
     hashes: Vec<u64>,
     tokens: u64,
+    scope: u64,
 }
 
 impl Claimed {
+    /// The tenant scope the push was made in: the resumed sequence's blocks join it.
+    #[must_use]
+    pub fn scope(&self) -> u64 {
+        self.scope
+    }
+
     /// The blocks, in chunk order.
     #[must_use]
     pub fn ids(&self) -> &[BlockId] {
@@ -525,6 +574,9 @@ pub struct PushState {
     imported: Vec<bool>,
     hashes: Vec<u64>,
     tokens: u64,
+    /// The chunks' tokens so far; `None` once a chunk came without them.
+    prompt: Option<Vec<u32>>,
+    scope: u64,
     ack: KvAck,
 }
 
@@ -571,6 +623,7 @@ impl PushState {
                 s.inflight.insert(chunk.handle_id.clone());
                 drop(s);
                 self.total = chunk.total;
+                self.scope = chunk.cache_scope;
                 self.ack.handle_id.clone_from(&chunk.handle_id);
                 self.handle = Some(chunk.handle_id.clone());
             }
@@ -595,6 +648,38 @@ impl PushState {
             )));
         }
         let index = chunk.index;
+        if chunk.cache_scope != self.scope {
+            return Err(RecvError::Invalid(format!(
+                "chunk {index}: cache_scope changed within the push"
+            )));
+        }
+        // The identity: the chunk's tokens must be what its hash says, chained from the
+        // previous chunk's (the hash is only an index, but a sender that names a block by one
+        // set of tokens and hashes another is broken).
+        let parent_hash = self.hashes.last().copied().unwrap_or(0);
+        let parent = self.ids.last().copied();
+        let b = rx.block_tokens as usize;
+        if chunk.tokens.len() > b {
+            return Err(RecvError::Invalid(format!(
+                "chunk {index}: {} tokens in one block of {b}",
+                chunk.tokens.len()
+            )));
+        }
+        if chunk.hash != 0
+            && chunk.tokens.len() == b
+            && block_hash(parent_hash, &chunk.tokens) != chunk.hash
+        {
+            return Err(RecvError::Invalid(format!(
+                "chunk {index}: hash {:#018x} is not the hash of its tokens",
+                chunk.hash
+            )));
+        }
+        let key = BlockKey {
+            scope: self.scope,
+            hash: chunk.hash,
+            tokens: &chunk.tokens,
+            parent,
+        };
 
         if chunk.payload.is_empty() {
             // Rule 4: an empty payload names a block the receiver said it holds.
@@ -603,7 +688,10 @@ impl PushState {
                     "chunk {index}: empty payload with hash 0"
                 )));
             }
-            let id = rx.store.take_ref(chunk.hash).ok_or(RecvError::Gone {
+            // Deduplicated only onto the block with these very tokens after the same chain, in
+            // this scope: a colliding hash, another tenant's block, or no tokens at all are
+            // "not held", and the sender resends every payload.
+            let id = rx.store.take_ref(key).ok_or(RecvError::Gone {
                 index,
                 hash: chunk.hash,
             })?;
@@ -647,21 +735,33 @@ impl PushState {
                     rec.n_tokens
                 )));
             }
+            if !chunk.tokens.is_empty() && chunk.tokens.len() != rec.n_tokens as usize {
+                return Err(RecvError::Invalid(format!(
+                    "chunk {index}: {} tokens for a block of fill {}",
+                    chunk.tokens.len(),
+                    rec.n_tokens
+                )));
+            }
             // Rule 5: import. A full block sent with envelope hash 0 is registered under the
             // chunk's hash.
             let name = if rec.hash != 0 { rec.hash } else { chunk.hash };
-            let id =
-                rx.store
-                    .import(name, rec.n_tokens, rec.payload)
-                    .map_err(|error| match error {
-                        StoreError::Exhausted => RecvError::Exhausted { index },
-                        error => RecvError::Store { index, error },
-                    })?;
+            let id = rx
+                .store
+                .import(BlockKey { hash: name, ..key }, rec.n_tokens, rec.payload)
+                .map_err(|error| match error {
+                    StoreError::Exhausted => RecvError::Exhausted { index },
+                    error => RecvError::Store { index, error },
+                })?;
             self.ids.push(id);
             self.imported.push(true);
             self.tokens += u64::from(rec.n_tokens);
             self.ack.blocks_received += 1;
             self.ack.payload_bytes += chunk.payload.len() as u64;
+        }
+        if chunk.tokens.is_empty() {
+            self.prompt = None;
+        } else if let Some(p) = &mut self.prompt {
+            p.extend_from_slice(&chunk.tokens);
         }
         self.hashes.push(chunk.hash);
         self.next += 1;
@@ -686,6 +786,8 @@ impl PushState {
             ids: std::mem::take(&mut self.ids),
             hashes: std::mem::take(&mut self.hashes),
             tokens: self.tokens,
+            prompt: self.prompt.take(),
+            scope: self.scope,
             deadline: Instant::now() + self.rx.lease,
         };
         self.imported.clear();

@@ -125,7 +125,7 @@ impl KvTransferService {
         self.serving();
         let rx = Arc::clone(&self.rx);
         glue::serve_unary(req, self.small, move |m: HasBlocksRequest| async move {
-            let present = rx.has_blocks(&m.hashes, m.kv_format, &m.model)?;
+            let present = rx.has_blocks(&m)?;
             Ok(HasBlocksResponse { present })
         })
     }
@@ -319,7 +319,7 @@ impl Drop for KvServerHandle {
 /// use std::sync::Arc;
 /// use kvwire::Shape;
 /// use kvwire_grpc::memory::MemStore;
-/// use kvwire_grpc::{GrpcTransport, KvReceiver, KvStore, Push, TransportConfig, serve_kv, transfer};
+/// use kvwire_grpc::{BlockKey, GrpcTransport, KvReceiver, KvStore, Push, TransportConfig, serve_kv, transfer};
 ///
 /// # tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(async {
 /// let shape = Shape::v1(4, 2, 1, 4);
@@ -329,11 +329,14 @@ impl Drop for KvServerHandle {
 /// let server = serve_kv(listener, Arc::clone(&rx)).unwrap();
 ///
 /// let prefill = Arc::new(MemStore::new(shape, 8));
-/// let id = prefill.put(0, 3, &vec![1u8; shape.payload_bytes().unwrap()]).unwrap();
+/// let id = prefill.put(BlockKey::ANON, 3, &vec![1u8; shape.payload_bytes().unwrap()]).unwrap();
 /// let transport = GrpcTransport::new(TransportConfig::for_envelope(shape.envelope_len(1).unwrap()));
 /// let target = server.local_addr().to_string();
 /// let store = Arc::clone(&prefill) as Arc<dyn KvStore>;
-/// let push = Push { target: &target, handle_id: "h", model: "fake", hashes: &[], n_blocks: 1, known: None };
+/// let push = Push {
+///     target: &target, handle_id: "h", model: "fake", hashes: &[], n_blocks: 1, known: None,
+///     tokens: &[1, 2, 3], scope: 0,
+/// };
 /// let stats = transfer(&transport, store, push, &[id]).await.unwrap();
 /// assert_eq!(stats.sent, 1);
 /// assert!(rx.claim("h").is_some());

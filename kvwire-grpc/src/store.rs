@@ -35,6 +35,47 @@ impl StoreError {
     }
 }
 
+/// What names a block in a cache. The chained hash (contract section 2) is only the index: two
+/// different token blocks can share it, and a collision is found in minutes. A cached block
+/// answers for a key only when its stored `tokens` equal these exactly, its parent is the block
+/// found for the previous position (so the whole prefix is compared, not just this block), and
+/// it lives in the same tenant `scope`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockKey<'a> {
+    /// The tenant scope (0: shared).
+    pub scope: u64,
+    /// The chained v1 hash: the index.
+    pub hash: u64,
+    /// The block's tokens: the identity.
+    pub tokens: &'a [u32],
+    /// The block holding the previous position's tokens; `None` for a prompt's first block.
+    pub parent: Option<BlockId>,
+}
+
+impl BlockKey<'static> {
+    /// No name: a block imported this way is never found by a lookup (a sender's own blocks,
+    /// which it names by id).
+    pub const ANON: BlockKey<'static> = BlockKey {
+        scope: 0,
+        hash: 0,
+        tokens: &[],
+        parent: None,
+    };
+}
+
+impl<'a> BlockKey<'a> {
+    /// A prompt's first block in the shared scope.
+    #[must_use]
+    pub fn first(hash: u64, tokens: &'a [u32]) -> Self {
+        Self {
+            scope: 0,
+            hash,
+            tokens,
+            parent: None,
+        }
+    }
+}
+
 /// A KV pool as the transfer sees it.
 pub trait KvStore: Send + Sync + std::fmt::Debug + 'static {
     /// The pool's block shape (the receiver's expected envelope shape).
@@ -47,18 +88,23 @@ pub trait KvStore: Send + Sync + std::fmt::Debug + 'static {
         u32::from(self.shape().format.version)
     }
 
-    /// For each hash, whether a block holds it. Takes no reference and changes no count.
-    fn contains(&self, hashes: &[u64]) -> Vec<bool>;
+    /// For each hash of a prompt (`tokens` holds B tokens per hash), whether a block holds it
+    /// with those tokens after the same prefix, in `scope`: true for a leading run of blocks
+    /// only, and all false when `tokens` is short. Takes no reference and changes no count.
+    fn contains(&self, scope: u64, hashes: &[u64], tokens: &[u32]) -> Vec<bool>;
 
-    /// The block holding `hash`, with one reference taken on it.
-    fn take_ref(&self, hash: u64) -> Option<BlockId>;
+    /// The block `key` names (tokens compared exactly, parent and scope equal), with one
+    /// reference taken on it.
+    fn take_ref(&self, key: BlockKey<'_>) -> Option<BlockId>;
 
-    /// A new block holding `payload` (P bytes) with `fill` tokens, refcount 1, registered under
-    /// `hash` when non-zero and not already held.
+    /// A new block holding `payload` (P bytes) with `fill` tokens, refcount 1, remembering
+    /// `key.tokens` (when they are its `fill` tokens) for later comparison. Registered under
+    /// the key when its hash is non-zero, it is full, its parent is registered (or it is a
+    /// first block) and no block holds the key yet.
     ///
     /// # Errors
     /// [`StoreError::Exhausted`] when no block is free or evictable.
-    fn import(&self, hash: u64, fill: u32, payload: &[u8]) -> Result<BlockId, StoreError>;
+    fn import(&self, key: BlockKey<'_>, fill: u32, payload: &[u8]) -> Result<BlockId, StoreError>;
 
     /// Drops one reference on each block; a registered block reaching zero stays cached.
     fn release(&self, ids: &[BlockId]);

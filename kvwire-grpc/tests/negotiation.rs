@@ -12,7 +12,8 @@ use kvwire_grpc::memory::{LocalTransport, MemStore};
 use kvwire_grpc::pb::kv::{HasBlocksRequest, KvAck};
 use kvwire_grpc::sender::ChunkStream;
 use kvwire_grpc::{
-    BlockId, KvReceiver, KvStore, KvTransport, Push, StoreError, TransferError, transfer_formats,
+    BlockId, BlockKey, KvReceiver, KvStore, KvTransport, Push, StoreError, TransferError,
+    transfer_formats,
 };
 use tonic::{Code, Status};
 
@@ -37,13 +38,13 @@ impl KvStore for HighBytes {
     fn shape(&self) -> Shape {
         self.shape
     }
-    fn contains(&self, hashes: &[u64]) -> Vec<bool> {
-        self.pool.contains(hashes)
+    fn contains(&self, scope: u64, hashes: &[u64], tokens: &[u32]) -> Vec<bool> {
+        self.pool.contains(scope, hashes, tokens)
     }
-    fn take_ref(&self, hash: u64) -> Option<BlockId> {
-        self.pool.take_ref(hash)
+    fn take_ref(&self, key: BlockKey<'_>) -> Option<BlockId> {
+        self.pool.take_ref(key)
     }
-    fn import(&self, _: u64, _: u32, _: &[u8]) -> Result<BlockId, StoreError> {
+    fn import(&self, _: BlockKey<'_>, _: u32, _: &[u8]) -> Result<BlockId, StoreError> {
         unreachable!("a sending view imports nothing")
     }
     fn release(&self, ids: &[BlockId]) {
@@ -85,11 +86,13 @@ impl KvTransport for Counting {
     }
 }
 
+/// The test prompt: three full blocks of B = 4 and a tail of two.
+const PROMPT: [u32; 14] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14];
+
 /// A prompt of 3 full blocks and a tail in a v1 pool: its ids (one reference each), hashes.
 fn sender() -> (Arc<MemStore>, Vec<BlockId>, Vec<u64>) {
     let pool = Arc::new(MemStore::new(V1, 16));
-    let prompt: Vec<u32> = (1..=14).collect();
-    let hashes = prompt_hashes(&prompt, 4);
+    let hashes = prompt_hashes(&PROMPT, 4);
     let p = V1.payload_bytes().unwrap();
     let mut ids = Vec::new();
     let (row, plane) = (V1.row_bytes().unwrap(), V1.plane_bytes().unwrap());
@@ -109,7 +112,14 @@ fn sender() -> (Arc<MemStore>, Vec<BlockId>, Vec<u64>) {
                 }
             })
             .collect();
-        ids.push(pool.put(hash, fill, &payload).unwrap());
+        let at = 4 * usize::from(i);
+        let key = BlockKey {
+            scope: 0,
+            hash,
+            tokens: &PROMPT[at..(at + 4).min(PROMPT.len())],
+            parent: ids.last().copied(),
+        };
+        ids.push(pool.put(key, fill, &payload).unwrap());
     }
     (pool, ids, hashes)
 }
@@ -136,6 +146,8 @@ fn push<'a>(handle: &'a str, hashes: &'a [u64]) -> Push<'a> {
         hashes,
         n_blocks: 4,
         known: None,
+        tokens: &PROMPT,
+        scope: 0,
     }
 }
 

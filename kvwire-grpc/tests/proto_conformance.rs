@@ -87,11 +87,15 @@ fn proto_matches_hand_written_messages() {
             hashes: vec![1, u64::MAX],
             kv_format: 1,
             model: "m".into(),
+            tokens: vec![3, u32::MAX],
+            cache_scope: u64::MAX - 1,
         },
         &[
             ("hashes", u64s(&[1, u64::MAX])),
             ("kv_format", U32(1)),
             ("model", String("m".into())),
+            ("tokens", List(vec![U32(3), U32(u32::MAX)])),
+            ("cache_scope", U64(u64::MAX - 1)),
         ],
     );
     conform(
@@ -114,6 +118,8 @@ fn proto_matches_hand_written_messages() {
             payload: bytes::Bytes::from_static(b"xyz"),
             payload_crc32c: 0xFFFF_FFFE,
             model: "m".into(),
+            tokens: vec![0, 9],
+            cache_scope: 11,
         },
         &[
             ("handle_id", String("h".into())),
@@ -124,6 +130,8 @@ fn proto_matches_hand_written_messages() {
             ("payload", Value::Bytes(bytes::Bytes::from_static(b"xyz"))),
             ("payload_crc32c", U32(0xFFFF_FFFE)),
             ("model", String("m".into())),
+            ("tokens", List(vec![U32(0), U32(9)])),
+            ("cache_scope", U64(11)),
         ],
     );
     conform(
@@ -190,6 +198,7 @@ fn proto_matches_hand_written_messages() {
                 kv_format: 1,
                 present: vec![true, false],
             }),
+            cache_scope: 42,
         },
         &[
             ("request_id", String("r".into())),
@@ -204,6 +213,7 @@ fn proto_matches_hand_written_messages() {
                 "decode_holds",
                 Message(dynamic(&p, "tl.engine.v1.DecodeHolds", &holds_fields)),
             ),
+            ("cache_scope", U64(42)),
         ],
     );
     conform(

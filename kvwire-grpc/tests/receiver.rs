@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvwire::{CRC32C_RESIDUE, RecordIn, Shape, block_hash, crc32c, write_to_vec};
 use kvwire_grpc::memory::{LocalTransport, MemSnapshot, MemStore};
-use kvwire_grpc::pb::kv::{KvAck, KvChunk};
-use kvwire_grpc::{KvReceiver, KvStore, Push, ReceiverLimits, transfer};
+use kvwire_grpc::pb::kv::{HasBlocksRequest, KvAck, KvChunk};
+use kvwire_grpc::{BlockKey, KvReceiver, KvStore, Push, ReceiverLimits, transfer};
 use tonic::{Code, Status};
 
 const TEST: Shape = Shape::v1(4, 2, 1, 4);
@@ -65,6 +65,48 @@ fn chunk(handle: &str, index: u32, total: u32, hash: u64, payload: Bytes) -> KvC
         payload,
         payload_crc32c,
         model: String::new(),
+        tokens: Vec::new(),
+        cache_scope: 0,
+    }
+}
+
+/// `c` carrying its block's tokens.
+fn tok(c: KvChunk, tokens: &[u32]) -> KvChunk {
+    KvChunk {
+        tokens: tokens.to_vec(),
+        ..c
+    }
+}
+
+/// The test prompt: two full blocks and a tail of two.
+const PROMPT: [u32; 10] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
+
+/// A block known by its tokens, in scope 0.
+fn key(hash: u64, tokens: &[u32], parent: Option<u32>) -> BlockKey<'_> {
+    BlockKey {
+        scope: 0,
+        hash,
+        tokens,
+        parent,
+    }
+}
+
+/// A block named by nothing (the sending side of a test needs no name).
+const ANON: BlockKey<'static> = BlockKey {
+    scope: 0,
+    hash: 0,
+    tokens: &[],
+    parent: None,
+};
+
+/// HasBlocks for `PROMPT`'s full blocks in `scope`.
+fn ask(hashes: &[u64], scope: u64) -> HasBlocksRequest {
+    HasBlocksRequest {
+        hashes: hashes.to_vec(),
+        kv_format: 1,
+        model: "fake".into(),
+        tokens: PROMPT[..hashes.len() * 4].to_vec(),
+        cache_scope: scope,
     }
 }
 
@@ -77,6 +119,9 @@ fn to_d<'a>(handle_id: &'a str, hashes: &'a [u64], n_blocks: usize) -> Push<'a> 
         hashes,
         n_blocks,
         known: None,
+        // The test prompt's tokens when the push is of it; else none.
+        tokens: if n_blocks == 3 { &PROMPT } else { &[] },
+        scope: 0,
     }
 }
 
@@ -94,10 +139,15 @@ fn push(rx: &Arc<KvReceiver>, chunks: Vec<KvChunk>) -> Result<KvAck, Status> {
 fn prompt_on(src: &MemStore) -> (Vec<u32>, Vec<u64>) {
     let h0 = block_hash(0, &[1, 2, 3, 4]);
     let h1 = block_hash(h0, &[5, 6, 7, 8]);
+    let first = src
+        .put(key(h0, &PROMPT[..4], None), 4, &payload(10))
+        .unwrap();
     let ids = vec![
-        src.put(h0, 4, &payload(10)).unwrap(),
-        src.put(h1, 4, &payload(11)).unwrap(),
-        src.put(0, 2, &payload(12)).unwrap(),
+        first,
+        src.put(key(h1, &PROMPT[4..8], Some(first)), 4, &payload(11))
+            .unwrap(),
+        src.put(key(0, &PROMPT[8..], None), 2, &payload(12))
+            .unwrap(),
     ];
     (ids, vec![h0, h1])
 }
@@ -131,7 +181,27 @@ async fn push_accepts_dedups_and_refuses() {
     for (&a, &b) in ids.iter().zip(claimed.ids()) {
         assert_eq!(as_sent(&src, a), as_sent(&d.store, b), "block bytes differ");
     }
-    assert_eq!(d.store.contains(&hashes), [true, true]);
+    assert_eq!(d.rx.has_blocks(&ask(&hashes, 0)).unwrap(), [true, true]);
+    // Another scope, other tokens, or none at all: nothing is present.
+    assert_eq!(d.rx.has_blocks(&ask(&hashes, 5)).unwrap(), [false, false]);
+    let mut other = ask(&hashes, 0);
+    other.tokens[5] = 99;
+    assert_eq!(d.rx.has_blocks(&other).unwrap(), [true, false]);
+    other.tokens[0] = 99;
+    assert_eq!(d.rx.has_blocks(&other).unwrap(), [false, false]);
+    let bare = HasBlocksRequest {
+        tokens: Vec::new(),
+        ..ask(&hashes, 0)
+    };
+    assert_eq!(d.rx.has_blocks(&bare).unwrap(), [false, false]);
+    let short = HasBlocksRequest {
+        tokens: vec![1, 2, 3],
+        ..ask(&hashes, 0)
+    };
+    assert_eq!(
+        Status::from(d.rx.has_blocks(&short).unwrap_err()).code(),
+        Code::InvalidArgument
+    );
     drop(claimed);
 
     // Dedup: the two full blocks are held now; only the tail moves.
@@ -148,19 +218,26 @@ async fn push_accepts_dedups_and_refuses() {
 
     // A full block the sender never registered travels with envelope hash 0 and is registered
     // on arrival under the chunk hash.
-    let lone = src.put(0, 4, &payload(7)).unwrap();
+    let lone = src.put(ANON, 4, &payload(7)).unwrap();
     let h = block_hash(0, &[9, 9, 9, 9]);
     let st = transfer(
         &d.transport,
         src_dyn(),
-        to_d("h3", &[h], [lone].len()),
+        Push {
+            tokens: &[9, 9, 9, 9],
+            ..to_d("h3", &[h], [lone].len())
+        },
         &[lone],
     )
     .await
     .unwrap();
     assert_eq!(st.sent, 1);
     let c = d.rx.claim("h3").unwrap();
-    assert_eq!(d.store.take_ref(h), Some(c.ids()[0]));
+    assert_eq!(
+        d.store.take_ref(key(h, &[9, 9, 9, 9], None)),
+        Some(c.ids()[0])
+    );
+    assert_eq!(d.store.take_ref(key(h, &[9, 9, 9, 8], None)), None);
     d.store.release(c.ids());
     drop(c);
 
@@ -188,7 +265,7 @@ async fn push_accepts_dedups_and_refuses() {
 
     // Exhaustion: with every block referenced, the import is refused and nothing changes.
     let hog: Vec<u32> = (0..before.free + before.cached)
-        .map(|i| d.store.put(0, 1, &payload(i as u8)).unwrap())
+        .map(|i| d.store.put(ANON, 1, &payload(i as u8)).unwrap())
         .collect();
     let full = d.store.snapshot();
     let err = push(&d.rx, vec![chunk("full", 0, 1, 0, envelope(TEST, 0, 1, 1))]).unwrap_err();
@@ -325,6 +402,65 @@ fn refusals() -> Vec<(&'static str, Vec<KvChunk>, Code)> {
             Code::InvalidArgument,
         ),
         (
+            "tokens are not the chunk hash's",
+            vec![tok(good(), &[1, 2, 3, 5])],
+            Code::InvalidArgument,
+        ),
+        (
+            "more tokens than B",
+            vec![good(), tok(with(&|_| {}), &[1, 2, 3, 4, 5])],
+            Code::InvalidArgument,
+        ),
+        (
+            "tokens not the fill",
+            vec![good(), tok(with(&|_| {}), &[1, 2])],
+            Code::InvalidArgument,
+        ),
+        (
+            "cache_scope changes",
+            vec![good(), with(&|c| c.cache_scope = 3)],
+            Code::InvalidArgument,
+        ),
+        (
+            "empty, held, but no tokens",
+            vec![chunk(
+                "bad",
+                0,
+                1,
+                block_hash(0, &PROMPT[..4]),
+                Bytes::new(),
+            )],
+            Code::NotFound,
+        ),
+        (
+            "empty, held, other scope",
+            vec![KvChunk {
+                cache_scope: 9,
+                ..tok(
+                    chunk("bad", 0, 1, block_hash(0, &PROMPT[..4]), Bytes::new()),
+                    &PROMPT[..4],
+                )
+            }],
+            Code::NotFound,
+        ),
+        (
+            "empty, held, after another parent",
+            vec![
+                good(),
+                tok(
+                    chunk(
+                        "bad",
+                        1,
+                        2,
+                        block_hash(good_hash, &PROMPT[4..8]),
+                        Bytes::new(),
+                    ),
+                    &PROMPT[4..8],
+                ),
+            ],
+            Code::NotFound,
+        ),
+        (
             "empty, not held",
             vec![good(), chunk("bad", 1, 2, 12345, Bytes::new())],
             Code::NotFound,
@@ -350,8 +486,8 @@ async fn refused_dedup_drops_the_references_it_took() {
     let err = push(
         &d.rx,
         vec![
-            chunk("x", 0, 3, hashes[0], Bytes::new()),
-            chunk("x", 1, 3, hashes[1], Bytes::new()),
+            tok(chunk("x", 0, 3, hashes[0], Bytes::new()), &PROMPT[..4]),
+            tok(chunk("x", 1, 3, hashes[1], Bytes::new()), &PROMPT[4..8]),
             chunk("x", 2, 3, 0, Bytes::new()),
         ],
     )
@@ -409,9 +545,21 @@ fn push_limits_refuse_before_taking_blocks() {
     let err = push(&rx, vec![chunk("t", 0, 4, 0, envelope(TEST, 0, 1, 1))]).unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err}");
     assert_eq!(store.snapshot(), base);
-    let err = Status::from(rx.has_blocks(&[1, 2, 3, 4], 1, "fake").unwrap_err());
+    let long = HasBlocksRequest {
+        hashes: [1, 2, 3, 4].to_vec(),
+        kv_format: 1,
+        model: "fake".into(),
+        ..HasBlocksRequest::default()
+    };
+    let err = Status::from(rx.has_blocks(&long).unwrap_err());
     assert_eq!(err.code(), Code::InvalidArgument, "{err}");
-    assert_eq!(rx.has_blocks(&[1, 2, 3], 1, "fake").unwrap(), [false; 3]);
+    let three = HasBlocksRequest {
+        hashes: [1, 2, 3].to_vec(),
+        kv_format: 1,
+        model: "fake".into(),
+        ..HasBlocksRequest::default()
+    };
+    assert_eq!(rx.has_blocks(&three).unwrap(), [false; 3]);
     // Pending handles: two held, the third push is refused at its first chunk.
     push(&rx, vec![chunk("h1", 0, 1, 0, envelope(TEST, 0, 1, 1))]).unwrap();
     push(&rx, vec![chunk("h2", 0, 1, 0, envelope(TEST, 0, 1, 2))]).unwrap();
@@ -461,7 +609,9 @@ async fn bounds_wakeups_and_accessors() {
     // A cached first block (deduplicated), then two sent: the handle holds 4 + 4 + 2 tokens.
     let h0 = block_hash(0, &[1, 2, 3, 4]);
     let h1 = block_hash(h0, &[5, 6, 7, 8]);
-    let cached = store.put(h0, 4, &payload(9)).unwrap();
+    let cached = store
+        .put(key(h0, &PROMPT[..4], None), 4, &payload(9))
+        .unwrap();
     store.release(&[cached]);
     let waiter = {
         let rx = Arc::clone(&rx);
@@ -471,13 +621,18 @@ async fn bounds_wakeups_and_accessors() {
     push(
         &rx,
         vec![
-            chunk("h", 0, 3, h0, Bytes::new()),
-            chunk("h", 1, 3, h1, envelope(TEST, h1, 4, 2)),
-            chunk("h", 2, 3, 0, envelope(TEST, 0, 2, 3)),
+            tok(chunk("h", 0, 3, h0, Bytes::new()), &PROMPT[..4]),
+            tok(
+                chunk("h", 1, 3, h1, envelope(TEST, h1, 4, 2)),
+                &PROMPT[4..8],
+            ),
+            tok(chunk("h", 2, 3, 0, envelope(TEST, 0, 2, 3)), &PROMPT[8..]),
         ],
     )
     .unwrap();
-    assert_eq!(rx.peek("h"), Some((vec![h0, h1, 0], 10)));
+    let view = rx.peek("h").unwrap();
+    assert_eq!((view.hashes, view.tokens), (vec![h0, h1, 0], 10));
+    assert_eq!(view.prompt.as_deref(), Some(&PROMPT[..]));
     // The push's end woke the waiter.
     tokio::time::timeout(Duration::from_secs(5), waiter)
         .await

@@ -20,7 +20,7 @@ use kvwire::{block_hash, prompt_hashes};
 
 use crate::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs, token_logprobs};
 use crate::model::{Model, ModelError};
-use crate::pool::{BlockId, Blocks, KvPool, PoolError, SharedKv};
+use crate::pool::{BlockId, BlockKey, Blocks, KvPool, PoolError, SharedKv};
 use crate::request::{Limits, RequestError, validate_prompt};
 use crate::rng::{Pcg32, resume_rng};
 use crate::sampler::Sampling;
@@ -120,6 +120,8 @@ pub struct Resume {
     /// and the first token's log-probabilities, come from recomputing the prompt's last step
     /// from `blocks` (the same logits the prefill engine sampled from).
     pub choices: Choices,
+    /// The tenant scope the blocks were pushed in; the blocks it fills join it.
+    pub scope: u64,
 }
 
 /// Run to completion, or stop after the first token and hand the blocks out.
@@ -152,6 +154,8 @@ pub struct Request {
     pub stop: Stop,
     /// Completions and log-probabilities (one choice only for [`Mode::PrefillOnly`]).
     pub choices: Choices,
+    /// The tenant scope its blocks are cached in and looked up in (0: shared).
+    pub scope: u64,
 }
 
 /// Told, on the engine thread, as a prefill's blocks become final, so a transfer can stream
@@ -182,6 +186,8 @@ pub struct PrefillOutput {
     pub prompt_tokens: usize,
     /// Blocks found in the prefix cache rather than computed.
     pub cached_blocks: usize,
+    /// The prompt the blocks hold (a push carries it, block by block).
+    pub prompt: Vec<u32>,
 }
 
 /// Why a sequence ended.
@@ -265,6 +271,7 @@ struct Seq {
     stop: Stop,
     mode: Mode,
     progress: Option<Arc<dyn PrefillProgress>>,
+    scope: u64,
 }
 
 /// What every sequence of a request shares, and where its generator stands.
@@ -276,6 +283,7 @@ struct SeqRules {
     max_tokens: u32,
     stop: Stop,
     logprobs: Option<u32>,
+    scope: u64,
 }
 
 impl Seq {
@@ -303,6 +311,7 @@ impl Seq {
             stop: r.stop,
             mode: Mode::Generate,
             progress: None,
+            scope: r.scope,
         }
     }
 
@@ -459,6 +468,7 @@ impl Engine {
             max_tokens: req.max_tokens,
             stop: req.stop,
             logprobs: req.choices.logprobs,
+            scope: req.scope,
         };
         let blocks = Blocks::new(self.pool.clone(), Vec::new());
         self.waiting.push_back(Seq {
@@ -488,6 +498,7 @@ impl Engine {
             max_tokens,
             stop,
             choices,
+            scope,
         } = r;
         self.validate_prompt(&prompt)?;
         if max_tokens == 0 {
@@ -523,6 +534,7 @@ impl Engine {
             max_tokens,
             stop,
             logprobs: choices.logprobs,
+            scope,
         };
         self.running.push(Seq {
             fanout: choices.n - 1,
@@ -626,6 +638,7 @@ impl Engine {
                     seed: seq.seed,
                     prompt_tokens: seq.prompt_len,
                     cached_blocks: (seq.prompt_len - computed) / b,
+                    prompt: seq.tokens[..seq.prompt_len].to_vec(),
                     blocks: std::mem::replace(
                         &mut seq.blocks,
                         Blocks::new(self.pool.clone(), Vec::new()),
@@ -733,6 +746,7 @@ impl Engine {
             max_tokens: parent.max_tokens,
             stop: parent.stop.clone(),
             logprobs: parent.logprobs,
+            scope: parent.scope,
         };
         Ok(Seq {
             choice,
@@ -778,8 +792,15 @@ impl Engine {
         let (ids, reused) = {
             let mut pool = self.pool.lock();
             let mut held = LockedRefs::new(&mut pool);
-            for &h in &hashes {
-                match held.pool.lookup_ref(h) {
+            // The hash finds a candidate; its tokens and its parent decide (pool.rs).
+            for (&hash, tokens) in hashes.iter().zip(prompt.chunks_exact(b)) {
+                let key = BlockKey {
+                    scope: seq.scope,
+                    hash,
+                    tokens,
+                    parent: held.ids.last().copied(),
+                };
+                match held.pool.lookup_ref(key) {
                     Some(id) => held.ids.push(id),
                     None => break,
                 }
@@ -809,9 +830,23 @@ impl Engine {
             // A full block is final once written: named now, so a push streaming it sends the
             // same envelope as one sent after the prefill. False when another sequence
             // registered the same block first: ours stays private.
-            if let Some(&h) = hashes.get(i) {
-                self.pool.lock().register(blocks.ids()[i], h);
+            let mut pool = self.pool.lock();
+            match hashes.get(i) {
+                Some(&hash) => {
+                    let key = BlockKey {
+                        scope: seq.scope,
+                        hash,
+                        tokens: &prompt[from..to],
+                        parent: i.checked_sub(1).map(|p| blocks.ids()[p]),
+                    };
+                    pool.register(blocks.ids()[i], key);
+                }
+                // The tail's tokens, so a claim of these blocks can compare every token.
+                None => {
+                    pool.set_tokens(blocks.ids()[i], &prompt[from..to]);
+                }
             }
+            drop(pool);
             told(i + 1);
         }
         // The logits pass reads the whole prompt's KV, one block's lock at a time.
@@ -843,8 +878,15 @@ impl Engine {
         if seq.n_cached.is_multiple_of(b) {
             let i = seq.n_cached / b - 1;
             let parent = if i == 0 { 0 } else { seq.hashes[i - 1] };
-            let h = block_hash(parent, &seq.tokens[i * b..(i + 1) * b]);
-            self.pool.lock().register(seq.blocks.ids()[i], h);
+            let tokens = &seq.tokens[i * b..(i + 1) * b];
+            let h = block_hash(parent, tokens);
+            let key = BlockKey {
+                scope: seq.scope,
+                hash: h,
+                tokens,
+                parent: i.checked_sub(1).map(|p| seq.blocks.ids()[p]),
+            };
+            self.pool.lock().register(seq.blocks.ids()[i], key);
             seq.hashes.push(h);
         }
         // The pass over the sequence's whole KV, block by block.

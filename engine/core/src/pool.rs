@@ -14,6 +14,14 @@
 //!
 //! `used + cached + free == total` always holds; [`KvPool::check`] verifies that and the index.
 //!
+//! A block's identity is not its hash. The chained v1 hash (contract section 2) is the index
+//! key, with the tenant scope beside it; a block answers for a [`BlockKey`] only when its stored
+//! tokens equal the key's exactly and its parent is the block found for the position before, as
+//! that parent was when the child was named (a generation per block tells). So a prefix match
+//! compares every token of the prefix, and a hash collision, found or crafted, can make a lookup
+//! miss but never return another prompt's KV. A block is registered only when its parent is, so
+//! every chain in the index starts at a first block of its scope.
+//!
 //! The bookkeeping (reference counts, fills, the index, the free list, the LRU) and the block
 //! data are locked apart. [`SharedKv`] guards the bookkeeping with one mutex held for
 //! microseconds; each block's bytes sit behind a lock of their own ([`BlockRef`], [`BlockMut`]),
@@ -71,6 +79,44 @@ struct Meta {
     hash: u64,
     prev: u32,
     next: u32,
+    /// The tenant scope the block was named in.
+    scope: u64,
+    /// The parent block when named (NIL for a first block) and that parent's generation then.
+    parent: u32,
+    parent_gen: u32,
+    /// Bumped whenever the block is freed or evicted.
+    generation: u32,
+    /// How many of the block's tokens are stored (its fill once known, else 0).
+    known: u32,
+}
+
+impl Meta {
+    const FREE: Meta = Meta {
+        refs: 0,
+        fill: 0,
+        hash: 0,
+        prev: NIL,
+        next: NIL,
+        scope: 0,
+        parent: NIL,
+        parent_gen: 0,
+        generation: 0,
+        known: 0,
+    };
+}
+
+/// What names a block: the index (`scope`, `hash`) and the identity (`tokens` and `parent`).
+/// See the module's introduction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockKey<'a> {
+    /// The tenant scope (0: shared).
+    pub scope: u64,
+    /// The chained v1 hash of the block.
+    pub hash: u64,
+    /// The block's tokens, compared exactly.
+    pub tokens: &'a [u32],
+    /// The block of the previous position; `None` for a prompt's first block.
+    pub parent: Option<BlockId>,
 }
 
 /// Counts of the pool's blocks by state.
@@ -159,7 +205,9 @@ pub struct KvPool {
     payload: usize,
     data: Arc<Slabs>,
     meta: Vec<Meta>,
-    index: HashMap<u64, BlockId>,
+    /// B tokens per block: what each block holds, for exact comparison.
+    tokens: Vec<u32>,
+    index: HashMap<(u64, u64), BlockId>,
     free: Vec<BlockId>,
     /// LRU of cached blocks: `lru_head` is the least recently used.
     lru_head: u32,
@@ -187,16 +235,8 @@ impl KvPool {
             shape,
             payload,
             data: Arc::new(Slabs(data)),
-            meta: vec![
-                Meta {
-                    refs: 0,
-                    fill: 0,
-                    hash: 0,
-                    prev: NIL,
-                    next: NIL
-                };
-                n_blocks
-            ],
+            meta: vec![Meta::FREE; n_blocks],
+            tokens: vec![0; n_blocks * shape.block_tokens() as usize],
             index: HashMap::with_capacity(n_blocks),
             // Popped from the end: lower ids are handed out first.
             free: (0..n_blocks as u32).rev().collect(),
@@ -249,7 +289,7 @@ impl KvPool {
     /// The prefix index as sorted `(hash, block)` pairs, for comparing states in tests.
     #[must_use]
     pub fn index_snapshot(&self) -> Vec<(u64, BlockId)> {
-        let mut v: Vec<(u64, BlockId)> = self.index.iter().map(|(&h, &id)| (h, id)).collect();
+        let mut v: Vec<(u64, BlockId)> = self.index.iter().map(|(&(_, h), &id)| (h, id)).collect();
         v.sort_unstable();
         v
     }
@@ -294,8 +334,8 @@ impl KvPool {
                 debug_assert!(id != NIL, "take_one without an available block");
                 self.lru_unlink(id);
                 self.cached -= 1;
-                let hash = std::mem::take(&mut self.meta[id as usize].hash);
-                self.index.remove(&hash);
+                let m = self.meta[id as usize];
+                self.index.remove(&(m.scope, m.hash));
                 self.evictions += 1;
                 id
             }
@@ -304,10 +344,9 @@ impl KvPool {
         debug_assert_eq!(m.refs, 0);
         *m = Meta {
             refs: 1,
-            fill: 0,
-            hash: 0,
-            prev: NIL,
-            next: NIL,
+            // A new life: children named after the old contents no longer match.
+            generation: m.generation.wrapping_add(1),
+            ..Meta::FREE
         };
         self.used += 1;
         id
@@ -365,49 +404,121 @@ impl KvPool {
             self.lru_push_back(id);
         } else {
             if m.hash != 0 {
-                self.index.remove(&m.hash);
+                self.index.remove(&(m.scope, m.hash));
             }
             let meta = &mut self.meta[id as usize];
-            meta.hash = 0;
-            meta.fill = 0;
+            *meta = Meta {
+                generation: meta.generation.wrapping_add(1),
+                ..Meta::FREE
+            };
             self.free.push(id);
         }
         Ok(())
     }
 
-    /// Names a used block by `hash` in the prefix index. `false`, and no change, when the hash is
-    /// 0, another block already holds it, this block already has another name, or the block is
-    /// not referenced.
-    pub fn register(&mut self, id: BlockId, hash: u64) -> bool {
+    /// Stores a used block's tokens for later comparison (a tail, or a block not yet named).
+    /// `false`, and no change, when there are more than B, the block is not referenced, or it is
+    /// named (a named block's tokens are final).
+    pub fn set_tokens(&mut self, id: BlockId, tokens: &[u32]) -> bool {
+        let b = self.shape.block_tokens() as usize;
         let Ok(m) = self.meta(id) else { return false };
-        if hash == 0 || m.refs == 0 || (m.hash != 0 && m.hash != hash) {
+        if tokens.len() > b || m.refs == 0 || m.hash != 0 {
             return false;
         }
-        match self.index.get(&hash) {
-            Some(&holder) => holder == id,
-            None => {
-                self.index.insert(hash, id);
-                self.meta[id as usize].hash = hash;
-                true
-            }
+        let at = id as usize * b;
+        self.tokens[at..at + tokens.len()].copy_from_slice(tokens);
+        self.meta[id as usize].known = tokens.len() as u32;
+        true
+    }
+
+    /// The tokens stored for a block (empty when none are known).
+    #[must_use]
+    pub fn tokens_of(&self, id: BlockId) -> &[u32] {
+        let b = self.shape.block_tokens() as usize;
+        match self.meta.get(id as usize) {
+            Some(m) => &self.tokens[id as usize * b..][..m.known as usize],
+            None => &[],
         }
     }
 
-    /// The block holding `hash`, if any. Takes no reference and changes nothing, not even the
+    /// Names a used, full block by `key` in the prefix index, storing its tokens. `false`, and
+    /// no change, when the hash is 0, the tokens are not B, the parent is not itself named (a
+    /// chain is only found from its first block), another block already holds the key (ours
+    /// stays private), this block already has a name, or it is not referenced.
+    pub fn register(&mut self, id: BlockId, key: BlockKey<'_>) -> bool {
+        let b = self.shape.block_tokens() as usize;
+        let Ok(m) = self.meta(id) else { return false };
+        if key.hash == 0 || key.tokens.len() != b || m.refs == 0 || m.hash != 0 {
+            return false;
+        }
+        let (parent, parent_gen) = match key.parent {
+            None => (NIL, 0),
+            Some(p) => match self.meta(p) {
+                Ok(pm) if pm.hash != 0 && p != id => (p, pm.generation),
+                _ => return false,
+            },
+        };
+        if self.index.contains_key(&(key.scope, key.hash)) {
+            return false;
+        }
+        self.index.insert((key.scope, key.hash), id);
+        let at = id as usize * b;
+        self.tokens[at..at + b].copy_from_slice(key.tokens);
+        let m = &mut self.meta[id as usize];
+        m.hash = key.hash;
+        m.scope = key.scope;
+        m.parent = parent;
+        m.parent_gen = parent_gen;
+        m.known = b as u32;
+        true
+    }
+
+    /// The block `key` names, if any: same scope and hash, the same tokens, and `key.parent` as
+    /// it was when the block was named. Takes no reference and changes nothing, not even the
     /// LRU order: asking is free.
     #[must_use]
-    pub fn lookup(&self, hash: u64) -> Option<BlockId> {
-        if hash == 0 {
+    pub fn lookup(&self, key: BlockKey<'_>) -> Option<BlockId> {
+        if key.hash == 0 {
             return None;
         }
-        self.index.get(&hash).copied()
+        let id = *self.index.get(&(key.scope, key.hash))?;
+        let m = &self.meta[id as usize];
+        let parent_ok = match key.parent {
+            None => m.parent == NIL,
+            Some(p) => {
+                m.parent == p
+                    && self.meta.get(p as usize).map(|pm| pm.generation) == Some(m.parent_gen)
+            }
+        };
+        (parent_ok && self.tokens_of(id) == key.tokens).then_some(id)
     }
 
-    /// The block holding `hash` with one reference taken on it.
-    pub fn lookup_ref(&mut self, hash: u64) -> Option<BlockId> {
-        let id = self.lookup(hash)?;
+    /// The block `key` names with one reference taken on it.
+    pub fn lookup_ref(&mut self, key: BlockKey<'_>) -> Option<BlockId> {
+        let id = self.lookup(key)?;
         self.retain(id).ok()?;
         Some(id)
+    }
+
+    /// The blocks holding the longest cached prefix of a prompt: `hashes` are its full blocks'
+    /// chained hashes, `tokens` the prompt (at least B per hash). Takes no reference.
+    #[must_use]
+    pub fn lookup_prefix(&self, scope: u64, hashes: &[u64], tokens: &[u32]) -> Vec<BlockId> {
+        let b = self.shape.block_tokens() as usize;
+        let mut found: Vec<BlockId> = Vec::new();
+        for (&hash, tokens) in hashes.iter().zip(tokens.chunks_exact(b)) {
+            let key = BlockKey {
+                scope,
+                hash,
+                tokens,
+                parent: found.last().copied(),
+            };
+            match self.lookup(key) {
+                Some(id) => found.push(id),
+                None => break,
+            }
+        }
+        found
     }
 
     /// A block's hash (0 when unregistered), fill and refcount.
@@ -456,7 +567,12 @@ impl KvPool {
     /// # Errors
     /// [`PoolError::BadImport`] for a wrong size or fill, [`PoolError::Exhausted`] with no free
     /// or evictable block; the pool is unchanged.
-    pub fn import(&mut self, hash: u64, fill: u32, payload: &[u8]) -> Result<BlockId, PoolError> {
+    pub fn import(
+        &mut self,
+        key: BlockKey<'_>,
+        fill: u32,
+        payload: &[u8],
+    ) -> Result<BlockId, PoolError> {
         self.check_import(fill, payload.len())?;
         let id = self.allocate(1)?[0];
         let copied = self
@@ -468,7 +584,7 @@ impl KvPool {
             let _ = self.release(id);
             return Err(e);
         }
-        self.finish_import(id, hash, fill);
+        self.finish_import(id, key, fill);
         Ok(id)
     }
 
@@ -483,12 +599,12 @@ impl KvPool {
         Ok(())
     }
 
-    /// An imported block's fill and name, once its bytes are in.
-    fn finish_import(&mut self, id: BlockId, hash: u64, fill: u32) {
+    /// An imported block's fill, tokens and name, once its bytes are in: named when the key's
+    /// tokens are its fill and [`register`](Self::register) accepts it.
+    fn finish_import(&mut self, id: BlockId, key: BlockKey<'_>, fill: u32) {
         self.meta[id as usize].fill = fill;
-        if hash != 0 && !self.index.contains_key(&hash) {
-            self.index.insert(hash, id);
-            self.meta[id as usize].hash = hash;
+        if key.tokens.len() == fill as usize && !self.register(id, key) {
+            self.set_tokens(id, key.tokens);
         }
     }
 
@@ -557,8 +673,8 @@ impl KvPool {
                 )));
             }
         }
-        for (&hash, &id) in &self.index {
-            if self.meta.get(id as usize).map(|m| m.hash) != Some(hash) {
+        for (&(scope, hash), &id) in &self.index {
+            if self.meta.get(id as usize).map(|m| (m.scope, m.hash)) != Some((scope, hash)) {
                 return Err(InvariantError(format!(
                     "index {hash:#x} -> {id} but the block says otherwise"
                 )));
@@ -681,7 +797,7 @@ impl SharedKv {
     /// As [`KvPool::import`]; the pool is unchanged.
     pub fn import(
         &self,
-        hash: u64,
+        key: BlockKey<'_>,
         fill: u32,
         payload: &[u8],
         reserve: usize,
@@ -705,7 +821,7 @@ impl SharedKv {
                 return Err(e);
             }
         }
-        self.lock().finish_import(id, hash, fill);
+        self.lock().finish_import(id, key, fill);
         Ok(id)
     }
 
@@ -813,7 +929,9 @@ impl Drop for Blocks {
             return;
         }
         let mut pool = self.pool.lock();
-        for &id in &self.ids {
+        // Last block first: the LRU then evicts a chain from its end, and a cached prefix stays
+        // findable (a block is only found through its parent).
+        for &id in self.ids.iter().rev() {
             let res = pool.release(id);
             debug_assert!(
                 res.is_ok(),

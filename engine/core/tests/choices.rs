@@ -10,7 +10,7 @@ use tl_engine_core::engine::{
     Choices, Engine, Event, Generated, Mode, PrefillOutput, Request, Resume, SeqId,
 };
 use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
-use tl_engine_core::pool::{Blocks, KvPool, SharedKv};
+use tl_engine_core::pool::{BlockId, BlockKey, Blocks, KvPool, SharedKv};
 use tl_engine_core::sampler::{Sampling, SamplingRequest};
 use tl_engine_core::stop::Stop;
 
@@ -31,6 +31,7 @@ fn seeded(t: f32) -> Sampling {
 
 fn req(prompt: &[u32], s: Sampling, seed: u64, max_tokens: u32, choices: Choices) -> Request {
     Request {
+        scope: Default::default(),
         prompt: prompt.to_vec(),
         sampling: s,
         seed,
@@ -102,19 +103,25 @@ fn prefill(e: &mut Engine, prompt: &[u32], s: Sampling, seed: u64) -> PrefillOut
 
 /// The prefill's blocks copied into `d`'s pool, as a transfer imports them.
 fn transfer(p: &Engine, out: &PrefillOutput, d: &Engine) -> Blocks {
+    let b = TEST.block_tokens() as usize;
     let src = p.pool().lock();
     let mut dst = d.pool().lock();
-    let ids = out
-        .blocks
-        .ids()
-        .iter()
-        .enumerate()
-        .map(|(i, &bid)| {
-            let (bytes, fill) = src.export(bid).unwrap();
-            let hash = out.hashes.get(i).copied().unwrap_or(0);
-            dst.import(hash, fill, &bytes).unwrap()
-        })
-        .collect();
+    let ids =
+        out.blocks
+            .ids()
+            .iter()
+            .enumerate()
+            .fold(Vec::new(), |mut ids: Vec<BlockId>, (i, &bid)| {
+                let (bytes, fill) = src.export(bid).unwrap();
+                let key = BlockKey {
+                    scope: 0,
+                    hash: out.hashes.get(i).copied().unwrap_or(0),
+                    tokens: &out.prompt[i * b..(i * b + fill as usize)],
+                    parent: ids.last().copied(),
+                };
+                ids.push(dst.import(key, fill, &bytes).unwrap());
+                ids
+            });
     drop((src, dst));
     Blocks::new(d.pool().clone(), ids)
 }
@@ -254,6 +261,7 @@ fn logprobs_do_not_depend_on_temperature() {
 fn resume_on(d: &mut Engine, p: &Engine, out: &PrefillOutput, r: &Request) -> SeqId {
     let blocks = transfer(p, out, d);
     d.resume(Resume {
+        scope: Default::default(),
         prompt: r.prompt.clone(),
         blocks,
         first_token: out.first_token,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use kvwire::Shape;
 use tl_engine_core::engine::{Engine, Event, Mode, PrefillOutput, Request, Resume};
 use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
-use tl_engine_core::pool::{Blocks, KvPool, SharedKv};
+use tl_engine_core::pool::{BlockKey, Blocks, KvPool, SharedKv};
 use tl_engine_core::sampler::{Sampling, SamplingRequest};
 
 const TEST: Shape = Shape::v1(4, 2, 1, 4);
@@ -30,6 +30,7 @@ fn sampling(t: f32, p: f32, k: u32) -> Sampling {
 
 fn req(prompt: &[u32], sampling: Sampling, seed: u64, max_tokens: u32, mode: Mode) -> Request {
     Request {
+        scope: Default::default(),
         prompt: prompt.to_vec(),
         sampling,
         seed,
@@ -161,6 +162,7 @@ fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
     assert_eq!(out.draws, u32::from(!s.is_greedy()));
     let id = e
         .resume(Resume {
+            scope: Default::default(),
             prompt: prompt.to_vec(),
             blocks: out.blocks,
             first_token: out.first_token,
@@ -185,13 +187,20 @@ fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
         let mut dst = d.pool().lock();
         for (i, &bid) in out.blocks.ids().iter().enumerate() {
             let (bytes, fill) = src.export(bid).unwrap();
-            let hash = out.hashes.get(i).copied().unwrap_or(0);
-            imported.push(dst.import(hash, fill, &bytes).unwrap());
+            let b = TEST.block_tokens() as usize;
+            let key = BlockKey {
+                scope: 0,
+                hash: out.hashes.get(i).copied().unwrap_or(0),
+                tokens: &out.prompt[i * b..(i * b + fill as usize)],
+                parent: imported.last().copied(),
+            };
+            imported.push(dst.import(key, fill, &bytes).unwrap());
         }
     }
     let blocks = Blocks::new(d.pool().clone(), imported);
     let id = d
         .resume(Resume {
+            scope: Default::default(),
             prompt: prompt.to_vec(),
             blocks,
             first_token: out.first_token,

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 
 use kvwire::Shape;
-use tl_engine_core::pool::{BlockId, KvPool, SharedKv};
+use tl_engine_core::pool::{BlockId, BlockKey, KvPool, SharedKv};
 use tl_engine_core::rng::Pcg32;
 
 const SHAPE: Shape = Shape::v1(4, 2, 1, 4);
@@ -37,6 +37,13 @@ fn worker(shared: &SharedKv, seed: u64) {
         let tag = (seed as u8).wrapping_mul(31).wrapping_add(n as u8);
         // Few hashes across all threads: collisions, revival and eviction happen often.
         let hash = u64::from(rng.next_u32() % 8) + 1;
+        let tokens = [hash as u32; 4];
+        let key = BlockKey {
+            scope: 0,
+            hash,
+            tokens: &tokens,
+            parent: None,
+        };
         let pick = |held: &HashMap<BlockId, Option<u8>>, r: u32| {
             let mut ids: Vec<BlockId> = held.keys().copied().collect();
             ids.sort_unstable();
@@ -61,7 +68,7 @@ fn worker(shared: &SharedKv, seed: u64) {
             // The receiver: an import (the copy outside the pool's lock), registered when the
             // hash is free.
             1 if held.len() < 6 => {
-                if let Ok(id) = shared.import(hash, 4, &vec![tag; payload], 0) {
+                if let Ok(id) = shared.import(key, 4, &vec![tag; payload], 0) {
                     held.insert(id, Some(tag));
                 }
                 checked(&shared.lock(), "import");
@@ -74,13 +81,13 @@ fn worker(shared: &SharedKv, seed: u64) {
             // Naming one of ours, so other threads can share it.
             2 => {
                 if let Some(id) = pick(&held, r) {
-                    p.register(id, hash);
+                    p.register(id, key);
                 }
                 checked(&p, "register");
             }
             // A lookup that takes a reference (a dedup, a prefix hit).
             3 if held.len() < 6 => {
-                if let Some(id) = p.lookup_ref(hash) {
+                if let Some(id) = p.lookup_ref(key) {
                     // Ours already? Then it is a second reference: give it back at once.
                     match held.entry(id) {
                         std::collections::hash_map::Entry::Occupied(_) => p.release(id).unwrap(),
@@ -106,7 +113,7 @@ fn worker(shared: &SharedKv, seed: u64) {
                 checked(&p, "release");
             }
             _ => {
-                let _ = p.lookup(hash);
+                let _ = p.lookup(key);
                 checked(&p, "lookup");
             }
         }
@@ -159,7 +166,17 @@ fn concurrent_use_keeps_every_invariant() {
                 assert_eq!(c.total, BLOCKS);
                 let hashes: Vec<bool> = {
                     let p = shared.lock();
-                    (1..=8).map(|h| p.lookup(h).is_some()).collect()
+                    (1..=8u64)
+                        .map(|h| {
+                            let key = BlockKey {
+                                scope: 0,
+                                hash: h,
+                                tokens: &[h as u32; 4],
+                                parent: None,
+                            };
+                            p.lookup(key).is_some()
+                        })
+                        .collect()
                 };
                 assert_eq!(hashes.len(), 8);
                 reads += 1;

@@ -5,23 +5,48 @@ use std::collections::HashMap;
 
 use kvwire::Shape;
 use proptest::prelude::*;
-use tl_engine_core::pool::{BlockId, KvPool, PoolCounts, PoolError};
+use tl_engine_core::pool::{BlockId, BlockKey, KvPool, PoolCounts, PoolError};
 
 const TEST: Shape = Shape::v1(4, 2, 1, 4);
+
+/// The four tokens the tests name by `h`: different hashes, different tokens.
+fn toks(h: u64) -> [u32; 4] {
+    [h as u32, (h >> 32) as u32, 7, 9]
+}
+
+/// A first block (no parent) of scope 0 holding `tokens`, indexed by `h`.
+fn root(h: u64, tokens: &[u32]) -> BlockKey<'_> {
+    BlockKey {
+        scope: 0,
+        hash: h,
+        tokens,
+        parent: None,
+    }
+}
+
+/// `pool.register(id, ...)` of the root named `h`.
+fn reg(pool: &mut KvPool, id: BlockId, h: u64) -> bool {
+    pool.register(id, root(h, &toks(h)))
+}
+
+/// `pool.lookup` of the root named `h`.
+fn find(pool: &KvPool, h: u64) -> Option<BlockId> {
+    pool.lookup(root(h, &toks(h)))
+}
 
 #[test]
 fn pool_lookup_takes_no_reference() {
     let mut pool = KvPool::new(TEST, 8);
     let ids = pool.allocate(3).unwrap();
-    assert!(pool.register(ids[0], 11));
-    assert!(pool.register(ids[1], 22));
+    assert!(reg(&mut pool, ids[0], 11));
+    assert!(reg(&mut pool, ids[1], 22));
     pool.release(ids[1]).unwrap(); // 22 is now cached
     let before = pool.counts();
     for _ in 0..5 {
-        assert_eq!(pool.lookup(11), Some(ids[0]));
-        assert_eq!(pool.lookup(22), Some(ids[1]));
-        assert_eq!(pool.lookup(33), None);
-        assert_eq!(pool.lookup(0), None);
+        assert_eq!(find(&pool, 11), Some(ids[0]));
+        assert_eq!(find(&pool, 22), Some(ids[1]));
+        assert_eq!(find(&pool, 33), None);
+        assert_eq!(find(&pool, 0), None);
     }
     assert_eq!(pool.counts(), before);
     assert_eq!(pool.info(ids[0]).unwrap().2, 1);
@@ -29,10 +54,10 @@ fn pool_lookup_takes_no_reference() {
     // A lookup does not refresh the LRU either: the cached block is still the next eviction.
     let more = pool.allocate(5).unwrap();
     assert_eq!(pool.counts().free, 0);
-    assert_eq!(pool.lookup(22), Some(ids[1]));
+    assert_eq!(find(&pool, 22), Some(ids[1]));
     let evicting = pool.allocate(1).unwrap();
     assert_eq!(evicting, [ids[1]]);
-    assert_eq!(pool.lookup(22), None);
+    assert_eq!(find(&pool, 22), None);
     assert!(more.iter().all(|id| pool.info(*id).unwrap().2 == 1));
     pool.check().unwrap();
 }
@@ -54,26 +79,27 @@ fn allocate_is_all_or_nothing_and_import_registers() {
         pool.release(id).unwrap();
     }
     let payload: Vec<u8> = (0..128).map(|i| i as u8).collect();
-    let id = pool.import(77, 4, &payload).unwrap();
-    assert_eq!(pool.lookup(77), Some(id));
+    let t77 = toks(77);
+    let id = pool.import(root(77, &t77), 4, &payload).unwrap();
+    assert_eq!(find(&pool, 77), Some(id));
     let (bytes, fill) = pool.export(id).unwrap();
     assert_eq!((&*bytes, fill), (&payload[..], 4));
     drop(bytes);
     // A second import of the same hash is a private copy, not registered.
-    let id2 = pool.import(77, 4, &payload).unwrap();
-    assert_eq!(pool.lookup(77), Some(id));
+    let id2 = pool.import(root(77, &t77), 4, &payload).unwrap();
+    assert_eq!(find(&pool, 77), Some(id));
     assert_eq!(pool.info(id2).unwrap().0, 0);
     assert!(matches!(
-        pool.import(5, 0, &payload),
+        pool.import(root(5, &[]), 0, &payload),
         Err(PoolError::BadImport { .. })
     ));
     assert!(matches!(
-        pool.import(5, 4, &payload[..100]),
+        pool.import(root(5, &t77), 4, &payload[..100]),
         Err(PoolError::BadImport { .. })
     ));
     // release_forget drops the name of a block nobody else holds.
     pool.release_forget(id).unwrap();
-    assert_eq!(pool.lookup(77), None);
+    assert_eq!(find(&pool, 77), None);
     pool.release(id2).unwrap();
     assert_eq!(
         pool.counts(),
@@ -230,10 +256,9 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Register(k, h) if !held.is_empty() => {
                 let id = held[k % held.len()];
                 let i = id as usize;
-                let expect = h != 0
-                    && (m.hash[i] == 0 || m.hash[i] == h)
-                    && m.index.get(&h).is_none_or(|&holder| holder == id);
-                prop_assert_eq!(pool.register(id, h), expect);
+                // A named block keeps its name; a taken name leaves the block private.
+                let expect = h != 0 && m.hash[i] == 0 && !m.index.contains_key(&h);
+                prop_assert_eq!(reg(&mut pool, id, h), expect);
                 if expect {
                     m.hash[i] = h;
                     m.index.insert(h, id);
@@ -242,7 +267,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Lookup(h) => {
                 let before = pool.counts();
                 prop_assert_eq!(
-                    pool.lookup(h),
+                    find(&pool, h),
                     if h == 0 {
                         None
                     } else {
@@ -252,7 +277,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 prop_assert_eq!(pool.counts(), before);
             }
             Op::LookupRef(h) => {
-                let got = pool.lookup_ref(h);
+                let got = pool.lookup_ref(root(h, &toks(h)));
                 let want = if h == 0 {
                     None
                 } else {
@@ -267,21 +292,24 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     held.push(id);
                 }
             }
-            Op::Import(h, fill) => match pool.import(h, fill, &payload) {
-                Ok(id) => {
-                    m.take(&[id])?;
-                    if h != 0 && !m.index.contains_key(&h) {
-                        m.hash[id as usize] = h;
-                        m.index.insert(h, id);
+            Op::Import(h, fill) => {
+                match pool.import(root(h, &toks(h)[..fill as usize]), fill, &payload) {
+                    Ok(id) => {
+                        m.take(&[id])?;
+                        // Named only when full: a partial block's tokens are not a key.
+                        if h != 0 && fill == 4 && !m.index.contains_key(&h) {
+                            m.hash[id as usize] = h;
+                            m.index.insert(h, id);
+                        }
+                        prop_assert_eq!(pool.info(id).unwrap(), (m.hash[id as usize], fill, 1));
+                        held.push(id);
                     }
-                    prop_assert_eq!(pool.info(id).unwrap(), (m.hash[id as usize], fill, 1));
-                    held.push(id);
+                    Err(PoolError::Exhausted { .. }) => {
+                        prop_assert_eq!(m.counts().free + m.counts().cached, 0)
+                    }
+                    Err(e) => prop_assert!(false, "{e}"),
                 }
-                Err(PoolError::Exhausted { .. }) => {
-                    prop_assert_eq!(m.counts().free + m.counts().cached, 0)
-                }
-                Err(e) => prop_assert!(false, "{e}"),
-            },
+            }
             _ => {}
         }
         if let Err(e) = pool.check() {
@@ -321,7 +349,7 @@ fn published_counts_follow_every_release_without_the_lock() {
     assert_eq!((shared.counts().used, shared.counts().free), (3, 5));
     {
         let mut p = shared.lock();
-        assert!(p.register(ids[0], 42));
+        assert!(reg(&mut p, ids[0], 42));
         p.release(ids[0]).unwrap();
         // While the lock is held the published figures are those of the last release.
         assert_eq!(shared.counts().used, 3);
@@ -329,4 +357,75 @@ fn published_counts_follow_every_release_without_the_lock() {
     let c = shared.counts();
     assert_eq!((c.used, c.cached, c.free, c.indexed), (2, 1, 5, 1));
     assert_eq!(c, shared.lock().counts());
+}
+
+/// The hash is an index, not an identity: a block with the same hash and other tokens, another
+/// scope, or another parent is not found; a second block under a taken key stays private.
+#[test]
+fn a_block_answers_only_for_its_tokens_its_parent_and_its_scope() {
+    let mut pool = KvPool::new(TEST, 8);
+    let ids = pool.allocate(3).unwrap();
+    let (a, b) = ([1, 2, 3, 4], [5, 6, 7, 8]);
+    let h0 = kvwire::block_hash(0, &a);
+    let h1 = kvwire::block_hash(h0, &b);
+    let key = |hash, tokens, parent, scope| BlockKey {
+        scope,
+        hash,
+        tokens,
+        parent,
+    };
+    assert!(pool.register(ids[0], key(h0, &a[..], None, 3)));
+    assert!(pool.register(ids[1], key(h1, &b[..], Some(ids[0]), 3)));
+    assert_eq!(pool.lookup_prefix(3, &[h0, h1], &[a, b].concat()), ids[..2]);
+    // The same hashes with other tokens (a collision): not found, nothing after either.
+    assert_eq!(pool.lookup(key(h0, &[1, 2, 3, 5], None, 3)), None);
+    assert_eq!(pool.lookup_prefix(3, &[h0, h1], &[[9; 4], b].concat()), []);
+    // Another scope: nothing shared.
+    assert_eq!(pool.lookup_prefix(4, &[h0, h1], &[a, b].concat()), []);
+    // The right tokens after the wrong parent (or as a first block): not found.
+    assert_eq!(pool.lookup(key(h1, &b[..], None, 3)), None);
+    assert_eq!(pool.lookup(key(h1, &b[..], Some(ids[2]), 3)), None);
+    // A colliding block cannot take the name; a block whose parent is unnamed is not named.
+    assert!(!pool.register(ids[2], key(h0, &[9; 4][..], None, 3)));
+    assert!(!pool.register(ids[2], key(77, &b[..], Some(ids[2]), 3)));
+    // A tail's tokens are kept for the claim's comparison, never as a key.
+    assert!(pool.set_tokens(ids[2], &[1, 2]));
+    assert_eq!(pool.tokens_of(ids[2]), [1, 2]);
+    assert!(
+        !pool.set_tokens(ids[0], &[1]),
+        "a named block's tokens are final"
+    );
+    pool.check().unwrap();
+}
+
+/// A child names its parent's life: once the parent is evicted and its slot holds another
+/// prompt under the same name, the old child is not found after it.
+#[test]
+fn a_reused_parent_does_not_revive_its_old_children() {
+    let mut pool = KvPool::new(TEST, 2);
+    let ids = pool.allocate(2).unwrap();
+    let (a, b) = ([1, 2, 3, 4], [5, 6, 7, 8]);
+    let h0 = kvwire::block_hash(0, &a);
+    let h1 = kvwire::block_hash(h0, &b);
+    assert!(pool.register(ids[0], root(h0, &a)));
+    let child = BlockKey {
+        scope: 0,
+        hash: h1,
+        tokens: &b,
+        parent: Some(ids[0]),
+    };
+    assert!(pool.register(ids[1], child));
+    // Release the parent first: it is evicted first, and comes back under the same key.
+    pool.release(ids[0]).unwrap();
+    pool.release(ids[1]).unwrap();
+    let again = pool.allocate(1).unwrap()[0];
+    assert_eq!(again, ids[0]);
+    assert!(pool.register(again, root(h0, &a)));
+    assert_eq!(
+        pool.lookup(child),
+        None,
+        "the child outlived its parent's life"
+    );
+    assert_eq!(pool.lookup_prefix(0, &[h0, h1], &[a, b].concat()), [again]);
+    pool.check().unwrap();
 }

@@ -15,6 +15,12 @@ use super::{ApiError, Flavor};
 /// The header naming a transferred KV handle on a decode engine's `/v1/completions`.
 pub const KV_HANDLE_HEADER: &str = "x-tl-kv-handle";
 
+/// The header carrying a request's tenant cache scope (hex u64) from the gateway to an engine's
+/// `/v1/completions`; absent: the shared scope 0. Only the gateway and operators reach that
+/// front (mutual TLS with role checks), so it is trusted there. A resume ignores it: the claimed
+/// handle's scope is the one its blocks were pushed in.
+pub const CACHE_SCOPE_HEADER: &str = "x-tl-cache-scope";
+
 /// OpenAI's default completion length.
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
 

@@ -170,6 +170,7 @@ async fn start(
         params,
         stop,
         choices,
+        scope: 0,
     };
     serve(g, job, flavor)
         .await

@@ -51,6 +51,8 @@ struct Driver<'g> {
     pushed_to: HashMap<LaneId, WorkerStatus>,
     /// Handles not yet claimed.
     unclaimed: HashMap<LaneId, Unclaimed>,
+    /// The request's tenant cache scope.
+    scope: u64,
 }
 
 impl Gateway {
@@ -68,6 +70,7 @@ impl Gateway {
     /// Runs one request, sending what happens to `out`. Returns when the request is over or the
     /// client has gone (then after cleaning up, within the policy's `release_wait`).
     pub(super) async fn drive(self: Arc<Self>, job: Job, out: mpsc::Sender<Out>) {
+        let scope = job.scope;
         let mut session = Session::new(job, self.request_id(), self.retry_policy());
         let release_wait = session.policy().release_wait;
         let (events, mut rx) = mpsc::channel(EVENT_QUEUE);
@@ -80,6 +83,7 @@ impl Gateway {
             counted: HashMap::new(),
             pushed_to: HashMap::new(),
             unclaimed: HashMap::new(),
+            scope,
         };
         let mut pending: VecDeque<Action> = session.start().into();
         let mut client_gone = false;
@@ -204,10 +208,10 @@ impl Driver<'_> {
                 exclude,
                 model,
             } => {
-                let (g, tx) = (Arc::clone(self.g), self.events.clone());
+                let (g, tx, scope) = (Arc::clone(self.g), self.events.clone(), self.scope);
                 self.tasks.spawn(
                     async move {
-                        let plan = g.plan_for(&prompt, &exclude, model.as_deref()).await;
+                        let plan = g.plan_for(&prompt, scope, &exclude, model.as_deref()).await;
                         let plan = Box::new(plan);
                         let _ = tx.send(Event::Planned { lane, plan }).await;
                     }
@@ -266,11 +270,12 @@ impl Driver<'_> {
                 request,
                 quiet,
             } => {
+                let scope = self.scope;
                 self.lane_task(lane, async move |g, tx| {
                     let opened = tokio::time::timeout(
                         quiet,
                         g.upstream
-                            .stream(&decode.http_address, Some(&handle_id), &request),
+                            .stream(&decode.http_address, Some(&handle_id), scope, &request),
                     )
                     .await;
                     let events = match opened {
@@ -289,8 +294,9 @@ impl Driver<'_> {
                 request,
                 quiet,
             } => {
+                let scope = self.scope;
                 self.lane_task(lane, async move |g, tx| {
-                    colocated(&g, &target, &request, &tx, lane, quiet).await;
+                    colocated(&g, &target, scope, &request, &tx, lane, quiet).await;
                 });
             }
             Action::Emit(o) => {
@@ -365,6 +371,7 @@ impl Gateway {
     async fn plan_for(
         &self,
         prompt: &[u32],
+        scope: u64,
         exclude: &[String],
         model: Option<&str>,
     ) -> super::session::Planned {
@@ -378,7 +385,7 @@ impl Gateway {
         let route_span = tracing::info_span!("route", otel.kind = "internal", reason = Empty);
         let holds = self
             .upstream
-            .cached_prefixes(prompt, &has_blocks_targets(&workers))
+            .cached_prefixes(prompt, scope, &has_blocks_targets(&workers))
             .instrument(route_span.clone())
             .await;
         let cached: HashMap<String, usize> = holds
@@ -399,6 +406,7 @@ async fn lost(tx: &mpsc::Sender<Event>, lane: LaneId, cause: LossCause) {
 async fn colocated(
     g: &Gateway,
     target: &WorkerStatus,
+    scope: u64,
     request: &CompletionRequest,
     tx: &mpsc::Sender<Event>,
     lane: LaneId,
@@ -406,7 +414,8 @@ async fn colocated(
 ) {
     let opened = tokio::time::timeout(
         quiet,
-        g.upstream.stream(&target.http_address, None, request),
+        g.upstream
+            .stream(&target.http_address, None, scope, request),
     )
     .await;
     match opened {

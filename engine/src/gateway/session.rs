@@ -53,6 +53,8 @@ pub struct Job {
     pub stop: Stop,
     /// Its choices and log-probabilities, valid.
     pub choices: Choices,
+    /// The tenant cache scope its blocks live in (see `super::tenant`).
+    pub scope: u64,
 }
 
 impl Job {
@@ -726,6 +728,7 @@ impl Session {
                 decode_target: d.kv_address.clone(),
                 rng_draws_offset: offset,
                 decode_holds: p.holds.get(&d.worker_id).cloned(),
+                cache_scope: self.job.scope,
             },
             decode: d,
         });
@@ -1450,6 +1453,7 @@ mod tests {
                 n,
                 logprobs: logprobs.then_some(2),
             },
+            scope: 0,
         }
     }
 

@@ -13,7 +13,7 @@ use kvwire_grpc::{GrpcTransport, KvTransport, TransportConfig};
 use tokio::task::JoinSet;
 use tonic::Status;
 
-use crate::api::{CompletionRequest, KV_HANDLE_HEADER};
+use crate::api::{CACHE_SCOPE_HEADER, CompletionRequest, KV_HANDLE_HEADER};
 use crate::net::clients::{ControlClient, EventStream, HttpClient, HttpError};
 use crate::net::tls::{Tls, TlsError};
 
@@ -81,16 +81,22 @@ impl Upstream {
     pub async fn cached_prefixes(
         &self,
         prompt: &[u32],
+        scope: u64,
         decoders: &[&WorkerStatus],
     ) -> HashMap<String, DecodeHolds> {
         let mut asks = JoinSet::new();
         for w in decoders {
             let kv_format = w.kv_format.max(kvwire_grpc::KV_FORMAT_V1);
+            let b = w.block_tokens.max(1) as usize;
+            let hashes = prompt_hashes(prompt, b);
             let req = HasBlocksRequest {
-                hashes: prompt_hashes(prompt, w.block_tokens.max(1) as usize),
+                // The tokens decide, in the tenant's scope; the hashes only index them.
+                tokens: prompt[..hashes.len() * b].to_vec(),
+                hashes,
                 // The format the engine beats with (v1 from every engine of this project).
                 kv_format,
                 model: w.model.clone(),
+                cache_scope: scope,
             };
             let n = req.hashes.len();
             let (transport, id, addr) = (
@@ -130,6 +136,7 @@ impl Upstream {
         &self,
         http_addr: &str,
         handle: Option<&str>,
+        scope: u64,
         req: &CompletionRequest,
     ) -> Result<EventStream, OpenError> {
         // The current span's trace context travels to the decode engine's `engine.decode`.
@@ -144,6 +151,8 @@ impl Upstream {
         if let Some(tp) = &traceparent {
             headers.push(("traceparent", tp));
         }
+        let scope = format!("{scope:x}");
+        headers.push((CACHE_SCOPE_HEADER, &scope));
         // Serializing a plain request struct cannot fail.
         let body = serde_json::to_vec(req).unwrap_or_default();
         let (status, body) = self

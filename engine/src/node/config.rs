@@ -374,6 +374,7 @@ impl Config {
                 draws_offset: 0,
                 stop: tl_engine_core::stop::Stop::default(),
                 choices,
+                scope: 0,
             },
         )
     }

@@ -24,10 +24,19 @@ use super::runner::SeqEvent;
 use super::state::NodeState;
 use crate::api::render::{self, ChoiceEvent, ChoiceSource};
 use crate::api::{
-    ApiError, CompletionRequest, ENGINE_COMPLETION_FIELDS, Flavor, KV_HANDLE_HEADER, ResponseMeta,
-    TlResume, completion_id, parse_fields,
+    ApiError, CACHE_SCOPE_HEADER, CompletionRequest, ENGINE_COMPLETION_FIELDS, Flavor,
+    KV_HANDLE_HEADER, ResponseMeta, TlResume, completion_id, parse_fields,
 };
 use crate::net::tls::PeerRole;
+
+/// The tenant scope a gateway named in [`CACHE_SCOPE_HEADER`] (0, the shared scope, without).
+fn cache_scope(headers: &HeaderMap) -> u64 {
+    headers
+        .get(CACHE_SCOPE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| u64::from_str_radix(v, 16).ok())
+        .unwrap_or(0)
+}
 
 /// Who may call the decode front: the gateway, and operators.
 pub const POLICY: &[PeerRole] = &[PeerRole::Gateway, PeerRole::Admin];
@@ -84,18 +93,22 @@ impl DecodeFront {
                 "resuming needs the seed the prefill engine reported",
             ));
         };
-        let Some((hashes, tokens)) = self.receiver.peek(handle) else {
+        let Some(view) = self.receiver.peek(handle) else {
             return Err(not_found(format!(
                 "unknown or already claimed KV handle {handle:?}"
             )));
         };
+        let (hashes, tokens) = (view.hashes, view.tokens);
         let runner = self.state.runner();
         let b = runner.model().shape().block_tokens() as usize;
         let mut expect = prompt_hashes(prompt, b);
         if !prompt.len().is_multiple_of(b) {
             expect.push(0);
         }
-        if hashes != expect || tokens != prompt.len() as u64 {
+        // The hashes are only an index: when the chunks carried their tokens (every sender of
+        // this project), the prompt is compared token by token, the tail's included.
+        let same_tokens = view.prompt.as_deref().is_none_or(|p| p == prompt);
+        if hashes != expect || tokens != prompt.len() as u64 || !same_tokens {
             // Not this prompt's blocks: leave the handle to its owner.
             return Err(ApiError::conflict(format!(
                 "KV handle {handle:?} holds {tokens} tokens in other blocks than this prompt's {}",
@@ -107,6 +120,7 @@ impl DecodeFront {
                 "KV handle {handle:?} was claimed meanwhile"
             )));
         };
+        let scope = claimed.scope();
         let blocks = Blocks::new(runner.pool().clone(), claimed.into_ids());
         let (_, events) = runner.resume(Resume {
             prompt: prompt.to_vec(),
@@ -118,6 +132,7 @@ impl DecodeFront {
             max_tokens: req.params.max_tokens(),
             stop,
             choices,
+            scope,
         });
         Ok((seed, events))
     }
@@ -165,6 +180,7 @@ impl DecodeFront {
                     draws_offset: 0,
                     stop: stop.clone(),
                     choices,
+                    scope: cache_scope(headers),
                 });
                 (seed, ev)
             }

@@ -215,6 +215,7 @@ impl PrefillService {
             draws_offset: u64::from(req.rng_draws_offset),
             stop: tl_engine_core::stop::Stop::default(),
             choices: tl_engine_core::engine::Choices::ONE,
+            scope: req.cache_scope,
         };
         let handle_id = format!(
             "{}-{}-{:016x}",
@@ -232,6 +233,10 @@ impl PrefillService {
             model: &model,
             hashes: &hashes,
             n_blocks: req.prompt_tokens.len().div_ceil(b),
+            // Each chunk carries its tokens: the decode engine deduplicates only onto a block
+            // with the same tokens in the same scope, and the claim compares every token.
+            tokens: &req.prompt_tokens,
+            scope: req.cache_scope,
             // The gateway's HasBlocks answer while routing: the decode engine is asked once.
             known: req.decode_holds.as_ref().map(|h| kvwire_grpc::Holds {
                 kv_format: h.kv_format,

@@ -5,7 +5,7 @@
 
 use kvwire::Shape;
 use kvwire_grpc::{BlockId, KvStore, StoreError};
-use tl_engine_core::pool::{PoolError, SharedKv};
+use tl_engine_core::pool::{BlockKey, PoolError, SharedKv};
 
 /// A [`SharedKv`] serving the KV transfer. Imports leave `reserve` blocks free or evictable,
 /// so a running sequence never fails for want of a block a push took.
@@ -17,6 +17,16 @@ impl PoolStore {
     #[must_use]
     pub fn new(pool: SharedKv) -> Self {
         Self(pool, 0)
+    }
+}
+
+/// The transfer's block key as the pool's (the core does not know the transfer crate).
+fn core_key(k: kvwire_grpc::BlockKey<'_>) -> BlockKey<'_> {
+    BlockKey {
+        scope: k.scope,
+        hash: k.hash,
+        tokens: k.tokens,
+        parent: k.parent,
     }
 }
 
@@ -32,23 +42,25 @@ impl KvStore for PoolStore {
         self.0.lock().shape()
     }
 
-    fn contains(&self, hashes: &[u64]) -> Vec<bool> {
-        // A few thousand lookups per lock at most, whatever the request's size.
-        let mut out = Vec::with_capacity(hashes.len());
-        for part in hashes.chunks(1024) {
-            let pool = self.0.lock();
-            out.extend(part.iter().map(|&h| pool.lookup(h).is_some()));
-        }
-        out
+    fn contains(&self, scope: u64, hashes: &[u64], tokens: &[u32]) -> Vec<bool> {
+        // One lock for the walk: at most ceil(max context / B) lookups (the receiver bounds
+        // the hashes), each a map probe and a B-token compare.
+        let found = self.0.lock().lookup_prefix(scope, hashes, tokens).len();
+        (0..hashes.len()).map(|i| i < found).collect()
     }
 
-    fn take_ref(&self, hash: u64) -> Option<BlockId> {
-        self.0.lock().lookup_ref(hash)
+    fn take_ref(&self, key: kvwire_grpc::BlockKey<'_>) -> Option<BlockId> {
+        self.0.lock().lookup_ref(core_key(key))
     }
 
-    fn import(&self, hash: u64, fill: u32, payload: &[u8]) -> Result<BlockId, StoreError> {
+    fn import(
+        &self,
+        key: kvwire_grpc::BlockKey<'_>,
+        fill: u32,
+        payload: &[u8],
+    ) -> Result<BlockId, StoreError> {
         self.0
-            .import(hash, fill, payload, self.1)
+            .import(core_key(key), fill, payload, self.1)
             .map_err(store_error)
     }
 
@@ -107,13 +119,20 @@ mod tests {
 
     use super::PoolStore;
 
+    const ANON: kvwire_grpc::BlockKey<'static> = kvwire_grpc::BlockKey {
+        scope: 0,
+        hash: 0,
+        tokens: &[],
+        parent: None,
+    };
+
     #[test]
     fn store_errors_keep_the_pool_error() {
         let shape = Shape::v1(4, 2, 1, 4);
         let store = PoolStore::new(SharedKv::new(KvPool::new(shape, 1)));
         let p = shape.payload_bytes().unwrap();
         // A wrong size: the pool's own typed error, reachable as the source.
-        let err = store.import(0, 4, &[0; 3]).unwrap_err();
+        let err = store.import(ANON, 4, &[0; 3]).unwrap_err();
         let StoreError::Pool(source) = &err else {
             panic!("{err:?}");
         };
@@ -126,9 +145,9 @@ mod tests {
             })
         );
         // Exhaustion keeps its own variant (the receiver maps it to RESOURCE_EXHAUSTED).
-        let id = store.import(0, 4, &vec![0; p]).unwrap();
+        let id = store.import(ANON, 4, &vec![0; p]).unwrap();
         assert!(matches!(
-            store.import(0, 4, &vec![0; p]),
+            store.import(ANON, 4, &vec![0; p]),
             Err(StoreError::Exhausted)
         ));
         store.release(&[id]);

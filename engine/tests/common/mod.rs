@@ -23,6 +23,7 @@ pub fn engine(shape: Shape, blocks: usize) -> Engine {
 /// Prefills `prompt` and returns its blocks (references held by the output).
 pub fn prefill(e: &mut Engine, prompt: &[u32]) -> PrefillOutput {
     e.submit(Request {
+        scope: Default::default(),
         prompt: prompt.to_vec(),
         sampling: Sampling::GREEDY,
         seed: 0,

@@ -107,7 +107,9 @@ impl Encoder for PushEncoder {
         if let Some(block) = &item.block {
             // One allocation for the whole message: the envelope is written in place.
             let c = &item.chunk;
-            buf.reserve(block.envelope_len + c.handle_id.len() + c.model.len() + 64);
+            buf.reserve(
+                block.envelope_len + c.handle_id.len() + c.model.len() + 5 * c.tokens.len() + 80,
+            );
         }
         encode_chunk(item, buf)
     }
@@ -157,6 +159,11 @@ pub(super) fn encode_chunk<B: BufMut>(item: OutChunk, buf: &mut B) -> Result<(),
     fixed32::encode(7, &CRC32C_RESIDUE, buf);
     if !c.model.is_empty() {
         string::encode(8, &c.model, buf);
+    }
+    // Packed, as proto3 writes a repeated scalar.
+    uint32::encode_packed(9, &c.tokens, buf);
+    if c.cache_scope != 0 {
+        uint64::encode(10, &c.cache_scope, buf);
     }
     Ok(())
 }

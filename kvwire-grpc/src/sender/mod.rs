@@ -99,6 +99,10 @@ struct PushPlan {
     source: Source,
     total: u32,
     hashes: Arc<[u64]>,
+    /// The prompt, B tokens to a chunk (empty: chunks carry none).
+    tokens: Arc<[u32]>,
+    block_tokens: usize,
+    scope: u64,
     /// Per chunk: send it empty (the target holds the block).
     skip: Arc<[bool]>,
     /// Set when a block could not be exported (the push then fails).
@@ -149,6 +153,12 @@ impl PushPlan {
     /// Chunk `index`, lazily holding block `id` unless it is deduped.
     fn chunk(&self, index: u32, id: BlockId) -> OutChunk {
         let i = index as usize;
+        let b = self.block_tokens;
+        let tokens = self
+            .tokens
+            .get(i * b..((i + 1) * b).min(self.tokens.len()))
+            .unwrap_or(&[])
+            .to_vec();
         let chunk = KvChunk {
             handle_id: self.handle_id.clone(),
             index,
@@ -158,6 +168,8 @@ impl PushPlan {
             payload: bytes::Bytes::new(),
             payload_crc32c: 0,
             model: self.model.clone(),
+            tokens,
+            cache_scope: self.scope,
         };
         let block = (!self.skip[i]).then(|| LazyBlock {
             store: Arc::clone(&self.store),
@@ -218,7 +230,7 @@ pub async fn transfer<T: KvTransport + ?Sized>(
 /// use std::sync::Arc;
 /// use kvwire::{Shape, WireFormat};
 /// use kvwire_grpc::memory::{LocalTransport, MemStore};
-/// use kvwire_grpc::{KvReceiver, KvStore, Push, transfer_formats};
+/// use kvwire_grpc::{BlockKey, KvReceiver, KvStore, Push, transfer_formats};
 ///
 /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
 /// let v1 = Shape::v1(4, 2, 1, 4);
@@ -230,9 +242,12 @@ pub async fn transfer<T: KvTransport + ?Sized>(
 /// let v2 = Shape { format: WireFormat::new(2, 2, 1, "e4m3"), ..v1 };
 /// let as_v2 = Arc::new(MemStore::new(v2, 8));
 /// let as_v1 = Arc::new(MemStore::new(v1, 8));
-/// let id = as_v1.put(0, 2, &vec![0u8; v1.payload_bytes().unwrap()]).unwrap();
+/// let id = as_v1.put(BlockKey::ANON, 2, &vec![0u8; v1.payload_bytes().unwrap()]).unwrap();
 /// let offer: [Arc<dyn KvStore>; 2] = [as_v2, as_v1];
-/// let push = Push { target: "d", handle_id: "h", model: "fake", hashes: &[], n_blocks: 1, known: None };
+/// let push = Push {
+///     target: "d", handle_id: "h", model: "fake", hashes: &[], n_blocks: 1, known: None,
+///     tokens: &[1, 2], scope: 0,
+/// };
 /// let stats = transfer_formats(&LocalTransport::new(rx), &offer, push, &[id]).await.unwrap();
 /// assert_eq!(stats.kv_format, 1); // negotiated down
 /// # });
@@ -261,7 +276,7 @@ pub async fn transfer_formats<T: KvTransport + ?Sized>(
 /// use std::sync::Arc;
 /// use kvwire::{Shape, prompt_hashes};
 /// use kvwire_grpc::memory::{LocalTransport, MemStore};
-/// use kvwire_grpc::{KvReceiver, KvStore, Push, transfer_streaming};
+/// use kvwire_grpc::{BlockKey, KvReceiver, KvStore, Push, transfer_streaming};
 ///
 /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
 /// let shape = Shape::v1(4, 2, 1, 4);
@@ -271,12 +286,15 @@ pub async fn transfer_formats<T: KvTransport + ?Sized>(
 /// let hashes = prompt_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4);
 /// // The prefill publishes each block's id as soon as the block is written.
 /// let (written, feed) = tokio::sync::watch::channel(Vec::new());
-/// let push = Push { target: "d", handle_id: "h", model: "fake", hashes: &hashes, n_blocks: 2, known: None };
+/// let push = Push {
+///     target: "d", handle_id: "h", model: "fake", hashes: &hashes, n_blocks: 2, known: None,
+///     tokens: &[1, 2, 3, 4, 5, 6, 7, 8], scope: 0,
+/// };
 /// let moving = transfer_streaming(&t, Arc::clone(&prefill) as Arc<dyn KvStore>, push, feed);
 /// let writing = async {
 ///     let payload = vec![5u8; shape.payload_bytes().unwrap()];
-///     for &h in &hashes {
-///         let id = prefill.put(h, 4, &payload).unwrap();
+///     for _ in &hashes {
+///         let id = prefill.put(BlockKey::ANON, 4, &payload).unwrap();
 ///         written.send_modify(|ids| ids.push(id));
 ///         tokio::task::yield_now().await; // the model computing the next block
 ///     }
@@ -312,6 +330,13 @@ pub struct Push<'a> {
     pub hashes: &'a [u64],
     /// The prompt's blocks: `hashes.len()`, plus one for a partial tail.
     pub n_blocks: usize,
+    /// The prompt's tokens. Each chunk carries its block's, so the target compares them
+    /// before it deduplicates onto a block it holds (the hash alone is only an index), and the
+    /// claim can check every token, the tail's included. Empty: chunks carry none (an older
+    /// sender's behaviour), and nothing is deduplicated.
+    pub tokens: &'a [u32],
+    /// The tenant scope the blocks are cached and deduplicated in (0: shared).
+    pub scope: u64,
     /// What the target already answered HasBlocks for these hashes (the gateway asked it while
     /// routing): the push goes by it instead of asking again, when it is in the first offered
     /// format and has one flag per hash. A block evicted since is found missing by the push
@@ -348,10 +373,13 @@ async fn negotiate<T: KvTransport + ?Sized>(
         if hashes.is_empty() && stores.len() == 1 {
             return Ok((Arc::clone(store), Vec::new()));
         }
+        let b = store.shape().block_tokens() as usize;
         let req = HasBlocksRequest {
             hashes: hashes.to_vec(),
             kv_format: store.kv_format(),
             model: p.model.to_owned(),
+            tokens: p.tokens.get(..hashes.len() * b).unwrap_or(&[]).to_vec(),
+            cache_scope: p.scope,
         };
         match transport.has_blocks(p.target, req).await {
             Ok(got) if got.len() == hashes.len() => return Ok((Arc::clone(store), got)),
@@ -389,6 +417,12 @@ async fn run_push<T: KvTransport + ?Sized>(
             hashes.len()
         )));
     }
+    if !p.tokens.is_empty() && p.tokens.len().div_ceil(b as usize) != n {
+        return Err(TransferError::BadRequest(format!(
+            "{} tokens are not {n} blocks of B = {b}",
+            p.tokens.len()
+        )));
+    }
     let (store, present) = negotiate(transport, stores, &p).await?;
     let shape = store.shape();
     let skip: Vec<bool> = (0..n)
@@ -410,6 +444,9 @@ async fn run_push<T: KvTransport + ?Sized>(
         source,
         total: n as u32,
         hashes: hashes.into(),
+        tokens: p.tokens.into(),
+        block_tokens: b as usize,
+        scope: p.scope,
         skip: skip.into(),
         failed: Arc::new(Mutex::new(None)),
         stopped: Arc::default(),
@@ -467,7 +504,14 @@ mod tests {
             (u64::MAX, 4, &full, "", 1, 0, "m"),
         ];
         for (hash, fill, payload, handle, index, total, model) in cases {
-            let id = store.put(hash, fill, payload).unwrap();
+            let tokens: Vec<u32> = (0..fill).collect();
+            let key = crate::BlockKey {
+                scope: 7,
+                hash,
+                tokens: &tokens,
+                parent: None,
+            };
+            let id = store.put(key, fill, payload).unwrap();
             let mut envelope = Vec::new();
             let rec = RecordIn {
                 hash,
@@ -484,6 +528,8 @@ mod tests {
                 payload: bytes::Bytes::new(),
                 payload_crc32c: 0,
                 model: model.into(),
+                tokens: (0..fill).map(|t| t * 300 + index).collect(),
+                cache_scope: hash.rotate_left(7),
             };
             let store_dyn: Arc<dyn KvStore> = Arc::clone(&store) as Arc<dyn KvStore>;
             let lazy = OutChunk {

@@ -77,6 +77,7 @@ pub(crate) fn generate(args: &GenerateArgs) -> ExitCode {
         draws_offset: 0,
         stop: tl_engine_core::stop::Stop::default(),
         choices: tl_engine_core::engine::Choices::ONE,
+        scope: 0,
     };
     match engine.generate(req) {
         Ok(tokens) => {

@@ -65,6 +65,7 @@ async fn probe(
             hashes: hashes.clone(),
             kv_format: 1,
             model: "fake".into(),
+            ..HasBlocksRequest::default()
         };
         t.has_blocks(kv, req).await?;
         hb.push(s.elapsed().as_secs_f64() * 1e3);
@@ -160,6 +161,8 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
                             hashes: &hashes,
                             n_blocks: ids.len(),
                             known: None,
+                            tokens: &[],
+                            scope: 0,
                         },
                         &ids,
                     )

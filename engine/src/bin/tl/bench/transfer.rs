@@ -53,9 +53,10 @@ fn reset_peak_rss() -> bool {
 }
 
 /// The prefill side of the transfer bench: a pool of `n` full, registered blocks.
-fn filled_pool(shape: kvwire::Shape, n: usize) -> (SharedKv, Vec<u32>, Vec<u64>) {
+fn filled_pool(shape: kvwire::Shape, n: usize) -> (SharedKv, Vec<u32>, Vec<u64>, Vec<u32>) {
     let pool = SharedKv::new(KvPool::new(shape, n));
     let mut hashes = Vec::with_capacity(n);
+    let mut prompt = Vec::new();
     let ids = {
         let mut p = pool.lock();
         let ids = p.allocate(n).unwrap_or_default();
@@ -70,13 +71,20 @@ fn filled_pool(shape: kvwire::Shape, n: usize) -> (SharedKv, Vec<u32>, Vec<u64>)
             let tokens: Vec<u32> = (0..shape.block_tokens())
                 .map(|t| (i as u32) * 1000 + t)
                 .collect();
-            parent = kvwire::block_hash(parent, &tokens);
-            p.register(id, parent);
+            let key = tl_engine_core::pool::BlockKey {
+                scope: 0,
+                hash: kvwire::block_hash(parent, &tokens),
+                tokens: &tokens,
+                parent: i.checked_sub(1).map(|p| ids[p]),
+            };
+            parent = key.hash;
+            p.register(id, key);
             hashes.push(parent);
+            prompt.extend_from_slice(&tokens);
         }
         ids
     };
-    (pool, ids, hashes)
+    (pool, ids, hashes, prompt)
 }
 
 /// Touches every byte of a pool's slabs so that RSS measured afterwards shows only buffers.
@@ -187,6 +195,7 @@ struct Pusher<'a> {
     rx: std::sync::Arc<kvwire_grpc::KvReceiver>,
     ids: &'a [u32],
     hashes: &'a [u64],
+    prompt: &'a [u32],
 }
 
 impl Pusher<'_> {
@@ -209,6 +218,8 @@ impl Pusher<'_> {
                 hashes: &self.hashes[..count],
                 n_blocks: self.ids[..count].len(),
                 known: None,
+                tokens: &self.prompt[..count * self.prompt.len() / self.ids.len().max(1)],
+                scope: 0,
             },
             &self.ids[..count],
         )
@@ -242,7 +253,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     let shape = kvwire::Shape::v1(16, 32, 8, 128);
     let p_bytes = shape.payload_bytes().ok_or("the shape overflows")?;
     let n = (args.mib << 20).div_ceil(p_bytes).max(1);
-    let (src_pool, ids, hashes) = filled_pool(shape, n);
+    let (src_pool, ids, hashes, prompt) = filled_pool(shape, n);
     let dst_pool = SharedKv::new(KvPool::new(shape, n));
     pretouch(&dst_pool);
     let dst_store: Arc<dyn KvStore> = Arc::new(PoolStore::new(dst_pool.clone()));
@@ -294,6 +305,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
         rx: Arc::clone(&rx),
         ids: &ids,
         hashes: &hashes,
+        prompt: &prompt,
     };
     // Warm-up: connections, allocator.
     bench.push(&transport, &target, "warm", n.min(4)).await?;
@@ -395,6 +407,8 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
             hashes: &hashes[..cached],
             n_blocks: ids[..cached].len(),
             known: None,
+            tokens: &prompt[..cached * 16],
+            scope: 0,
         },
         &ids[..cached],
     )
@@ -411,6 +425,8 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
             hashes: &hashes,
             n_blocks: ids.len(),
             known: None,
+            tokens: &prompt,
+            scope: 0,
         },
         &ids,
     )

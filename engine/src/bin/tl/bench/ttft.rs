@@ -70,6 +70,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
             draws_offset: 0,
             stop: tl_engine_core::stop::Stop::default(),
             choices: tl_engine_core::engine::Choices::ONE,
+            scope: 0,
         };
 
         // Colocated: prefill and first token on one engine.
@@ -98,6 +99,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
             hashes: vec![1],
             kv_format: 1,
             model: "fake".into(),
+            ..HasBlocksRequest::default()
         };
         transport.has_blocks(&kv, warm).await?;
         let t = Instant::now();
@@ -105,6 +107,8 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
             hashes: out.hashes.clone(),
             kv_format: 1,
             model: "fake".into(),
+            tokens: prompt[..out.hashes.len() * 16].to_vec(),
+            cache_scope: 0,
         };
         transport.has_blocks(&kv, hb).await?;
         let has_blocks = t.elapsed();
@@ -120,6 +124,8 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
                 hashes: &out.hashes,
                 n_blocks: out.blocks.ids().len(),
                 known: None,
+                tokens: &prompt,
+                scope: 0,
             },
             out.blocks.ids(),
         )
@@ -152,6 +158,8 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
                         hashes: &[],
                         n_blocks: small.blocks.ids().len(),
                         known: None,
+                        tokens: &[],
+                        scope: 0,
                     },
                     small.blocks.ids(),
                 )
@@ -275,6 +283,7 @@ async fn prefill_rpc(
         decode_target: kv.clone(),
         rng_draws_offset: 0,
         decode_holds: None,
+        cache_scope: 0,
     };
     let release = GrpcTransport::new(TransportConfig::for_envelope(1 << 10));
     let warm = ctl.prefill(request("warm", vec![7])).await?;
