@@ -14,4 +14,9 @@ mkdir -p "$dir"
 for i in 0 1; do
     "$tl" certs --dir "$dir" --id "decode-$i" --role decode --host kvwire-engine >/dev/null
 done
+# One tenant key and one admin key for the gateway (its Secret mounts them): a gateway with no
+# key refuses to start unless told to serve the public unauthenticated.
+for f in api_keys admin_keys; do
+    [[ -s $dir/$f ]] || { umask 077; od -An -N24 -tx1 /dev/urandom | tr -d ' \n' >"$dir/$f"; echo >>"$dir/$f"; }
+done
 echo "certificates in $(pwd)/$dir"

@@ -159,7 +159,7 @@ async fn failover_continues_the_stream_exactly() {
     for (t, seed) in [(0.0f32, 5u64), (0.8, 6)] {
         let want = colocated(&prompt, t, seed, MAX_TOKENS);
         // SSE: kill the decode engine once the client has three tokens.
-        let mut c = Cluster::start(2, GatewaySection::default()).await;
+        let mut c = Cluster::start(2, GatewaySection::local()).await;
         let mut events = open(&c.gw, body(&prompt, t, seed, true)).await;
         let mut got = Read::default();
         read(&mut events, &mut got, Some(3)).await;
@@ -175,7 +175,7 @@ async fn failover_continues_the_stream_exactly() {
         drop(events);
 
         // JSON: kill the engine decoding while the request is in flight, after a few steps.
-        let mut c = Cluster::start(2, GatewaySection::default()).await;
+        let mut c = Cluster::start(2, GatewaySection::local()).await;
         let addr = c.gw.http_addr().to_string();
         let b = body(&prompt, t, seed, false);
         let call = tokio::spawn(async move {
@@ -212,7 +212,7 @@ async fn failover_gives_up_after_the_bound() {
     let prompt: Vec<u32> = (7..30).collect();
     // Two decode engines, both killed one after the other: the second loss finds no engine
     // left, and the client gets an error event, never a silently truncated stream.
-    let mut c = Cluster::start(2, GatewaySection::default()).await;
+    let mut c = Cluster::start(2, GatewaySection::local()).await;
     let mut events = open(&c.gw, body(&prompt, 0.7, 9, true)).await;
     let mut got = Read::default();
     read(&mut events, &mut got, Some(3)).await;
@@ -241,7 +241,7 @@ async fn failover_gives_up_after_the_bound() {
         3,
         GatewaySection {
             max_failovers: 1,
-            ..GatewaySection::default()
+            ..GatewaySection::local()
         },
     )
     .await;
@@ -267,7 +267,7 @@ async fn fresh_gateway_waits_for_registrations() {
     for grace_ms in [0, 5_000] {
         let gw = GatewayNode::start(&GatewayConfig::from(GatewaySection {
             startup_grace_ms: grace_ms,
-            ..GatewaySection::default()
+            ..GatewaySection::local()
         }))
         .await
         .unwrap();
@@ -327,7 +327,7 @@ async fn failover_continues_every_choice_exactly() {
                 .swap_remove(0)
         })
         .collect();
-    let mut c = Cluster::start(2, GatewaySection::default()).await;
+    let mut c = Cluster::start(2, GatewaySection::local()).await;
     let b = json!({ "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": t, "seed": seed,
         "stream": true, "n": n, "logprobs": 2 });
     let mut events = open(&c.gw, b.to_string()).await;

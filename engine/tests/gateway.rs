@@ -88,7 +88,7 @@ async fn gateway_tokens_equal_colocated() {
 async fn routing_prefers_the_cached_prefix_unless_far_more_loaded() {
     // Engines without heartbeats: the test writes their statuses into the registry itself, so
     // the loads are exactly what it says.
-    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
+    let gw = GatewayNode::start(&GatewayConfig::local()).await.unwrap();
     let p = EngineNode::start(&engine_cfg("P", Role::Prefill, ""))
         .await
         .unwrap();
@@ -189,7 +189,7 @@ async fn client_abort_after_first_token_frees_everything() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusing_or_stopped_decode_engine_is_routed_around() {
-    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
+    let gw = GatewayNode::start(&GatewayConfig::local()).await.unwrap();
     let reg = gw.registry_addr().to_string();
     let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
         .await
@@ -312,7 +312,7 @@ async fn bounded_in_flight_429_and_timeout_504() {
     let section = GatewaySection {
         max_inflight: 1,
         request_timeout_ms: 400,
-        ..GatewaySection::default()
+        ..GatewaySection::local()
     };
     let gw = GatewayNode::start(&section.into()).await.unwrap();
     let reg = gw.registry_addr().to_string();
@@ -371,7 +371,7 @@ async fn bounded_in_flight_429_and_timeout_504() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_abort_during_prefill_cancels_it() {
-    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
+    let gw = GatewayNode::start(&GatewayConfig::local()).await.unwrap();
     let reg = gw.registry_addr().to_string();
     // A slow prefill: 10 ms per prompt token (simulated).
     let mut pc = engine_cfg("P", Role::Prefill, &reg);

@@ -162,7 +162,7 @@ async fn running_sequences_keep_their_reserve() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registry_bounds_hostile_heartbeats() {
-    let mut cfg = GatewayConfig::default();
+    let mut cfg = GatewayConfig::local();
     cfg.limits.registry_max_workers = 3;
     let gw = GatewayNode::start(&cfg).await.unwrap();
     let reg = RegistryClient::new(&gw.registry_addr().to_string(), Duration::from_secs(2)).unwrap();
@@ -222,7 +222,7 @@ async fn registry_bounds_hostile_heartbeats() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_honours_pending_handles() {
-    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
+    let gw = GatewayNode::start(&GatewayConfig::local()).await.unwrap();
     let reg = gw.registry_addr().to_string();
     let p = EngineNode::start(&Config::for_worker("P", Role::Prefill, ""))
         .await

@@ -188,7 +188,7 @@ async fn gateway_metrics_count_requests() {
     use tl_engine::gateway::GatewayNode;
     use tl_engine::gateway::config::GatewayConfig;
 
-    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
+    let gw = GatewayNode::start(&GatewayConfig::local()).await.unwrap();
     let reg = gw.registry_addr().to_string();
     let cfg = |id: &str, role| {
         let mut c = Config::for_worker(id, role, &reg);

@@ -159,7 +159,7 @@ async fn request_trace_covers_gateway_prefill_and_decode() {
     use tl_engine::net::clients::HttpClient;
 
     traced();
-    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
+    let gw = GatewayNode::start(&GatewayConfig::local()).await.unwrap();
     let reg = gw.registry_addr().to_string();
     let cfg = |id: &str, role| {
         let mut c = Config::for_worker(id, role, &reg);

@@ -66,7 +66,7 @@ impl Cluster {
         let certs = Certs::new("cluster");
         let gw = GatewayNode::start(&GatewayConfig {
             tls: Some(certs.issue("gw", PeerRole::Gateway)),
-            ..GatewayConfig::default()
+            ..GatewayConfig::local()
         })
         .await
         .unwrap();
@@ -328,7 +328,7 @@ async fn api_keys_guard_the_public_endpoint() {
     std::fs::create_dir_all(certs.path()).unwrap();
     let file = certs.path().join("keys");
     std::fs::write(&file, "k-one\n\nk-two\n").unwrap();
-    let mut cfg = GatewayConfig::default();
+    let mut cfg = GatewayConfig::local();
     cfg.gateway.api_keys_file = file.display().to_string();
     let gw = GatewayNode::start(&cfg).await.unwrap();
     let addr = gw.http_addr().to_string();
@@ -379,7 +379,7 @@ async fn insecure_non_loopback_listen_is_refused() {
         c.tls = Some(TlsSection::default());
         c.validate().unwrap();
 
-        let mut g = GatewayConfig::default();
+        let mut g = GatewayConfig::local();
         g.gateway.registry_listen = addr.into();
         assert!(g.validate().is_err(), "{addr}");
         g.allow_insecure = true;
@@ -407,7 +407,7 @@ async fn insecure_non_loopback_listen_is_refused() {
 async fn public_endpoint_speaks_https_without_client_certificates() {
     let certs = Certs::new("public");
     let issued = issue(certs.path(), "public", PeerRole::Gateway, &[]).unwrap();
-    let mut cfg = GatewayConfig::default();
+    let mut cfg = GatewayConfig::local();
     cfg.gateway.public_tls = Some(tl_engine::net::tls::PublicTls {
         cert: issued.cert.clone(),
         key: issued.key.clone(),
@@ -488,7 +488,7 @@ async fn peer_name_verifies_engines_reached_at_unnamed_addresses() {
         };
         let gw = GatewayNode::start(&GatewayConfig {
             tls: Some(section("gw", PeerRole::Gateway)),
-            ..GatewayConfig::default()
+            ..GatewayConfig::local()
         })
         .await
         .unwrap();

@@ -124,7 +124,7 @@ fn cli_message(c: &Case) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_validation_for_every_door() {
-    let gw = GatewayNode::start(&GatewayConfig::default()).await.unwrap();
+    let gw = GatewayNode::start(&GatewayConfig::local()).await.unwrap();
     let reg = gw.registry_addr().to_string();
     let cfg = |id, role| {
         let mut c = Config::for_worker(id, role, &reg);

@@ -58,6 +58,10 @@ pub struct TlResume {
 /// the others). temperature and top_p are parsed as f32, as on every other path.
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 pub struct GenerationParams {
+    /// vLLM's `cache_salt`: requests share cached blocks only when they share it (and the
+    /// tenant). Read by the gateway into the request's cache scope; never forwarded.
+    #[serde(default, skip_serializing)]
+    pub cache_salt: Option<String>,
     /// Model; omitted or empty means whichever the server serves.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
@@ -303,6 +307,7 @@ const SHARED_FIELDS: &[&str] = &[
     "logprobs",
     // OpenAI's end-user id, for abuse monitoring: accepted, not used.
     "user",
+    "cache_salt",
 ];
 
 /// The value of an unsupported field that asks for nothing, and so passes.

@@ -3,7 +3,15 @@
 //! ```toml
 //! [gateway]
 //! id = "gw"                        # prefix of request ids (<id>-<128 random bits in hex>)
-//! api_keys_file = ""               # one API key a line (or env TL_API_KEYS, comma separated)
+//! api_keys_file = ""               # one API key a line, # comments (or env TL_API_KEYS, comma
+//!                                  # separated); each key is a tenant
+//! admin_keys_file = ""             # admin keys, likewise (or env TL_ADMIN_KEYS): they also see
+//!                                  # tl_route and /workers
+//! public_unauthenticated = false   # no key at all is a start-up error unless this is true
+//! unauthenticated_admin = false    # with no keys: every caller sees tl_route and /workers
+//! tenant_header = ""               # take the tenant from this header (a trusted front sets it)
+//! shared_cache = false             # one tenant for everyone: all requests share cached blocks
+//! cache_scope_secret_file = ""     # HMAC key of the cache scopes (empty: random at start)
 //! http_listen = "127.0.0.1:0"      # the OpenAI-compatible front
 //! registry_listen = "127.0.0.1:0"  # WorkerRegistry (tl.control.v1) for the engines' heartbeats
 //! max_inflight = 256               # requests in flight; beyond it 429
@@ -48,6 +56,21 @@ pub struct GatewaySection {
     pub id: String,
     /// A file of API keys, one a line; empty: none from a file (see also `TL_API_KEYS`).
     pub api_keys_file: String,
+    /// A file of admin keys, one a line (see also `TL_ADMIN_KEYS`).
+    pub admin_keys_file: String,
+    /// Serve `/v1/*` without any key. Without it, no key configured is a start-up error.
+    pub public_unauthenticated: bool,
+    /// Without keys, treat every caller as an admin (a local single-user gateway: `tl demo`).
+    pub unauthenticated_admin: bool,
+    /// A request header naming the tenant, set by a trusted front (empty: the API key is the
+    /// tenant).
+    pub tenant_header: String,
+    /// Every tenant shares one cache scope (a single-tenant deployment); `cache_salt` still
+    /// separates.
+    pub shared_cache: bool,
+    /// The HMAC key of the cache scopes; empty: 32 random bytes at start (scopes then change
+    /// when the gateway restarts, and differ between gateways).
+    pub cache_scope_secret_file: String,
     /// HTTPS on the public endpoint.
     pub public_tls: Option<PublicTls>,
     /// HTTP listen address.
@@ -86,6 +109,12 @@ impl Default for GatewaySection {
         Self {
             id: "gw".into(),
             api_keys_file: String::new(),
+            admin_keys_file: String::new(),
+            public_unauthenticated: false,
+            unauthenticated_admin: false,
+            tenant_header: String::new(),
+            shared_cache: false,
+            cache_scope_secret_file: String::new(),
             public_tls: None,
             http_listen: "127.0.0.1:0".into(),
             registry_listen: "127.0.0.1:0".into(),
@@ -117,6 +146,27 @@ pub struct GatewayConfig {
     pub limits: LimitsSection,
     /// `[telemetry]`: where spans are exported (CONTRACTS section 9).
     pub telemetry: crate::telemetry::TelemetrySection,
+}
+
+impl GatewaySection {
+    /// The embedded gateway of one machine (`tl demo`, benches, tests): no keys, served to
+    /// the local user, who sees routing internals.
+    #[must_use]
+    pub fn local() -> Self {
+        Self {
+            public_unauthenticated: true,
+            unauthenticated_admin: true,
+            ..Self::default()
+        }
+    }
+}
+
+impl GatewayConfig {
+    /// [`GatewaySection::local`] with every other section at its default.
+    #[must_use]
+    pub fn local() -> Self {
+        GatewaySection::local().into()
+    }
 }
 
 impl From<GatewaySection> for GatewayConfig {

@@ -22,6 +22,7 @@ pub mod registry;
 pub mod request;
 pub mod routed;
 pub mod session;
+pub mod tenant;
 pub mod upstream;
 pub mod worker;
 
@@ -52,6 +53,7 @@ pub struct Gateway {
     permits: Arc<Semaphore>,
     routed: Arc<RoutedLoad>,
     api_keys: keys::ApiKeys,
+    scopes: tenant::Scopes,
     metrics: SharedMetrics,
     /// When this gateway started: for a while after, a request that finds no engine waits for
     /// the engines to register (they beat to a fresh registry within one interval).
@@ -70,6 +72,11 @@ impl Gateway {
         api_keys: keys::ApiKeys,
         limits: &LimitsSection,
     ) -> Result<Self, TlsError> {
+        let scopes = tenant::Scopes::new(
+            &scope_secret(&cfg.cache_scope_secret_file)?,
+            cfg.shared_cache,
+        );
+        let api_keys = api_keys.tenants(&cfg.tenant_header, cfg.unauthenticated_admin);
         Ok(Self {
             permits: Arc::new(Semaphore::new(cfg.max_inflight.max(1))),
             upstream: Arc::new(Upstream::new(
@@ -81,6 +88,7 @@ impl Gateway {
             cfg,
             routed: Arc::new(RoutedLoad::default()),
             api_keys,
+            scopes,
             metrics: Arc::new(Metrics::new()),
             started: Instant::now(),
         })
@@ -121,6 +129,24 @@ impl Gateway {
     /// cancel another client's request by naming it.
     fn request_id(&self) -> String {
         format!("{}-{}", self.cfg.id, crate::net::tls::random_hex::<16>())
+    }
+}
+
+/// The cache scopes' HMAC key: the file's bytes, or 32 random bytes.
+fn scope_secret(file: &str) -> Result<Vec<u8>, TlsError> {
+    if file.is_empty() {
+        return Ok(crate::net::tls::random_hex::<32>().into_bytes());
+    }
+    match std::fs::read(file) {
+        Ok(bytes) if bytes.len() >= 16 => Ok(bytes),
+        Ok(_) => Err(TlsError::Io {
+            path: file.to_owned(),
+            source: std::io::Error::other("a cache scope secret needs at least 16 bytes"),
+        }),
+        Err(source) => Err(TlsError::Io {
+            path: file.to_owned(),
+            source,
+        }),
     }
 }
 
@@ -167,7 +193,19 @@ impl GatewayNode {
             .transpose()
             .map_err(|e| invalid(&e))?;
         let g = &cfg.gateway;
-        let api_keys = keys::ApiKeys::load(&g.api_keys_file).map_err(|e| invalid(&e))?;
+        let api_keys =
+            keys::ApiKeys::load(&g.api_keys_file, &g.admin_keys_file).map_err(|e| invalid(&e))?;
+        if api_keys.is_open() && !g.public_unauthenticated {
+            return Err(invalid(&format!(
+                "no API key configured ({} and TL_API_KEYS hold none): set keys, or \
+                 [gateway] public_unauthenticated = true to serve /v1/* to anyone",
+                if g.api_keys_file.is_empty() {
+                    "api_keys_file is unset".to_owned()
+                } else {
+                    format!("api_keys_file {}", g.api_keys_file)
+                }
+            )));
+        }
         let life = Lifecycle::new();
         let state = Arc::new(RegistryState::default());
         let registry_addr = registry::serve_registry(

@@ -21,6 +21,7 @@ use tracing::Instrument;
 
 use super::Gateway;
 use super::request::{Job, Out};
+use super::tenant::{Caller, MAX_CACHE_SALT};
 use crate::api::render::{self, ChoiceEvent, ChoiceSource};
 use crate::api::{
     ApiError, CHAT_FIELDS, COMPLETION_FIELDS, ChatRequest, CompletionRequest, Flavor,
@@ -95,15 +96,27 @@ impl Meter {
     }
 }
 
+/// The request's caller; the key middleware sets it on every request.
+type CallerExt = Option<axum::Extension<Caller>>;
+
+fn caller_of(c: CallerExt) -> Caller {
+    c.map(|axum::Extension(c)| c).unwrap_or(Caller {
+        tenant: Vec::new(),
+        admin: false,
+    })
+}
+
 async fn completions(
     State(g): State<Arc<Gateway>>,
+    caller: CallerExt,
     headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
     let span = request_span("POST /v1/completions", &g.cfg.id, &headers);
     match parse_fields::<CompletionRequest>(&body, COMPLETION_FIELDS) {
         Ok(r) => {
-            start(g, r.prompt.tokens(), r.params, Flavor::Completion)
+            let caller = caller_of(caller);
+            start(g, caller, r.prompt.tokens(), r.params, Flavor::Completion)
                 .instrument(span)
                 .await
         }
@@ -130,6 +143,7 @@ fn request_span(
 
 async fn chat(
     State(g): State<Arc<Gateway>>,
+    caller: CallerExt,
     headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
@@ -142,7 +156,7 @@ async fn chat(
         return ApiError::bad_request("no messages").into_response();
     }
     let prompt = encode_text(&render_chat(&r.messages));
-    start(g, prompt, r.params, Flavor::Chat)
+    start(g, caller_of(caller), prompt, r.params, Flavor::Chat)
         .instrument(span)
         .await
 }
@@ -150,10 +164,17 @@ async fn chat(
 /// Validates, then serves: nothing reaches an engine before the request is known to be valid.
 async fn start(
     g: Arc<Gateway>,
+    caller: Caller,
     prompt: Vec<u32>,
     params: GenerationParams,
     flavor: Flavor,
 ) -> Response {
+    let salt = params.cache_salt.as_deref();
+    if salt.is_some_and(|s| s.len() > MAX_CACHE_SALT) {
+        return ApiError::bad_request(format!("cache_salt is longer than {MAX_CACHE_SALT} bytes"))
+            .into_response();
+    }
+    let scope = g.scopes.scope(&caller.tenant, salt);
     if let Err(e) = params.params(&prompt).validate(GATEWAY_LIMITS) {
         return ApiError::from(e).into_response();
     }
@@ -170,9 +191,9 @@ async fn start(
         params,
         stop,
         choices,
-        scope: 0,
+        scope,
     };
-    serve(g, job, flavor)
+    serve(g, job, flavor, caller.admin)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -181,7 +202,12 @@ fn timed_out() -> ApiError {
     ApiError::timeout("the request timed out")
 }
 
-async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, ApiError> {
+async fn serve(
+    g: Arc<Gateway>,
+    job: Job,
+    flavor: Flavor,
+    admin: bool,
+) -> Result<Response, ApiError> {
     let Ok(permit) = Arc::clone(&g.permits).try_acquire_owned() else {
         return Err(ApiError::rate_limited("too many requests in flight"));
     };
@@ -206,15 +232,26 @@ async fn serve(g: Arc<Gateway>, job: Job, flavor: Flavor) -> Result<Response, Ap
     );
     // Wait for the route (or the failure) before answering anything.
     let meta = match rx.recv().await {
-        Some(Out::Start { seed, model, route }) => ResponseMeta {
-            id: completion_id(),
-            model,
-            seed,
-            flavor,
-            prompt_tokens,
-            route: Some(route),
-            stop,
-        },
+        Some(Out::Start { seed, model, route }) => {
+            // Where it went, what was cached and deduplicated: kept in the logs and the
+            // `route` span; in the response only for an admin, since to anyone else a cached
+            // prefix says what another request held.
+            tracing::info!(
+                decode = route.decode.as_str(),
+                cached_blocks = route.cached_blocks,
+                reason = route.reason.as_str(),
+                "routed"
+            );
+            ResponseMeta {
+                id: completion_id(),
+                model,
+                seed,
+                flavor,
+                prompt_tokens,
+                route: admin.then_some(route),
+                stop,
+            }
+        }
         Some(Out::Choice(ChoiceEvent::Failed(f))) => return Err(f),
         Some(other) => {
             return Err(ApiError::engine(format!("unexpected {other:?}")));
@@ -311,7 +348,10 @@ async fn health(State(g): State<Arc<Gateway>>) -> Response {
         .into_response()
 }
 
-async fn workers(State(g): State<Arc<Gateway>>) -> Response {
+async fn workers(State(g): State<Arc<Gateway>>, caller: CallerExt) -> Response {
+    if !caller_of(caller).admin {
+        return ApiError::permission_denied("/workers needs an admin key").into_response();
+    }
     let list: Vec<serde_json::Value> = g
         .registry
         .snapshot(Instant::now())

@@ -365,6 +365,23 @@ impl HttpClient {
         .await
     }
 
+    /// A GET with these headers, read whole.
+    ///
+    /// # Errors
+    /// As [`get`](Self::get).
+    pub async fn get_with(
+        &self,
+        addr: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<HttpResponse, HttpError> {
+        Self::whole(
+            self.send(http::Method::GET, addr, path, headers, Bytes::new())
+                .await?,
+        )
+        .await
+    }
+
     /// POSTs and returns the status and the body as a stream of frames, for callers that read
     /// server-sent events as they come (and may drop the stream to disconnect).
     ///

@@ -196,6 +196,29 @@ pub async fn cluster(decoders: usize) -> Cluster {
     cluster_with(decoders, |_| {}).await
 }
 
+/// A gateway configured by `gw`, a prefill engine and `decoders` decode engines, every engine's
+/// configuration (the prefill engine's too) passed through `tweak` first.
+pub async fn cluster_of(
+    gw: &tl_engine::gateway::config::GatewayConfig,
+    decoders: usize,
+    tweak: impl Fn(&mut tl_engine::node::config::Config),
+) -> Cluster {
+    use tl_engine::node::config::Role;
+    let gw = tl_engine::gateway::GatewayNode::start(gw).await.unwrap();
+    let reg = gw.registry_addr().to_string();
+    let mut pc = engine_cfg("P", Role::Prefill, &reg);
+    tweak(&mut pc);
+    let p = EngineNode::start(&pc).await.unwrap();
+    let mut d = Vec::new();
+    for i in 1..=decoders {
+        let mut cfg = engine_cfg(&format!("D{i}"), Role::Decode, &reg);
+        tweak(&mut cfg);
+        d.push(EngineNode::start(&cfg).await.unwrap());
+    }
+    wait_workers(&gw, 1 + decoders).await;
+    Cluster { gw, p, d }
+}
+
 /// A gateway, a prefill engine and `decoders` decode engines, each decode configuration passed
 /// through `tweak` first.
 pub async fn cluster_with(
@@ -203,9 +226,10 @@ pub async fn cluster_with(
     tweak: impl Fn(&mut tl_engine::node::config::Config),
 ) -> Cluster {
     use tl_engine::node::config::Role;
-    let gw = tl_engine::gateway::GatewayNode::start(&Default::default())
-        .await
-        .unwrap();
+    let gw =
+        tl_engine::gateway::GatewayNode::start(&tl_engine::gateway::config::GatewayConfig::local())
+            .await
+            .unwrap();
     let reg = gw.registry_addr().to_string();
     let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
         .await

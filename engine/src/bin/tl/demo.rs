@@ -182,7 +182,7 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
     let certs = TempDir::new()?;
     let gw_cfg = GatewayConfig {
         tls: Some(issue(certs.path(), "gw", PeerRole::Gateway, &[])?.section()),
-        ..GatewayConfig::default()
+        ..GatewayConfig::local()
     };
     let gw = GatewayNode::start(&gw_cfg).await?;
     let reg = gw.registry_addr().to_string();

@@ -593,7 +593,7 @@ impl Cluster {
         std::fs::write(
             &gw_toml,
             format!(
-                "[gateway]\nstall_timeout_ms = {}\nmax_failovers = 2\n",
+                "[gateway]\nstall_timeout_ms = {}\nmax_failovers = 2\npublic_unauthenticated = true\nunauthenticated_admin = true\n",
                 a.stall_ms
             ),
         )

@@ -26,6 +26,10 @@ pub(crate) struct GatewayArgs {
     /// `GET /metrics` listen address (plaintext).
     #[arg(long)]
     metrics_listen: Option<String>,
+    /// Serve `/v1/*` without API keys (`[gateway] public_unauthenticated`); without a key and
+    /// without this, the gateway refuses to start.
+    #[arg(long)]
+    public_unauthenticated: bool,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -48,6 +52,9 @@ pub(crate) fn gateway(args: &GatewayArgs, log_format: LogFormat) -> ExitCode {
     }
     if let Some(m) = &args.metrics_listen {
         cfg.gateway.metrics_listen.clone_from(m);
+    }
+    if args.public_unauthenticated {
+        cfg.gateway.public_unauthenticated = true;
     }
     args.tls.apply(&mut cfg.tls, &mut cfg.allow_insecure);
     if let Err(e) = cfg.validate() {

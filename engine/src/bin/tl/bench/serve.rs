@@ -213,10 +213,10 @@ async fn gateway_load(a: &ServeArgs, mtls: bool) -> Result<serde_json::Value, Be
     let gw = GatewayNode::start(&GatewayConfig {
         gateway: GatewaySection {
             max_inflight: 4096,
-            ..GatewaySection::default()
+            ..GatewaySection::local()
         },
         tls: tls("gw", PeerRole::Gateway)?,
-        ..GatewayConfig::default()
+        ..GatewayConfig::local()
     })
     .await?;
     let reg = gw.registry_addr().to_string();

@@ -1,0 +1,100 @@
+//! Tenants: who a request belongs to, and the cache scope its KV blocks live in.
+//!
+//! A request's tenant is its API key, or, behind a trusted front, the value of
+//! `[gateway] tenant_header`. Its cache scope is a keyed digest of the tenant and the request's
+//! `cache_salt`: engines cache, find, report and deduplicate blocks only within one scope
+//! (CONTRACTS section 10), so two tenants never share a block, a HasBlocks answer or a dedup,
+//! and one tenant's requests share as before. Scope 0 is the shared scope: every request of a
+//! `shared_cache` deployment (one tenant for everyone) without a salt.
+//!
+//! The digest is HMAC-SHA-256 under a per-deployment secret (`cache_scope_secret_file`, else
+//! random at start), truncated to 64 bits. Scopes never leave the internal network, but a keyed
+//! digest also means no one, not even a tenant who can name another tenant (a guessable header
+//! value), can search offline for a `cache_salt` that lands on another tenant's scope.
+
+use ring::hmac;
+
+/// Who called, as the key middleware found it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller {
+    /// The tenant: the API key, or the trusted tenant header's value (empty: no tenant, an
+    /// unauthenticated public endpoint).
+    pub tenant: Vec<u8>,
+    /// An admin key: sees routing internals (`tl_route`) and `/workers`.
+    pub admin: bool,
+}
+
+/// The longest `cache_salt` taken (400 beyond).
+pub const MAX_CACHE_SALT: usize = 256;
+
+/// Derives cache scopes.
+pub struct Scopes {
+    key: hmac::Key,
+    shared: bool,
+}
+
+impl std::fmt::Debug for Scopes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scopes")
+            .field("shared", &self.shared)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Scopes {
+    /// Scopes under `secret`; with `shared`, every tenant is one (only the salt separates).
+    #[must_use]
+    pub fn new(secret: &[u8], shared: bool) -> Self {
+        Self {
+            key: hmac::Key::new(hmac::HMAC_SHA256, secret),
+            shared,
+        }
+    }
+
+    /// The scope of `tenant`'s request with `salt`: 0 for a shared deployment without a salt,
+    /// else a 64-bit digest that is never 0.
+    #[must_use]
+    pub fn scope(&self, tenant: &[u8], salt: Option<&str>) -> u64 {
+        let tenant = if self.shared { &[][..] } else { tenant };
+        let salt = salt.unwrap_or("");
+        if tenant.is_empty() && salt.is_empty() {
+            return 0;
+        }
+        let mut ctx = hmac::Context::with_key(&self.key);
+        // Length-prefixed, so no (tenant, salt) pair reads as another.
+        ctx.update(b"tl.cache-scope.v1");
+        ctx.update(&(tenant.len() as u64).to_le_bytes());
+        ctx.update(tenant);
+        ctx.update(&(salt.len() as u64).to_le_bytes());
+        ctx.update(salt.as_bytes());
+        let tag = ctx.sign();
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&tag.as_ref()[..8]);
+        u64::from_le_bytes(first).max(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scopes_separate_tenants_and_salts_and_nothing_else() {
+        let s = Scopes::new(b"secret", false);
+        let a = s.scope(b"key-a", None);
+        assert_eq!(a, s.scope(b"key-a", None), "one tenant shares with itself");
+        assert_ne!(a, s.scope(b"key-b", None));
+        assert_ne!(a, s.scope(b"key-a", Some("x")));
+        // The boundary between tenant and salt is not movable.
+        assert_ne!(s.scope(b"ab", Some("c")), s.scope(b"a", Some("bc")));
+        assert_ne!(a, 0);
+        assert_eq!(s.scope(b"", None), 0, "no tenant, no salt: shared");
+        // Another deployment's secret gives other scopes.
+        assert_ne!(a, Scopes::new(b"other", false).scope(b"key-a", None));
+        // One tenant for everyone: keys no longer separate, salts still do.
+        let one = Scopes::new(b"secret", true);
+        assert_eq!(one.scope(b"key-a", None), 0);
+        assert_eq!(one.scope(b"key-b", None), 0);
+        assert_ne!(one.scope(b"key-a", Some("x")), 0);
+    }
+}

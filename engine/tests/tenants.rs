@@ -1,0 +1,235 @@
+//! Tenants cannot touch each other (issue 23): block identity that a hash collision cannot
+//! forge, private caches per API key, and routing internals only for admins. Every test runs a
+//! gateway, a prefill engine and decode engines in process, and checks the pools after.
+
+mod common;
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tl_engine::gateway::config::GatewayConfig;
+use tl_engine::net::clients::HttpClient;
+
+use common::{Cluster, cluster_of, eventually};
+
+/// The FNV-1a-64 collision `kvwire/examples/fnv_collision.rs` found: two different 16-token
+/// blocks with the same kv.wire.v1 hash.
+fn collision() -> (Vec<u32>, Vec<u32>, u64) {
+    let v: Value =
+        serde_json::from_str(include_str!("fixtures/fnv_collision.json")).expect("fixture");
+    let toks = |k: &str| -> Vec<u32> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let hash =
+        u64::from_str_radix(v["hash"].as_str().unwrap().trim_start_matches("0x"), 16).expect("hex");
+    (toks("a_tokens"), toks("b_tokens"), hash)
+}
+
+/// The colocated reference at block size 16.
+fn colocated16(prompt: &[u32], seed: u64, max_tokens: u32) -> Vec<u32> {
+    let mut cfg = tl_engine::node::config::Config::default();
+    cfg.pool.block_tokens = 16;
+    let s = tl_engine_core::sampler::SamplingRequest {
+        temperature: 0.8,
+        ..Default::default()
+    };
+    cfg.colocated(prompt, s, seed, max_tokens).unwrap()
+}
+
+fn tokens_of(v: &Value) -> Vec<u32> {
+    v["choices"][0]["tokens"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no tokens in {v}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
+async fn complete(addr: &str, key: Option<&str>, body: &Value) -> (u16, Value) {
+    let auth = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = auth
+        .as_deref()
+        .map(|a| ("authorization", a))
+        .into_iter()
+        .collect();
+    let r = HttpClient::default()
+        .post(addr, "/v1/completions", &headers, body.to_string())
+        .await
+        .unwrap();
+    (r.status, r.json())
+}
+
+/// Every engine holds no block in use and no handle once the requests are over.
+async fn settled(c: &Cluster) {
+    let idle = || {
+        std::iter::once(&c.p).chain(&c.d).all(|e| {
+            let counts = e.runner().pool().counts();
+            counts.used == 0 && e.receiver().is_none_or(|r| r.pending() == 0)
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(10), idle).await,
+        "blocks or handles left in use"
+    );
+    for e in std::iter::once(&c.p).chain(&c.d) {
+        e.runner().pool().lock().check().unwrap();
+    }
+}
+
+/// Tenant A sends a block, then B a different block with the same hash (a real FNV-1a-64
+/// collision), both through the gateway in one shared scope: B's tokens are B's colocated run,
+/// not A's continuation. Against hash-only matching, B's first block is deduplicated onto A's
+/// KV and its output changes (the fake model reads every KV byte).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn colliding_blocks_never_share_kv() {
+    let (a, b, hash) = collision();
+    assert_ne!(a, b);
+    assert_eq!(kvwire::block_hash(0, &a), hash);
+    assert_eq!(
+        kvwire::block_hash(0, &b),
+        hash,
+        "the fixture is a collision"
+    );
+    let tail: Vec<u32> = b" and then".iter().map(|&c| u32::from(c)).collect();
+    let (pa, pb) = ([&a[..], &tail].concat(), [&b[..], &tail].concat());
+    let want_b = colocated16(&pb, 5, 6);
+    assert_ne!(
+        colocated16(&pa, 5, 6),
+        want_b,
+        "the two prompts must differ in output for the test to mean anything"
+    );
+
+    // One tenant for everyone: the collision meets in one scope, the hardest case.
+    let c = cluster_of(&GatewayConfig::local(), 1, |cfg| cfg.pool.block_tokens = 16).await;
+    let addr = c.gw.http_addr().to_string();
+    let req = |p: &[u32]| json!({ "prompt": p, "max_tokens": 6, "seed": 5, "temperature": 0.8 });
+    let (s, ra) = complete(&addr, None, &req(&pa)).await;
+    assert_eq!(s, 200, "{ra}");
+    assert_eq!(tokens_of(&ra), colocated16(&pa, 5, 6));
+    // A's first block is cached on both engines now; B's prompt names its hash.
+    let (s, rb) = complete(&addr, None, &req(&pb)).await;
+    assert_eq!(s, 200, "{rb}");
+    assert_eq!(tokens_of(&rb), want_b, "B got A's continuation: {rb}");
+    assert_eq!(rb["tl_route"]["cached_blocks"], 0, "{rb}");
+    assert_eq!(rb["tl_route"]["blocks_deduped"], 0, "{rb}");
+    // And A again still finds its own block.
+    let (_, ra2) = complete(&addr, None, &req(&pa)).await;
+    assert_eq!(tokens_of(&ra2), tokens_of(&ra));
+    assert_eq!(ra2["tl_route"]["blocks_deduped"], 1, "{ra2}");
+    settled(&c).await;
+}
+
+/// Writes the keys files: tenant key `key-a` (after a comment line, which is no key) and the
+/// admin key `key-b`.
+fn keyed_gateway(dir: &std::path::Path) -> GatewayConfig {
+    std::fs::create_dir_all(dir).unwrap();
+    let (keys, admin) = (dir.join("keys"), dir.join("admin"));
+    std::fs::write(&keys, "# tenants, one a line\nkey-a\n\n").unwrap();
+    std::fs::write(&admin, "key-b\n").unwrap();
+    let mut cfg = GatewayConfig::default();
+    cfg.gateway.api_keys_file = keys.display().to_string();
+    cfg.gateway.admin_keys_file = admin.display().to_string();
+    cfg
+}
+
+/// What B learns from one request: its tokens, its usage, and what its route says about the
+/// cache.
+fn seen(v: &Value) -> (Vec<u32>, Value, Value, Value, Value) {
+    let r = &v["tl_route"];
+    (
+        tokens_of(v),
+        v["usage"].clone(),
+        r["cached_blocks"].clone(),
+        r["blocks_deduped"].clone(),
+        r["blocks_sent"].clone(),
+    )
+}
+
+/// B's answers, usage and transfer are the same whether or not tenant A sent the same prompt
+/// first; A sees no routing internals; B's own requests share as before, unless B salts them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_learns_nothing_of_anothers_cache() {
+    let dir = std::env::temp_dir().join(format!("tl-tenants-{}", std::process::id()));
+    let cfg = keyed_gateway(&dir);
+    let prompt: Vec<u32> = (0..37).collect();
+    let body = json!({ "prompt": prompt, "max_tokens": 4, "seed": 3, "temperature": 0.5 });
+
+    // A fresh deployment: B alone.
+    let fresh = cluster_of(&cfg, 2, |_| {}).await;
+    let (s, alone) = complete(&fresh.gw.http_addr().to_string(), Some("key-b"), &body).await;
+    assert_eq!(s, 200, "{alone}");
+    assert_eq!(alone["tl_route"]["blocks_sent"], 10, "{alone}");
+    settled(&fresh).await;
+    drop(fresh);
+
+    // Another deployment where A sent the same prompt first.
+    let c = cluster_of(&cfg, 2, |_| {}).await;
+    let addr = c.gw.http_addr().to_string();
+    let (s, ra) = complete(&addr, Some("key-a"), &body).await;
+    assert_eq!(s, 200, "{ra}");
+    assert!(ra.get("tl_route").is_none(), "a tenant saw routing: {ra}");
+    let (s, after_a) = complete(&addr, Some("key-b"), &body).await;
+    assert_eq!(s, 200, "{after_a}");
+    assert_eq!(seen(&after_a), seen(&alone), "B learned of A's prefix");
+
+    // B's own second request shares B's blocks; with a cache_salt it does not.
+    let (_, again) = complete(&addr, Some("key-b"), &body).await;
+    assert_eq!(again["tl_route"]["blocks_deduped"], 9, "{again}");
+    let mut salted = body.clone();
+    salted["cache_salt"] = json!("per-user-7");
+    let (_, s1) = complete(&addr, Some("key-b"), &salted).await;
+    assert_eq!(
+        seen(&s1),
+        seen(&alone),
+        "a salted request shared an unsalted one"
+    );
+
+    // A comment line is not a key; /workers is for admin keys only.
+    assert_eq!(
+        complete(&addr, Some("# tenants, one a line"), &body)
+            .await
+            .0,
+        401
+    );
+    let http = HttpClient::default();
+    let get = |key: Option<&'static str>| {
+        let (http, addr) = (http.clone(), addr.clone());
+        async move {
+            let auth = key.map(|k| format!("Bearer {k}"));
+            let h: Vec<(&str, &str)> = auth
+                .as_deref()
+                .map(|a| ("authorization", a))
+                .into_iter()
+                .collect();
+            http.get_with(&addr, "/workers", &h).await.unwrap().status
+        }
+    };
+    assert_eq!(get(None).await, 401);
+    assert_eq!(get(Some("key-a")).await, 403);
+    assert_eq!(get(Some("key-b")).await, 200);
+    settled(&c).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A gateway with no key at all refuses to start unless told to serve the public.
+#[tokio::test]
+async fn a_gateway_without_keys_needs_public_unauthenticated() {
+    let dir = std::env::temp_dir().join(format!("tl-nokeys-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let empty = dir.join("keys");
+    std::fs::write(&empty, "# nobody yet\n\n").unwrap();
+    let mut cfg = GatewayConfig::default();
+    cfg.gateway.api_keys_file = empty.display().to_string();
+    let Err(err) = tl_engine::gateway::GatewayNode::start(&cfg).await else {
+        panic!("started with no key");
+    };
+    assert!(err.to_string().contains("public_unauthenticated"), "{err}");
+    cfg.gateway.public_unauthenticated = true;
+    let gw = tl_engine::gateway::GatewayNode::start(&cfg).await.unwrap();
+    gw.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
