@@ -159,12 +159,13 @@ async fn routing_prefers_the_cached_prefix_unless_far_more_loaded() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_abort_after_first_token_frees_everything() {
-    let c = cluster(1).await;
+    // Room for a completion as long as the context (the gateway refuses what cannot fit).
+    let c = cluster_with(1, |cfg| cfg.pool.n_blocks = 2048).await;
     let d = &c.d[0];
     let d_base = d.runner().pool().lock().counts().used;
     let http = HttpClient::default();
     let prompt: Vec<u32> = (0..37).collect();
-    let body = json!({ "prompt": prompt, "max_tokens": 1_000_000, "stream": true, "seed": 1 });
+    let body = json!({ "prompt": prompt, "max_tokens": 4000, "stream": true, "seed": 1 });
     let (status, mut stream) = http
         .post_streaming(
             &c.gw.http_addr().to_string(),
@@ -662,7 +663,11 @@ async fn stop_frees_blocks_at_the_matching_step() {
     use tl_engine_core::model::decode_text;
     // Slow decode steps and a long max_tokens: a sequence that did not stop would run for a
     // minute.
-    let c = cluster_with(1, |cfg| cfg.model.decode_us_per_seq = 30_000).await;
+    let c = cluster_with(1, |cfg| {
+        cfg.model.decode_us_per_seq = 30_000;
+        cfg.pool.n_blocks = 1024;
+    })
+    .await;
     let (gw, p, d) = (&c.gw, &c.p, &c.d[0]);
     let http = HttpClient::default();
     let addr = gw.http_addr().to_string();

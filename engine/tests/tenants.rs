@@ -233,3 +233,34 @@ async fn a_gateway_without_keys_needs_public_unauthenticated() {
     gw.stop().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A request no engine could ever hold is refused with 400 `context_length_exceeded` (never a
+/// 429 or 503 that clients retry), before any engine is asked anything; one that fits is
+/// served. The figure is the engines' usable context: the pool after the decode reserve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_that_can_never_fit_are_400_context_length_exceeded() {
+    let c = cluster_of(&GatewayConfig::local(), 1, |_| {}).await;
+    let addr = c.gw.http_addr().to_string();
+    let usable =
+        c.gw.gateway()
+            .workers()
+            .iter()
+            .map(|w| w.usable_context)
+            .min()
+            .unwrap();
+    // 256 blocks of 4 less the 1/8 reserve on the decode engine.
+    assert_eq!(usable, 224 * 4);
+    let asked = || c.d[0].receiver().unwrap().stats().has_blocks_answered;
+    let before = (asked(), c.p.runner().pool().counts());
+    let prompt: Vec<u32> = (0..800).map(|i| i % 200).collect();
+    for (max_tokens, n) in [(97, 1), (u32::MAX, 1), (30, 4)] {
+        let body = json!({ "prompt": prompt, "max_tokens": max_tokens, "n": n });
+        let (status, v) = complete(&addr, None, &body).await;
+        assert_eq!(status, 400, "{max_tokens} x {n}: {v}");
+        assert_eq!(v["error"]["type"], "context_length_exceeded", "{v}");
+    }
+    assert_eq!((asked(), c.p.runner().pool().counts()), before);
+    let (status, v) = complete(&addr, None, &json!({ "prompt": prompt, "max_tokens": 96 })).await;
+    assert_eq!(status, 200, "{v}");
+    settled(&c).await;
+}

@@ -278,6 +278,9 @@ pub mod control {
         pub block_tokens: u32,
         #[prost(uint32, tag = "14")]
         pub heartbeat_ms: u32,
+        /// The longest sequence this worker can ever hold (0: not reported).
+        #[prost(uint32, tag = "15")]
+        pub usable_context: u32,
     }
 
     #[derive(Clone, Copy, PartialEq, prost::Message)]

@@ -352,6 +352,7 @@ fn proto_matches_hand_written_messages() {
         [0, 1, 2, 3]
     );
     let ws = control::WorkerStatus {
+        usable_context: 8,
         worker_id: "w".into(),
         http_address: "h".into(),
         grpc_address: "g".into(),
@@ -382,6 +383,7 @@ fn proto_matches_hand_written_messages() {
         ("draining", Bool(true)),
         ("block_tokens", U32(6)),
         ("heartbeat_ms", U32(7)),
+        ("usable_context", U32(8)),
     ];
     conform(&p, "tl.control.v1.WorkerStatus", &ws, &ws_fields);
     conform(

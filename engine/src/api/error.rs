@@ -54,6 +54,12 @@ impl ApiError {
         Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
     }
 
+    /// 400 `context_length_exceeded`: the prompt and completion can never fit; retrying will
+    /// not help.
+    pub fn context_length_exceeded(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "context_length_exceeded", message)
+    }
+
     /// 401 `invalid_request_error`: no API key, or not a known one.
     pub fn unauthorized(message: impl Into<String>) -> Self {
         Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", message)

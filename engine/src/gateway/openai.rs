@@ -175,6 +175,9 @@ async fn start(
             .into_response();
     }
     let scope = g.scopes.scope(&caller.tenant, salt);
+    if let Err(e) = fits(&g, prompt.len(), &params) {
+        return e.into_response();
+    }
     if let Err(e) = params.params(&prompt).validate(GATEWAY_LIMITS) {
         return ApiError::from(e).into_response();
     }
@@ -196,6 +199,48 @@ async fn start(
     serve(g, job, flavor, caller.admin)
         .await
         .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Refuses, with 400 `context_length_exceeded`, a request no live worker could ever hold: its
+/// prompt plus `max_tokens` (for n choices, which share the prompt's blocks, the prompt plus n
+/// completions) against the smallest usable context any serving worker reports, so the answer
+/// never depends on where it would be routed. A 429 or 503 would make clients retry for ever.
+fn fits(g: &Gateway, prompt: usize, params: &GenerationParams) -> Result<(), ApiError> {
+    let workers = g.workers();
+    let live = || {
+        workers
+            .iter()
+            .filter(|w| w.usable_context > 0 && !w.draining)
+    };
+    // A prefill engine holds the prompt only; a decoding one the whole sequence.
+    let prefill_room = live()
+        .filter(|w| w.kv_address.is_empty())
+        .map(|w| w.usable_context)
+        .min();
+    if let Some(room) = prefill_room
+        && prompt as u64 > u64::from(room)
+    {
+        return Err(ApiError::context_length_exceeded(format!(
+            "the prompt has {prompt} tokens; the prefill engines hold at most {room}"
+        )));
+    }
+    let Some(usable) = live()
+        .filter(|w| !w.kv_address.is_empty())
+        .map(|w| w.usable_context)
+        .min()
+    else {
+        return Ok(());
+    };
+    let n = u64::from(params.n.unwrap_or(1).max(1));
+    let need = prompt as u64 + n * u64::from(params.max_tokens());
+    if need > u64::from(usable) {
+        return Err(ApiError::context_length_exceeded(format!(
+            "this request needs {need} tokens ({prompt} in the prompt, {} x {n} to complete) \
+             but the engines hold at most {usable}; shorten the prompt or lower max_tokens",
+            params.max_tokens()
+        )));
+    }
+    Ok(())
 }
 
 fn timed_out() -> ApiError {

@@ -86,6 +86,8 @@ pub fn worker_status(node: &NodeState, addrs: &Addresses, heartbeat_ms: u32) -> 
         draining: node.is_draining(),
         block_tokens: model.shape().block_tokens(),
         heartbeat_ms,
+        // Set by the node, which knows its pool's reserve.
+        usable_context: 0,
     }
 }
 

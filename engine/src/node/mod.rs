@@ -248,9 +248,21 @@ impl EngineNode {
                 });
             }
             let (s1, s2, a) = (Arc::clone(&state), Arc::clone(&state), addrs.clone());
+            // The longest sequence this engine can ever hold: its context, within the pool a
+            // push may fill (less the reserve held back for running sequences).
+            let b = shape.block_tokens();
+            let room = if role.decodes() {
+                cfg.pool.n_blocks - limits.reserve(cfg.pool.n_blocks) as u32
+            } else {
+                cfg.pool.n_blocks
+            };
+            let usable_context = cfg.model.max_context.min(room.saturating_mul(b));
             life.spawn(hb.run(
                 interval,
-                move || worker_status(&s1, &a, ms),
+                move || kvwire_grpc::pb::control::WorkerStatus {
+                    usable_context,
+                    ..worker_status(&s1, &a, ms)
+                },
                 move || s2.start_drain(),
                 state.drain_started(),
                 life.token().clone(),
