@@ -264,3 +264,89 @@ async fn requests_that_can_never_fit_are_400_context_length_exceeded() {
     assert_eq!(status, 200, "{v}");
     settled(&c).await;
 }
+
+/// SIGTERM's drain on the gateway: new requests are refused at once (503, and `/health` says
+/// draining), streams that finish within the grace finish whole with `[DONE]`, and a stream
+/// still running at its end gets an error event naming the drain, never a silent cut. The
+/// engines are left holding nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_sigterm_finishes_or_ends_every_stream() {
+    use tl_engine::api::sse::StreamEvent;
+    // 20 ms a decode step: 5 tokens take 0.1 s, 400 take 8 s.
+    let Cluster { gw, p, d } = cluster_of(&GatewayConfig::local(), 1, |cfg| {
+        cfg.model.decode_us_per_seq = 20_000
+    })
+    .await;
+    let addr = gw.http_addr().to_string();
+    let g = std::sync::Arc::clone(gw.gateway());
+    let stream = |max_tokens: u32| {
+        let addr = addr.clone();
+        tokio::spawn(async move {
+            let body = json!({ "prompt": "drain me", "max_tokens": max_tokens, "stream": true });
+            let r = HttpClient::default()
+                .post(&addr, "/v1/completions", &[], body.to_string())
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200);
+            r.events().unwrap()
+        })
+    };
+    let (short, long) = ((stream(5), stream(5)), stream(400));
+    assert!(
+        eventually(Duration::from_secs(5), || g.in_flight() == 3).await,
+        "the requests never started"
+    );
+    let refused = {
+        let (g, addr) = (std::sync::Arc::clone(&g), addr.clone());
+        tokio::spawn(async move {
+            while !g.is_draining() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            let http = HttpClient::default();
+            let body = json!({ "prompt": "late", "max_tokens": 2 }).to_string();
+            let r = http
+                .post(&addr, "/v1/completions", &[], body)
+                .await
+                .unwrap();
+            let health = http.get(&addr, "/health").await.unwrap();
+            (r.status, health.status, health.json())
+        })
+    };
+    let began = std::time::Instant::now();
+    let ended = gw.shutdown(Duration::from_millis(800)).await;
+    let took = began.elapsed();
+    assert_eq!(ended, 1, "only the long stream outlived the grace");
+    assert!(took < Duration::from_millis(800 + 1500), "{took:?}");
+    let (status, health, hv) = refused.await.unwrap();
+    assert_eq!((status, health), (503, 503), "{hv}");
+    assert_eq!(hv["status"], "draining");
+    for s in [short.0, short.1] {
+        let events = s.await.unwrap();
+        assert_eq!(events.last(), Some(&StreamEvent::Done), "{events:?}");
+        let tokens: usize = events
+            .iter()
+            .filter_map(|e| match e {
+                StreamEvent::Chunk(c) => {
+                    Some(c.choices.iter().map(|ch| ch.tokens.len()).sum::<usize>())
+                }
+                _ => None,
+            })
+            .sum::<usize>();
+        assert_eq!(tokens, 5);
+    }
+    let events = long.await.unwrap();
+    let Some(StreamEvent::Error(e)) = events.last() else {
+        panic!("the long stream ended without an error event: {events:?}");
+    };
+    assert!(e.message.contains("draining"), "{e:?}");
+    assert!(events.len() > 2, "it streamed before it was ended");
+    let idle = || {
+        [&p, &d[0]]
+            .iter()
+            .all(|e| e.runner().pool().counts().used == 0)
+    };
+    assert!(
+        eventually(Duration::from_secs(10), idle).await,
+        "the engines kept blocks"
+    );
+}

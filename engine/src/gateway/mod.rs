@@ -55,6 +55,8 @@ pub struct Gateway {
     api_keys: keys::ApiKeys,
     scopes: tenant::Scopes,
     metrics: SharedMetrics,
+    /// The drain on SIGTERM.
+    drain: Drain,
     /// When this gateway started: for a while after, a request that finds no engine waits for
     /// the engines to register (they beat to a fresh registry within one interval).
     started: Instant,
@@ -90,6 +92,7 @@ impl Gateway {
             api_keys,
             scopes,
             metrics: Arc::new(Metrics::new()),
+            drain: Drain::default(),
             started: Instant::now(),
         })
     }
@@ -129,6 +132,60 @@ impl Gateway {
     /// cancel another client's request by naming it.
     fn request_id(&self) -> String {
         format!("{}-{}", self.cfg.id, crate::net::tls::random_hex::<16>())
+    }
+}
+
+/// A gateway's drain: `started` refuses new requests (503, and `/health` says so); `cut` ends
+/// the requests still running with an error event naming the drain.
+#[derive(Debug, Default)]
+struct Drain {
+    started: tokio_util::sync::CancellationToken,
+    cut: tokio_util::sync::CancellationToken,
+}
+
+impl Gateway {
+    /// Whether a drain has begun.
+    #[must_use]
+    pub fn is_draining(&self) -> bool {
+        self.drain.started.is_cancelled()
+    }
+
+    /// Requests running now.
+    #[must_use]
+    pub fn in_flight(&self) -> usize {
+        self.cfg.max_inflight.max(1) - self.permits.available_permits()
+    }
+
+    /// Drains: new requests are refused from now; running ones get until `grace` to finish;
+    /// then each one left ends with an error event naming the drain (never a silent cut), and
+    /// gets up to half a second to release what it holds on the engines. Returns how many were
+    /// ended.
+    pub async fn drain(&self, grace: Duration) -> usize {
+        self.drain.started.cancel();
+        let idle = async {
+            while self.in_flight() > 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        if tokio::time::timeout(grace, idle).await.is_ok() {
+            return 0;
+        }
+        let ended = self.in_flight();
+        tracing::warn!(ended, "drain time is up: ending the requests still running");
+        self.drain.cut.cancel();
+        // The process must be gone within drain_ms plus a second (CONTRACTS section 8): what a
+        // request cannot release by then ends with its lease on the engine.
+        let wait = self
+            .retry_policy()
+            .release_wait
+            .min(Duration::from_millis(500));
+        let _ = tokio::time::timeout(wait, async {
+            while self.in_flight() > 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        ended
     }
 }
 
@@ -296,6 +353,16 @@ impl GatewayNode {
     /// Stops both servers.
     pub async fn stop(self) {
         self.life.shutdown().await;
+    }
+
+    /// SIGTERM: [`Gateway::drain`] for up to `grace`, then stops. Returns how many requests the
+    /// drain had to end.
+    pub async fn shutdown(self, grace: Duration) -> usize {
+        let ended = self.gateway.drain(grace).await;
+        // The responses in flight (the error events just sent among them) get the servers'
+        // stop grace to be written.
+        self.life.shutdown().await;
+        ended
     }
 }
 

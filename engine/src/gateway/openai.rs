@@ -174,6 +174,10 @@ async fn start(
         return ApiError::bad_request(format!("cache_salt is longer than {MAX_CACHE_SALT} bytes"))
             .into_response();
     }
+    if g.is_draining() {
+        return ApiError::unavailable("the gateway is draining; send the request to another")
+            .into_response();
+    }
     let scope = g.scopes.scope(&caller.tenant, salt);
     if let Err(e) = fits(&g, prompt.len(), &params) {
         return e.into_response();
@@ -380,6 +384,13 @@ async fn models(State(g): State<Arc<Gateway>>) -> Response {
 
 async fn health(State(g): State<Arc<Gateway>>) -> Response {
     let w = g.workers();
+    if g.is_draining() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "status": "draining", "workers": w.len() })),
+        )
+            .into_response();
+    }
     let ok = w.iter().any(|w| !w.draining);
     let status = if ok {
         StatusCode::OK

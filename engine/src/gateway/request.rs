@@ -87,6 +87,7 @@ impl Gateway {
         };
         let mut pending: VecDeque<Action> = session.start().into();
         let mut client_gone = false;
+        let mut drained = false;
         let mut cleanup_by: Option<tokio::time::Instant> = None;
         loop {
             while let Some(action) = pending.pop_front() {
@@ -105,6 +106,11 @@ impl Gateway {
                 () = out.closed(), if !client_gone => {
                     client_gone = true;
                     Event::ClientGone
+                }
+                // The gateway's drain ran out: the request ends with an error naming it.
+                () = self.drain.cut.cancelled(), if !drained => {
+                    drained = true;
+                    Event::Drain
                 }
                 () = sleep_until(cleanup_by), if cleanup_by.is_some() => {
                     // What is left ends with its lease.

@@ -61,6 +61,7 @@ pub(crate) fn gateway(args: &GatewayArgs, log_format: LogFormat) -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
+    let drain = cfg.limits.drain();
     let traces = telemetry::start(
         log_format,
         cfg.telemetry.endpoint().as_deref(),
@@ -73,7 +74,13 @@ pub(crate) fn gateway(args: &GatewayArgs, log_format: LogFormat) -> ExitCode {
             tracing::info!("gateway serving; SIGTERM stops it");
             node.listening_line()
         },
-        async |node| node.stop().await,
+        async |node| {
+            // SIGTERM drains: running streams get drain_ms to finish, then end with an error
+            // event naming the drain.
+            tracing::info!("draining");
+            let ended = node.shutdown(drain).await;
+            tracing::info!(ended, "stopped");
+        },
     )
     .and_flush(traces)
 }
