@@ -350,3 +350,42 @@ async fn gateway_sigterm_finishes_or_ends_every_stream() {
         "the engines kept blocks"
     );
 }
+
+/// A prefill engine that stalls (here: 200 ms per prompt token, as good as stopped) holds a
+/// request no longer than `prefill_timeout_ms`: the request falls back to a `both` engine and
+/// answers what the colocated run answers, long before the stalled Prefill would end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_prefill_engine_holds_requests_only_until_the_prefill_deadline() {
+    use tl_engine::node::EngineNode;
+    use tl_engine::node::config::Role;
+    let mut gw = GatewayConfig::local();
+    gw.gateway.prefill_timeout_ms = 300;
+    let c = cluster_of(&gw, 1, |cfg| {
+        if cfg.engine.role == Role::Prefill {
+            cfg.model.prefill_us_per_token = 200_000;
+        }
+    })
+    .await;
+    let reg = c.gw.registry_addr().to_string();
+    let both = EngineNode::start(&common::engine_cfg("B", Role::Both, &reg))
+        .await
+        .unwrap();
+    common::wait_workers(&c.gw, 3).await;
+    let addr = c.gw.http_addr().to_string();
+    let prompt: Vec<u32> = (1..=20).collect();
+    let began = std::time::Instant::now();
+    let (status, v) = complete(
+        &addr,
+        None,
+        &json!({ "prompt": prompt, "max_tokens": 4, "seed": 2, "temperature": 0.7 }),
+    )
+    .await;
+    let took = began.elapsed();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["tl_route"]["decode"], "B", "{v}");
+    assert_eq!(tokens_of(&v), common::colocated(&prompt, 0.7, 2, 4));
+    // 20 tokens at 200 ms would be 4 s.
+    assert!(took < Duration::from_millis(2500), "{took:?}");
+    settled(&c).await;
+    drop(both);
+}

@@ -26,6 +26,9 @@
 //!                                  # the request falls back to a `both` engine
 //! cancel_release_wait_ms = 5000    # after cancelling a Prefill (the client left), how long to
 //!                                  # wait for a handle that still arrives, to release it
+//! prefill_timeout_ms = 10000       # one Prefill call (compute and push); a prefill engine that
+//!                                  # takes longer is given up: the request falls back to a
+//!                                  # `both` engine, or fails with 503
 //!
 //! [gateway.public_tls]             # HTTPS on the public endpoint (no client certificates)
 //! cert = "public.pem"
@@ -102,6 +105,8 @@ pub struct GatewaySection {
     /// After a Prefill was cancelled (the client left): how long to wait for a handle that
     /// still arrives, to release it rather than leave it to its lease (milliseconds).
     pub cancel_release_wait_ms: u64,
+    /// The longest one Prefill call may take (compute and push), in milliseconds.
+    pub prefill_timeout_ms: u64,
 }
 
 impl Default for GatewaySection {
@@ -128,6 +133,7 @@ impl Default for GatewaySection {
             startup_grace_ms: 5_000,
             prefill_decode_attempts: 2,
             cancel_release_wait_ms: 5_000,
+            prefill_timeout_ms: 10_000,
         }
     }
 }

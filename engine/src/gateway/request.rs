@@ -252,11 +252,20 @@ impl Driver<'_> {
                     .insert(lane, self.g.routed.enter(&decode.worker_id));
                 self.pushed_to.insert(lane, decode);
                 let tx = self.events.clone();
+                let deadline = Duration::from_millis(self.g.cfg.prefill_timeout_ms.max(1));
                 self.tasks.spawn(
                     async move {
-                        let e = match ctl.prefill(request).await {
-                            Ok(handle) => Event::Prefilled { lane, handle },
-                            Err(s) => Event::PrefillFailed {
+                        // A stalled prefill engine (stopped, partitioned, overloaded) holds the
+                        // request no longer than this: dropping the call resets its stream, and
+                        // the engine drops the prefill and its push.
+                        let answer = tokio::time::timeout(deadline, ctl.prefill(request)).await;
+                        let e = match answer {
+                            Err(_) => Event::PrefillFailed {
+                                lane,
+                                failure: PrefillFailure::TimedOut,
+                            },
+                            Ok(Ok(handle)) => Event::Prefilled { lane, handle },
+                            Ok(Err(s)) => Event::PrefillFailed {
                                 lane,
                                 failure: PrefillFailure::Status {
                                     code: s.code(),

@@ -142,6 +142,8 @@ impl LossCause {
 pub enum PrefillFailure {
     /// The prefill engine's address could not be used.
     Unreachable,
+    /// The call took longer than `prefill_timeout_ms`.
+    TimedOut,
     /// The call failed with this status.
     Status {
         /// Its code.
@@ -787,7 +789,7 @@ impl Session {
             return;
         };
         let refused = match failure {
-            PrefillFailure::Unreachable => None,
+            PrefillFailure::Unreachable | PrefillFailure::TimedOut => None,
             PrefillFailure::Status { code, message } if !retryable(code) => Some((code, message)),
             PrefillFailure::Status { .. } => {
                 p.retries += 1;
