@@ -389,3 +389,45 @@ async fn a_stalled_prefill_engine_holds_requests_only_until_the_prefill_deadline
     settled(&c).await;
     drop(both);
 }
+
+/// Every numeric setting is range-checked when a node starts: a zero that would refuse
+/// everything (or nothing), a NaN weight, a pool too large to index. The message names the key.
+#[test]
+fn out_of_range_settings_are_refused_naming_the_key() {
+    type G = fn(&mut GatewayConfig);
+    let gateway: [(&str, G); 6] = [
+        ("limits.max_pushes", |c| c.limits.max_pushes = 0),
+        ("limits.header_read_ms", |c| c.limits.header_read_ms = 0),
+        ("limits.max_body_bytes", |c| c.limits.max_body_bytes = 0),
+        ("gateway.stall_timeout_ms", |c| {
+            c.gateway.stall_timeout_ms = 0
+        }),
+        ("gateway.load_penalty_tokens", |c| {
+            c.gateway.load_penalty_tokens = f64::NAN;
+        }),
+        ("gateway.prefill_timeout_ms", |c| {
+            c.gateway.prefill_timeout_ms = 0
+        }),
+    ];
+    assert!(GatewayConfig::local().validate().is_ok());
+    for (key, set) in gateway {
+        let mut c = GatewayConfig::local();
+        set(&mut c);
+        let e = c.validate().expect_err(key).to_string();
+        assert!(e.contains(key) && e.contains("out of range"), "{key}: {e}");
+    }
+    type E = fn(&mut tl_engine::node::config::Config);
+    let engine: [(&str, E); 3] = [
+        ("pool.n_blocks", |c| c.pool.n_blocks = u32::MAX),
+        ("pool.n_blocks", |c| c.pool.n_blocks = 0),
+        ("limits.max_pending_handles", |c| {
+            c.limits.max_pending_handles = 0
+        }),
+    ];
+    for (key, set) in engine {
+        let mut c = tl_engine::node::config::Config::default();
+        set(&mut c);
+        let e = c.validate().expect_err(key).to_string();
+        assert!(e.contains(key), "{key}: {e}");
+    }
+}

@@ -47,7 +47,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::net::is_loopback_listen;
-use crate::net::limits::LimitsSection;
+use crate::net::limits::{LimitsSection, in_range};
 use crate::net::tls::{PublicTls, TlsSection};
 use crate::toml_file::{self, FileError};
 
@@ -226,11 +226,53 @@ impl GatewayConfig {
     /// The first problem.
     pub fn validate(&self) -> Result<(), GatewayConfigError> {
         let g = &self.gateway;
-        if g.max_inflight == 0 || g.request_timeout_ms == 0 {
-            return Err(GatewayConfigError::Invalid(
-                "gateway.max_inflight and gateway.request_timeout_ms must be >= 1".into(),
-            ));
-        }
+        let ranges = || -> Result<(), String> {
+            const DAY_MS: u64 = 86_400_000;
+            in_range("gateway.max_inflight", g.max_inflight, 1, 1 << 20)?;
+            in_range(
+                "gateway.request_timeout_ms",
+                g.request_timeout_ms,
+                1,
+                DAY_MS,
+            )?;
+            in_range(
+                "gateway.has_blocks_timeout_ms",
+                g.has_blocks_timeout_ms,
+                1,
+                600_000,
+            )?;
+            in_range("gateway.stall_timeout_ms", g.stall_timeout_ms, 1, DAY_MS)?;
+            in_range("gateway.max_failovers", g.max_failovers, 0, 64)?;
+            in_range("gateway.startup_grace_ms", g.startup_grace_ms, 0, 600_000)?;
+            in_range(
+                "gateway.prefill_decode_attempts",
+                g.prefill_decode_attempts,
+                1,
+                64,
+            )?;
+            in_range(
+                "gateway.cancel_release_wait_ms",
+                g.cancel_release_wait_ms,
+                0,
+                600_000,
+            )?;
+            in_range(
+                "gateway.prefill_timeout_ms",
+                g.prefill_timeout_ms,
+                1,
+                DAY_MS,
+            )?;
+            // NaN compares false both ways: refused by the range too.
+            let p = g.load_penalty_tokens;
+            if p.is_nan() {
+                return Err(format!(
+                    "gateway.load_penalty_tokens = {p} is out of range: it must be in 0..=1000000"
+                ));
+            }
+            in_range("gateway.load_penalty_tokens", p, 0.0, 1e6)?;
+            self.limits.validate()
+        };
+        ranges().map_err(GatewayConfigError::Invalid)?;
         if g.id.is_empty() {
             return Err(GatewayConfigError::Invalid(
                 "gateway.id must not be empty".into(),

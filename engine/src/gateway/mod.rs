@@ -249,6 +249,7 @@ impl GatewayNode {
             .map(Tls::load)
             .transpose()
             .map_err(|e| invalid(&e))?;
+        cfg.validate().map_err(|e| invalid(&e))?;
         let g = &cfg.gateway;
         let api_keys =
             keys::ApiKeys::load(&g.api_keys_file, &g.admin_keys_file).map_err(|e| invalid(&e))?;

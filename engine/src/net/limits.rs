@@ -89,7 +89,85 @@ impl Default for LimitsSection {
     }
 }
 
+/// `Err` naming `key` and its range when `v` is outside `lo..=hi`.
+///
+/// # Errors
+/// The message operators read at start-up.
+pub fn in_range<T: PartialOrd + std::fmt::Display>(
+    key: &str,
+    v: T,
+    lo: T,
+    hi: T,
+) -> Result<(), String> {
+    if v < lo || v > hi {
+        return Err(format!(
+            "{key} = {v} is out of range: it must be in {lo}..={hi}"
+        ));
+    }
+    Ok(())
+}
+
 impl LimitsSection {
+    /// Every bound range-checked, so that a zero (a bound that would refuse everything or
+    /// nothing) or an absurd figure stops the process at start rather than silently.
+    ///
+    /// # Errors
+    /// The first key out of range, with its range.
+    pub fn validate(&self) -> Result<(), String> {
+        const DAY_MS: u64 = 86_400_000;
+        in_range("limits.max_pushes", self.max_pushes, 1, 1 << 16)?;
+        in_range("limits.push_idle_ms", self.push_idle_ms, 1, DAY_MS)?;
+        in_range("limits.push_deadline_ms", self.push_deadline_ms, 1, DAY_MS)?;
+        in_range("limits.handle_lease_ms", self.handle_lease_ms, 1, DAY_MS)?;
+        in_range(
+            "limits.max_pending_handles",
+            self.max_pending_handles,
+            1,
+            1 << 20,
+        )?;
+        in_range("limits.h2_max_streams", self.h2_max_streams, 1, 1 << 16)?;
+        in_range("limits.keepalive_ms", self.keepalive_ms, 1, DAY_MS)?;
+        in_range(
+            "limits.keepalive_timeout_ms",
+            self.keepalive_timeout_ms,
+            1,
+            DAY_MS,
+        )?;
+        in_range(
+            "limits.small_message_bytes",
+            self.small_message_bytes,
+            1 << 10,
+            1 << 30,
+        )?;
+        in_range("limits.header_read_ms", self.header_read_ms, 1, 600_000)?;
+        in_range(
+            "limits.max_body_bytes",
+            self.max_body_bytes,
+            1 << 10,
+            1 << 30,
+        )?;
+        in_range(
+            "limits.http_max_inflight",
+            self.http_max_inflight,
+            1,
+            1 << 20,
+        )?;
+        in_range(
+            "limits.max_peer_channels",
+            self.max_peer_channels,
+            1,
+            1 << 16,
+        )?;
+        in_range(
+            "limits.registry_max_workers",
+            self.registry_max_workers,
+            1,
+            1 << 20,
+        )?;
+        in_range("limits.drain_ms", self.drain_ms, 0, DAY_MS)?;
+        Ok(())
+    }
+
     /// The HTTP/2 bounds of every gRPC server.
     #[must_use]
     pub fn h2(&self) -> H2Limits {

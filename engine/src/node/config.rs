@@ -261,9 +261,12 @@ impl Config {
                 "pool.block_tokens and the model's dimensions must be >= 1".into(),
             ));
         }
-        if self.pool.n_blocks == 0 {
-            return Err(ConfigError::Invalid("pool.n_blocks must be >= 1".into()));
-        }
+        crate::net::limits::in_range("pool.n_blocks", self.pool.n_blocks, 1, 1 << 24)
+            .and_then(|()| {
+                crate::net::limits::in_range("pool.block_tokens", self.pool.block_tokens, 1, 4096)
+            })
+            .and_then(|()| self.limits.validate())
+            .map_err(ConfigError::Invalid)?;
         let bytes = self
             .shape()
             .payload_bytes()

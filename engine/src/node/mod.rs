@@ -85,6 +85,8 @@ impl EngineNode {
     /// When an address cannot be bound, the registry address is malformed, or the engine
     /// thread cannot start.
     pub async fn start(cfg: &Config) -> std::io::Result<Self> {
+        // Whoever built the configuration (a file, flags, a test), nothing out of range starts.
+        cfg.validate().map_err(invalid)?;
         let tls = cfg
             .tls
             .as_ref()
