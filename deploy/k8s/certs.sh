@@ -8,11 +8,13 @@ if [[ $tl == */* ]]; then tl=$(realpath "$tl"); fi
 cd "$(dirname "$0")"
 dir=certs
 mkdir -p "$dir"
-"$tl" certs --dir "$dir" --id gw --role gateway --host kvwire-gateway --host gateway >/dev/null
+# tl certs never overwrites a certificate (it needs --force): issue only what is missing.
+issue() { [[ -e $dir/$1.pem ]] || "$tl" certs --dir "$dir" --id "$@" >/dev/null; }
+issue gw --role gateway --host kvwire-gateway --host gateway
 # Engines advertise their pod IP; peers verify the name every engine certificate carries.
-"$tl" certs --dir "$dir" --id prefill --role prefill --host kvwire-engine >/dev/null
+issue prefill --role prefill --host kvwire-engine
 for i in 0 1; do
-    "$tl" certs --dir "$dir" --id "decode-$i" --role decode --host kvwire-engine >/dev/null
+    issue "decode-$i" --role decode --host kvwire-engine
 done
 # One tenant key and one admin key for the gateway (its Secret mounts them): a gateway with no
 # key refuses to start unless told to serve the public unauthenticated.

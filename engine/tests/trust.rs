@@ -482,9 +482,16 @@ async fn peer_name_verifies_engines_reached_at_unnamed_addresses() {
     for peer_name in [None, Some("kvwire-engine")] {
         let section = |id: &str, role: PeerRole| TlsSection {
             peer_name: peer_name.map(str::to_owned),
-            ..issue(certs.path(), id, role, &["kvwire-engine".to_owned()])
-                .unwrap()
-                .section()
+            // Issued again on the second pass.
+            ..tl_engine::net::tls::issue_with(
+                certs.path(),
+                id,
+                role,
+                &["kvwire-engine".to_owned()],
+                true,
+            )
+            .unwrap()
+            .section()
         };
         let gw = GatewayNode::start(&GatewayConfig {
             tls: Some(section("gw", PeerRole::Gateway)),

@@ -410,28 +410,54 @@ impl Issued {
     }
 }
 
-fn write(path: &Path, text: &str) -> Result<(), TlsError> {
-    std::fs::write(path, text).map_err(|source| TlsError::Io {
+/// Creates `path` holding `text` with `mode`, never following a symlink planted there and
+/// never writing over an existing file (`O_EXCL | O_NOFOLLOW`): a private key is 0600 from its
+/// first byte, not chmod'ed after.
+fn create(path: &Path, text: &str, mode: u32) -> Result<(), TlsError> {
+    use std::io::Write;
+    let io = |source| TlsError::Io {
         path: path.display().to_string(),
         source,
-    })
+    };
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.mode(mode).custom_flags(libc_nofollow());
+    }
+    #[cfg(not(unix))]
+    let _ = mode;
+    let mut f = opts.open(path).map_err(io)?;
+    f.write_all(text.as_bytes()).map_err(io)?;
+    f.sync_all().map_err(io)
+}
+
+/// `O_NOFOLLOW`, where this build knows it. `create_new` is `O_CREAT | O_EXCL`, which already
+/// fails on any existing path, a symlink (even a dangling one) included; this says so twice.
+#[cfg(unix)]
+fn libc_nofollow() -> i32 {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        libc::O_NOFOLLOW
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        0
+    }
+}
+
+fn write(path: &Path, text: &str) -> Result<(), TlsError> {
+    create(path, text, 0o644)
 }
 
 /// Writes a private key readable by its owner only.
 fn write_key(path: &Path, text: &str) -> Result<(), TlsError> {
-    write(path, text)?;
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(
-            |source| TlsError::Io {
-                path: path.display().to_string(),
-                source,
-            },
-        )?;
-    }
-    Ok(())
+    create(path, text, 0o600)
 }
+
+/// Ids `tl certs` will not issue: their files would be the CA's.
+pub const RESERVED_IDS: &[&str] = &["ca"];
 
 /// `tl certs`: makes `dir/ca.pem` and `dir/ca.key` on first use (a self-signed CA), then
 /// `dir/ID.pem` and `dir/ID.key`, a leaf signed by it with URI SAN `spiffe://tl/ROLE/ID`, DNS SAN
@@ -440,12 +466,51 @@ fn write_key(path: &Path, text: &str) -> Result<(), TlsError> {
 /// # Errors
 /// I/O errors, or an id that cannot be part of a SPIFFE id.
 pub fn issue(dir: &Path, id: &str, role: PeerRole, hosts: &[String]) -> Result<Issued, TlsError> {
+    issue_with(dir, id, role, hosts, false)
+}
+
+/// [`issue`], re-issuing over an existing certificate of `id` when `force` (its old files are
+/// removed first, a symlink as a link, never followed); without it, an existing `ID.pem` or
+/// `ID.key` is an error. A reserved id ([`RESERVED_IDS`]) is always refused.
+///
+/// # Errors
+/// As [`issue`], and an existing certificate without `force`.
+pub fn issue_with(
+    dir: &Path,
+    id: &str,
+    role: PeerRole,
+    hosts: &[String],
+    force: bool,
+) -> Result<Issued, TlsError> {
     let me = PeerId {
         role,
         id: id.to_owned(),
     };
     if PeerId::parse(&me.uri()).as_ref() != Some(&me) {
         return Err(TlsError::NoIdentity(format!("id {id:?}")));
+    }
+    if RESERVED_IDS.contains(&id) {
+        return Err(TlsError::NoIdentity(format!(
+            "id {id:?} is reserved: its files would replace the CA's"
+        )));
+    }
+    let (cert_path, key_path) = (dir.join(format!("{id}.pem")), dir.join(format!("{id}.key")));
+    for p in [&cert_path, &key_path] {
+        if std::fs::symlink_metadata(p).is_ok() {
+            if !force {
+                return Err(TlsError::Io {
+                    path: p.display().to_string(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::AlreadyExists,
+                        "already exists; pass --force to issue it again",
+                    ),
+                });
+            }
+            std::fs::remove_file(p).map_err(|source| TlsError::Io {
+                path: p.display().to_string(),
+                source,
+            })?;
+        }
     }
     std::fs::create_dir_all(dir).map_err(|source| TlsError::Io {
         path: dir.display().to_string(),
@@ -487,7 +552,6 @@ pub fn issue(dir: &Path, id: &str, role: PeerRole, hosts: &[String]) -> Result<I
     ];
     let key = KeyPair::generate()?;
     let cert = p.signed_by(&key, &issuer)?;
-    let (cert_path, key_path) = (dir.join(format!("{id}.pem")), dir.join(format!("{id}.key")));
     write_key(&key_path, &key.serialize_pem())?;
     write(&cert_path, &cert.pem())?;
     Ok(Issued {
@@ -500,6 +564,40 @@ pub fn issue(dir: &Path, id: &str, role: PeerRole, hosts: &[String]) -> Result<I
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `tl certs` never writes over the CA, never follows a planted symlink, creates keys
+    /// 0600 from the start, and re-issues only when forced.
+    #[cfg(unix)]
+    #[test]
+    fn issuing_refuses_to_overwrite_or_follow() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("tl-certs-safe-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let first = issue(&dir, "p-1", PeerRole::Prefill, &[]).unwrap();
+        let ca_before = std::fs::read(&first.ca).unwrap();
+        // The CA's own name is reserved.
+        let e = issue(&dir, "ca", PeerRole::Gateway, &[]).unwrap_err();
+        assert!(e.to_string().contains("reserved"), "{e}");
+        assert_eq!(std::fs::read(&first.ca).unwrap(), ca_before);
+        // Private keys are owner-only.
+        for k in [&first.key, &dir.join("ca.key")] {
+            let mode = std::fs::metadata(k).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600, "{}", k.display());
+        }
+        // An existing identity is not re-issued without force.
+        let e = issue(&dir, "p-1", PeerRole::Prefill, &[]).unwrap_err();
+        assert!(e.to_string().contains("--force"), "{e}");
+        let old = std::fs::read(&first.key).unwrap();
+        issue_with(&dir, "p-1", PeerRole::Prefill, &[], true).unwrap();
+        assert_ne!(std::fs::read(&first.key).unwrap(), old, "forced: a new key");
+        // A symlink planted where a key will go is neither followed nor overwritten.
+        let target = dir.join("elsewhere");
+        std::fs::write(&target, "precious").unwrap();
+        std::os::unix::fs::symlink(&target, dir.join("d-9.key")).unwrap();
+        assert!(issue(&dir, "d-9", PeerRole::Decode, &[]).is_err());
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "precious");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn issued_certificates_carry_their_identity() {

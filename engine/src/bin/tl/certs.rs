@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use tl_engine::net::tls::{PeerRole, issue};
+use tl_engine::net::tls::{PeerRole, issue_with};
 
 /// Arguments of `tl certs`.
 #[derive(clap::Args, Debug)]
@@ -21,12 +21,15 @@ pub(crate) struct CertsArgs {
     /// Another DNS name or IP the certificate is valid for (repeatable).
     #[arg(long = "host")]
     hosts: Vec<String>,
+    /// Issue again over an existing certificate of this id.
+    #[arg(long)]
+    force: bool,
 }
 
 /// Runs `tl certs`.
 #[must_use]
 pub(crate) fn certs(args: &CertsArgs) -> ExitCode {
-    match issue(&args.dir, &args.id, args.role, &args.hosts) {
+    match issue_with(&args.dir, &args.id, args.role, &args.hosts, args.force) {
         Ok(i) => {
             let line = serde_json::json!({
                 "ca": i.ca.display().to_string(),

@@ -423,7 +423,9 @@ fn certs(dir: &Path, id: &str, role: &str, hosts: &[String]) -> Result<Vec<Strin
     cmd.arg("certs")
         .arg("--dir")
         .arg(&certs)
-        .args(["--id", id, "--role", role]);
+        .args(["--id", id, "--role", role])
+        // A restarted engine gets a fresh certificate of the same identity.
+        .arg("--force");
     for h in hosts {
         cmd.args(["--host", h]);
     }
