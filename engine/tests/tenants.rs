@@ -431,3 +431,48 @@ fn out_of_range_settings_are_refused_naming_the_key() {
         assert!(e.contains(key), "{key}: {e}");
     }
 }
+
+/// One key cannot take every slot: at `max_inflight_per_key` its next request is 429 while
+/// another key is still served, and its places come back as its requests end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_key_cannot_take_every_slot() {
+    let dir = std::env::temp_dir().join(format!("tl-quota-{}", std::process::id()));
+    let mut cfg = keyed_gateway(&dir);
+    cfg.gateway.max_inflight_per_key = 2;
+    let c = cluster_of(&cfg, 1, |cfg| cfg.model.decode_us_per_seq = 20_000).await;
+    let addr = c.gw.http_addr().to_string();
+    let body = json!({ "prompt": "slow", "max_tokens": 25 });
+    let heavy: Vec<_> = (0..2)
+        .map(|_| {
+            let (addr, body) = (addr.clone(), body.clone());
+            tokio::spawn(async move { complete(&addr, Some("key-a"), &body).await.0 })
+        })
+        .collect();
+    let g = std::sync::Arc::clone(c.gw.gateway());
+    assert!(eventually(Duration::from_secs(5), || g.in_flight() == 2).await);
+    let (status, v) = complete(&addr, Some("key-a"), &body).await;
+    assert_eq!(status, 429, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("API key"),
+        "{v}"
+    );
+    let (status, v) = complete(
+        &addr,
+        Some("key-b"),
+        &json!({ "prompt": "x", "max_tokens": 2 }),
+    )
+    .await;
+    assert_eq!(status, 200, "another key is served meanwhile: {v}");
+    for h in heavy {
+        assert_eq!(h.await.unwrap(), 200);
+    }
+    let (status, _) = complete(
+        &addr,
+        Some("key-a"),
+        &json!({ "prompt": "x", "max_tokens": 2 }),
+    )
+    .await;
+    assert_eq!(status, 200, "the places came back");
+    settled(&c).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -26,6 +26,8 @@
 //!                                  # the request falls back to a `both` engine
 //! cancel_release_wait_ms = 5000    # after cancelling a Prefill (the client left), how long to
 //!                                  # wait for a handle that still arrives, to release it
+//! max_inflight_per_key = 0         # requests in flight per tenant (0: max_inflight / 4); beyond
+//!                                  # it 429, so one key cannot take every slot
 //! prefill_timeout_ms = 10000       # one Prefill call (compute and push); a prefill engine that
 //!                                  # takes longer is given up: the request falls back to a
 //!                                  # `both` engine, or fails with 503
@@ -107,6 +109,8 @@ pub struct GatewaySection {
     pub cancel_release_wait_ms: u64,
     /// The longest one Prefill call may take (compute and push), in milliseconds.
     pub prefill_timeout_ms: u64,
+    /// Requests one tenant may have in flight (0: a quarter of `max_inflight`, at least 1).
+    pub max_inflight_per_key: usize,
 }
 
 impl Default for GatewaySection {
@@ -134,6 +138,7 @@ impl Default for GatewaySection {
             prefill_decode_attempts: 2,
             cancel_release_wait_ms: 5_000,
             prefill_timeout_ms: 10_000,
+            max_inflight_per_key: 0,
         }
     }
 }

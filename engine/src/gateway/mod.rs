@@ -54,6 +54,7 @@ pub struct Gateway {
     routed: Arc<RoutedLoad>,
     api_keys: keys::ApiKeys,
     scopes: tenant::Scopes,
+    quotas: Arc<tenant::Quotas>,
     metrics: SharedMetrics,
     /// The drain on SIGTERM.
     drain: Drain,
@@ -79,6 +80,10 @@ impl Gateway {
             cfg.shared_cache,
         );
         let api_keys = api_keys.tenants(&cfg.tenant_header, cfg.unauthenticated_admin);
+        let quotas = Arc::new(tenant::Quotas::new(match cfg.max_inflight_per_key {
+            0 => cfg.max_inflight / 4,
+            n => n,
+        }));
         Ok(Self {
             permits: Arc::new(Semaphore::new(cfg.max_inflight.max(1))),
             upstream: Arc::new(Upstream::new(
@@ -91,6 +96,7 @@ impl Gateway {
             routed: Arc::new(RoutedLoad::default()),
             api_keys,
             scopes,
+            quotas,
             metrics: Arc::new(Metrics::new()),
             drain: Drain::default(),
             started: Instant::now(),

@@ -200,7 +200,13 @@ async fn start(
         choices,
         scope,
     };
-    serve(g, job, flavor, caller.admin)
+    let Some(quota) = g.quotas.take(&caller.tenant) else {
+        return ApiError::rate_limited(
+            "too many requests in flight for this API key (max_inflight_per_key)",
+        )
+        .into_response();
+    };
+    serve(g, job, flavor, caller.admin, quota)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -256,6 +262,7 @@ async fn serve(
     job: Job,
     flavor: Flavor,
     admin: bool,
+    quota: super::tenant::Held,
 ) -> Result<Response, ApiError> {
     let Ok(permit) = Arc::clone(&g.permits).try_acquire_owned() else {
         return Err(ApiError::rate_limited("too many requests in flight"));
@@ -272,7 +279,7 @@ async fn serve(
         {
             let g = Arc::clone(&g);
             async move {
-                let _permit = permit;
+                let (_permit, _quota) = (permit, quota);
                 // On timeout the drive future is dropped; the handler then answers 504.
                 let _ = tokio::time::timeout(timeout, g.drive(job, tx)).await;
             }

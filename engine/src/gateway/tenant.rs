@@ -24,6 +24,75 @@ pub struct Caller {
     pub admin: bool,
 }
 
+/// Requests in flight per tenant, bounded: one key cannot take every slot of the gateway.
+#[derive(Debug, Default)]
+pub struct Quotas {
+    limit: usize,
+    held: std::sync::Mutex<std::collections::HashMap<Vec<u8>, usize>>,
+}
+
+/// One request's place in its tenant's quota, given back on drop.
+#[derive(Debug)]
+pub struct Held {
+    quotas: std::sync::Arc<Quotas>,
+    tenant: Vec<u8>,
+}
+
+impl Quotas {
+    /// At most `limit` requests in flight per tenant.
+    #[must_use]
+    pub fn new(limit: usize) -> Self {
+        Self {
+            limit: limit.max(1),
+            held: std::sync::Mutex::default(),
+        }
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<Vec<u8>, usize>> {
+        self.held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A place for `tenant`'s request, or `None` at its limit. No tenant (an open gateway) is
+    /// not limited here.
+    pub fn take(self: &std::sync::Arc<Self>, tenant: &[u8]) -> Option<Held> {
+        if !tenant.is_empty() {
+            let mut m = self.map();
+            let n = m.entry(tenant.to_vec()).or_default();
+            if *n >= self.limit {
+                return None;
+            }
+            *n += 1;
+        }
+        Some(Held {
+            quotas: std::sync::Arc::clone(self),
+            tenant: tenant.to_vec(),
+        })
+    }
+
+    /// Requests `tenant` has in flight.
+    #[must_use]
+    pub fn held_by(&self, tenant: &[u8]) -> usize {
+        self.map().get(tenant).copied().unwrap_or(0)
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if self.tenant.is_empty() {
+            return;
+        }
+        let mut m = self.quotas.map();
+        if let Some(n) = m.get_mut(&self.tenant) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.tenant);
+            }
+        }
+    }
+}
+
 /// The longest `cache_salt` taken (400 beyond).
 pub const MAX_CACHE_SALT: usize = 256;
 
