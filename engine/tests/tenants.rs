@@ -476,3 +476,52 @@ async fn one_key_cannot_take_every_slot() {
     settled(&c).await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// 4,096 connections trickling their headers from one address take only that address's share
+/// of the public port: a request from another address is served at once. A trickled body is
+/// cut off at the whole-request deadline with 408.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trickled_requests_cannot_lock_out_others() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut gw = GatewayConfig::local();
+    gw.limits.request_read_ms = 300;
+    let c = cluster_of(&gw, 1, |_| {}).await;
+    let addr = c.gw.http_addr();
+    let mut held = Vec::new();
+    for _ in 0..4096 {
+        let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+            continue;
+        };
+        // Headers that never end.
+        let _ = s
+            .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            .await;
+        held.push(s);
+    }
+    // A legitimate client elsewhere (another loopback address).
+    let request = |body: &'static str, len: usize| async move {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        let mut s = sock.connect(addr).await.unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {len}\r\nConnection: close\r\n\r\n{body}"
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out).await;
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    let body = r#"{"prompt":"hello","max_tokens":2}"#;
+    let served = tokio::time::timeout(Duration::from_secs(1), request(body, body.len()))
+        .await
+        .expect("the legitimate request waited behind the trickling ones");
+    assert!(served.starts_with("HTTP/1.1 200"), "{served}");
+    // A body that stops half-way: 408 at the request's deadline, not a connection held for ever.
+    let cut = tokio::time::timeout(Duration::from_secs(5), request("{\"prompt\":", 40))
+        .await
+        .expect("a trickled body held its connection");
+    assert!(cut.starts_with("HTTP/1.1 408"), "{cut}");
+    drop(held);
+    settled(&c).await;
+}

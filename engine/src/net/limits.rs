@@ -15,6 +15,8 @@
 //! small_message_bytes = 1048576  # HasBlocks, Release, Info, Heartbeat, ListWorkers messages
 //! header_read_ms = 10000         # HTTP request headers must arrive within this
 //! max_body_bytes = 2097152       # HTTP request body (413 beyond)
+//! request_read_ms = 30000        # a whole HTTP request (headers and body) must arrive within this
+//! http_max_conns_per_ip = 64     # HTTP connections open at once from one address
 //! http_max_inflight = 256        # requests in flight on an engine's HTTP front (429 beyond)
 //! max_peer_channels = 256        # outgoing connections kept, least recently used closed first
 //! registry_max_workers = 1024    # workers a registry holds (RESOURCE_EXHAUSTED beyond)
@@ -56,6 +58,10 @@ pub struct LimitsSection {
     pub header_read_ms: u64,
     /// Largest HTTP request body.
     pub max_body_bytes: usize,
+    /// A whole HTTP request, headers and body, must arrive within this (milliseconds).
+    pub request_read_ms: u64,
+    /// HTTP connections one source address may hold open at once.
+    pub http_max_conns_per_ip: usize,
     /// Requests in flight on an engine's HTTP front.
     pub http_max_inflight: usize,
     /// Outgoing connections kept.
@@ -81,6 +87,8 @@ impl Default for LimitsSection {
             small_message_bytes: 1 << 20,
             header_read_ms: 10_000,
             max_body_bytes: 2 << 20,
+            request_read_ms: 30_000,
+            http_max_conns_per_ip: 64,
             http_max_inflight: 256,
             max_peer_channels: 256,
             registry_max_workers: 1024,
@@ -140,6 +148,13 @@ impl LimitsSection {
             1 << 30,
         )?;
         in_range("limits.header_read_ms", self.header_read_ms, 1, 600_000)?;
+        in_range("limits.request_read_ms", self.request_read_ms, 1, 600_000)?;
+        in_range(
+            "limits.http_max_conns_per_ip",
+            self.http_max_conns_per_ip,
+            1,
+            1 << 16,
+        )?;
         in_range(
             "limits.max_body_bytes",
             self.max_body_bytes,
@@ -193,6 +208,9 @@ impl LimitsSection {
     pub fn http(&self) -> HttpLimits {
         HttpLimits {
             header_read: Duration::from_millis(self.header_read_ms.max(1)),
+            request_read: Duration::from_millis(self.request_read_ms.max(1)),
+            max_body: self.max_body_bytes,
+            per_ip: self.http_max_conns_per_ip.max(1),
         }
     }
 

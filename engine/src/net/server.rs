@@ -200,12 +200,60 @@ async fn bounded_stop<E: std::fmt::Display>(
 pub struct HttpLimits {
     /// Request headers must arrive within this.
     pub header_read: Duration,
+    /// The whole request, body included, must arrive within this (408 and the connection
+    /// closed beyond): a trickled body holds nothing for long.
+    pub request_read: Duration,
+    /// The largest body read (413 beyond).
+    pub max_body: usize,
+    /// Connections one source address may hold at once; more are closed on accept.
+    pub per_ip: usize,
 }
 
 impl Default for HttpLimits {
     fn default() -> Self {
         Self {
             header_read: Duration::from_secs(10),
+            request_read: Duration::from_secs(30),
+            max_body: 2 << 20,
+            per_ip: 64,
+        }
+    }
+}
+
+/// Connections open per source address.
+#[derive(Debug, Default)]
+struct PerIp(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+
+/// One connection's place in [`PerIp`], given back on drop.
+struct IpSlot(Arc<PerIp>, std::net::IpAddr);
+
+impl PerIp {
+    fn take(self: &Arc<Self>, ip: std::net::IpAddr, cap: usize) -> Option<IpSlot> {
+        let mut m = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = m.entry(ip).or_default();
+        if *n >= cap {
+            return None;
+        }
+        *n += 1;
+        Some(IpSlot(Arc::clone(self), ip))
+    }
+}
+
+impl Drop for IpSlot {
+    fn drop(&mut self) {
+        let mut m = self
+            .0
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = m.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.1);
+            }
         }
     }
 }
@@ -241,6 +289,7 @@ pub fn serve_http(
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read);
     let acceptor = tls.map(TlsAcceptor::from);
+    let per_ip = Arc::new(PerIp::default());
     life.spawn(async move {
         let graceful = GracefulShutdown::new();
         let mut conns = JoinSet::new();
@@ -253,13 +302,18 @@ pub fn serve_http(
                     if conns.len() >= MAX_HTTP_CONNECTIONS {
                         continue; // dropping `tcp` closes it
                     }
+                    // One source cannot take every connection: beyond its share, closed.
+                    let Some(slot) = per_ip.take(peer.ip(), limits.per_ip) else {
+                        continue;
+                    };
                     // Server-sent events are many small writes: without TCP_NODELAY, Nagle's
                     // algorithm and the peer's delayed ACK hold each one back for ~40 ms.
                     let _ = tcp.set_nodelay(true);
                     let (app, http, watcher, acceptor) =
                         (app.clone(), http.clone(), graceful.watcher(), acceptor.clone());
                     conns.spawn(async move {
-                        let conn = Conn { app, http, watcher };
+                        let _slot = slot;
+                        let conn = Conn { app, http, watcher, limits };
                         match acceptor {
                             None => conn.serve(tcp, Caller { addr: peer, peer: None }).await,
                             Some(acceptor) => {
@@ -293,11 +347,26 @@ pub fn serve_http(
     Ok(addr)
 }
 
+/// A refusal before the app saw the request, in OpenAI's error shape; the connection closes.
+fn refusal(status: http::StatusCode, message: &str) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let body = serde_json::json!({
+        "error": { "message": message, "type": "invalid_request_error", "code": status.as_u16() }
+    });
+    let mut r = (status, axum::Json(body)).into_response();
+    r.headers_mut().insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("close"),
+    );
+    r
+}
+
 /// One accepted HTTP connection's server side.
 struct Conn {
     app: axum::Router,
     http: hyper::server::conn::http1::Builder,
     watcher: hyper_util::server::graceful::Watcher,
+    limits: HttpLimits,
 }
 
 impl Conn {
@@ -307,13 +376,43 @@ impl Conn {
     where
         I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
-        let app = self.app;
-        let svc =
-            hyper::service::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
-                req.extensions_mut().insert(caller.clone());
-                let mut app = app.clone();
-                async move { tower_service::Service::call(&mut app, req).await }
-            });
+        let (app, limits) = (self.app, self.limits);
+        let svc = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+            let mut app = app.clone();
+            let caller = caller.clone();
+            async move {
+                // The body, whole, within the request's deadline and its size bound: a client
+                // that trickles it holds the connection no longer than that.
+                use http_body_util::BodyExt;
+                let (mut parts, body) = req.into_parts();
+                let limited = http_body_util::Limited::new(body, limits.max_body);
+                let body = match tokio::time::timeout(limits.request_read, limited.collect()).await
+                {
+                    Ok(Ok(b)) => b.to_bytes(),
+                    Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+                        return Ok(refusal(
+                            http::StatusCode::PAYLOAD_TOO_LARGE,
+                            "request body too large",
+                        ));
+                    }
+                    Ok(Err(_)) => {
+                        return Ok(refusal(
+                            http::StatusCode::BAD_REQUEST,
+                            "the request body broke off",
+                        ));
+                    }
+                    Err(_) => {
+                        return Ok(refusal(
+                            http::StatusCode::REQUEST_TIMEOUT,
+                            "the request did not arrive in time",
+                        ));
+                    }
+                };
+                parts.extensions.insert(caller);
+                let req = http::Request::from_parts(parts, axum::body::Body::from(body));
+                tower_service::Service::call(&mut app, req).await
+            }
+        });
         let _ = self
             .watcher
             .watch(self.http.serve_connection(TokioIo::new(io), svc))

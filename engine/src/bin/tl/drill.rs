@@ -847,24 +847,35 @@ async fn back_to_baseline(c: &Cluster, who: Who) -> bool {
 
 /// The index of a decode engine holding blocks for running sequences (polled up to 2 s; the
 /// first otherwise).
-async fn busy_decoder(c: &Cluster) -> usize {
-    let addrs = [c.metrics(Who::Decode(0)), c.metrics(Who::Decode(1))];
+async fn busy_decoder(c: &Cluster, http: &str) -> usize {
+    // The gateway counts each stream on its decode engine until it ends: the engine with the
+    // most streams in flight, once one has two (a stream about to end may finish from what
+    // is already in its socket, and then nothing fails over), or the busiest seen in 2 s.
+    let ids = c.decode_ids();
     let end = Instant::now() + Duration::from_secs(2);
+    let mut best = (0, 0);
     while Instant::now() < end {
-        for (i, a) in addrs.iter().enumerate() {
-            if let Some(a) = a
-                && let Some(m) = scrape(a).await
-                && m.get("tl_pool_blocks{state=\"used\"}")
-                    .copied()
-                    .unwrap_or(0.0)
-                    > 0.0
-            {
-                return i;
+        if let Ok(r) = HttpClient::default().get(http, "/workers").await
+            && let Ok(v) = serde_json::from_slice::<Value>(&r.body)
+            && let Some(ws) = v["workers"].as_array()
+        {
+            for (i, id) in ids.iter().enumerate() {
+                let n = ws
+                    .iter()
+                    .find(|w| w["worker_id"] == *id)
+                    .and_then(|w| w["routed_in_flight"].as_u64())
+                    .unwrap_or(0);
+                if n > best.1 {
+                    best = (i, n);
+                }
+            }
+            if best.1 >= 2 {
+                return best.0;
             }
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    0
+    best.0
 }
 
 async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
@@ -900,7 +911,7 @@ async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
 
     tokio::time::sleep_until((t0 + fault_at).into()).await;
     // The victim: a decode engine with streams in flight (so that the fault hits requests).
-    let v = busy_decoder(&cluster).await;
+    let v = busy_decoder(&cluster, &http).await;
     let victim_metrics = cluster.metrics(Who::Decode(v));
     let used_before = match &victim_metrics {
         Some(m) => scrape(m).await.map(|m| in_use(&m)),
