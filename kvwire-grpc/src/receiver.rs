@@ -123,6 +123,8 @@ struct HeldHandle {
     /// The prompt the chunks named, when every chunk carried its tokens.
     prompt: Option<Vec<u32>>,
     scope: u64,
+    /// The peer that pushed it.
+    owner: Vec<u8>,
     deadline: Instant,
 }
 
@@ -147,6 +149,8 @@ struct State {
     inflight: HashSet<String>,
     /// Pushes in progress, counted from before their first chunk.
     active: usize,
+    /// Per peer (its certificate, or its address): pushes in progress and handles held.
+    peers: HashMap<Vec<u8>, (usize, usize)>,
     leases_expired: u64,
 }
 
@@ -174,6 +178,11 @@ pub struct ReceiverLimits {
     pub max_blocks: u32,
     /// Handles held for a claim at once (RESOURCE_EXHAUSTED beyond).
     pub max_pending_handles: usize,
+    /// Pushes one peer may have in progress (0: no bound of its own).
+    pub max_pushes_per_peer: usize,
+    /// Handles one peer's pushes may hold at once (0: no bound of its own), so one prefill
+    /// certificate cannot take every slot of `max_pending_handles`.
+    pub max_pending_per_peer: usize,
 }
 
 impl Default for ReceiverLimits {
@@ -182,7 +191,29 @@ impl Default for ReceiverLimits {
             max_pushes: 64,
             max_blocks: 1 << 16,
             max_pending_handles: 256,
+            max_pushes_per_peer: 0,
+            max_pending_per_peer: 0,
         }
+    }
+}
+
+impl State {
+    /// `owner`'s entry: (pushes in progress, handles held).
+    fn peer(&mut self, owner: &[u8]) -> &mut (usize, usize) {
+        self.peers.entry(owner.to_vec()).or_default()
+    }
+
+    /// Forgets `owner` once it holds nothing.
+    fn tidy(&mut self, owner: &[u8]) {
+        if self.peers.get(owner) == Some(&(0, 0)) {
+            self.peers.remove(owner);
+        }
+    }
+
+    fn handle_gone(&mut self, owner: &[u8]) {
+        let p = self.peer(owner);
+        p.1 = p.1.saturating_sub(1);
+        self.tidy(owner);
     }
 }
 
@@ -401,6 +432,15 @@ impl KvReceiver {
     /// # Errors
     /// [`RecvError::Draining`] or [`RecvError::Busy`]; nothing was taken.
     pub fn begin_push(self: &Arc<Self>) -> Result<PushState, RecvError> {
+        self.begin_push_from(Vec::new())
+    }
+
+    /// [`begin_push`](Self::begin_push) for a push from `owner` (its certificate, or its
+    /// address), held to the per-peer bounds too.
+    ///
+    /// # Errors
+    /// As [`begin_push`](Self::begin_push), and [`RecvError::Busy`] at the peer's own bound.
+    pub fn begin_push_from(self: &Arc<Self>, owner: Vec<u8>) -> Result<PushState, RecvError> {
         if self.draining.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(RecvError::Draining);
         }
@@ -412,7 +452,15 @@ impl KvReceiver {
                     s.active
                 )));
             }
+            let per = self.limits.max_pushes_per_peer;
+            if per > 0 && s.peer(&owner).0 >= per {
+                s.tidy(&owner);
+                return Err(RecvError::Busy(format!(
+                    "this peer already has {per} pushes in progress here"
+                )));
+            }
             s.active += 1;
+            s.peer(&owner).0 += 1;
         }
         Ok(PushState {
             rx: Arc::clone(self),
@@ -425,6 +473,7 @@ impl KvReceiver {
             tokens: 0,
             prompt: Some(Vec::new()),
             scope: 0,
+            owner,
             ack: KvAck::default(),
         })
     }
@@ -443,7 +492,12 @@ impl KvReceiver {
     /// Takes the blocks held under `handle` (their references move to the caller).
     #[must_use]
     pub fn claim(&self, handle: &str) -> Option<Claimed> {
-        let held = self.state().pending.remove(handle)?;
+        let held = {
+            let mut s = self.state();
+            let held = s.pending.remove(handle)?;
+            s.handle_gone(&held.owner);
+            held
+        };
         self.notify();
         Some(Claimed {
             store: Arc::clone(&self.store),
@@ -457,7 +511,14 @@ impl KvReceiver {
     /// Drops the blocks held under `handle`. `false` for an unknown (or already released or
     /// claimed) handle, which is not an error.
     pub fn release(&self, handle: &str) -> bool {
-        let held = self.state().pending.remove(handle);
+        let held = {
+            let mut s = self.state();
+            let held = s.pending.remove(handle);
+            if let Some(h) = &held {
+                s.handle_gone(&h.owner);
+            }
+            held
+        };
         match held {
             Some(h) => {
                 self.store.release(&h.ids);
@@ -499,6 +560,9 @@ impl KvReceiver {
                 .map(|(k, _)| k.clone())
                 .collect();
             let held: Vec<HeldHandle> = gone.iter().filter_map(|k| s.pending.remove(k)).collect();
+            for h in &held {
+                s.handle_gone(&h.owner);
+            }
             s.leases_expired += held.len() as u64;
             held
         };
@@ -577,6 +641,7 @@ pub struct PushState {
     /// The chunks' tokens so far; `None` once a chunk came without them.
     prompt: Option<Vec<u32>>,
     scope: u64,
+    owner: Vec<u8>,
     ack: KvAck,
 }
 
@@ -618,6 +683,12 @@ impl PushState {
                     return Err(RecvError::Busy(format!(
                         "{} handles are already waiting for a claim here",
                         s.pending.len()
+                    )));
+                }
+                let per = rx.limits.max_pending_per_peer;
+                if per > 0 && s.peer(&self.owner).1 >= per {
+                    return Err(RecvError::Busy(format!(
+                        "this peer already holds {per} handles waiting for a claim here"
                     )));
                 }
                 s.inflight.insert(chunk.handle_id.clone());
@@ -788,11 +859,13 @@ impl PushState {
             tokens: self.tokens,
             prompt: self.prompt.take(),
             scope: self.scope,
+            owner: self.owner.clone(),
             deadline: Instant::now() + self.rx.lease,
         };
         self.imported.clear();
         let mut s = self.rx.state();
         s.inflight.remove(&handle);
+        s.peer(&self.owner).1 += 1;
         s.pending.insert(handle, held);
         drop(s);
         self.handle = None;
@@ -822,6 +895,9 @@ impl Drop for PushState {
                 s.inflight.remove(&h);
             }
             s.active -= 1;
+            let p = s.peer(&self.owner);
+            p.0 = p.0.saturating_sub(1);
+            s.tidy(&self.owner);
         }
         self.rx.notify();
     }

@@ -135,9 +135,10 @@ impl KvTransferService {
         let rx = Arc::clone(&self.rx);
         let t = self.timeouts;
         let observer = self.observer.clone();
+        let owner = push_owner(&req);
         glue::serve_client_streaming(req, self.push, move |s: Streaming<KvChunk>| async move {
             let started = Instant::now();
-            let r = Self::receive(rx, t, s).await;
+            let r = Self::receive(rx, t, s, owner).await;
             if let Some(o) = &observer {
                 match &r {
                     Ok(ack) => o.accepted(ack, started.elapsed()),
@@ -153,11 +154,12 @@ impl KvTransferService {
         rx: Arc<KvReceiver>,
         t: ServiceLimits,
         mut s: Streaming<KvChunk>,
+        owner: Vec<u8>,
     ) -> Result<KvAck, Status> {
         // Counted (and refused when too many) before a byte of it is read. Dropping
         // `push` on any early return (refusal, broken stream, cancelled call, a
         // deadline) undoes what it imported.
-        let mut push = rx.begin_push()?;
+        let mut push = rx.begin_push_from(owner)?;
         let whole = async move {
             loop {
                 let next = tokio::time::timeout(t.push_idle, s.message())
@@ -252,6 +254,27 @@ impl Default for H2Limits {
             keepalive_timeout: Duration::from_secs(20),
         }
     }
+}
+
+/// Who pushes, for the per-peer bounds: the client certificate over mutual TLS (one prefill
+/// identity however many connections it opens), else the remote address.
+fn push_owner(req: &http::Request<Body>) -> Vec<u8> {
+    use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+    let ext = req.extensions();
+    if let Some(tls) = ext.get::<TlsConnectInfo<TcpConnectInfo>>()
+        && let Some(cert) = tls.peer_certs().and_then(|c| c.first().cloned())
+    {
+        return cert.as_ref().to_vec();
+    }
+    let addr = ext
+        .get::<TlsConnectInfo<TcpConnectInfo>>()
+        .and_then(|t| t.get_ref().remote_addr())
+        .or_else(|| {
+            ext.get::<TcpConnectInfo>()
+                .and_then(TcpConnectInfo::remote_addr)
+        });
+    addr.map(|a| a.ip().to_string().into_bytes())
+        .unwrap_or_default()
 }
 
 /// HTTP/2 settings for servers that receive multi-MiB messages, with these bounds: a peer that

@@ -525,6 +525,8 @@ fn lease_expires_at_its_deadline() {
 fn push_limits_refuse_before_taking_blocks() {
     let store = Arc::new(MemStore::new(TEST, 16));
     let limits = ReceiverLimits {
+        max_pending_per_peer: Default::default(),
+        max_pushes_per_peer: Default::default(),
         max_pushes: 2,
         max_blocks: 3,
         max_pending_handles: 2,
@@ -653,4 +655,39 @@ async fn bounds_wakeups_and_accessors() {
         .unwrap();
     assert_eq!(rx.peek("h"), None);
     assert_eq!(store.snapshot().used, 0, "blocks in use after the lease");
+}
+
+/// One peer cannot take every slot: at its own bound on pushes in progress and on handles held,
+/// it is refused (RESOURCE_EXHAUSTED, nothing taken) while another peer still pushes, and its
+/// slots come back as its handles are claimed.
+#[test]
+fn one_peer_cannot_take_every_handle() {
+    let store = Arc::new(MemStore::new(TEST, 16));
+    let limits = ReceiverLimits {
+        max_pushes_per_peer: 1,
+        max_pending_per_peer: 1,
+        ..ReceiverLimits::default()
+    };
+    let rx = Arc::new(
+        KvReceiver::new(Arc::clone(&store) as Arc<dyn KvStore>, "fake").with_limits(limits),
+    );
+    let one = |rx: &Arc<KvReceiver>, owner: &[u8], h: &str| -> Result<KvAck, Status> {
+        let mut p = rx.begin_push_from(owner.to_vec())?;
+        p.accept(chunk(h, 0, 1, 0, envelope(TEST, 0, 1, 1)))?;
+        Ok(p.finish()?)
+    };
+    let a = rx.begin_push_from(b"P1".to_vec()).unwrap();
+    let err = Status::from(rx.begin_push_from(b"P1".to_vec()).unwrap_err());
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    drop(a);
+    one(&rx, b"P1", "h1").unwrap();
+    let held = store.snapshot();
+    let err = one(&rx, b"P1", "h2").unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    assert_eq!(store.snapshot(), held, "the refused push took a block");
+    one(&rx, b"P2", "h3").unwrap();
+    assert!(rx.claim("h1").is_some());
+    one(&rx, b"P1", "h4").unwrap();
+    assert!(rx.release("h3") && rx.release("h4"));
+    assert_eq!(store.snapshot().used, 0);
 }

@@ -8,6 +8,8 @@
 //! push_deadline_ms = 60000       # one whole push
 //! decode_reserve_blocks = 0      # blocks pushes may not take (0: 1/8 of the pool)
 //! max_pending_handles = 256      # handles waiting for a claim per receiver
+//! max_pushes_per_peer = 0        # pushes one prefill identity may have in progress (0: half)
+//! max_pending_per_peer = 0       # handles one prefill identity may hold (0: half)
 //! handle_lease_ms = 30000        # a handle nobody claims or releases is freed after this
 //! h2_max_streams = 128           # HTTP/2 streams per connection
 //! keepalive_ms = 10000           # HTTP/2 ping interval...
@@ -46,6 +48,10 @@ pub struct LimitsSection {
     pub decode_reserve_blocks: u32,
     /// Handles waiting for a claim per receiver.
     pub max_pending_handles: usize,
+    /// Pushes one peer may have in progress (0: half of `max_pushes`).
+    pub max_pushes_per_peer: usize,
+    /// Handles one peer may hold waiting for a claim (0: half of `max_pending_handles`).
+    pub max_pending_per_peer: usize,
     /// HTTP/2 streams per connection.
     pub h2_max_streams: u32,
     /// HTTP/2 keepalive ping interval.
@@ -81,6 +87,8 @@ impl Default for LimitsSection {
             push_deadline_ms: 60_000,
             decode_reserve_blocks: 0,
             max_pending_handles: 256,
+            max_pushes_per_peer: 0,
+            max_pending_per_peer: 0,
             h2_max_streams: 128,
             keepalive_ms: 10_000,
             keepalive_timeout_ms: 20_000,

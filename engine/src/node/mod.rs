@@ -120,6 +120,15 @@ impl EngineNode {
                 max_pushes: limits.max_pushes.max(1),
                 max_blocks,
                 max_pending_handles: limits.max_pending_handles.max(1),
+                // One prefill identity takes at most half of each, unless configured.
+                max_pushes_per_peer: match limits.max_pushes_per_peer {
+                    0 => (limits.max_pushes / 2).max(1),
+                    n => n,
+                },
+                max_pending_per_peer: match limits.max_pending_per_peer {
+                    0 => (limits.max_pending_handles / 2).max(1),
+                    n => n,
+                },
             };
             Arc::new(
                 KvReceiver::new(store, cfg.model.kind.clone())
