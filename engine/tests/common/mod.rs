@@ -226,20 +226,11 @@ pub async fn cluster_with(
     tweak: impl Fn(&mut tl_engine::node::config::Config),
 ) -> Cluster {
     use tl_engine::node::config::Role;
-    let gw =
-        tl_engine::gateway::GatewayNode::start(&tl_engine::gateway::config::GatewayConfig::local())
-            .await
-            .unwrap();
-    let reg = gw.registry_addr().to_string();
-    let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
-        .await
-        .unwrap();
-    let mut d = Vec::new();
-    for i in 1..=decoders {
-        let mut cfg = engine_cfg(&format!("D{i}"), Role::Decode, &reg);
-        tweak(&mut cfg);
-        d.push(EngineNode::start(&cfg).await.unwrap());
-    }
-    wait_workers(&gw, 1 + decoders).await;
-    Cluster { gw, p, d }
+    let gw = tl_engine::gateway::config::GatewayConfig::local();
+    cluster_of(&gw, decoders, |cfg| {
+        if cfg.engine.role == Role::Decode {
+            tweak(cfg);
+        }
+    })
+    .await
 }
