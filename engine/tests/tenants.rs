@@ -525,3 +525,59 @@ async fn trickled_requests_cannot_lock_out_others() {
     drop(held);
     settled(&c).await;
 }
+
+/// A key's running streams are never killed because a decode pool runs dry: three seeded
+/// streams that together need 60 blocks of a 48-block pool all finish, each with exactly its
+/// colocated tokens, because the engine preempts the youngest and resumes it by recomputation
+/// (`tl_preemptions_total` counts it). Before preemption, the youngest failed with "KV pool
+/// exhausted" mid-stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_that_runs_dry_pauses_streams_instead_of_killing_them() {
+    use tl_engine::node::EngineNode;
+    use tl_engine::node::config::Role;
+    let gw = tl_engine::gateway::GatewayNode::start(&GatewayConfig::local())
+        .await
+        .unwrap();
+    let mut cfg = common::engine_cfg("B", Role::Both, &gw.registry_addr().to_string());
+    cfg.pool.n_blocks = 48;
+    cfg.model.decode_us_per_seq = 2_000;
+    let both = EngineNode::start(&cfg).await.unwrap();
+    common::wait_workers(&gw, 1).await;
+    let addr = gw.http_addr().to_string();
+    let streams: Vec<_> = (0..3u64)
+        .map(|i| {
+            let addr = addr.clone();
+            let prompt: Vec<u32> = (0..20).map(|t| 30 + t * 3 + i as u32).collect();
+            tokio::spawn(async move {
+                let body = json!({ "prompt": prompt, "max_tokens": 60, "seed": i,
+                                   "temperature": 0.7, "stream": true });
+                let r = HttpClient::default()
+                    .post(&addr, "/v1/completions", &[], body.to_string())
+                    .await
+                    .unwrap();
+                (prompt, i, r)
+            })
+        })
+        .collect();
+    for s in streams {
+        let (prompt, seed, r) = s.await.unwrap();
+        assert_eq!(r.status, 200, "{:?}", r.body);
+        // Ends with [DONE], no error event: the stream was not cut.
+        let got = common::stream_tokens(&r);
+        assert_eq!(
+            got,
+            common::colocated(&prompt, 0.7, seed, 60),
+            "seed {seed}"
+        );
+    }
+    let text = both.metrics().encode();
+    let preempted: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("tl_preemptions_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no tl_preemptions_total in {text}"));
+    assert!(preempted >= 1, "the pool was meant to run dry");
+    let pool = both.runner().pool();
+    assert!(eventually(Duration::from_secs(5), || pool.counts().used == 0).await);
+    pool.lock().check().unwrap();
+}

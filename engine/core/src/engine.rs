@@ -272,6 +272,10 @@ struct Seq {
     mode: Mode,
     progress: Option<Arc<dyn PrefillProgress>>,
     scope: u64,
+    /// Preempted: its blocks went back to the pool, and it waits to recompute the KV of its
+    /// first `n_cached` positions (cached full blocks reused) before decoding on from its own
+    /// generator, exactly where it stopped.
+    recompute: bool,
 }
 
 /// What every sequence of a request shares, and where its generator stands.
@@ -312,6 +316,29 @@ impl Seq {
             mode: Mode::Generate,
             progress: None,
             scope: r.scope,
+            recompute: false,
+        }
+    }
+
+    /// Gives its blocks back (full ones stay cached, so a resume may find them) and marks it to
+    /// be recomputed: tokens, hashes and generator are kept.
+    fn preempt(mut self) -> Self {
+        let pool = self.blocks.pool().clone();
+        drop(std::mem::replace(
+            &mut self.blocks,
+            Blocks::new(pool, Vec::new()),
+        ));
+        self.recompute = true;
+        self
+    }
+
+    /// Prompt tokens a prefill of it computes at most: its prompt, or every position whose KV
+    /// it had when preempted.
+    fn fill_len(&self) -> usize {
+        if self.recompute {
+            self.n_cached
+        } else {
+            self.prompt_len
         }
     }
 
@@ -337,6 +364,10 @@ pub struct StepStats {
     pub prefilled_tokens: usize,
     /// Sequences decoded.
     pub decoded: usize,
+    /// Requests preempted (every choice's blocks given back) so the others could go on.
+    pub preempted: usize,
+    /// Preempted sequences whose KV was recomputed (their tokens count in `prefilled_tokens`).
+    pub recomputed: usize,
 }
 
 /// The engine: a model, a pool, and its sequences.
@@ -349,6 +380,7 @@ pub struct Engine {
     next_id: SeqId,
     cost: CostModel,
     scheduler: Scheduler,
+    preemptions: u64,
 }
 
 impl Engine {
@@ -371,6 +403,7 @@ impl Engine {
             next_id: 1,
             cost: CostModel::default(),
             scheduler: Scheduler::default(),
+            preemptions: 0,
         }
     }
 
@@ -412,6 +445,12 @@ impl Engine {
     #[must_use]
     pub fn running(&self) -> usize {
         self.running.len()
+    }
+
+    /// Requests preempted so far (see [`step`](Self::step)).
+    #[must_use]
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
     }
 
     /// True when nothing waits or runs.
@@ -555,9 +594,16 @@ impl Engine {
         self.waiting.len() + self.running.len() < before
     }
 
-    /// One step: prefill the waiting requests the [`Scheduler`] admits, then one decode step for
-    /// every sequence that was running before it (a resumed request first announces its first
-    /// token and forks its other choices). Returns the events in order and the step's figures.
+    /// One step: decode every sequence that was running before it (a resumed request first
+    /// announces its first token and forks its other choices), then prefill the waiting requests
+    /// the [`Scheduler`] admits. Returns the events in order and the step's figures.
+    ///
+    /// A running sequence is never failed because the pool ran dry. When the step's new blocks
+    /// outnumber the blocks an allocation could get, the youngest request gives every choice's
+    /// blocks back and waits at the head of the queue (a step that preempts admits nothing).
+    /// Later it recomputes its KV, reusing whatever of it is still cached, and decodes on from
+    /// its own generator: its tokens are exactly those it would have produced. Only a request
+    /// alone in the engine that still finds no block fails.
     pub fn step(&mut self) -> (Vec<Event>, StepStats) {
         let mut events = Vec::new();
         let mut stats = StepStats::default();
@@ -574,11 +620,22 @@ impl Engine {
                 Err(error) => events.push(Event::Failed { seq: group, error }),
             }
         }
+        let mut preempted = self.make_room(&mut batch);
         let mut failed: Vec<SeqId> = Vec::new();
+        let mut paused: Vec<SeqId> = preempted.iter().map(|s| s.group).collect();
+        paused.dedup();
+        // One request left holding blocks: when it finds no block, nothing else would free one.
+        let alone = batch
+            .iter()
+            .all(|s| Some(s.group) == batch.first().map(|f| f.group));
         let mut keep = Vec::with_capacity(batch.len());
         for mut seq in batch {
             if failed.contains(&seq.group) {
                 // A sibling failed this step: the request is over.
+                continue;
+            }
+            if paused.contains(&seq.group) {
+                preempted.push(seq.preempt());
                 continue;
             }
             // A resumed sequence may be complete before its first step (max_tokens 1).
@@ -586,9 +643,9 @@ impl Engine {
                 events.push(finished(&seq, reason));
                 continue;
             }
-            stats.decoded += 1;
             match self.decode_one(&mut seq) {
                 Ok((token, logprobs)) => {
+                    stats.decoded += 1;
                     events.push(Event::Token {
                         seq: seq.group,
                         choice: seq.choice,
@@ -601,6 +658,12 @@ impl Engine {
                         None => keep.push(seq),
                     }
                 }
+                // No block for its next position (another thread's import took the last
+                // ones): decode_one changed nothing, so the request pauses instead of failing.
+                Err(SeqError::Pool(PoolError::Exhausted { .. })) if !alone => {
+                    paused.push(seq.group);
+                    preempted.push(seq.preempt());
+                }
                 Err(error) => {
                     failed.push(seq.group);
                     events.push(Event::Failed {
@@ -610,14 +673,51 @@ impl Engine {
                 }
             }
         }
-        // Siblings that decoded before the failure, and now end with it.
+        // Siblings that decoded before the failure, and now end with it; siblings that decoded
+        // before their request paused, and now pause with it.
         keep.retain(|s| !failed.contains(&s.group));
+        let (pause, keep): (Vec<Seq>, Vec<Seq>) =
+            keep.into_iter().partition(|s| paused.contains(&s.group));
+        preempted.extend(pause.into_iter().map(Seq::preempt));
         self.running = keep;
+        stats.preempted = paused.len();
+        self.preemptions += paused.len() as u64;
+        // Oldest first at the head of the queue, ahead of every new request.
+        preempted.sort_by_key(|s| (s.group, s.choice));
+        for seq in preempted.into_iter().rev() {
+            self.waiting.push_front(seq);
+        }
+        if stats.preempted > 0 {
+            return (events, stats);
+        }
 
-        let admitted = self
-            .scheduler
-            .admit(self.waiting.iter().map(|s| s.prompt_len));
-        for mut seq in self.waiting.drain(..admitted).collect::<Vec<_>>() {
+        let admitted = self.scheduler.admit(self.waiting.iter().map(Seq::fill_len));
+        for _ in 0..admitted {
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            if seq.recompute {
+                match self.resume_preempted(&mut seq) {
+                    Ok(Some(computed)) => {
+                        stats.prefilled_tokens += computed;
+                        stats.recomputed += 1;
+                        self.running.push(seq);
+                        continue;
+                    }
+                    // Not yet: it stays first in line, and nothing behind it goes ahead.
+                    Ok(None) => {
+                        self.waiting.push_front(seq);
+                        break;
+                    }
+                    Err(error) => {
+                        let group = seq.group;
+                        self.waiting.retain(|s| s.group != group);
+                        self.running.retain(|s| s.group != group);
+                        events.push(Event::Failed { seq: group, error });
+                        continue;
+                    }
+                }
+            }
             let (logits, computed) = match self.prefill_one(&mut seq) {
                 Ok(r) => r,
                 Err(error) => {
@@ -664,6 +764,62 @@ impl Engine {
             }
         }
         (events, stats)
+    }
+
+    /// Whether `seq`'s next decode step starts a block.
+    fn needs_block(&self, seq: &Seq) -> bool {
+        let b = self.model.shape().block_tokens() as usize;
+        self.finish_reason(seq).is_none() && seq.n_cached / b >= seq.blocks.len()
+    }
+
+    /// Preempts the youngest requests of `batch` until the blocks its step starts fit in what
+    /// the pool can give; returns them, blocks given back. The oldest request is never taken:
+    /// alone, it fails only if no block is left for it at all.
+    fn make_room(&self, batch: &mut Vec<Seq>) -> Vec<Seq> {
+        let mut out = Vec::new();
+        loop {
+            let need = batch.iter().filter(|s| self.needs_block(s)).count();
+            if need == 0 || need <= self.pool.lock().available() {
+                return out;
+            }
+            let (Some(young), Some(old)) = (
+                batch.iter().map(|s| s.group).max(),
+                batch.iter().map(|s| s.group).min(),
+            ) else {
+                return out;
+            };
+            if young == old {
+                return out;
+            }
+            let (victim, rest): (Vec<Seq>, Vec<Seq>) = std::mem::take(batch)
+                .into_iter()
+                .partition(|s| s.group == young);
+            *batch = rest;
+            out.extend(victim.into_iter().map(Seq::preempt));
+        }
+    }
+
+    /// Recomputes a preempted sequence's KV when the pool can hold it with a block to spare
+    /// for each running sequence; `Ok(None)` when it cannot yet (nothing taken). Returns the
+    /// tokens computed. Alone in the engine it is tried whatever the margin, and fails if even
+    /// that finds no room.
+    fn resume_preempted(&mut self, seq: &mut Seq) -> Result<Option<usize>, SeqError> {
+        let b = self.model.shape().block_tokens() as usize;
+        let blocks = seq.n_cached.div_ceil(b);
+        let alone = self.running.is_empty();
+        if !alone && self.pool.lock().available() < blocks + self.running.len() {
+            return Ok(None);
+        }
+        match self.fill(seq, seq.n_cached) {
+            Ok((filled, hashes, computed)) => {
+                debug_assert_eq!(hashes, seq.hashes[..hashes.len()]);
+                seq.blocks = filled;
+                seq.recompute = false;
+                Ok(Some(computed))
+            }
+            Err(SeqError::Pool(PoolError::Exhausted { .. })) if !alone => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// A resumed request's first step: the prompt's last step is recomputed from the
@@ -784,8 +940,27 @@ impl Engine {
     /// registers the full blocks, samples the first token (appended to `seq.tokens`). Returns
     /// the prompt's logits and the tokens computed.
     fn prefill_one(&mut self, seq: &mut Seq) -> Result<(Vec<f32>, usize), SeqError> {
+        let (blocks, hashes, computed) = self.fill(seq, seq.prompt_len)?;
+        // The logits pass reads the whole prompt's KV, one block's lock at a time.
+        let logits = self
+            .model
+            .logits(&self.pool, seq.prompt_len, blocks.ids())?;
+        seq.blocks = blocks;
+        seq.hashes = hashes;
+        seq.n_cached = seq.prompt_len;
+        let (token, draws) = seq.sampling.sample(&logits, &mut seq.rng);
+        seq.draws += u64::from(draws);
+        seq.tokens.push(token);
+        Ok((logits, computed))
+    }
+
+    /// Blocks holding the KV of `seq.tokens[..len]`: references on the longest cached prefix,
+    /// the rest allocated and written by the model, each full block registered in `seq`'s
+    /// scope as it is written (`seq.progress` told). Returns them, the full blocks' chained
+    /// hashes, and the tokens computed. Nothing is kept on an error.
+    fn fill(&self, seq: &Seq, len: usize) -> Result<(Blocks, Vec<u64>, usize), SeqError> {
         let b = self.model.shape().block_tokens() as usize;
-        let prompt = &seq.tokens[..seq.prompt_len];
+        let prompt = &seq.tokens[..len];
         let hashes = prompt_hashes(prompt, b);
         let n_blocks = prompt.len().div_ceil(b);
         // Under the lock: references on the cached prefix and the rest allocated, all or nothing.
@@ -849,15 +1024,7 @@ impl Engine {
             drop(pool);
             told(i + 1);
         }
-        // The logits pass reads the whole prompt's KV, one block's lock at a time.
-        let logits = self.model.logits(&self.pool, prompt.len(), blocks.ids())?;
-        seq.blocks = blocks;
-        seq.hashes = hashes;
-        seq.n_cached = seq.prompt_len;
-        let (token, draws) = seq.sampling.sample(&logits, &mut seq.rng);
-        seq.draws += u64::from(draws);
-        seq.tokens.push(token);
-        Ok((logits, seq.prompt_len - start))
+        Ok((blocks, hashes, prompt.len() - start))
     }
 
     /// Feeds the last token of `seq` and samples the next; returns it and, when asked for, its

@@ -148,9 +148,11 @@ impl EngineNode {
         let metrics: SharedMetrics = Arc::new(Metrics::new());
         {
             let pool = pool.clone();
+            let load = state.runner().load().clone();
             metrics.on_scrape(move |m| {
                 let c = pool.counts();
                 m.set_pool(c.free, c.used, c.cached);
+                Metrics::catch_up(&m.preemptions, load.preemptions());
             });
         }
         if let Some(rx) = receiver.clone() {

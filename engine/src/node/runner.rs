@@ -56,10 +56,17 @@ pub enum SeqEvent {
 pub struct Load {
     queue: AtomicU32,
     running: AtomicU32,
+    preemptions: AtomicU64,
     changed: Notify,
 }
 
 impl Load {
+    /// Requests preempted so far.
+    #[must_use]
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions.load(Ordering::Relaxed)
+    }
+
     /// Resolves at the next change of the published figures.
     pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
         self.changed.notified()
@@ -183,6 +190,12 @@ impl Runner {
     #[must_use]
     pub fn running(&self) -> u32 {
         self.load.running.load(Ordering::Relaxed)
+    }
+
+    /// Requests preempted so far: paused with their blocks given back, to resume exactly.
+    #[must_use]
+    pub fn preemptions(&self) -> u64 {
+        self.load.preemptions()
     }
 
     fn key(&self) -> Key {
@@ -415,6 +428,8 @@ fn publish(engine: &Engine, load: &Load) {
     let running = engine.running() as u32;
     let old_queue = load.queue.swap(queue, Ordering::Relaxed);
     let old_running = load.running.swap(running, Ordering::Relaxed);
+    load.preemptions
+        .store(engine.preemptions(), Ordering::Relaxed);
     if (old_queue, old_running) != (queue, running) {
         load.changed.notify_waiters();
     }

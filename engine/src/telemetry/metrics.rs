@@ -120,6 +120,8 @@ pub struct Metrics {
     pub trace_spans_dropped: Counter,
     /// Decode streams lost mid-request, by cause and outcome.
     pub failovers: Family<FailoverLabels, Counter>,
+    /// Requests an engine preempted (paused, blocks given back) when its pool ran dry.
+    pub preemptions: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -157,6 +159,7 @@ impl Metrics {
             route_decisions: Family::default(),
             trace_spans_dropped: Counter::default(),
             failovers: Family::default(),
+            preemptions: Counter::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -234,6 +237,12 @@ impl Metrics {
             "tl_failovers",
             "Decode streams lost mid-request, by cause, and whether the request resumed elsewhere",
             m.failovers.clone(),
+        );
+        r.register(
+            "tl_preemptions",
+            "Requests paused with their KV blocks given back because the pool ran dry; each \
+             resumes by recomputation with the tokens it would have produced",
+            m.preemptions.clone(),
         );
         // Series with a closed set of label values exist from the start, at 0, so a rate over
         // them is defined before the first event.

@@ -1,0 +1,200 @@
+//! Preemption: a pool too small for every running sequence pauses the youngest request instead
+//! of failing it, and the request resumes, by recomputation or from its still cached blocks,
+//! with exactly the tokens (and log-probabilities) it would have produced alone.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kvwire::Shape;
+use tl_engine_core::engine::{Choices, Engine, Event, Generated, Mode, Request, SeqError};
+use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
+use tl_engine_core::pool::{KvPool, PoolError, SharedKv};
+use tl_engine_core::sampler::{Sampling, SamplingRequest};
+
+/// B = 4 tokens per block.
+const SHAPE: Shape = Shape::v1(4, 2, 1, 4);
+
+fn engine(blocks: usize) -> Engine {
+    let model = Arc::new(FakeModel::new("fake", SHAPE, BYTE_VOCAB, 256));
+    Engine::new(model, SharedKv::new(KvPool::new(SHAPE, blocks)))
+}
+
+fn request(prompt: &[u32], seeded: bool, seed: u64, max_tokens: u32, n: u32) -> Request {
+    let sampling = if seeded {
+        SamplingRequest {
+            temperature: 0.9,
+            top_p: 0.95,
+            top_k: 0,
+        }
+    } else {
+        SamplingRequest::default()
+    };
+    Request {
+        prompt: prompt.to_vec(),
+        sampling: Sampling::new(sampling, BYTE_VOCAB).unwrap(),
+        seed,
+        max_tokens,
+        mode: Mode::Generate,
+        draws_offset: 0,
+        stop: Default::default(),
+        choices: Choices {
+            n,
+            logprobs: Some(2),
+        },
+        scope: 7,
+    }
+}
+
+/// Each (request, choice)'s completion.
+type Completions = HashMap<(u64, u32), Generated>;
+
+/// Steps until idle; every request's choices as they ended, and every failure.
+fn run_all(e: &mut Engine) -> (Completions, Vec<(u64, SeqError)>) {
+    let mut out = Completions::new();
+    let mut failed = Vec::new();
+    let mut steps = 0;
+    while !e.is_idle() {
+        steps += 1;
+        assert!(steps < 10_000, "no progress");
+        for ev in e.step().0 {
+            match ev {
+                Event::Token {
+                    seq,
+                    choice,
+                    token,
+                    index,
+                    logprobs,
+                } => {
+                    let g = out.entry((seq, choice)).or_default();
+                    assert_eq!(
+                        index as usize,
+                        g.tokens.len(),
+                        "token index of {seq}/{choice}"
+                    );
+                    g.tokens.push(token);
+                    g.logprobs.extend(logprobs);
+                }
+                Event::Finished {
+                    seq,
+                    choice,
+                    reason,
+                } => out.entry((seq, choice)).or_default().finish = Some(reason),
+                Event::Failed { seq, error } => failed.push((seq, error)),
+                Event::Prefilled { .. } => panic!("no prefill-only request here"),
+            }
+        }
+    }
+    (out, failed)
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    // Two share a first block, so a resume can find part of its KV cached.
+    vec![
+        b"the quick brown".iter().map(|&c| u32::from(c)).collect(),
+        b"the quick red fox".iter().map(|&c| u32::from(c)).collect(),
+        b"lorem ipsum".iter().map(|&c| u32::from(c)).collect(),
+    ]
+}
+
+fn assert_back_to_baseline(e: &Engine) {
+    let pool = e.pool().lock();
+    pool.check().unwrap();
+    let c = pool.counts();
+    assert_eq!(c.used, 0, "{c:?}");
+    assert_eq!(c.free + c.cached, c.total, "{c:?}");
+}
+
+#[test]
+fn preempted_sequence_resumes_exactly() {
+    const MAX_TOKENS: u32 = 40;
+    for seeded in [false, true] {
+        // Each request alone, in a pool that never runs dry.
+        let mut alone = Vec::new();
+        for (i, p) in prompts().iter().enumerate() {
+            let mut e = engine(256);
+            let n = if i == 1 { 2 } else { 1 };
+            alone.push(
+                e.generate_choices(request(p, seeded, 11 + i as u64, MAX_TOKENS, n))
+                    .unwrap(),
+            );
+        }
+        // All three together, in a pool that holds the longest one (15 blocks at n = 2) but
+        // not all of them (about 40).
+        let mut e = engine(16);
+        let ids: Vec<u64> = prompts()
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let n = if i == 1 { 2 } else { 1 };
+                e.submit(request(p, seeded, 11 + i as u64, MAX_TOKENS, n))
+                    .unwrap()
+            })
+            .collect();
+        let (out, failed) = run_all(&mut e);
+        assert!(failed.is_empty(), "seeded {seeded}: {failed:?}");
+        assert!(
+            e.preemptions() >= 2,
+            "seeded {seeded}: the pool was meant to force preemption, got {}",
+            e.preemptions()
+        );
+        for (i, id) in ids.iter().enumerate() {
+            for (choice, want) in alone[i].iter().enumerate() {
+                let got = &out[&(*id, choice as u32)];
+                assert_eq!(got, want, "seeded {seeded}, request {i}, choice {choice}");
+            }
+        }
+        assert_back_to_baseline(&e);
+    }
+}
+
+#[test]
+fn a_request_that_outgrows_the_whole_pool_alone_fails_cleanly() {
+    let mut e = engine(5);
+    let p = &prompts()[0];
+    let id = e.submit(request(p, false, 1, 40, 1)).unwrap();
+    let (out, failed) = run_all(&mut e);
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed[0].0, id);
+    assert!(
+        matches!(failed[0].1, SeqError::Pool(PoolError::Exhausted { .. })),
+        "{failed:?}"
+    );
+    // It ran until the pool's 5 blocks (20 positions) were full.
+    let got = out[&(id, 0)].tokens.len();
+    assert!(
+        (4..=6).contains(&got),
+        "{got} tokens before the pool ran dry"
+    );
+    assert_back_to_baseline(&e);
+}
+
+#[test]
+fn cancelling_a_preempted_request_frees_nothing_twice() {
+    let mut e = engine(16);
+    let ids: Vec<u64> = prompts()
+        .iter()
+        .map(|p| e.submit(request(p, true, 3, 40, 1)).unwrap())
+        .collect();
+    while e.preemptions() == 0 {
+        assert!(!e.is_idle(), "finished without preempting");
+        e.step();
+    }
+    // The youngest was paused; cancel it while it waits, then run the others out.
+    assert!(e.cancel(ids[2]));
+    e.pool().lock().check().unwrap();
+    let mut ended = 0;
+    while !e.is_idle() {
+        for ev in e.step().0 {
+            match ev {
+                Event::Failed { seq, error } => panic!("{seq}: {error}"),
+                Event::Finished { seq, .. } => {
+                    assert_ne!(seq, ids[2], "the cancelled request ran on");
+                    ended += 1;
+                }
+                _ => {}
+            }
+        }
+    }
+    assert_eq!(ended, 2);
+    assert_back_to_baseline(&e);
+}
