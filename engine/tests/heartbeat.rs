@@ -268,3 +268,33 @@ async fn grpc_registry_roundtrip() {
     );
     assert_eq!(hb.failures(), 1);
 }
+
+/// A second address beating for an id whose lease is held is refused with ALREADY_EXISTS and
+/// counted, and takes nothing from the live worker; once the first has missed three beats, the
+/// new address may take the id. The live worker's own beats (same addresses) go on meanwhile.
+#[test]
+fn a_second_address_cannot_take_a_live_worker_id() {
+    let reg = RegistryState::default();
+    let t0 = std::time::Instant::now();
+    let ms = Duration::from_millis;
+    let mut live = status(1);
+    live.worker_id = "decode-1".into();
+    live.heartbeat_ms = 200;
+    let mut impostor = live.clone();
+    impostor.grpc_address = "127.0.0.1:9".into();
+    impostor.http_address = "127.0.0.1:10".into();
+    reg.record(live.clone(), t0, 16).unwrap();
+    let err = reg.record(impostor.clone(), t0 + ms(100), 16).unwrap_err();
+    assert_eq!(err.code(), tonic::Code::AlreadyExists, "{err:?}");
+    assert!(err.message().contains("decode-1"), "{err:?}");
+    assert_eq!(reg.identity_conflicts(), 1);
+    let addr = |now| reg.list(now)[0].grpc_address.clone();
+    assert_eq!(addr(t0 + ms(100)), live.grpc_address);
+    reg.record(live.clone(), t0 + ms(200), 16).unwrap();
+    assert!(reg.record(impostor.clone(), t0 + ms(700), 16).is_err());
+    assert_eq!(reg.identity_conflicts(), 2);
+    // The first is silent past three beats (200 + 600 ms): the id is free again.
+    reg.record(impostor.clone(), t0 + ms(801), 16).unwrap();
+    assert_eq!(addr(t0 + ms(801)), impostor.grpc_address);
+    assert_eq!(reg.identity_conflicts(), 2);
+}

@@ -40,6 +40,8 @@ pub struct RegistryState {
     /// Woken by every beat recorded: a request waiting for engines to register
     /// (`startup_grace_ms`) looks again then, instead of polling.
     beats: tokio::sync::Notify,
+    /// Beats refused because another address holds the worker id's lease.
+    conflicts: std::sync::atomic::AtomicU64,
 }
 
 impl RegistryState {
@@ -107,6 +109,29 @@ impl RegistryState {
             .clamp(*HEARTBEAT_MS_RANGE.start(), *HEARTBEAT_MS_RANGE.end());
         {
             let w = self.lock();
+            // One id, one live process: a second address for an id whose lease is held (a
+            // copied certificate, a second process started by mistake) is refused until the
+            // first falls silent for three beats, instead of taking its traffic by turns.
+            if let Some(e) = w.get(&status.worker_id)
+                && !is_stale(&e.status, now.saturating_duration_since(e.last))
+                && addresses(&e.status) != addresses(&status)
+            {
+                let held = e.status.grpc_address.clone();
+                drop(w);
+                self.conflicts
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(
+                    worker = %status.worker_id,
+                    live = %held,
+                    refused = %status.grpc_address,
+                    "identity conflict: a second address beat for a live worker id"
+                );
+                return Err(Status::already_exists(format!(
+                    "worker {:?} is live at {held}; another address may register it only after \
+                     three missed beats",
+                    status.worker_id
+                )));
+            }
             if !w.contains_key(&status.worker_id) && w.len() >= max_workers {
                 drop(w);
                 // Make room from the dead before refusing the living.
@@ -120,6 +145,12 @@ impl RegistryState {
             }
         }
         Ok(self.heartbeat(status, now))
+    }
+
+    /// Beats refused so far because another address held the worker id's lease.
+    #[must_use]
+    pub fn identity_conflicts(&self) -> u64 {
+        self.conflicts.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Forgets workers silent for more than three of their intervals; returns how many.
@@ -167,6 +198,11 @@ impl RegistryState {
 
 /// Longest worker id a registry records.
 pub const MAX_WORKER_ID: usize = 128;
+
+/// The addresses a worker serves on: what tells two processes with one id apart.
+fn addresses(s: &WorkerStatus) -> (&str, &str, &str) {
+    (&s.grpc_address, &s.http_address, &s.kv_address)
+}
 
 /// Longest address (and model name) a registry records.
 pub const MAX_ADDRESS: usize = 256;
@@ -313,7 +349,13 @@ pub async fn serve_metrics(
     metrics: crate::telemetry::metrics::SharedMetrics,
     limits: &LimitsSection,
 ) -> std::io::Result<SocketAddr> {
-    metrics.on_scrape(move |m| super::workers_by_role(m, &state.list(Instant::now())));
+    metrics.on_scrape(move |m| {
+        super::workers_by_role(m, &state.list(Instant::now()));
+        crate::telemetry::metrics::Metrics::catch_up(
+            &m.registry_identity_conflicts,
+            state.identity_conflicts(),
+        );
+    });
     crate::net::server::serve_http(
         life,
         bind(listen).await?,

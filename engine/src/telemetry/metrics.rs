@@ -122,6 +122,8 @@ pub struct Metrics {
     pub failovers: Family<FailoverLabels, Counter>,
     /// Requests an engine preempted (paused, blocks given back) when its pool ran dry.
     pub preemptions: Counter,
+    /// Beats the registry refused because another address held the worker id's lease.
+    pub registry_identity_conflicts: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -160,6 +162,7 @@ impl Metrics {
             trace_spans_dropped: Counter::default(),
             failovers: Family::default(),
             preemptions: Counter::default(),
+            registry_identity_conflicts: Counter::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -243,6 +246,11 @@ impl Metrics {
             "Requests paused with their KV blocks given back because the pool ran dry; each \
              resumes by recomputation with the tokens it would have produced",
             m.preemptions.clone(),
+        );
+        r.register(
+            "tl_registry_identity_conflicts",
+            "Heartbeats refused because another address held the worker id's lease",
+            m.registry_identity_conflicts.clone(),
         );
         // Series with a closed set of label values exist from the start, at 0, so a rate over
         // them is defined before the first event.
