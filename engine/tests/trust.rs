@@ -561,3 +561,77 @@ async fn peer_name_verifies_engines_reached_at_unnamed_addresses() {
     let e = Tls::load(&bad).unwrap_err();
     assert!(e.to_string().contains("peer_name"), "{e}");
 }
+
+/// Outgoing connections check the server's role, not only its CA. An engine whose registry
+/// address is answered by a decode engine's certificate (an impostor registry) never registers
+/// there, so the impostor cannot drain it; a prefill engine told to push to a server holding a
+/// gateway certificate refuses the handshake, and its pool is as before. Against CA-only
+/// verification the impostor recorded the engine, and its `drain: true` drained it for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outgoing_connections_check_the_servers_role() {
+    use tl_engine::gateway::registry::RegistryNode;
+    let c = Cluster::start().await;
+    let impostor_tls = c.certs.tls("decode-2", PeerRole::Decode);
+    let impostor = RegistryNode::start("127.0.0.1:0", Some(&impostor_tls), "127.0.0.1:0")
+        .await
+        .unwrap();
+    let mut cfg = Config::for_worker("D9", Role::Decode, &impostor.addr().to_string());
+    cfg.engine.heartbeat_ms = 50;
+    cfg.tls = Some(c.certs.issue("D9", PeerRole::Decode));
+    let d9 = EngineNode::start(&cfg).await.unwrap();
+    let failures = || {
+        let text = d9.metrics().encode();
+        text.lines()
+            .find_map(|l| l.strip_prefix("tl_heartbeat_failures_total "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    assert!(
+        common::eventually(Duration::from_secs(5), || failures() >= 3).await,
+        "the heartbeat never failed"
+    );
+    let now = std::time::Instant::now();
+    assert!(
+        impostor.state().list(now).is_empty(),
+        "the engine registered with an impostor: {:?}",
+        impostor.state().list(now)
+    );
+    assert!(
+        !impostor.state().set_drain("D9", true),
+        "the impostor knows D9"
+    );
+    assert!(!d9.state().is_draining(), "D9 was drained");
+
+    // A push to a server that is not a decode engine (the gateway's registry port).
+    let before = c.pools();
+    let gw = Caller::new(&c, Some(&c.certs.tls("gw2", PeerRole::Gateway)));
+    let r = gw
+        .ctl
+        .prefill(PrefillRequest {
+            request_id: "to-a-gateway".into(),
+            prompt_tokens: (1..=20).collect(),
+            decode_target: c.gw.registry_addr().to_string(),
+            ..PrefillRequest::default()
+        })
+        .await;
+    let err = r.expect_err("a push to a gateway's port went through");
+    assert!(
+        err.message().contains("expected a decode or both identity"),
+        "{err:?}"
+    );
+    // Nothing held: the prompt's computed blocks are only cached (evictable) on P, and D saw
+    // nothing.
+    let idle = || {
+        let (p, d) = c.pools();
+        p.used == 0 && d == before.1
+    };
+    assert!(
+        common::eventually(Duration::from_secs(5), idle).await,
+        "{:?}",
+        c.pools()
+    );
+    c.p.runner().pool().lock().check().unwrap();
+    d9.shutdown(Duration::from_secs(1)).await;
+    impostor.stop().await;
+    c.stop().await;
+}

@@ -60,7 +60,14 @@ impl Upstream {
             None => HttpClient::default(),
         };
         Ok(Self {
-            transport: Arc::new(GrpcTransport::new(tc).with_tls(tls.map(Tls::tonic_peer_client))),
+            // Every engine must prove it is a worker: a gateway's or an admin's certificate
+            // cannot pose as one.
+            transport: Arc::new(
+                GrpcTransport::new(tc).with_connector(
+                    tls.map(|t| t.connect(crate::net::dial::WORKER, tc.connect_timeout))
+                        .transpose()?,
+                ),
+            ),
             http,
             has_blocks_timeout: tc.call_timeout,
         })

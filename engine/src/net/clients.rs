@@ -148,6 +148,20 @@ impl RegistryClient {
         Ok(Self { channel, timeout })
     }
 
+    /// As [`new`](Self::new), with channels made by `connect` (mutual TLS that checks the
+    /// registry's role, [`crate::net::dial`]).
+    ///
+    /// # Errors
+    /// When `addr` is not a `host:port`.
+    pub fn with_connector(
+        addr: &str,
+        timeout: Duration,
+        connect: &kvwire_grpc::sender::Connect,
+    ) -> Result<Self, Status> {
+        let channel = connect(glue::endpoint(addr, timeout, None)?.timeout(timeout));
+        Ok(Self { channel, timeout })
+    }
+
     async fn call<Req, Resp>(&self, path: &'static str, req: Req) -> Result<Resp, Status>
     where
         Req: prost::Message + Send + Sync + 'static,

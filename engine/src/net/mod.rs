@@ -3,6 +3,7 @@
 
 pub mod authz;
 pub mod clients;
+pub mod dial;
 pub mod limits;
 pub mod probes;
 pub mod role;

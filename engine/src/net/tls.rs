@@ -204,7 +204,7 @@ fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
 
 /// ring's provider, with AES-128-GCM preferred: a KV push is bulk data, and 128-bit AES is
 /// about a third cheaper per byte than 256-bit (10 rounds, not 14) at the same GCM cost.
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     use rustls::crypto::ring::cipher_suite::{
         TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256,
     };
@@ -330,6 +330,18 @@ impl Tls {
             Some(n) => c.domain_name(n.clone()),
             None => c,
         }
+    }
+
+    pub(crate) fn roots(&self) -> Arc<RootCertStore> {
+        Arc::clone(&self.roots)
+    }
+
+    pub(crate) fn chain(&self) -> &[CertificateDer<'static>] {
+        &self.chain
+    }
+
+    pub(crate) fn key(&self) -> &PrivateKeyDer<'static> {
+        &self.key
     }
 
     /// The name engines' certificates are verified against, when configured.

@@ -144,7 +144,6 @@ impl EngineNode {
         ));
         let life = Lifecycle::new();
         let stop_on_drop = life.guard();
-        let client_tls = tls.as_ref().map(Tls::tonic_client);
         let metrics: SharedMetrics = Arc::new(Metrics::new());
         {
             let pool = pool.clone();
@@ -163,6 +162,17 @@ impl EngineNode {
             });
         }
 
+        // A push goes only to a server that proves it decodes.
+        let push_connect = match &tls {
+            Some(t) if role.prefills() => Some(
+                t.connect(
+                    crate::net::dial::DECODE_TARGET,
+                    TransportConfig::for_envelope(0).connect_timeout,
+                )
+                .map_err(|e| invalid(&e))?,
+            ),
+            _ => None,
+        };
         let prefill = role.prefills().then(|| {
             let mut tc =
                 TransportConfig::for_envelope(shape.envelope_len(1).unwrap_or(usize::MAX / 2));
@@ -171,8 +181,7 @@ impl EngineNode {
                 Duration::from_millis(limits.keepalive_ms.max(1)),
                 Duration::from_millis(limits.keepalive_timeout_ms.max(1)),
             ));
-            let transport =
-                GrpcTransport::new(tc).with_tls(tls.as_ref().map(Tls::tonic_peer_client));
+            let transport = GrpcTransport::new(tc).with_connector(push_connect);
             Arc::new(PrefillService::new(
                 Arc::clone(&state),
                 transport,
@@ -247,11 +256,16 @@ impl EngineNode {
             let ms = cfg.engine.heartbeat_ms;
             let interval = Duration::from_millis(u64::from(ms));
             let timeout = interval.clamp(Duration::from_millis(100), Duration::from_secs(2));
-            let registry = RegistryClient::with_tls(
-                &cfg.engine.gateway_registry,
-                timeout,
-                client_tls.as_ref(),
-            )
+            // The registry must prove it is a gateway: a worker's certificate cannot drain us.
+            let registry = match &tls {
+                Some(t) => RegistryClient::with_connector(
+                    &cfg.engine.gateway_registry,
+                    timeout,
+                    &t.connect(crate::net::dial::REGISTRY, timeout)
+                        .map_err(|e| invalid(&e))?,
+                ),
+                None => RegistryClient::new(&cfg.engine.gateway_registry, timeout),
+            }
             .map_err(|s| invalid(s.message()))?;
             let hb = Arc::new(Heartbeat::new(registry, timeout));
             {

@@ -7,7 +7,7 @@ mod transport;
 
 use self::encode::LazyBlock;
 pub use self::encode::{ChunkStream, OutChunk};
-pub use self::transport::{GrpcTransport, KvTransport, TransportConfig};
+pub use self::transport::{Connect, GrpcTransport, KvTransport, TransportConfig};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 

@@ -5,7 +5,9 @@ use std::future::Future;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use tonic::transport::{Channel, ClientTlsConfig};
+use std::sync::Arc;
+
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::{Request, Status};
 
 use crate::glue::{self, MessageLimits};
@@ -80,11 +82,25 @@ impl TransportConfig {
 /// [`KvTransport`] over gRPC: one lazily connected channel per target, reused by every call.
 /// It is also the process's one channel cache: a gateway reaches an engine's EngineControl over
 /// the same [`channel`](Self::channel) (one connection per peer address).
-#[derive(Debug)]
 pub struct GrpcTransport {
     cfg: TransportConfig,
     tls: Option<ClientTlsConfig>,
+    connect: Option<Connect>,
     channels: Mutex<Channels>,
+}
+
+/// Makes the channel of a configured plaintext endpoint with a connector of the caller's own
+/// (TLS that checks more than tonic's settings can say, such as the server's role).
+pub type Connect = Arc<dyn Fn(Endpoint) -> Channel + Send + Sync>;
+
+impl std::fmt::Debug for GrpcTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrpcTransport")
+            .field("cfg", &self.cfg)
+            .field("tls", &self.tls.is_some())
+            .field("connect", &self.connect.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 /// The channel cache: one channel per target, at most `max_channels`, with a use stamp each.
@@ -101,6 +117,7 @@ impl GrpcTransport {
         Self {
             cfg,
             tls: None,
+            connect: None,
             channels: Mutex::new(Channels::default()),
         }
     }
@@ -109,6 +126,18 @@ impl GrpcTransport {
     #[must_use]
     pub fn with_tls(mut self, tls: Option<ClientTlsConfig>) -> Self {
         self.tls = tls;
+        self
+    }
+
+    /// Makes every channel with `connect`, over an `http://` endpoint carrying these settings
+    /// (windows, keepalive, timeouts); the connector brings its own TLS. Replaces
+    /// [`with_tls`](Self::with_tls).
+    #[must_use]
+    pub fn with_connector(mut self, connect: Option<Connect>) -> Self {
+        if connect.is_some() {
+            self.tls = None;
+        }
+        self.connect = connect;
         self
     }
 
@@ -155,8 +184,11 @@ impl GrpcTransport {
                 .keep_alive_timeout(timeout)
                 .keep_alive_while_idle(true),
             None => c,
-        }
-        .connect_lazy();
+        };
+        let c = match &self.connect {
+            Some(connect) => connect(c),
+            None => c.connect_lazy(),
+        };
         cache.map.insert(target.to_owned(), (c.clone(), now));
         Ok(c)
     }
