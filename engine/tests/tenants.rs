@@ -581,3 +581,54 @@ async fn a_pool_that_runs_dry_pauses_streams_instead_of_killing_them() {
     assert!(eventually(Duration::from_secs(5), || pool.counts().used == 0).await);
     pool.lock().check().unwrap();
 }
+
+/// One key filling a decode pool cannot lock another key out of it: the other key's push
+/// waits (`import_wait_ms`) while the engine preempts the filling key's youngest request, so
+/// the request is served with its colocated tokens instead of 429, and every stream of the
+/// first key still ends with its own tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_pool_makes_room_for_another_tenant() {
+    let dir = std::env::temp_dir().join(format!("tl-room-{}", std::process::id()));
+    let cfg = keyed_gateway(&dir);
+    let c = cluster_of(&cfg, 1, |cfg| {
+        if cfg.engine.role == tl_engine::node::config::Role::Decode {
+            cfg.pool.n_blocks = 96;
+            cfg.model.decode_us_per_seq = 1_500;
+        }
+    })
+    .await;
+    let addr = c.gw.http_addr().to_string();
+    // Key a: two requests of 4 choices, 80 tokens each: far more than 96 blocks of 4 tokens.
+    let heavy: Vec<_> = (0..2u64)
+        .map(|i| {
+            let addr = addr.clone();
+            tokio::spawn(async move {
+                let body = json!({ "prompt": format!("heavy {i}"), "max_tokens": 80, "n": 4,
+                                   "seed": i, "temperature": 0.7 });
+                complete(&addr, Some("key-a"), &body).await
+            })
+        })
+        .collect();
+    let d = c.d[0].runner().clone();
+    assert!(
+        eventually(Duration::from_secs(5), || d.pool().counts().free < 20).await,
+        "key a never filled the pool"
+    );
+    let prompt: Vec<u32> = (0..24).map(|t| 40 + t).collect();
+    let (status, v) = complete(
+        &addr,
+        Some("key-b"),
+        &json!({ "prompt": prompt, "max_tokens": 8, "seed": 3, "temperature": 0.7 }),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(tokens_of(&v), common::colocated(&prompt, 0.7, 3, 8));
+    for h in heavy {
+        let (status, v) = h.await.unwrap();
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["choices"].as_array().unwrap().len(), 4);
+    }
+    assert!(d.preemptions() >= 1, "nothing was preempted");
+    settled(&c).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -25,6 +25,9 @@ pub struct ServiceLimits {
     pub push_idle: Duration,
     /// One whole push may take this long; then it is undone (DEADLINE_EXCEEDED).
     pub push_deadline: Duration,
+    /// A block whose store has no room ([`KvStore::room`](crate::KvStore::room)) waits up to
+    /// this long for it before the push is refused (RESOURCE_EXHAUSTED); zero refuses at once.
+    pub import_wait: Duration,
     /// Largest HasBlocks and Release message (OUT_OF_RANGE beyond, before it is read).
     pub small_message: usize,
 }
@@ -34,6 +37,7 @@ impl Default for ServiceLimits {
         Self {
             push_idle: Duration::from_secs(10),
             push_deadline: Duration::from_secs(60),
+            import_wait: Duration::from_secs(1),
             small_message: 1 << 20,
         }
     }
@@ -171,7 +175,12 @@ impl KvTransferService {
                         ))
                     })?;
                 match next? {
-                    Some(chunk) => import(&mut push, chunk)?,
+                    Some(chunk) => {
+                        if !chunk.payload.is_empty() {
+                            wait_for_room(&rx, chunk.cache_scope, t.import_wait).await;
+                        }
+                        import(&mut push, chunk)?;
+                    }
                     None => return Ok::<_, Status>(push),
                 }
             }
@@ -215,6 +224,16 @@ impl KvTransferService {
     #[must_use]
     pub fn into_service(self) -> Dispatch<Self> {
         Dispatch::new(Arc::new(self))
+    }
+}
+
+/// Waits, up to `wait`, until the store has room for a block in `scope`, asking again every
+/// 2 ms (each ask tells the store a block is waiting, so its owner can make room); the import
+/// that follows finds the room, or is refused as before.
+async fn wait_for_room(rx: &KvReceiver, scope: u64, wait: Duration) {
+    let until = Instant::now() + wait;
+    while !rx.store().room(scope) && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
 

@@ -106,6 +106,15 @@ pub trait KvStore: Send + Sync + std::fmt::Debug + 'static {
     /// [`StoreError::Exhausted`] when no block is free or evictable.
     fn import(&self, key: BlockKey<'_>, fill: u32, payload: &[u8]) -> Result<BlockId, StoreError>;
 
+    /// Whether an [`import`](Self::import) in `scope` would find a block now. A store whose
+    /// owner can make room (an engine preempting another tenant's request) is told by a `false`
+    /// answer that a block is waiting; the receiver asks again while it waits. The default
+    /// always answers yes (the import then decides).
+    fn room(&self, scope: u64) -> bool {
+        let _ = scope;
+        true
+    }
+
     /// Drops one reference on each block; a registered block reaching zero stays cached.
     fn release(&self, ids: &[BlockId]);
 

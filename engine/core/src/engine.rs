@@ -772,30 +772,33 @@ impl Engine {
         self.finish_reason(seq).is_none() && seq.n_cached / b >= seq.blocks.len()
     }
 
-    /// Preempts the youngest requests of `batch` until the blocks its step starts fit in what
-    /// the pool can give; returns them, blocks given back. The oldest request is never taken:
-    /// alone, it fails only if no block is left for it at all.
+    /// Preempts requests of `batch` until the blocks its step starts fit in what the pool can
+    /// give, and until imports of other tenants waiting for room ([`SharedKv::press`]) have it;
+    /// returns them, blocks given back. The victim is the youngest request of the tenant (cache
+    /// scope) holding the most blocks: with one tenant, simply the youngest. A tenant's waiting
+    /// import never preempts that tenant's own requests, and the step's growth never preempts
+    /// the last request left.
     fn make_room(&self, batch: &mut Vec<Seq>) -> Vec<Seq> {
         let mut out = Vec::new();
+        let pressed = self.pool.pressed();
         loop {
             let need = batch.iter().filter(|s| self.needs_block(s)).count();
-            if need == 0 || need <= self.pool.lock().available() {
-                return out;
-            }
-            let (Some(young), Some(old)) = (
-                batch.iter().map(|s| s.group).max(),
-                batch.iter().map(|s| s.group).min(),
-            ) else {
+            let available = self.pool.lock().available();
+            let victim = if need > available {
+                victim(batch, &[], 2)
+            } else if pressed.free_wanted > 0 && need + pressed.free_wanted > available {
+                victim(batch, &pressed.scopes, 1)
+            } else {
+                None
+            };
+            let Some(group) = victim else {
                 return out;
             };
-            if young == old {
-                return out;
-            }
-            let (victim, rest): (Vec<Seq>, Vec<Seq>) = std::mem::take(batch)
+            let (gone, rest): (Vec<Seq>, Vec<Seq>) = std::mem::take(batch)
                 .into_iter()
-                .partition(|s| s.group == young);
+                .partition(|s| s.group == group);
             *batch = rest;
-            out.extend(victim.into_iter().map(Seq::preempt));
+            out.extend(gone.into_iter().map(Seq::preempt));
         }
     }
 
@@ -807,7 +810,9 @@ impl Engine {
         let b = self.model.shape().block_tokens() as usize;
         let blocks = seq.n_cached.div_ceil(b);
         let alone = self.running.is_empty();
-        if !alone && self.pool.lock().available() < blocks + self.running.len() {
+        // Room for it, a block for each running sequence, and what waiting imports asked for.
+        let wanted = blocks + self.running.len() + self.pool.pressed().free_wanted;
+        if !alone && self.pool.lock().available() < wanted {
             return Ok(None);
         }
         match self.fill(seq, seq.n_cached) {
@@ -1142,6 +1147,28 @@ impl Engine {
         }
         Ok(out)
     }
+}
+
+/// The request to preempt from `batch`: the youngest of the scope holding the most blocks,
+/// never of a scope in `spare`, and only while at least `keep_groups` requests run.
+fn victim(batch: &[Seq], spare: &[u64], keep_groups: usize) -> Option<SeqId> {
+    let mut groups: Vec<SeqId> = batch.iter().map(|s| s.group).collect();
+    groups.sort_unstable();
+    groups.dedup();
+    if groups.len() < keep_groups {
+        return None;
+    }
+    let mut held: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    for s in batch.iter().filter(|s| !spare.contains(&s.scope)) {
+        *held.entry(s.scope).or_default() += s.blocks.len();
+    }
+    // Most blocks first; equal holdings go to the lower scope, so the choice is reproducible.
+    let (&scope, _) = held.iter().max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(a.0)))?;
+    batch
+        .iter()
+        .filter(|s| s.scope == scope)
+        .map(|s| s.group)
+        .max()
 }
 
 /// One choice of a request run to its end.

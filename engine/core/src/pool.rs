@@ -733,6 +733,25 @@ pub struct SharedKv {
     pool: Arc<Mutex<KvPool>>,
     data: Arc<Slabs>,
     counts: Arc<PublishedCounts>,
+    pressure: Arc<Pressure>,
+}
+
+/// Imports waiting for room, by scope: what the engine preempts for. Each entry is the free
+/// blocks the waiting import needs and when it last said so; an entry not renewed within
+/// [`PRESSURE_TTL`] is gone (the import got its block, or gave up).
+#[derive(Debug, Default)]
+struct Pressure(Mutex<std::collections::HashMap<u64, (usize, std::time::Instant)>>);
+
+/// How long an import's call for room counts after it was last made.
+pub const PRESSURE_TTL: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Imports waiting for room: the free blocks the neediest one wants, and the scopes waiting.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pressed {
+    /// Free (or evictable) blocks the neediest waiting import wants to see.
+    pub free_wanted: usize,
+    /// The scopes of the waiting imports.
+    pub scopes: Vec<u64>,
 }
 
 /// The counts as of the last release of the pool lock: a copy behind a lock of its own, held
@@ -767,6 +786,39 @@ impl SharedKv {
             data: Arc::clone(&pool.data),
             pool: Arc::new(Mutex::new(pool)),
             counts,
+            pressure: Arc::default(),
+        }
+    }
+
+    /// An import in `scope` is waiting until `free_wanted` blocks are free or evictable (a
+    /// push's receiver calls it again while it waits): the engine preempts running requests of
+    /// other tenants to make that room (see `Engine::step`).
+    pub fn press(&self, scope: u64, free_wanted: usize) {
+        let mut p = self
+            .pressure
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let e = p.entry(scope).or_insert((0, std::time::Instant::now()));
+        *e = (free_wanted.max(e.0), std::time::Instant::now());
+    }
+
+    /// The imports waiting now (calls older than [`PRESSURE_TTL`] are forgotten).
+    #[must_use]
+    pub fn pressed(&self) -> Pressed {
+        let mut p = self
+            .pressure
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if p.is_empty() {
+            return Pressed::default();
+        }
+        let now = std::time::Instant::now();
+        p.retain(|_, (_, at)| now.saturating_duration_since(*at) <= PRESSURE_TTL);
+        Pressed {
+            free_wanted: p.values().map(|(n, _)| *n).max().unwrap_or(0),
+            scopes: p.keys().copied().collect(),
         }
     }
 

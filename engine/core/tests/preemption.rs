@@ -56,35 +56,40 @@ fn run_all(e: &mut Engine) -> (Completions, Vec<(u64, SeqError)>) {
     while !e.is_idle() {
         steps += 1;
         assert!(steps < 10_000, "no progress");
-        for ev in e.step().0 {
-            match ev {
-                Event::Token {
-                    seq,
-                    choice,
-                    token,
-                    index,
-                    logprobs,
-                } => {
-                    let g = out.entry((seq, choice)).or_default();
-                    assert_eq!(
-                        index as usize,
-                        g.tokens.len(),
-                        "token index of {seq}/{choice}"
-                    );
-                    g.tokens.push(token);
-                    g.logprobs.extend(logprobs);
-                }
-                Event::Finished {
-                    seq,
-                    choice,
-                    reason,
-                } => out.entry((seq, choice)).or_default().finish = Some(reason),
-                Event::Failed { seq, error } => failed.push((seq, error)),
-                Event::Prefilled { .. } => panic!("no prefill-only request here"),
-            }
-        }
+        step_into(e, &mut out, &mut failed);
     }
     (out, failed)
+}
+
+/// One step, its events recorded.
+fn step_into(e: &mut Engine, out: &mut Completions, failed: &mut Vec<(u64, SeqError)>) {
+    for ev in e.step().0 {
+        match ev {
+            Event::Token {
+                seq,
+                choice,
+                token,
+                index,
+                logprobs,
+            } => {
+                let g = out.entry((seq, choice)).or_default();
+                assert_eq!(
+                    index as usize,
+                    g.tokens.len(),
+                    "token index of {seq}/{choice}"
+                );
+                g.tokens.push(token);
+                g.logprobs.extend(logprobs);
+            }
+            Event::Finished {
+                seq,
+                choice,
+                reason,
+            } => out.entry((seq, choice)).or_default().finish = Some(reason),
+            Event::Failed { seq, error } => failed.push((seq, error)),
+            Event::Prefilled { .. } => panic!("no prefill-only request here"),
+        }
+    }
 }
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -196,5 +201,51 @@ fn cancelling_a_preempted_request_frees_nothing_twice() {
         }
     }
     assert_eq!(ended, 2);
+    assert_back_to_baseline(&e);
+}
+
+/// An import of another tenant waiting for room (`SharedKv::press`) makes the engine preempt
+/// the tenant holding the most blocks, youngest request first, until the room is there; the
+/// preempted requests still finish with exactly their own tokens. A tenant's own waiting import
+/// never preempts that tenant.
+#[test]
+fn a_waiting_import_of_another_tenant_preempts_the_biggest_holder() {
+    let mut e = engine(24);
+    let ids: Vec<u64> = prompts()
+        .iter()
+        .take(2)
+        .enumerate()
+        .map(|(i, p)| e.submit(request(p, true, 5 + i as u64, 30, 1)).unwrap())
+        .collect();
+    let (mut out, mut failed) = (Completions::new(), Vec::new());
+    // Run until the two requests (scope 7) hold most of the pool.
+    while e.pool().lock().available() > 6 {
+        assert!(!e.is_idle());
+        step_into(&mut e, &mut out, &mut failed);
+    }
+    // Scope 7's own import waiting: nothing is preempted for it.
+    e.pool().press(7, 12);
+    step_into(&mut e, &mut out, &mut failed);
+    assert_eq!(e.preemptions(), 0, "a tenant preempted itself");
+    // Another scope's import: the youngest of scope 7 gives its blocks back at once.
+    std::thread::sleep(tl_engine_core::pool::PRESSURE_TTL * 2);
+    e.pool().press(99, 12);
+    step_into(&mut e, &mut out, &mut failed);
+    assert_eq!(e.preemptions(), 1);
+    assert!(e.pool().lock().available() >= 12);
+    assert_eq!(e.running(), 1, "the older request runs on");
+    // The pressure lapses; both finish with the tokens they would have produced alone.
+    std::thread::sleep(tl_engine_core::pool::PRESSURE_TTL * 2);
+    while !e.is_idle() {
+        step_into(&mut e, &mut out, &mut failed);
+    }
+    assert!(failed.is_empty(), "{failed:?}");
+    for (i, id) in ids.iter().enumerate() {
+        let mut alone = engine(256);
+        let want = alone
+            .generate_choices(request(&prompts()[i], true, 5 + i as u64, 30, 1))
+            .unwrap();
+        assert_eq!(out[&(*id, 0)], want[0], "request {i}");
+    }
     assert_back_to_baseline(&e);
 }

@@ -28,6 +28,9 @@
 //!                                  # wait for a handle that still arrives, to release it
 //! max_inflight_per_key = 0         # requests in flight per tenant (0: max_inflight / 4); beyond
 //!                                  # it 429, so one key cannot take every slot
+//! max_tokens_in_flight_per_key = 0 # tokens in flight per tenant, each request counting its
+//!                                  # prompt plus n x max_tokens (0: no token bound); beyond it
+//!                                  # 429, except a tenant's first request
 //! prefill_timeout_ms = 10000       # one Prefill call (compute and push); a prefill engine that
 //!                                  # takes longer is given up: the request falls back to a
 //!                                  # `both` engine, or fails with 503
@@ -111,6 +114,9 @@ pub struct GatewaySection {
     pub prefill_timeout_ms: u64,
     /// Requests one tenant may have in flight (0: a quarter of `max_inflight`, at least 1).
     pub max_inflight_per_key: usize,
+    /// Tokens one tenant may have in flight, a request counting its prompt and `n` x
+    /// `max_tokens` (0: no token bound). A tenant's first request is never refused by it.
+    pub max_tokens_in_flight_per_key: u64,
 }
 
 impl Default for GatewaySection {
@@ -139,6 +145,7 @@ impl Default for GatewaySection {
             cancel_release_wait_ms: 5_000,
             prefill_timeout_ms: 10_000,
             max_inflight_per_key: 0,
+            max_tokens_in_flight_per_key: 0,
         }
     }
 }

@@ -80,10 +80,13 @@ impl Gateway {
             cfg.shared_cache,
         );
         let api_keys = api_keys.tenants(&cfg.tenant_header, cfg.unauthenticated_admin);
-        let quotas = Arc::new(tenant::Quotas::new(match cfg.max_inflight_per_key {
-            0 => cfg.max_inflight / 4,
-            n => n,
-        }));
+        let quotas = Arc::new(tenant::Quotas::new(
+            match cfg.max_inflight_per_key {
+                0 => cfg.max_inflight / 4,
+                n => n,
+            },
+            cfg.max_tokens_in_flight_per_key,
+        ));
         Ok(Self {
             permits: Arc::new(Semaphore::new(cfg.max_inflight.max(1))),
             upstream: Arc::new(Upstream::new(

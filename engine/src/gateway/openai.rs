@@ -200,11 +200,24 @@ async fn start(
         choices,
         scope,
     };
-    let Some(quota) = g.quotas.take(&caller.tenant) else {
-        return ApiError::rate_limited(
-            "too many requests in flight for this API key (max_inflight_per_key)",
-        )
-        .into_response();
+    // What the request may hold at most: its prompt and every token of every choice.
+    let tokens = job.prompt.len() as u64
+        + u64::from(job.params.n.unwrap_or(1).max(1)) * u64::from(job.params.max_tokens());
+    let quota = match g.quotas.take(&caller.tenant, tokens) {
+        Ok(q) => q,
+        Err(super::tenant::OverQuota::Requests) => {
+            return ApiError::rate_limited(
+                "too many requests in flight for this API key (max_inflight_per_key)",
+            )
+            .into_response();
+        }
+        Err(super::tenant::OverQuota::Tokens) => {
+            return ApiError::rate_limited(format!(
+                "this API key has too many tokens in flight to add {tokens} more \
+                 (max_tokens_in_flight_per_key)"
+            ))
+            .into_response();
+        }
     };
     serve(g, job, flavor, caller.admin, quota)
         .await

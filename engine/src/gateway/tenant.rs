@@ -24,11 +24,13 @@ pub struct Caller {
     pub admin: bool,
 }
 
-/// Requests in flight per tenant, bounded: one key cannot take every slot of the gateway.
+/// Requests and tokens in flight per tenant, bounded: one key cannot take every slot of the
+/// gateway, nor, with a token bound, every block of the decode pools.
 #[derive(Debug, Default)]
 pub struct Quotas {
     limit: usize,
-    held: std::sync::Mutex<std::collections::HashMap<Vec<u8>, usize>>,
+    token_limit: u64,
+    held: std::sync::Mutex<std::collections::HashMap<Vec<u8>, (usize, u64)>>,
 }
 
 /// One request's place in its tenant's quota, given back on drop.
@@ -36,45 +38,76 @@ pub struct Quotas {
 pub struct Held {
     quotas: std::sync::Arc<Quotas>,
     tenant: Vec<u8>,
+    tokens: u64,
+}
+
+/// Which bound a request met.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OverQuota {
+    /// `max_inflight_per_key`.
+    Requests,
+    /// `max_tokens_in_flight_per_key`.
+    Tokens,
 }
 
 impl Quotas {
-    /// At most `limit` requests in flight per tenant.
+    /// At most `limit` requests in flight per tenant, and (when `token_limit` > 0) at most
+    /// `token_limit` tokens: each request counts its prompt plus every token it may generate.
     #[must_use]
-    pub fn new(limit: usize) -> Self {
+    pub fn new(limit: usize, token_limit: u64) -> Self {
         Self {
             limit: limit.max(1),
+            token_limit,
             held: std::sync::Mutex::default(),
         }
     }
 
-    fn map(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<Vec<u8>, usize>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<Vec<u8>, (usize, u64)>> {
         self.held
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A place for `tenant`'s request, or `None` at its limit. No tenant (an open gateway) is
-    /// not limited here.
-    pub fn take(self: &std::sync::Arc<Self>, tenant: &[u8]) -> Option<Held> {
+    /// A place for `tenant`'s request of `tokens`, or which bound it meets. A tenant holding
+    /// nothing may always start one request, however many tokens, so a large request is slow
+    /// to admit, never refused for ever. No tenant (an open gateway) is not limited here.
+    ///
+    /// # Errors
+    /// The bound the request would pass.
+    pub fn take(
+        self: &std::sync::Arc<Self>,
+        tenant: &[u8],
+        tokens: u64,
+    ) -> Result<Held, OverQuota> {
         if !tenant.is_empty() {
             let mut m = self.map();
-            let n = m.entry(tenant.to_vec()).or_default();
+            let (n, held) = m.entry(tenant.to_vec()).or_default();
             if *n >= self.limit {
-                return None;
+                return Err(OverQuota::Requests);
+            }
+            if self.token_limit > 0 && *n > 0 && held.saturating_add(tokens) > self.token_limit {
+                return Err(OverQuota::Tokens);
             }
             *n += 1;
+            *held = held.saturating_add(tokens);
         }
-        Some(Held {
+        Ok(Held {
             quotas: std::sync::Arc::clone(self),
             tenant: tenant.to_vec(),
+            tokens,
         })
     }
 
     /// Requests `tenant` has in flight.
     #[must_use]
     pub fn held_by(&self, tenant: &[u8]) -> usize {
-        self.map().get(tenant).copied().unwrap_or(0)
+        self.map().get(tenant).map_or(0, |h| h.0)
+    }
+
+    /// Tokens `tenant` has in flight.
+    #[must_use]
+    pub fn tokens_held_by(&self, tenant: &[u8]) -> u64 {
+        self.map().get(tenant).map_or(0, |h| h.1)
     }
 }
 
@@ -84,8 +117,9 @@ impl Drop for Held {
             return;
         }
         let mut m = self.quotas.map();
-        if let Some(n) = m.get_mut(&self.tenant) {
+        if let Some((n, tokens)) = m.get_mut(&self.tenant) {
             *n -= 1;
+            *tokens = tokens.saturating_sub(self.tokens);
             if *n == 0 {
                 m.remove(&self.tenant);
             }
@@ -146,6 +180,30 @@ impl Scopes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn quotas_bound_requests_and_tokens_per_tenant() {
+        let q = std::sync::Arc::new(Quotas::new(3, 100));
+        let a1 = q.take(b"a", 60).unwrap();
+        assert_eq!(q.take(b"a", 50).unwrap_err(), OverQuota::Tokens);
+        let a2 = q.take(b"a", 40).unwrap();
+        assert_eq!(q.tokens_held_by(b"a"), 100);
+        // Another tenant is not touched by a's use.
+        let b = q.take(b"b", 500).unwrap();
+        assert_eq!(q.take(b"b", 1).unwrap_err(), OverQuota::Tokens);
+        drop(a1);
+        assert_eq!(q.tokens_held_by(b"a"), 40);
+        let a3 = q.take(b"a", 60).unwrap();
+        let a4 = q.take(b"a", 0).unwrap();
+        assert_eq!(q.take(b"a", 0).unwrap_err(), OverQuota::Requests);
+        drop((a2, a3, a4, b));
+        assert_eq!((q.held_by(b"a"), q.tokens_held_by(b"a")), (0, 0));
+        assert!(q.take(b"", u64::MAX).is_ok(), "no tenant, no bound");
+        // No token bound configured: only the count.
+        let open = std::sync::Arc::new(Quotas::new(1, 0));
+        let _x = open.take(b"a", u64::MAX).unwrap();
+        assert_eq!(open.take(b"a", 1).unwrap_err(), OverQuota::Requests);
+    }
 
     #[test]
     fn scopes_separate_tenants_and_salts_and_nothing_else() {

@@ -11,6 +11,8 @@
 //! max_pushes_per_peer = 0        # pushes one prefill identity may have in progress (0: half)
 //! max_pending_per_peer = 0       # handles one prefill identity may hold (0: half)
 //! handle_lease_ms = 30000        # a handle nobody claims or releases is freed after this
+//! import_wait_ms = 1000          # a pushed block finding the pool full waits this long for the
+//!                                # engine to preempt another tenant's request (then 429)
 //! h2_max_streams = 128           # HTTP/2 streams per connection
 //! keepalive_ms = 10000           # HTTP/2 ping interval...
 //! keepalive_timeout_ms = 20000   # ...and how long an unanswered ping means a dead peer
@@ -44,6 +46,9 @@ pub struct LimitsSection {
     pub push_deadline_ms: u64,
     /// A pushed handle nobody claims or releases is freed after this (its lease).
     pub handle_lease_ms: u64,
+    /// How long a pushed block finding the pool full waits for room (the engine preempts
+    /// another tenant's request to make it); 0: refused at once.
+    pub import_wait_ms: u64,
     /// Blocks pushes may not take, kept for running sequences; 0: 1/8 of the pool.
     pub decode_reserve_blocks: u32,
     /// Handles waiting for a claim per receiver.
@@ -84,6 +89,7 @@ impl Default for LimitsSection {
             max_pushes: 64,
             push_idle_ms: 10_000,
             handle_lease_ms: 30_000,
+            import_wait_ms: 1_000,
             push_deadline_ms: 60_000,
             decode_reserve_blocks: 0,
             max_pending_handles: 256,
@@ -135,6 +141,7 @@ impl LimitsSection {
         in_range("limits.push_idle_ms", self.push_idle_ms, 1, DAY_MS)?;
         in_range("limits.push_deadline_ms", self.push_deadline_ms, 1, DAY_MS)?;
         in_range("limits.handle_lease_ms", self.handle_lease_ms, 1, DAY_MS)?;
+        in_range("limits.import_wait_ms", self.import_wait_ms, 0, 600_000)?;
         in_range(
             "limits.max_pending_handles",
             self.max_pending_handles,
@@ -207,6 +214,7 @@ impl LimitsSection {
         ServiceLimits {
             push_idle: Duration::from_millis(self.push_idle_ms.max(1)),
             push_deadline: Duration::from_millis(self.push_deadline_ms.max(1)),
+            import_wait: Duration::from_millis(self.import_wait_ms),
             small_message: self.small_message_bytes.max(1024),
         }
     }

@@ -64,6 +64,16 @@ impl KvStore for PoolStore {
             .map_err(store_error)
     }
 
+    fn room(&self, scope: u64) -> bool {
+        // The import would leave the reserve intact: room. Else a block waits in `scope`: the
+        // engine's next step preempts another tenant's request until it fits.
+        if self.0.lock().available() > self.1 {
+            return true;
+        }
+        self.0.press(scope, self.1 + 1);
+        false
+    }
+
     fn release(&self, ids: &[BlockId]) {
         let mut pool = self.0.lock();
         for &id in ids {

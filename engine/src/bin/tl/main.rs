@@ -77,6 +77,9 @@ enum BenchCmd {
     Serve(bench::serve::ServeArgs),
     /// Info and HasBlocks latency, idle against while the engine decodes or imports.
     Control(bench::control::ControlArgs),
+    /// One tenant against another: a light key beside a heavy one, and B's time to first token
+    /// with and without A's prefix (Welch's t-test).
+    Tenants(bench::tenants::TenantsArgs),
 }
 
 /// Keeps glibc from handing multi-MiB buffers back to the kernel on every free.
@@ -133,6 +136,7 @@ fn main() -> ExitCode {
             BenchCmd::Ttft(args) => bench::ttft::ttft(&args),
             BenchCmd::Serve(args) => bench::serve::serve(&args),
             BenchCmd::Control(args) => bench::control::control(&args),
+            BenchCmd::Tenants(args) => bench::tenants::tenants(&args),
         },
     }
 }

@@ -3,6 +3,8 @@
 
 pub(crate) mod control;
 pub(crate) mod serve;
+pub(crate) mod stats;
+pub(crate) mod tenants;
 pub(crate) mod transfer;
 pub(crate) mod ttft;
 pub(crate) mod wire;

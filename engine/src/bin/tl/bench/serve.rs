@@ -56,16 +56,30 @@ pub(crate) struct ServeArgs {
 
 /// One request's timings.
 #[derive(Clone, Copy, Debug, Default)]
-struct Timing {
-    ttft: f64,
-    tpot: Option<f64>,
-    tokens: usize,
+pub(crate) struct Timing {
+    /// Seconds to the first token.
+    pub(crate) ttft: f64,
+    /// Seconds per token after the first.
+    pub(crate) tpot: Option<f64>,
+    /// Tokens received, every choice.
+    pub(crate) tokens: usize,
 }
 
 async fn one_streamed(http: &HttpClient, addr: &str, body: Vec<u8>) -> Result<Timing, BenchError> {
+    streamed_with(http, addr, &[], body).await
+}
+
+/// One streamed completion with `headers`: its timings, or why it failed (`answered 429`, or
+/// the stream's error event).
+pub(crate) async fn streamed_with(
+    http: &HttpClient,
+    addr: &str,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> Result<Timing, BenchError> {
     let start = Instant::now();
     let (status, body) = http
-        .post_streaming(addr, "/v1/completions", &[], body)
+        .post_streaming(addr, "/v1/completions", headers, body)
         .await?;
     if status != 200 {
         return Err(format!("answered {status}").into());
@@ -95,7 +109,7 @@ async fn one_streamed(http: &HttpClient, addr: &str, body: Vec<u8>) -> Result<Ti
     Ok(Timing { ttft, tpot, tokens })
 }
 
-fn pct(v: &mut [f64], p: f64) -> f64 {
+pub(crate) fn pct(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(f64::total_cmp);
     if v.is_empty() {
         return f64::NAN;
@@ -244,11 +258,30 @@ async fn gateway_load(a: &ServeArgs, mtls: bool) -> Result<serde_json::Value, Be
 }
 
 fn engine_cfg(a: &ServeArgs, id: &str, role: Role, reg: &str) -> Config {
+    simulated(
+        id,
+        role,
+        reg,
+        a.prefill_us_per_token,
+        a.decode_us_per_seq,
+        8192,
+    )
+}
+
+/// An engine beating every 100 ms to `reg`, with simulated costs and `n_blocks` pool blocks.
+pub(crate) fn simulated(
+    id: &str,
+    role: Role,
+    reg: &str,
+    prefill_us: u64,
+    decode_us: u64,
+    n_blocks: u32,
+) -> Config {
     let mut c = Config::for_worker(id, role, reg);
     c.engine.heartbeat_ms = 100;
-    c.model.prefill_us_per_token = a.prefill_us_per_token;
-    c.model.decode_us_per_seq = a.decode_us_per_seq;
-    c.pool.n_blocks = 8192;
+    c.model.prefill_us_per_token = prefill_us;
+    c.model.decode_us_per_seq = decode_us;
+    c.pool.n_blocks = n_blocks;
     c
 }
 
