@@ -632,3 +632,72 @@ async fn a_full_pool_makes_room_for_another_tenant() {
     settled(&c).await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Trickling connections from many addresses, each within its per-address share, fill the
+/// public port's whole connection cap: a newcomer still gets in, because the oldest connection
+/// that never delivered a request is closed for it, and its request is served within 1 s.
+/// Connections that have delivered a request are not the ones closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_connection_cap_the_oldest_silent_connection_makes_way() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut gw = GatewayConfig::local();
+    gw.limits.http_max_conns = 64;
+    gw.limits.http_max_conns_per_ip = 16;
+    let c = cluster_of(&gw, 1, |_| {}).await;
+    let addr = c.gw.http_addr();
+    let connect_from = |ip: String| async move {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(format!("{ip}:0").parse().unwrap()).unwrap();
+        sock.connect(addr).await.unwrap()
+    };
+    // A client that delivered a request and keeps its connection open (keep-alive).
+    let mut kept = connect_from("127.0.0.9".into()).await;
+    let body = r#"{"prompt":"hello","max_tokens":2}"#;
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    kept.write_all(head.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = kept.read(&mut buf).await.unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+    // 6 addresses x 16 trickling connections: more than the cap of 64.
+    let mut held = Vec::new();
+    for i in 0..96 {
+        let mut s = connect_from(format!("127.0.0.{}", 10 + i / 16)).await;
+        let _ = s
+            .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            .await;
+        held.push(s);
+    }
+    let request = || async move {
+        let mut s = connect_from("127.0.0.3".into()).await;
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out).await;
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    let served = tokio::time::timeout(Duration::from_secs(1), request())
+        .await
+        .expect("the newcomer waited behind the trickling connections");
+    assert!(served.starts_with("HTTP/1.1 200"), "{served}");
+    // The kept-alive connection that proved itself is still served.
+    kept.write_all(head.as_bytes()).await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(1), kept.read(&mut buf))
+        .await
+        .expect("the proven connection was not answered")
+        .unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    drop(held);
+    settled(&c).await;
+}

@@ -21,6 +21,8 @@
 //! max_body_bytes = 2097152       # HTTP request body (413 beyond)
 //! request_read_ms = 30000        # a whole HTTP request (headers and body) must arrive within this
 //! http_max_conns_per_ip = 64     # HTTP connections open at once from one address
+//! http_max_conns = 4096          # HTTP connections open at once; at the cap the oldest that has
+//!                                # not delivered a whole request is closed for a newcomer
 //! http_max_inflight = 256        # requests in flight on an engine's HTTP front (429 beyond)
 //! max_peer_channels = 256        # outgoing connections kept, least recently used closed first
 //! registry_max_workers = 1024    # workers a registry holds (RESOURCE_EXHAUSTED beyond)
@@ -73,6 +75,8 @@ pub struct LimitsSection {
     pub request_read_ms: u64,
     /// HTTP connections one source address may hold open at once.
     pub http_max_conns_per_ip: usize,
+    /// HTTP connections open at once per listener.
+    pub http_max_conns: usize,
     /// Requests in flight on an engine's HTTP front.
     pub http_max_inflight: usize,
     /// Outgoing connections kept.
@@ -103,6 +107,7 @@ impl Default for LimitsSection {
             max_body_bytes: 2 << 20,
             request_read_ms: 30_000,
             http_max_conns_per_ip: 64,
+            http_max_conns: 4096,
             http_max_inflight: 256,
             max_peer_channels: 256,
             registry_max_workers: 1024,
@@ -170,6 +175,7 @@ impl LimitsSection {
             1,
             1 << 16,
         )?;
+        in_range("limits.http_max_conns", self.http_max_conns, 1, 1 << 20)?;
         in_range(
             "limits.max_body_bytes",
             self.max_body_bytes,
@@ -227,6 +233,7 @@ impl LimitsSection {
             request_read: Duration::from_millis(self.request_read_ms.max(1)),
             max_body: self.max_body_bytes,
             per_ip: self.http_max_conns_per_ip.max(1),
+            max_conns: self.http_max_conns.max(1),
         }
     }
 

@@ -9,6 +9,7 @@ pub mod probes;
 pub mod role;
 pub mod server;
 pub mod tls;
+pub mod unproven;
 
 /// True when `addr` (`host:port`) listens on loopback only: 127.0.0.0/8, `::1` or `localhost`.
 #[must_use]

@@ -23,6 +23,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
+
+use super::unproven::{Entry, Unproven};
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -94,11 +96,17 @@ pub async fn bind(addr: &str) -> std::io::Result<TcpListener> {
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// TLS handshakes in progress per listener: a peer that opens connections and says nothing
-/// holds one slot each for at most [`HANDSHAKE_TIMEOUT`]; beyond this, new connections are
-/// closed at once.
+/// holds one slot each for at most [`HANDSHAKE_TIMEOUT`]; beyond this, the oldest handshake in
+/// progress is closed to admit the new connection.
 pub const MAX_HANDSHAKES: usize = 256;
 
-/// Open connections per HTTP listener; beyond this, new connections are closed at once.
+/// TLS handshakes in progress one source address may hold; beyond this, its own oldest is
+/// closed: a flood from one address displaces only itself.
+pub const MAX_HANDSHAKES_PER_SOURCE: usize = 64;
+
+/// Open connections per HTTP listener; beyond this, the oldest connection that has not yet
+/// delivered a whole request is closed to admit a new one (and the new one is refused only
+/// when every open connection has).
 pub const MAX_HTTP_CONNECTIONS: usize = 4096;
 
 /// How long open connections get to finish after the stop signal before they are closed.
@@ -116,24 +124,36 @@ fn tls_incoming(
     let stop = life.token().clone();
     life.spawn(async move {
         let mut handshakes = JoinSet::new();
+        // Every handshake in progress is unproven: at the cap the oldest goes, and one source
+        // holds at most its share.
+        let pending = Arc::new(Unproven::default());
+        let mut entries = std::collections::HashMap::new();
         loop {
             tokio::select! {
                 accepted = listener.accept() => {
                     let Ok((tcp, peer)) = accepted else { continue };
-                    if handshakes.len() >= MAX_HANDSHAKES {
+                    let full = pending.len() >= MAX_HANDSHAKES;
+                    if !pending.make_room(peer.ip(), MAX_HANDSHAKES_PER_SOURCE, full) {
                         continue; // dropping `tcp` closes it
                     }
                     let _ = tcp.set_nodelay(true);
                     let (acceptor, tx) = (acceptor.clone(), tx.clone());
-                    handshakes.spawn(async move {
+                    let handle = handshakes.spawn(async move {
                         if let Ok(Ok(tls)) =
                             tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
                         {
                             let _ = tx.send((tls, peer)).await;
                         }
                     });
+                    entries.insert(handle.id(), pending.enter(peer.ip(), handle));
                 }
-                Some(_) = handshakes.join_next() => {}
+                Some(done) = handshakes.join_next_with_id() => {
+                    let id = match done {
+                        Ok((id, ())) => id,
+                        Err(e) => e.id(),
+                    };
+                    entries.remove(&id);
+                }
                 () = stop.cancelled() => return,
             }
         }
@@ -207,6 +227,8 @@ pub struct HttpLimits {
     pub max_body: usize,
     /// Connections one source address may hold at once; more are closed on accept.
     pub per_ip: usize,
+    /// Connections open at once ([`MAX_HTTP_CONNECTIONS`] by default).
+    pub max_conns: usize,
 }
 
 impl Default for HttpLimits {
@@ -216,6 +238,7 @@ impl Default for HttpLimits {
             request_read: Duration::from_secs(30),
             max_body: 2 << 20,
             per_ip: 64,
+            max_conns: MAX_HTTP_CONNECTIONS,
         }
     }
 }
@@ -290,6 +313,8 @@ pub fn serve_http(
         .header_read_timeout(limits.header_read);
     let acceptor = tls.map(TlsAcceptor::from);
     let per_ip = Arc::new(PerIp::default());
+    // Connections that have not yet delivered a whole request, oldest first.
+    let unproven = Arc::new(Unproven::default());
     life.spawn(async move {
         let graceful = GracefulShutdown::new();
         let mut conns = JoinSet::new();
@@ -297,23 +322,28 @@ pub fn serve_http(
             tokio::select! {
                 accepted = listener.accept() => {
                     let Ok((tcp, peer)) = accepted else { continue };
-                    // Each connection is bounded in time (header reads, TLS handshakes); this
-                    // bounds how many there are.
-                    if conns.len() >= MAX_HTTP_CONNECTIONS {
-                        continue; // dropping `tcp` closes it
-                    }
                     // One source cannot take every connection: beyond its share, closed.
                     let Some(slot) = per_ip.take(peer.ip(), limits.per_ip) else {
-                        continue;
+                        continue; // dropping `tcp` closes it
                     };
+                    // Each connection is bounded in time (header reads, TLS handshakes); this
+                    // bounds how many there are. At the cap, the oldest connection that has
+                    // not yet delivered a request makes way; only when every one has is the
+                    // newcomer closed.
+                    let full = conns.len() >= limits.max_conns;
+                    if !unproven.make_room(peer.ip(), usize::MAX, full) {
+                        continue;
+                    }
+                    let proof: Proof = Arc::default();
                     // Server-sent events are many small writes: without TCP_NODELAY, Nagle's
                     // algorithm and the peer's delayed ACK hold each one back for ~40 ms.
                     let _ = tcp.set_nodelay(true);
                     let (app, http, watcher, acceptor) =
                         (app.clone(), http.clone(), graceful.watcher(), acceptor.clone());
-                    conns.spawn(async move {
+                    let mine = Arc::clone(&proof);
+                    let handle = conns.spawn(async move {
                         let _slot = slot;
-                        let conn = Conn { app, http, watcher, limits };
+                        let conn = Conn { app, http, watcher, limits, proof: mine };
                         match acceptor {
                             None => conn.serve(tcp, Caller { addr: peer, peer: None }).await,
                             Some(acceptor) => {
@@ -332,6 +362,7 @@ pub fn serve_http(
                             }
                         }
                     });
+                    *lock(&proof) = Some(unproven.enter(peer.ip(), handle));
                 }
                 Some(_) = conns.join_next() => {}
                 () = stop.cancelled() => break,
@@ -361,12 +392,20 @@ fn refusal(status: http::StatusCode, message: &str) -> axum::response::Response 
     r
 }
 
+/// A connection's place among the unproven ones, until its first whole request.
+type Proof = Arc<std::sync::Mutex<Option<Entry>>>;
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// One accepted HTTP connection's server side.
 struct Conn {
     app: axum::Router,
     http: hyper::server::conn::http1::Builder,
     watcher: hyper_util::server::graceful::Watcher,
     limits: HttpLimits,
+    proof: Proof,
 }
 
 impl Conn {
@@ -376,10 +415,11 @@ impl Conn {
     where
         I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
-        let (app, limits) = (self.app, self.limits);
+        let (app, limits, proof) = (self.app, self.limits, self.proof);
         let svc = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
             let mut app = app.clone();
             let caller = caller.clone();
+            let proof = Arc::clone(&proof);
             async move {
                 // The body, whole, within the request's deadline and its size bound: a client
                 // that trickles it holds the connection no longer than that.
@@ -408,6 +448,8 @@ impl Conn {
                         ));
                     }
                 };
+                // A whole request arrived: no longer among the first to be closed at the cap.
+                lock(&proof).take();
                 parts.extensions.insert(caller);
                 let req = http::Request::from_parts(parts, axum::body::Body::from(body));
                 tower_service::Service::call(&mut app, req).await
