@@ -701,3 +701,42 @@ async fn at_the_connection_cap_the_oldest_silent_connection_makes_way() {
     drop(held);
     settled(&c).await;
 }
+
+/// A prefill engine past the Prefill deadline is replaced by another prefill engine, once,
+/// before any colocated fallback: the request is disaggregated still, with its colocated
+/// tokens, within the deadline plus one prefill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_prefill_engine_is_replaced_by_another() {
+    use tl_engine::node::EngineNode;
+    use tl_engine::node::config::Role;
+    let mut gw = GatewayConfig::local();
+    gw.gateway.prefill_timeout_ms = 300;
+    let c = cluster_of(&gw, 1, |cfg| {
+        if cfg.engine.role == Role::Prefill {
+            cfg.model.prefill_us_per_token = 200_000;
+        }
+    })
+    .await;
+    let reg = c.gw.registry_addr().to_string();
+    // "P2" sorts after "P": with equal load, P is planned first and stalls.
+    let p2 = EngineNode::start(&common::engine_cfg("P2", Role::Prefill, &reg))
+        .await
+        .unwrap();
+    common::wait_workers(&c.gw, 3).await;
+    let prompt: Vec<u32> = (1..=20).collect();
+    let began = std::time::Instant::now();
+    let (status, v) = complete(
+        &c.gw.http_addr().to_string(),
+        None,
+        &json!({ "prompt": prompt, "max_tokens": 4, "seed": 2, "temperature": 0.7 }),
+    )
+    .await;
+    let took = began.elapsed();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["tl_route"]["prefill"], "P2", "{v}");
+    assert_eq!(v["tl_route"]["decode"], "D1", "{v}");
+    assert_eq!(tokens_of(&v), common::colocated(&prompt, 0.7, 2, 4));
+    assert!(took < Duration::from_millis(2500), "{took:?}");
+    p2.shutdown(Duration::from_secs(1)).await;
+    settled(&c).await;
+}

@@ -64,6 +64,9 @@ pub struct Ranked {
 pub struct Plan {
     /// The prefill engine, when a disaggregated pair exists.
     pub prefill: Option<WorkerStatus>,
+    /// The next prefill engine by load, tried once when `prefill` cannot be reached or takes
+    /// longer than the Prefill deadline.
+    pub prefill_spare: Option<WorkerStatus>,
     /// Decode engines, best first (empty without a prefill engine).
     pub decode: Vec<Ranked>,
     /// The colocated fallback.
@@ -153,6 +156,14 @@ pub fn plan(
     policy: Policy,
 ) -> Plan {
     let prefill = least_loaded(workers, Role::Prefill).map(|w| w.status.clone());
+    let prefill_spare = prefill.as_ref().and_then(|p| {
+        let others: Vec<WorkerView> = workers
+            .iter()
+            .filter(|w| w.status.worker_id != p.worker_id)
+            .cloned()
+            .collect();
+        least_loaded(&others, Role::Prefill).map(|w| w.status.clone())
+    });
     let mut decode: Vec<Ranked> = if prefill.is_some() {
         decode_candidates(workers)
             .into_iter()
@@ -192,6 +203,7 @@ pub fn plan(
         .map(|w| w.status.clone());
     Plan {
         prefill,
+        prefill_spare,
         decode,
         fallback,
     }

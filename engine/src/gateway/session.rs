@@ -381,6 +381,8 @@ enum Phase {
 #[derive(Debug)]
 struct Prefilling {
     prefill: WorkerStatus,
+    /// Another prefill engine, tried once if this one is unreachable or misses the deadline.
+    spare: Option<WorkerStatus>,
     decode: Vec<Ranked>,
     next: usize,
     /// Decode engines that refused the push so far.
@@ -633,6 +635,7 @@ impl Session {
         }
         let Plan {
             prefill,
+            prefill_spare,
             decode,
             fallback,
         } = plan;
@@ -640,6 +643,7 @@ impl Session {
             Some(p) if !decode.is_empty() => {
                 self.lanes[lane].phase = Phase::Prefilling(Box::new(Prefilling {
                     prefill: p,
+                    spare: prefill_spare,
                     decode,
                     next: 0,
                     retries: 0,
@@ -789,6 +793,16 @@ impl Session {
             return;
         };
         let refused = match failure {
+            // The prefill engine itself failed: another one, once, with the same decode
+            // engines; then the colocated fallback.
+            PrefillFailure::Unreachable | PrefillFailure::TimedOut if p.spare.is_some() => {
+                if let Some(next) = p.spare.take() {
+                    p.prefill = next;
+                    p.retries += 1;
+                }
+                self.send_prefill(lane, a);
+                return;
+            }
             PrefillFailure::Unreachable | PrefillFailure::TimedOut => None,
             PrefillFailure::Status { code, message } if !retryable(code) => Some((code, message)),
             PrefillFailure::Status { .. } => {
@@ -1261,9 +1275,25 @@ mod tests {
                         })
                         .collect(),
                     fallback: fallback.map(|b| worker(b, PbRole::Both)),
+                    prefill_spare: None,
                 },
                 holds(decode),
             ))),
+        }
+    }
+
+    /// As [`plan`], with a second prefill engine P2 to try when P fails.
+    fn plan_with_spare(decode: &[&str], fallback: Option<&str>) -> Event {
+        let Event::Planned { lane, plan } = plan_for(0, decode, fallback) else {
+            unreachable!()
+        };
+        let Ok((mut p, holds)) = *plan else {
+            unreachable!()
+        };
+        p.prefill_spare = Some(worker("P2", PbRole::Prefill));
+        Event::Planned {
+            lane,
+            plan: Box::new(Ok((p, holds))),
         }
     }
 
@@ -1362,19 +1392,24 @@ mod tests {
             Action::Routed { reason } => format!("routed {reason}"),
             Action::Prefill {
                 lane,
+                prefill,
                 decode,
                 request,
-                ..
             } => {
                 let s = request.sampling.unwrap_or_default();
                 format!(
-                    "prefill {lane} {} to {} len={} seed={:?} max={} offset={}",
+                    "prefill {lane} {} to {} len={} seed={:?} max={} offset={}{}",
                     request.request_id,
                     decode.worker_id,
                     request.prompt_tokens.len(),
                     s.seed,
                     s.max_tokens,
-                    request.rng_draws_offset
+                    request.rng_draws_offset,
+                    if prefill.worker_id == "P" {
+                        String::new()
+                    } else {
+                        format!(" via {}", prefill.worker_id)
+                    }
                 )
             }
             Action::Resume {
@@ -1508,6 +1543,35 @@ mod tests {
     fn cases() -> Vec<Case> {
         let policy = RetryPolicy::default();
         vec![
+            Case {
+                name: "a prefill engine past its deadline: once more on the spare, then colocated",
+                job: job(1, 0.0, false, &[]),
+                policy,
+                steps: vec![
+                    (
+                        plan_with_spare(&["D1", "D2"], Some("B")),
+                        &[
+                            "routed by_load",
+                            "prefill 0 r-0 to D1 len=10 seed=Some(7) max=8 offset=0",
+                        ],
+                    ),
+                    (
+                        Event::PrefillFailed {
+                            lane: 0,
+                            failure: PrefillFailure::TimedOut,
+                        },
+                        &["prefill 0 r-1 to D1 len=10 seed=Some(7) max=8 offset=0 via P2"],
+                    ),
+                    (
+                        Event::PrefillFailed {
+                            lane: 0,
+                            failure: PrefillFailure::Unreachable,
+                        },
+                        &["colocated 0 on B"],
+                    ),
+                ],
+                over: false,
+            },
             Case {
                 name: "no failure: the first token from the handle, the rest from the stream",
                 job: job(1, 0.0, false, &[]),
