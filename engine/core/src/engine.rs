@@ -833,7 +833,7 @@ impl Engine {
         let logits = if seq.fanout > 0 || seq.logprobs.is_some() {
             Some(
                 self.model
-                    .logits(&self.pool, seq.prompt_len, seq.blocks.ids())?,
+                    .logits(&self.pool, &seq.tokens[..seq.prompt_len], seq.blocks.ids())?,
             )
         } else {
             None
@@ -949,7 +949,7 @@ impl Engine {
         // The logits pass reads the whole prompt's KV, one block's lock at a time.
         let logits = self
             .model
-            .logits(&self.pool, seq.prompt_len, blocks.ids())?;
+            .logits(&self.pool, &seq.tokens[..seq.prompt_len], blocks.ids())?;
         seq.blocks = blocks;
         seq.hashes = hashes;
         seq.n_cached = seq.prompt_len;
@@ -1037,15 +1037,16 @@ impl Engine {
     fn decode_one(&mut self, seq: &mut Seq) -> Result<(u32, Option<TokenLogprobs>), SeqError> {
         let b = self.model.shape().block_tokens() as usize;
         let pos = seq.n_cached;
-        let input = seq.tokens[pos];
         // A block for the position when it starts one (the pool's lock, briefly), then the
-        // position's KV (one row per plane, under the block's own lock).
+        // position's KV (under the block's own lock) and the logits after it, in one pass
+        // where the model can (the fake model reads the sequence's whole KV, block by block).
         if pos / b >= seq.blocks.len() {
             let id = self.pool.lock().allocate(1)?[0];
             seq.blocks.push(id);
         }
-        self.model
-            .write(&self.pool, &[input], pos, seq.blocks.ids())?;
+        let logits = self
+            .model
+            .decode(&self.pool, &seq.tokens[..=pos], seq.blocks.ids())?;
         seq.n_cached += 1;
         if seq.n_cached.is_multiple_of(b) {
             let i = seq.n_cached / b - 1;
@@ -1061,10 +1062,6 @@ impl Engine {
             self.pool.lock().register(seq.blocks.ids()[i], key);
             seq.hashes.push(h);
         }
-        // The pass over the sequence's whole KV, block by block.
-        let logits = self
-            .model
-            .logits(&self.pool, seq.n_cached, seq.blocks.ids())?;
         let (token, draws) = seq.sampling.sample(&logits, &mut seq.rng);
         seq.draws += u64::from(draws);
         seq.tokens.push(token);

@@ -64,16 +64,22 @@ pub trait Model: Send + Sync + fmt::Debug {
         first_pos: usize,
         blocks: &[BlockId],
     ) -> Result<(), ModelError>;
-    /// The logits for the token after the first `n` positions, read from the KV in `blocks`
-    /// through [`SharedKv::read`], one block's lock at a time and never the pool's: a control
-    /// call or an import never waits for a sequence's pass. The blocks of a running sequence
-    /// change only on the engine thread (shared prefix blocks are full and immutable, the tail
-    /// is this sequence's alone), so block-by-block reads see one consistent state.
+    /// The logits for the token after `tokens`, the sequence's first `n = tokens.len()`
+    /// positions, whose KV is already in `blocks`: read through [`SharedKv::read`], one block's
+    /// lock at a time and never the pool's, so a control call or an import never waits for a
+    /// sequence's pass. The blocks of a running sequence change only on the engine thread
+    /// (shared prefix blocks are full and immutable, the tail is this sequence's alone), so
+    /// block-by-block reads see one consistent state. (A transformer runs the last position
+    /// again over the cached KV; the fake model reads only the KV.)
     ///
     /// # Errors
     /// As [`write`](Self::write).
-    fn logits(&self, pool: &SharedKv, n: usize, blocks: &[BlockId])
-    -> Result<Vec<f32>, ModelError>;
+    fn logits(
+        &self,
+        pool: &SharedKv,
+        tokens: &[u32],
+        blocks: &[BlockId],
+    ) -> Result<Vec<f32>, ModelError>;
     /// Writes the KV of `tokens[start..]` at positions `start..` (the KV of positions before
     /// `start` is already there, from cached prefix blocks) and returns the logits for the token
     /// after the last.
@@ -88,21 +94,28 @@ pub trait Model: Send + Sync + fmt::Debug {
         blocks: &[BlockId],
     ) -> Result<Vec<f32>, ModelError> {
         self.write(pool, tokens.get(start..).unwrap_or_default(), start, blocks)?;
-        self.logits(pool, tokens.len(), blocks)
+        self.logits(pool, tokens, blocks)
     }
-    /// Writes the KV of `token` at `pos` and returns the logits for position `pos + 1`.
+    /// Writes the KV of the last of `tokens` at its position (`tokens.len() - 1`; the others'
+    /// KV is in `blocks`) and returns the logits for the next position, in one pass where the
+    /// model can.
     ///
     /// # Errors
     /// As [`write`](Self::write).
     fn decode(
         &self,
         pool: &SharedKv,
-        token: u32,
-        pos: usize,
+        tokens: &[u32],
         blocks: &[BlockId],
     ) -> Result<Vec<f32>, ModelError> {
-        self.write(pool, &[token], pos, blocks)?;
-        self.logits(pool, pos + 1, blocks)
+        let Some((&last, _)) = tokens.split_last() else {
+            return Err(ModelError::NoBlock {
+                pos: 0,
+                blocks: blocks.len(),
+            });
+        };
+        self.write(pool, &[last], tokens.len() - 1, blocks)?;
+        self.logits(pool, tokens, blocks)
     }
 }
 
@@ -303,7 +316,7 @@ impl Model for FakeModel {
     fn logits(
         &self,
         pool: &SharedKv,
-        n: usize,
+        tokens: &[u32],
         blocks: &[BlockId],
     ) -> Result<Vec<f32>, ModelError> {
         // One block's lock at a time (about 60 us of CRC for 2 MiB), never the pool's.
@@ -311,7 +324,7 @@ impl Model for FakeModel {
             f(&pool.read(id)?);
             Ok(())
         };
-        self.logits_at(read, n, blocks)
+        self.logits_at(read, tokens.len(), blocks)
     }
 }
 

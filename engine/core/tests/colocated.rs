@@ -63,9 +63,10 @@ fn fake_model_is_sensitive_to_every_cached_kv_byte() {
     assert_eq!(ids.len(), 3);
     let model = e.model().clone();
     let pool = e.pool().clone();
-    let base = model.decode(&pool, 7, 10, &ids).unwrap();
+    let seq: Vec<u32> = prompt.iter().copied().chain([7]).collect();
+    let base = model.decode(&pool, &seq, &ids).unwrap();
     assert_eq!(
-        model.decode(&pool, 7, 10, &ids).unwrap(),
+        model.decode(&pool, &seq, &ids).unwrap(),
         base,
         "not deterministic"
     );
@@ -78,7 +79,7 @@ fn fake_model_is_sensitive_to_every_cached_kv_byte() {
         for p in 0..TEST.planes() {
             for byte in p * plane..p * plane + rows * row {
                 pool.write(id).unwrap()[byte] ^= 0x01;
-                let changed = model.decode(&pool, 7, 10, &ids).unwrap();
+                let changed = model.decode(&pool, &seq, &ids).unwrap();
                 pool.write(id).unwrap()[byte] ^= 0x01;
                 assert_ne!(
                     changed, base,
@@ -89,7 +90,7 @@ fn fake_model_is_sensitive_to_every_cached_kv_byte() {
         }
     }
     assert_eq!(checked, 10 * TEST.planes() * row);
-    assert_eq!(model.decode(&pool, 7, 10, &ids).unwrap(), base);
+    assert_eq!(model.decode(&pool, &seq, &ids).unwrap(), base);
     drop(pool);
     drop(out);
 }
@@ -349,10 +350,10 @@ impl tl_engine_core::model::Model for Recording {
     fn logits(
         &self,
         pool: &SharedKv,
-        n: usize,
+        tokens: &[u32],
         blocks: &[tl_engine_core::pool::BlockId],
     ) -> Result<Vec<f32>, tl_engine_core::model::ModelError> {
-        self.inner.logits(pool, n, blocks)
+        self.inner.logits(pool, tokens, blocks)
     }
 }
 
@@ -389,17 +390,22 @@ fn logits_take_no_pool_lock() {
     let model = Arc::clone(e.model());
     let quiet: Vec<Vec<f32>> = [1, 4, 5, 22, 23]
         .iter()
-        .map(|&n| model.logits(e.pool(), n, out.blocks.ids()).unwrap())
+        .map(|&n| {
+            model
+                .logits(e.pool(), &prompt[..n], out.blocks.ids())
+                .unwrap()
+        })
         .collect();
     // The same passes while another thread holds the pool's lock: they must not need it.
     let held = e.pool().lock();
     let (tx, rx) = std::sync::mpsc::channel();
     let (pool, ids) = (e.pool().clone(), out.blocks.ids().to_vec());
     let m = Arc::clone(&model);
+    let p = prompt.clone();
     let t = std::thread::spawn(move || {
         let busy: Vec<Vec<f32>> = [1, 4, 5, 22, 23]
             .iter()
-            .map(|&n| m.logits(&pool, n, &ids).unwrap())
+            .map(|&n| m.logits(&pool, &p[..n], &ids).unwrap())
             .collect();
         tx.send(busy).unwrap();
     });
@@ -411,7 +417,7 @@ fn logits_take_no_pool_lock() {
     t.join().unwrap();
     assert_eq!(busy, quiet);
     // A table too short for n is refused.
-    assert!(model.logits(e.pool(), 40, out.blocks.ids()).is_err());
+    assert!(model.logits(e.pool(), &[7; 40], out.blocks.ids()).is_err());
 }
 
 /// What failover relies on: generating from the prompt plus the first k tokens of a run, with

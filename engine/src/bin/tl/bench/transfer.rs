@@ -293,10 +293,12 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
         H2Limits::default(),
     )?
     .to_string();
-    let tls_transport = GrpcTransport::new(TransportConfig::for_envelope(
-        shape.envelope_len(1).ok_or("overflow")?,
-    ))
-    .with_tls(Some(p_tls.tonic_client()));
+    // The channel a prefill engine pushes over: our connector, which checks the target's
+    // role, with the process's own rustls configuration.
+    let tc = TransportConfig::for_envelope(shape.envelope_len(1).ok_or("overflow")?);
+    let tls_transport = GrpcTransport::new(tc).with_connector(Some(
+        p_tls.connect(tl_engine::net::dial::DECODE_TARGET, tc.connect_timeout)?,
+    ));
     let suite = negotiated_suite(&p_tls, &tls_target).await?;
 
     let bench = Pusher {
