@@ -1,0 +1,467 @@
+//! `config.json` of a Hugging Face checkpoint, as `LlamaForCausalLM` and the architectures that
+//! share its layout publish it (Mistral, Qwen2 with attention biases, SmolLM), validated into
+//! the figures the forward pass needs. Anything this engine does not compute is refused here,
+//! naming the field, before a weight is read or a pool allocated.
+
+use serde::Deserialize;
+
+/// Why a checkpoint cannot be served.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// A file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A JSON file is malformed or lacks a field.
+    #[error("{path}: {message}")]
+    Json {
+        /// The file.
+        path: String,
+        /// serde's message (it names the field).
+        message: String,
+    },
+    /// A field holds a value this engine does not compute.
+    #[error("config.json: {field} = {value}: {why}")]
+    Unsupported {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: String,
+        /// What is supported.
+        why: String,
+    },
+    /// A tensor the architecture needs is missing.
+    #[error("missing tensor {0}")]
+    MissingTensor(String),
+    /// A tensor's shape is not the one the config implies.
+    #[error("tensor {name} has shape {got:?}, but config.json implies {want:?}")]
+    Shape {
+        /// The tensor.
+        name: String,
+        /// Its shape.
+        got: Vec<usize>,
+        /// The shape the config implies.
+        want: Vec<usize>,
+    },
+    /// A tensor's dtype is not bf16, f16 or f32 (or differs within one matrix).
+    #[error("tensor {name} has dtype {dtype}: only BF16, F16 and F32 are served")]
+    Dtype {
+        /// The tensor.
+        name: String,
+        /// Its dtype.
+        dtype: String,
+    },
+    /// A safetensors file is malformed.
+    #[error("{path}: {message}")]
+    Safetensors {
+        /// The file.
+        path: String,
+        /// The parser's message.
+        message: String,
+    },
+}
+
+/// RoPE's frequency scaling.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Rope {
+    /// `inv_freq[i] = theta^(-2i / head_dim)`.
+    Default,
+    /// Llama 3.1's: long wavelengths divided by `factor`, short ones kept, a smooth blend
+    /// between.
+    Llama3 {
+        /// Divisor of the low frequencies.
+        factor: f64,
+        /// Wavelengths above `original / low_freq_factor` are scaled.
+        low_freq_factor: f64,
+        /// Wavelengths below `original / high_freq_factor` are kept.
+        high_freq_factor: f64,
+        /// The context the model was trained at.
+        original_max_position_embeddings: f64,
+    },
+}
+
+/// The validated figures of a Llama-family model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    /// The architecture named in `architectures`.
+    pub architecture: String,
+    /// Model width.
+    pub hidden: usize,
+    /// MLP width.
+    pub intermediate: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (GQA: `heads` is a multiple of it).
+    pub kv_heads: usize,
+    /// Per-head width (`head_dim`, else `hidden / heads`).
+    pub head_dim: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+    /// RMSNorm's epsilon.
+    pub rms_eps: f32,
+    /// RoPE's base.
+    pub rope_theta: f64,
+    /// RoPE's scaling.
+    pub rope: Rope,
+    /// Longest sequence.
+    pub max_positions: usize,
+    /// The output projection is the embedding matrix.
+    pub tied: bool,
+    /// Q, K and V projections carry biases (Qwen2).
+    pub qkv_bias: bool,
+    /// Token ids that end a sequence.
+    pub eos: Vec<u32>,
+    /// The token a text prompt starts with, if any.
+    pub bos: Option<u32>,
+}
+
+#[derive(Deserialize)]
+struct Raw {
+    architectures: Option<Vec<String>>,
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<serde_json::Value>,
+    max_position_embeddings: Option<usize>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    hidden_act: Option<String>,
+    use_sliding_window: Option<bool>,
+    sliding_window: Option<serde_json::Value>,
+    bos_token_id: Option<serde_json::Value>,
+    eos_token_id: Option<serde_json::Value>,
+}
+
+/// The architectures served: Llama's layout, and those that publish the same one.
+pub const ARCHITECTURES: &[&str] = &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+
+fn unsupported(field: &'static str, value: impl std::fmt::Display, why: &str) -> CheckpointError {
+    CheckpointError::Unsupported {
+        field,
+        value: value.to_string(),
+        why: why.to_owned(),
+    }
+}
+
+fn ids(v: Option<&serde_json::Value>) -> Vec<u32> {
+    match v {
+        Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| n as u32).into_iter().collect(),
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().map(|n| n as u32))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl LlamaConfig {
+    /// Parses and validates `config.json`'s text (`path` names it in errors).
+    ///
+    /// # Errors
+    /// [`CheckpointError::Json`] for malformed JSON or a missing required field, and
+    /// [`CheckpointError::Unsupported`] naming the first field this engine does not compute.
+    pub fn parse(path: &str, text: &str) -> Result<Self, CheckpointError> {
+        let raw: Raw = serde_json::from_str(text).map_err(|e| CheckpointError::Json {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
+        let arch = raw
+            .architectures
+            .as_ref()
+            .and_then(|a| a.first().cloned())
+            .unwrap_or_default();
+        if !ARCHITECTURES.contains(&arch.as_str()) {
+            return Err(unsupported(
+                "architectures",
+                format!("{:?}", raw.architectures.unwrap_or_default()),
+                &format!("served: {}", ARCHITECTURES.join(", ")),
+            ));
+        }
+        let qwen2 = arch == "Qwen2ForCausalLM" || raw.model_type.as_deref() == Some("qwen2");
+        if let Some(act) = raw.hidden_act.as_deref()
+            && act != "silu"
+        {
+            return Err(unsupported(
+                "hidden_act",
+                act,
+                "only silu (SwiGLU) is served",
+            ));
+        }
+        if raw.mlp_bias == Some(true) {
+            return Err(unsupported("mlp_bias", true, "MLP biases are not served"));
+        }
+        if raw.use_sliding_window == Some(true) {
+            return Err(unsupported(
+                "use_sliding_window",
+                true,
+                "sliding-window attention is not served",
+            ));
+        }
+        let heads = raw.num_attention_heads;
+        let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
+        for (field, v) in [
+            ("hidden_size", raw.hidden_size),
+            ("intermediate_size", raw.intermediate_size),
+            ("num_hidden_layers", raw.num_hidden_layers),
+            ("num_attention_heads", heads),
+            ("num_key_value_heads", kv_heads),
+            ("vocab_size", raw.vocab_size),
+        ] {
+            if v == 0 || v > 1 << 24 {
+                return Err(unsupported(field, v, "must be 1 to 2^24"));
+            }
+        }
+        if !heads.is_multiple_of(kv_heads) {
+            return Err(unsupported(
+                "num_key_value_heads",
+                kv_heads,
+                &format!("must divide num_attention_heads ({heads})"),
+            ));
+        }
+        let head_dim = match raw.head_dim {
+            Some(d) => d,
+            None if raw.hidden_size.is_multiple_of(heads) => raw.hidden_size / heads,
+            None => {
+                return Err(unsupported(
+                    "num_attention_heads",
+                    heads,
+                    &format!(
+                        "must divide hidden_size ({}) when head_dim is not given",
+                        raw.hidden_size
+                    ),
+                ));
+            }
+        };
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            return Err(unsupported(
+                "head_dim",
+                head_dim,
+                "must be even and at least 2",
+            ));
+        }
+        let max_positions = raw.max_position_embeddings.unwrap_or(2048);
+        // Mistral's sliding window only matters past it: the context is capped there.
+        let window = raw
+            .sliding_window
+            .as_ref()
+            .and_then(serde_json::Value::as_u64)
+            .map(|w| w as usize);
+        let max_positions = match window {
+            Some(w) if w > 0 && w < max_positions => w,
+            _ => max_positions,
+        };
+        let rope = match &raw.rope_scaling {
+            None | Some(serde_json::Value::Null) => Rope::Default,
+            Some(v) => {
+                let kind = v
+                    .get("rope_type")
+                    .or_else(|| v.get("type"))
+                    .and_then(serde_json::Value::as_str)
+                    .unwrap_or("");
+                let num = |k: &str| v.get(k).and_then(serde_json::Value::as_f64);
+                match kind {
+                    "default" => Rope::Default,
+                    "llama3" => {
+                        let (Some(factor), Some(low), Some(high), Some(orig)) = (
+                            num("factor"),
+                            num("low_freq_factor"),
+                            num("high_freq_factor"),
+                            num("original_max_position_embeddings"),
+                        ) else {
+                            return Err(unsupported(
+                                "rope_scaling",
+                                v,
+                                "llama3 needs factor, low_freq_factor, high_freq_factor and \
+                                 original_max_position_embeddings",
+                            ));
+                        };
+                        if factor <= 0.0 || low <= 0.0 || high <= low || orig <= 0.0 {
+                            return Err(unsupported(
+                                "rope_scaling",
+                                v,
+                                "llama3 needs positive figures with high_freq_factor > \
+                                 low_freq_factor",
+                            ));
+                        }
+                        Rope::Llama3 {
+                            factor,
+                            low_freq_factor: low,
+                            high_freq_factor: high,
+                            original_max_position_embeddings: orig,
+                        }
+                    }
+                    other => {
+                        return Err(unsupported(
+                            "rope_scaling.rope_type",
+                            format!("{other:?}"),
+                            "served: default, llama3",
+                        ));
+                    }
+                }
+            }
+        };
+        Ok(Self {
+            architecture: arch,
+            hidden: raw.hidden_size,
+            intermediate: raw.intermediate_size,
+            layers: raw.num_hidden_layers,
+            heads,
+            kv_heads,
+            head_dim,
+            vocab: raw.vocab_size,
+            rms_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rope_theta: raw.rope_theta.unwrap_or(10_000.0),
+            rope,
+            max_positions,
+            tied: raw.tie_word_embeddings.unwrap_or(false),
+            qkv_bias: raw.attention_bias.unwrap_or(qwen2),
+            eos: ids(raw.eos_token_id.as_ref()),
+            bos: ids(raw.bos_token_id.as_ref()).first().copied(),
+        })
+    }
+
+    /// RoPE's inverse frequencies, one per pair of dimensions, with the scaling applied.
+    #[must_use]
+    pub fn inv_freq(&self) -> Vec<f64> {
+        let d = self.head_dim as f64;
+        (0..self.head_dim / 2)
+            .map(|i| {
+                let f = self.rope_theta.powf(-(2.0 * i as f64) / d);
+                match self.rope {
+                    Rope::Default => f,
+                    Rope::Llama3 {
+                        factor,
+                        low_freq_factor,
+                        high_freq_factor,
+                        original_max_position_embeddings: orig,
+                    } => {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < orig / high_freq_factor {
+                            f
+                        } else if wavelen > orig / low_freq_factor {
+                            f / factor
+                        } else {
+                            let smooth = (orig / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    }
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> serde_json::Value {
+        serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+            "rms_norm_eps": 1e-5, "max_position_embeddings": 512, "eos_token_id": [2, 3]
+        })
+    }
+
+    fn parse(v: &serde_json::Value) -> Result<LlamaConfig, CheckpointError> {
+        LlamaConfig::parse("config.json", &v.to_string())
+    }
+
+    #[test]
+    fn a_llama_config_reads_with_its_defaults() {
+        let c = parse(&base()).unwrap();
+        assert_eq!((c.heads, c.kv_heads, c.head_dim), (4, 2, 16));
+        assert_eq!(c.rope, Rope::Default);
+        assert!(!c.tied && !c.qkv_bias);
+        assert_eq!(c.eos, [2, 3]);
+        let mut q = base();
+        q["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+        q["head_dim"] = serde_json::json!(32);
+        let c = parse(&q).unwrap();
+        assert!(c.qkv_bias, "Qwen2 has attention biases");
+        assert_eq!(c.head_dim, 32);
+    }
+
+    #[test]
+    fn what_is_not_served_is_refused_naming_the_field() {
+        let cases: [(&str, serde_json::Value, &str); 8] = [
+            (
+                "architectures",
+                serde_json::json!(["GPT2LMHeadModel"]),
+                "architectures",
+            ),
+            ("hidden_act", serde_json::json!("gelu"), "hidden_act"),
+            (
+                "num_key_value_heads",
+                serde_json::json!(3),
+                "num_key_value_heads",
+            ),
+            ("mlp_bias", serde_json::json!(true), "mlp_bias"),
+            (
+                "use_sliding_window",
+                serde_json::json!(true),
+                "use_sliding_window",
+            ),
+            (
+                "rope_scaling",
+                serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
+                "rope_scaling.rope_type",
+            ),
+            (
+                "rope_scaling",
+                serde_json::json!({"rope_type": "llama3"}),
+                "rope_scaling",
+            ),
+            ("head_dim", serde_json::json!(7), "head_dim"),
+        ];
+        for (key, value, field) in cases {
+            let mut v = base();
+            v[key] = value;
+            let e = parse(&v).unwrap_err();
+            assert!(
+                e.to_string()
+                    .starts_with(&format!("config.json: {field} = ")),
+                "{key}: {e}"
+            );
+        }
+        let mut v = base();
+        v.as_object_mut().unwrap().remove("hidden_size");
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(e.contains("hidden_size"), "{e}");
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
+        let mut v = base();
+        v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64});
+        v["rope_theta"] = serde_json::json!(500000.0);
+        let scaled = parse(&v).unwrap().inv_freq();
+        v["rope_scaling"] = serde_json::Value::Null;
+        let plain = parse(&v).unwrap().inv_freq();
+        assert_eq!(scaled[0], plain[0], "the highest frequency is kept");
+        let last = plain.len() - 1;
+        assert!(
+            (scaled[last] - plain[last] / 8.0).abs() < 1e-15,
+            "the lowest is divided"
+        );
+    }
+}

@@ -1,0 +1,474 @@
+//! The Llama forward pass over the pool: K (after RoPE) and V of every layer live in the
+//! sequence's blocks as f16, in kv.wire.v1's layout, and attention reads them back from there,
+//! for a prefill chunk as for a decode step. A chunk's rows write their K and V into the blocks
+//! first and then attend over what they read back, so a prompt computed in one pass, continued
+//! from cached blocks, or received over the wire sees the same f16 values, and a row's logits
+//! are the same bits whatever else is in its batch.
+
+use std::path::Path;
+
+use kvwire::{Shape, f16};
+use tl_engine_core::model::{Model, ModelError};
+use tl_engine_core::pool::{BlockId, SharedKv};
+
+use crate::config::{CheckpointError, LlamaConfig};
+use crate::kernels::{self, matmul, rms_norm};
+use crate::weights::{Tensor, Weights};
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    mlp_norm: Vec<f32>,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    q_bias: Option<Vec<f32>>,
+    k_bias: Option<Vec<f32>>,
+    v_bias: Option<Vec<f32>>,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+}
+
+/// A Llama-family model loaded from a checkpoint directory.
+pub struct Llama {
+    name: String,
+    cfg: LlamaConfig,
+    shape: Shape,
+    weights: Weights,
+    embed: Tensor,
+    lm_head: Tensor,
+    final_norm: Vec<f32>,
+    layers: Vec<Layer>,
+    inv_freq: Vec<f64>,
+    threads: usize,
+    max_context: u32,
+}
+
+impl std::fmt::Debug for Llama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Llama")
+            .field("name", &self.name)
+            .field("config", &self.cfg)
+            .field("shape", &self.shape)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One position to run: its token, where it sits, the sequence's block table, whether its K and
+/// V are to be written (else they are already in the blocks), and whether its logits are wanted.
+#[derive(Clone, Copy, Debug)]
+pub struct Row<'a> {
+    /// The input token.
+    pub token: u32,
+    /// Its position.
+    pub pos: usize,
+    /// The sequence's blocks (they cover `pos`).
+    pub blocks: &'a [BlockId],
+    /// Write this position's K and V.
+    pub write: bool,
+    /// Return the logits after it.
+    pub logits: bool,
+}
+
+impl Llama {
+    /// Loads the checkpoint in `dir` (`config.json` and its safetensors) with `block_tokens`
+    /// tokens per KV block, computing on up to `threads` threads, serving at most
+    /// `max_context` positions (the config's own limit when smaller). Every tensor's name,
+    /// shape and dtype is checked here.
+    ///
+    /// # Errors
+    /// [`CheckpointError`] naming the file, field or tensor.
+    pub fn load(
+        dir: &Path,
+        name: &str,
+        block_tokens: u32,
+        threads: usize,
+        max_context: u32,
+    ) -> Result<Self, CheckpointError> {
+        let cpath = dir.join("config.json");
+        let text = std::fs::read_to_string(&cpath).map_err(|source| CheckpointError::Io {
+            path: cpath.display().to_string(),
+            source,
+        })?;
+        let cfg = LlamaConfig::parse(&cpath.display().to_string(), &text)?;
+        let weights = Weights::open(dir)?;
+        let (h, i, v) = (cfg.hidden, cfg.intermediate, cfg.vocab);
+        let (qd, kvd) = (cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim);
+        let embed = weights.tensor("model.embed_tokens.weight", &[v, h])?;
+        let lm_head = if cfg.tied {
+            embed
+        } else {
+            weights.tensor("lm_head.weight", &[v, h])?
+        };
+        let final_norm = weights.vector("model.norm.weight", h)?;
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for l in 0..cfg.layers {
+            let p = |s: &str| format!("model.layers.{l}.{s}");
+            let bias = |s: &str, n: usize| -> Result<Option<Vec<f32>>, CheckpointError> {
+                if cfg.qkv_bias {
+                    weights.vector(&p(s), n).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            layers.push(Layer {
+                attn_norm: weights.vector(&p("input_layernorm.weight"), h)?,
+                mlp_norm: weights.vector(&p("post_attention_layernorm.weight"), h)?,
+                q: weights.tensor(&p("self_attn.q_proj.weight"), &[qd, h])?,
+                k: weights.tensor(&p("self_attn.k_proj.weight"), &[kvd, h])?,
+                v: weights.tensor(&p("self_attn.v_proj.weight"), &[kvd, h])?,
+                o: weights.tensor(&p("self_attn.o_proj.weight"), &[h, qd])?,
+                q_bias: bias("self_attn.q_proj.bias", qd)?,
+                k_bias: bias("self_attn.k_proj.bias", kvd)?,
+                v_bias: bias("self_attn.v_proj.bias", kvd)?,
+                gate: weights.tensor(&p("mlp.gate_proj.weight"), &[i, h])?,
+                up: weights.tensor(&p("mlp.up_proj.weight"), &[i, h])?,
+                down: weights.tensor(&p("mlp.down_proj.weight"), &[h, i])?,
+            });
+        }
+        let shape = Shape::v1(
+            block_tokens,
+            cfg.layers as u32,
+            cfg.kv_heads as u32,
+            cfg.head_dim as u32,
+        );
+        if shape.payload_bytes().is_none() || block_tokens == 0 {
+            return Err(CheckpointError::Unsupported {
+                field: "num_hidden_layers",
+                value: cfg.layers.to_string(),
+                why: "the KV block of this model does not fit kv.wire.v1".into(),
+            });
+        }
+        Ok(Self {
+            name: name.to_owned(),
+            inv_freq: cfg.inv_freq(),
+            max_context: max_context.min(u32::try_from(cfg.max_positions).unwrap_or(u32::MAX)),
+            cfg,
+            shape,
+            weights,
+            embed,
+            lm_head,
+            final_norm,
+            layers,
+            threads: threads.max(1),
+        })
+    }
+
+    /// The validated configuration.
+    #[must_use]
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// Runs `rows` through every layer; returns the logits of the rows that want them, in
+    /// order. A row's K and V are written into its block (when `write`) before any row attends,
+    /// layer by layer, and its fills raised at the end.
+    ///
+    /// # Errors
+    /// A token outside the vocabulary, or a block table that does not cover a position.
+    pub fn forward(&self, pool: &SharedKv, rows: &[Row<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let b = self.shape.block_tokens() as usize;
+        for r in rows {
+            if r.token as usize >= self.cfg.vocab {
+                return Err(ModelError::BadToken(r.token));
+            }
+            if r.pos / b >= r.blocks.len() {
+                return Err(ModelError::NoBlock {
+                    pos: r.pos,
+                    blocks: r.blocks.len(),
+                });
+            }
+        }
+        let (h, d) = (self.cfg.hidden, self.cfg.head_dim);
+        let (nq, nkv) = (self.cfg.heads, self.cfg.kv_heads);
+        let m = rows.len();
+        let t = self.threads;
+        // The residual stream, one row per position.
+        let mut x = vec![0f32; m * h];
+        let embed = self.weights.get(self.embed);
+        for (i, r) in rows.iter().enumerate() {
+            embed.row_into(r.token as usize, &mut x[i * h..(i + 1) * h]);
+        }
+        // RoPE's angles per row, in f64, rounded once to f32.
+        let half = d / 2;
+        let mut cos = vec![0f32; m * half];
+        let mut sin = vec![0f32; m * half];
+        for (i, r) in rows.iter().enumerate() {
+            for (j, f) in self.inv_freq.iter().enumerate() {
+                let a = r.pos as f64 * f;
+                cos[i * half + j] = a.cos() as f32;
+                sin[i * half + j] = a.sin() as f32;
+            }
+        }
+        let (mut q, mut k, mut v) = (
+            vec![0f32; m * nq * d],
+            vec![0f32; m * nkv * d],
+            vec![0f32; m * nkv * d],
+        );
+        let mut att = vec![0f32; m * nq * d];
+        let mut o = vec![0f32; m * h];
+        let i_dim = self.cfg.intermediate;
+        let (mut g, mut u) = (vec![0f32; m * i_dim], vec![0f32; m * i_dim]);
+        for (l, layer) in self.layers.iter().enumerate() {
+            let mut hn = x.clone();
+            rms_norm(&mut hn, &layer.attn_norm, self.cfg.rms_eps);
+            let w = &self.weights;
+            matmul(&hn, w.get(layer.q), layer.q_bias.as_deref(), &mut q, t);
+            matmul(&hn, w.get(layer.k), layer.k_bias.as_deref(), &mut k, t);
+            matmul(&hn, w.get(layer.v), layer.v_bias.as_deref(), &mut v, t);
+            for i in 0..m {
+                let (c, s) = (
+                    &cos[i * half..(i + 1) * half],
+                    &sin[i * half..(i + 1) * half],
+                );
+                for head in q[i * nq * d..(i + 1) * nq * d].chunks_exact_mut(d) {
+                    kernels::rope(head, c, s);
+                }
+                for head in k[i * nkv * d..(i + 1) * nkv * d].chunks_exact_mut(d) {
+                    kernels::rope(head, c, s);
+                }
+            }
+            for (i, r) in rows.iter().enumerate().filter(|(_, r)| r.write) {
+                self.store(
+                    pool,
+                    l,
+                    r,
+                    &k[i * nkv * d..(i + 1) * nkv * d],
+                    &v[i * nkv * d..(i + 1) * nkv * d],
+                )?;
+            }
+            for (i, r) in rows.iter().enumerate() {
+                self.attend(
+                    pool,
+                    l,
+                    r,
+                    &q[i * nq * d..(i + 1) * nq * d],
+                    &mut att[i * nq * d..(i + 1) * nq * d],
+                )?;
+            }
+            matmul(&att, w.get(layer.o), None, &mut o, t);
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+            let mut hn = x.clone();
+            rms_norm(&mut hn, &layer.mlp_norm, self.cfg.rms_eps);
+            matmul(&hn, w.get(layer.gate), None, &mut g, t);
+            matmul(&hn, w.get(layer.up), None, &mut u, t);
+            kernels::swiglu(&mut g, &u);
+            matmul(&g, w.get(layer.down), None, &mut o, t);
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+        }
+        self.raise_fills(pool, rows)?;
+        let wanted: Vec<usize> = (0..m).filter(|&i| rows[i].logits).collect();
+        let mut last = Vec::with_capacity(wanted.len() * h);
+        for &i in &wanted {
+            last.extend_from_slice(&x[i * h..(i + 1) * h]);
+        }
+        rms_norm(&mut last, &self.final_norm, self.cfg.rms_eps);
+        let vocab = self.cfg.vocab;
+        let mut logits = vec![0f32; wanted.len() * vocab];
+        matmul(&last, self.weights.get(self.lm_head), None, &mut logits, t);
+        Ok(logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Bytes of one row (one position, every KV head) of a plane, and of a plane.
+    fn row_plane(&self) -> (usize, usize) {
+        let row = self.cfg.kv_heads * self.cfg.head_dim * 2;
+        (row, row * self.shape.block_tokens() as usize)
+    }
+
+    /// Writes one position's K and V of layer `l` into its block, as f16.
+    fn store(
+        &self,
+        pool: &SharedKv,
+        l: usize,
+        r: &Row<'_>,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), ModelError> {
+        let b = self.shape.block_tokens() as usize;
+        let (row, plane) = self.row_plane();
+        let id = r.blocks[r.pos / b];
+        let slot = r.pos % b;
+        let mut payload = pool.write(id)?;
+        for (which, src) in [(0, k), (1, v)] {
+            let at = (2 * l + which) * plane + slot * row;
+            for (dst, x) in payload[at..at + row].chunks_exact_mut(2).zip(src) {
+                dst.copy_from_slice(&f16::from_f32(*x).to_le_bytes());
+            }
+        }
+        Ok(())
+    }
+
+    /// Attention of one row at layer `l` over positions `0..=pos`, read from the blocks: each
+    /// query head against its KV head (GQA), softmax and weighted sum in position order.
+    fn attend(
+        &self,
+        pool: &SharedKv,
+        l: usize,
+        r: &Row<'_>,
+        q: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let b = self.shape.block_tokens() as usize;
+        let (row, plane) = self.row_plane();
+        let (d, nkv) = (self.cfg.head_dim, self.cfg.kv_heads);
+        let n = r.pos + 1;
+        let mut keys = vec![0f32; n * nkv * d];
+        let mut vals = vec![0f32; n * nkv * d];
+        for (bi, &id) in r.blocks.iter().enumerate().take(n.div_ceil(b)) {
+            let rows_here = (n - bi * b).min(b);
+            let payload = pool.read(id)?;
+            for slot in 0..rows_here {
+                let p = bi * b + slot;
+                let kat = (2 * l) * plane + slot * row;
+                let vat = (2 * l + 1) * plane + slot * row;
+                kernels::widen(
+                    &payload[kat..kat + row],
+                    kernels::DType::F16,
+                    &mut keys[p * nkv * d..(p + 1) * nkv * d],
+                );
+                kernels::widen(
+                    &payload[vat..vat + row],
+                    kernels::DType::F16,
+                    &mut vals[p * nkv * d..(p + 1) * nkv * d],
+                );
+            }
+        }
+        let group = self.cfg.heads / nkv;
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut scores = vec![0f32; n];
+        for (hq, (qh, oh)) in q.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
+            let kv = hq / group;
+            let mut max = f32::NEG_INFINITY;
+            for (p, s) in scores.iter_mut().enumerate() {
+                let kp = &keys[(p * nkv + kv) * d..(p * nkv + kv + 1) * d];
+                *s = kernels::dot(qh, kp) * scale;
+                max = max.max(*s);
+            }
+            let mut sum = 0f32;
+            for s in &mut scores {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            oh.fill(0.0);
+            for (p, s) in scores.iter().enumerate() {
+                let w = s / sum;
+                let vp = &vals[(p * nkv + kv) * d..(p * nkv + kv + 1) * d];
+                for (o, x) in oh.iter_mut().zip(vp) {
+                    *o += w * x;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Raises the fills of the blocks the written rows filled.
+    fn raise_fills(&self, pool: &SharedKv, rows: &[Row<'_>]) -> Result<(), ModelError> {
+        let b = self.shape.block_tokens() as usize;
+        let mut fills: Vec<(BlockId, u32)> = Vec::new();
+        for r in rows.iter().filter(|r| r.write) {
+            let id = r.blocks[r.pos / b];
+            let fill = (r.pos % b + 1) as u32;
+            match fills.iter_mut().find(|(i, _)| *i == id) {
+                Some((_, f)) => *f = (*f).max(fill),
+                None => fills.push((id, fill)),
+            }
+        }
+        if fills.is_empty() {
+            return Ok(());
+        }
+        let mut p = pool.lock();
+        for (id, fill) in fills {
+            let (_, old, _) = p.info(id)?;
+            p.set_fill(id, old.max(fill))?;
+        }
+        Ok(())
+    }
+}
+
+impl Model for Llama {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn shape(&self) -> Shape {
+        self.shape
+    }
+
+    fn vocab(&self) -> u32 {
+        self.cfg.vocab as u32
+    }
+
+    fn max_context(&self) -> u32 {
+        self.max_context
+    }
+
+    fn write(
+        &self,
+        pool: &SharedKv,
+        tokens: &[u32],
+        first_pos: usize,
+        blocks: &[BlockId],
+    ) -> Result<(), ModelError> {
+        let rows: Vec<Row<'_>> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, &token)| Row {
+                token,
+                pos: first_pos + i,
+                blocks,
+                write: true,
+                logits: false,
+            })
+            .collect();
+        self.forward(pool, &rows).map(|_| ())
+    }
+
+    fn logits(
+        &self,
+        pool: &SharedKv,
+        tokens: &[u32],
+        blocks: &[BlockId],
+    ) -> Result<Vec<f32>, ModelError> {
+        let Some(&token) = tokens.last() else {
+            return Err(ModelError::NoBlock {
+                pos: 0,
+                blocks: blocks.len(),
+            });
+        };
+        let row = Row {
+            token,
+            pos: tokens.len() - 1,
+            blocks,
+            write: false,
+            logits: true,
+        };
+        Ok(self.forward(pool, &[row])?.swap_remove(0))
+    }
+
+    fn decode(
+        &self,
+        pool: &SharedKv,
+        tokens: &[u32],
+        blocks: &[BlockId],
+    ) -> Result<Vec<f32>, ModelError> {
+        let Some(&token) = tokens.last() else {
+            return Err(ModelError::NoBlock {
+                pos: 0,
+                blocks: blocks.len(),
+            });
+        };
+        let row = Row {
+            token,
+            pos: tokens.len() - 1,
+            blocks,
+            write: true,
+            logits: true,
+        };
+        Ok(self.forward(pool, &[row])?.swap_remove(0))
+    }
+}
