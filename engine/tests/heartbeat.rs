@@ -59,7 +59,8 @@ impl Registry for FakeRegistry {
 
 fn node(id: &str, role: Role) -> (NodeState, EngineThread) {
     let cfg = Config::default();
-    let (runner, thread) = Runner::start(Engine::new(cfg.build_model(), cfg.build_pool())).unwrap();
+    let (runner, thread) =
+        Runner::start(Engine::new(cfg.build_model().unwrap(), cfg.build_pool())).unwrap();
     (NodeState::new(id, role, runner, None), thread)
 }
 

@@ -180,7 +180,7 @@ async fn registry_and_engines_as_processes() {
         cfg.model.vocab,
     )
     .unwrap();
-    let want = Engine::new(cfg.build_model(), cfg.build_pool())
+    let want = Engine::new(cfg.build_model().unwrap(), cfg.build_pool())
         .generate(Request {
             scope: Default::default(),
             prompt,

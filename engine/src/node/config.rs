@@ -17,7 +17,12 @@
 //!                               # always admitted); 0: every waiting request
 //!
 //! [model]
-//! kind = "fake"                 # the only kind: the deterministic fake model, named "fake"
+//! kind = "fake"                 # "fake": the deterministic fake model, named "fake";
+//!                               # "llama": the checkpoint at `path`
+//! path = ""                     # a Hugging Face checkpoint directory (config.json and its
+//!                               # safetensors): kind "llama"; L, H, D and vocab come from it
+//! name = ""                     # the served model name ("": the directory's name)
+//! threads = 0                   # threads of the llama kernels (0: every core)
 //! vocab = 260                   # byte-level tokenizer: 256 bytes + 4 specials
 //! n_layers = 2                  # L
 //! n_kv_heads = 1                # H
@@ -51,7 +56,10 @@ use crate::net::tls::TlsSection;
 use crate::toml_file::{self, FileError};
 
 use tl_engine_core::engine::CostModel;
-use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
+use tl_engine_core::model::{BYTE_VOCAB, FakeModel, Model};
+
+/// A loaded checkpoint's identity: directory, name, B, threads, context.
+type LlamaKey = (std::path::PathBuf, String, u32, usize, u32);
 use tl_engine_core::pool::{KvPool, SharedKv};
 
 pub use crate::net::role::{Role, UnknownRole};
@@ -130,8 +138,14 @@ impl Default for EngineSection {
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelSection {
-    /// Model kind; only `fake`.
+    /// Model kind: `fake`, or `llama` (a checkpoint at `path`).
     pub kind: String,
+    /// The checkpoint directory of a `llama` model (setting it makes the kind `llama`).
+    pub path: String,
+    /// The served name of a `llama` model (empty: the directory's name).
+    pub name: String,
+    /// Threads of the llama kernels (0: every core).
+    pub threads: usize,
     /// Vocabulary size.
     pub vocab: u32,
     /// L.
@@ -152,6 +166,9 @@ impl Default for ModelSection {
     fn default() -> Self {
         Self {
             kind: "fake".into(),
+            path: String::new(),
+            name: String::new(),
+            threads: 0,
             vocab: BYTE_VOCAB,
             n_layers: 2,
             n_kv_heads: 1,
@@ -192,6 +209,18 @@ pub enum ConfigError {
     /// A value is out of range.
     #[error("invalid configuration: {0}")]
     Invalid(String),
+}
+
+/// Why a colocated reference run could not be made.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReferenceError {
+    /// The model could not be built.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The request was refused or failed.
+    #[error(transparent)]
+    Generate(#[from] tl_engine_core::engine::GenerateError),
 }
 
 impl Config {
@@ -245,11 +274,22 @@ impl Config {
     /// The first value out of range.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let m = &self.model;
-        if m.kind != "fake" {
-            return Err(ConfigError::Invalid(format!(
-                "model.kind {:?}: only \"fake\" exists",
-                m.kind
-            )));
+        match (m.kind.as_str(), m.path.is_empty()) {
+            ("fake", true) => {}
+            ("fake" | "llama", false) => {
+                // The checkpoint is checked whole (config, every tensor) before anything else.
+                self.build_model()?;
+            }
+            ("llama", true) => {
+                return Err(ConfigError::Invalid(
+                    "model.kind \"llama\" needs model.path, a checkpoint directory".into(),
+                ));
+            }
+            (other, _) => {
+                return Err(ConfigError::Invalid(format!(
+                    "model.kind {other:?}: expected \"fake\" or \"llama\""
+                )));
+            }
         }
         if m.vocab == 0 || m.max_context == 0 {
             return Err(ConfigError::Invalid(
@@ -303,18 +343,82 @@ impl Config {
     #[must_use]
     pub fn shape(&self) -> Shape {
         let m = &self.model;
+        if let Some(Ok(c)) = self.llama_config() {
+            return Shape::v1(
+                self.pool.block_tokens,
+                c.layers as u32,
+                c.kv_heads as u32,
+                c.head_dim as u32,
+            );
+        }
         Shape::v1(self.pool.block_tokens, m.n_layers, m.n_kv_heads, m.head_dim)
     }
 
-    /// The model this configuration describes.
+    /// The checkpoint's configuration, for a `llama` model.
     #[must_use]
-    pub fn build_model(&self) -> Arc<FakeModel> {
-        Arc::new(FakeModel::new(
-            self.model.kind.clone(),
-            self.shape(),
-            self.model.vocab,
-            self.model.max_context,
-        ))
+    pub fn llama_config(&self) -> Option<Result<tl_llama::LlamaConfig, tl_llama::CheckpointError>> {
+        if self.model.path.is_empty() {
+            return None;
+        }
+        let path = Path::new(&self.model.path).join("config.json");
+        Some(
+            std::fs::read_to_string(&path)
+                .map_err(|source| tl_llama::CheckpointError::Io {
+                    path: path.display().to_string(),
+                    source,
+                })
+                .and_then(|t| tl_llama::LlamaConfig::parse(&path.display().to_string(), &t)),
+        )
+    }
+
+    /// The model this configuration describes: the fake model, or the checkpoint at
+    /// `model.path`, loaded once per process and shared (its weights are memory-mapped).
+    ///
+    /// # Errors
+    /// A checkpoint that cannot be served, naming the file, field or tensor.
+    pub fn build_model(&self) -> Result<Arc<dyn Model>, ConfigError> {
+        let m = &self.model;
+        if m.path.is_empty() {
+            return Ok(Arc::new(FakeModel::new(
+                m.kind.clone(),
+                self.shape(),
+                m.vocab,
+                m.max_context,
+            )));
+        }
+        let dir = Path::new(&m.path);
+        let name = if m.name.is_empty() {
+            dir.file_name()
+                .map_or_else(|| m.path.clone(), |n| n.to_string_lossy().into_owned())
+        } else {
+            m.name.clone()
+        };
+        let threads = match m.threads {
+            0 => std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+            n => n,
+        };
+        let key = (
+            dir.to_path_buf(),
+            name.clone(),
+            self.pool.block_tokens,
+            threads,
+            m.max_context,
+        );
+        static LOADED: std::sync::OnceLock<
+            std::sync::Mutex<std::collections::HashMap<LlamaKey, Arc<tl_llama::Llama>>>,
+        > = std::sync::OnceLock::new();
+        let cache = LOADED.get_or_init(Default::default);
+        let mut cache = cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(l) = cache.get(&key) {
+            return Ok(l.clone());
+        }
+        let l = tl_llama::Llama::load(dir, &name, self.pool.block_tokens, threads, m.max_context)
+            .map_err(|e| ConfigError::Invalid(format!("model.path {}: {e}", m.path)))?;
+        let l = Arc::new(l);
+        cache.insert(key, l.clone());
+        Ok(l)
     }
 
     /// The pool this configuration describes, its memory mapped up front.
@@ -337,7 +441,7 @@ impl Config {
         sampling: tl_engine_core::sampler::SamplingRequest,
         seed: u64,
         max_tokens: u32,
-    ) -> Result<Vec<u32>, tl_engine_core::engine::GenerateError> {
+    ) -> Result<Vec<u32>, ReferenceError> {
         let one = tl_engine_core::engine::Choices::ONE;
         let mut all = self.colocated_choices(prompt, sampling, seed, max_tokens, one)?;
         Ok(all.swap_remove(0).tokens)
@@ -355,30 +459,34 @@ impl Config {
         seed: u64,
         max_tokens: u32,
         choices: tl_engine_core::engine::Choices,
-    ) -> Result<Vec<tl_engine_core::engine::Generated>, tl_engine_core::engine::GenerateError> {
-        let model = self.build_model();
+    ) -> Result<Vec<tl_engine_core::engine::Generated>, ReferenceError> {
+        let model = self.build_model()?;
         let params = tl_engine_core::request::Params {
             prompt,
             max_tokens,
             sampling,
         };
-        let sampling = params.validate(tl_engine_core::request::Limits::of(model.as_ref()))?;
+        let sampling = params
+            .validate(tl_engine_core::request::Limits::of(model.as_ref()))
+            .map_err(tl_engine_core::engine::GenerateError::from)?;
         let per_choice =
             (prompt.len() + max_tokens as usize).div_ceil(self.shape().block_tokens() as usize);
         let blocks = per_choice * choices.n as usize;
         let pool = SharedKv::new(KvPool::new(self.shape(), blocks + 1));
-        tl_engine_core::engine::Engine::new(model, pool).generate_choices(
-            tl_engine_core::engine::Request {
-                prompt: prompt.to_vec(),
-                sampling,
-                seed,
-                max_tokens,
-                mode: tl_engine_core::engine::Mode::Generate,
-                draws_offset: 0,
-                stop: tl_engine_core::stop::Stop::default(),
-                choices,
-                scope: 0,
-            },
+        Ok(
+            tl_engine_core::engine::Engine::new(model, pool).generate_choices(
+                tl_engine_core::engine::Request {
+                    prompt: prompt.to_vec(),
+                    sampling,
+                    seed,
+                    max_tokens,
+                    mode: tl_engine_core::engine::Mode::Generate,
+                    draws_offset: 0,
+                    stop: tl_engine_core::stop::Stop::default(),
+                    choices,
+                    scope: 0,
+                },
+            )?,
         )
     }
 

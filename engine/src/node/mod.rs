@@ -27,7 +27,6 @@ use kvwire_grpc::{
     GrpcTransport, KvReceiver, KvStore, KvTransferService, ReceiverLimits, TransportConfig,
 };
 use tl_engine_core::engine::Engine;
-use tl_engine_core::model::Model;
 use tokio_util::sync::DropGuard;
 
 use self::config::Config;
@@ -100,7 +99,7 @@ impl EngineNode {
                 .transpose()
                 .map_err(invalid)
         };
-        let model = cfg.build_model();
+        let model = cfg.build_model().map_err(invalid)?;
         let pool = cfg.build_pool();
         let mut engine = Engine::new(model.clone(), pool.clone());
         engine.set_cost(cfg.cost());
@@ -131,7 +130,7 @@ impl EngineNode {
                 },
             };
             Arc::new(
-                KvReceiver::new(store, cfg.model.kind.clone())
+                KvReceiver::new(store, model.name().to_owned())
                     .with_limits(rl)
                     .with_lease(Duration::from_millis(limits.handle_lease_ms.max(1))),
             )

@@ -15,7 +15,6 @@ use tl_engine::net::clients::{EventStream, HttpClient};
 use tl_engine::net::tls::{PeerRole, issue};
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, Role};
-use tl_engine_core::engine::GenerateError;
 use tl_engine_core::model::encode_text;
 use tl_engine_core::sampler::{SamplingError, SamplingRequest};
 
@@ -59,6 +58,10 @@ pub(crate) struct DemoArgs {
     /// receiver the demo runs itself.
     #[arg(long)]
     trace: bool,
+    /// The model: a checkpoint directory, or `fake`. By default a tiny Llama with seeded random
+    /// weights, written to a temporary directory (nothing is downloaded).
+    #[arg(long)]
+    model: Option<String>,
 }
 
 /// Why the demo could not run.
@@ -79,7 +82,7 @@ enum DemoError {
     #[error("the stream failed: {0}")]
     Failed(String),
     #[error("colocated reference run: {0}")]
-    Reference(#[from] GenerateError),
+    Reference(#[from] tl_engine::node::config::ReferenceError),
     #[error("sampling: {0}")]
     Sampling(#[from] SamplingError),
 }
@@ -97,9 +100,16 @@ const REQUESTS: [(&str, &str); 7] = [
     (TENANT_A, "What if the stream is cut?"),
 ];
 
-fn config(id: &str, role: Role, registry: &str, certs: &Path) -> Result<Config, DemoError> {
+fn config(
+    id: &str,
+    role: Role,
+    registry: &str,
+    certs: &Path,
+    model: &str,
+) -> Result<Config, DemoError> {
     let peer = PeerRole::from(role);
     let mut c = Config::for_worker(id, role, registry);
+    crate::run::set_model(&mut c, model);
     c.tls = Some(issue(certs, id, peer, &[])?.section());
     c.engine.heartbeat_ms = 50;
     c.pool.n_blocks = 512;
@@ -122,6 +132,7 @@ pub(crate) fn demo(args: &DemoArgs, log_format: LogFormat) -> ExitCode {
 }
 
 struct Row {
+    text: String,
     prompt_tokens: usize,
     route: RouteInfo,
     ttft_ms: f64,
@@ -180,6 +191,31 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
     };
     // Every internal connection is mutual TLS, with certificates made here for this run.
     let certs = TempDir::new()?;
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => {
+            let dir = certs.path().join("tiny-llama");
+            tl_llama::init::write_checkpoint(
+                &dir,
+                &crate::model::tiny(),
+                tl_llama::kernels::DType::Bf16,
+                0,
+                1,
+                tl_engine_core::model::EOS,
+                tl_engine_core::model::BOS,
+            )
+            .map_err(|e| DemoError::Failed(e.to_string()))?;
+            dir.display().to_string()
+        }
+    };
+    println!(
+        "model: {}",
+        if model == "fake" {
+            "fake (deterministic, no weights)".to_owned()
+        } else {
+            format!("{model} (a Llama-family checkpoint)")
+        }
+    );
     let gw_cfg = GatewayConfig {
         tls: Some(issue(certs.path(), "gw", PeerRole::Gateway, &[])?.section()),
         ..GatewayConfig::local()
@@ -187,9 +223,30 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
     let gw = GatewayNode::start(&gw_cfg).await?;
     let reg = gw.registry_addr().to_string();
     let nodes = [
-        EngineNode::start(&config("prefill-0", Role::Prefill, &reg, certs.path())?).await?,
-        EngineNode::start(&config("decode-1", Role::Decode, &reg, certs.path())?).await?,
-        EngineNode::start(&config("decode-2", Role::Decode, &reg, certs.path())?).await?,
+        EngineNode::start(&config(
+            "prefill-0",
+            Role::Prefill,
+            &reg,
+            certs.path(),
+            &model,
+        )?)
+        .await?,
+        EngineNode::start(&config(
+            "decode-1",
+            Role::Decode,
+            &reg,
+            certs.path(),
+            &model,
+        )?)
+        .await?,
+        EngineNode::start(&config(
+            "decode-2",
+            Role::Decode,
+            &reg,
+            certs.path(),
+            &model,
+        )?)
+        .await?,
     ];
     let end = Instant::now() + Duration::from_secs(10);
     let workers = loop {
@@ -221,7 +278,8 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
     println!();
 
     let http = HttpClient::default();
-    let cfg = Config::default();
+    let mut cfg = Config::default();
+    crate::run::set_model(&mut cfg, &model);
     let mut rows = Vec::new();
     // The traced request carries a trace context of the demo's own: its id finds the spans.
     let trace_id = tl_engine::net::tls::random_hex::<16>();
@@ -263,6 +321,7 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
             route,
             ttft_ms: ttft.as_secs_f64() * 1e3,
             equal: got == want,
+            text: tl_engine_core::model::decode_text(&got),
         });
         // Let a heartbeat carry the engines' new pool figures to the gateway before the next one.
         tokio::time::sleep(Duration::from_millis(120)).await;
@@ -286,6 +345,10 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
             r.ttft_ms,
             if r.equal { "yes" } else { "NO" }
         );
+    }
+    println!();
+    for (n, r) in rows.iter().enumerate().take(2) {
+        println!("request {n} generated {:?}", r.text);
     }
     let sent: u64 = rows
         .iter()

@@ -46,6 +46,9 @@ pub(crate) struct EngineArgs {
     /// Seconds to wait for in-flight work on SIGTERM (default: `[limits] drain_ms`, 5 s).
     #[arg(long)]
     drain_seconds: Option<f64>,
+    /// A checkpoint directory to serve (`[model] path`), or `fake`.
+    #[arg(long)]
+    model: Option<String>,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -72,6 +75,9 @@ impl EngineArgs {
         set(&mut c.engine.metrics_listen, &self.metrics_listen);
         set(&mut c.engine.gateway_registry, &self.gateway_registry);
         set(&mut c.engine.advertise_address, &self.advertise_address);
+        if let Some(m) = &self.model {
+            crate::run::set_model(&mut c, m);
+        }
         self.tls.apply(&mut c.tls, &mut c.allow_insecure);
         c.validate()?;
         Ok(c)

@@ -33,19 +33,33 @@ pub(crate) struct GenerateArgs {
     /// Generator seed; the engine picks one (and prints it) when omitted.
     #[arg(long)]
     seed: Option<u64>,
+    /// A checkpoint directory (`[model] path`), or `fake`.
+    #[arg(long)]
+    model: Option<String>,
 }
 
 /// Runs `tl generate`: one colocated generation, one JSON line `{"tokens":[...],"seed":S}`.
 #[must_use]
 pub(crate) fn generate(args: &GenerateArgs) -> ExitCode {
-    let cfg = match Config::load_or_default(args.config.as_deref()) {
+    let cfg = match Config::load_or_default(args.config.as_deref()).map(|mut c| {
+        if let Some(m) = &args.model {
+            crate::run::set_model(&mut c, m);
+        }
+        c
+    }) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
-    let model = cfg.build_model();
+    let model = match cfg.build_model() {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let params = Params {
         prompt: &args.prompt_tokens,
         max_tokens: args.max_tokens,

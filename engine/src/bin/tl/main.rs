@@ -8,6 +8,7 @@ mod engine;
 mod gateway;
 mod generate;
 mod inspect;
+mod model;
 mod netns;
 mod probe;
 mod registry;
@@ -58,6 +59,11 @@ enum Cmd {
     Probe(probe::ProbeArgs),
     /// Run a worker registry until SIGTERM.
     Registry(registry::RegistryArgs),
+    /// Model checkpoints: `tl model init` writes one with seeded random weights.
+    Model {
+        #[command(subcommand)]
+        which: model::ModelCmd,
+    },
     /// Benchmarks that print one JSON line.
     Bench {
         #[command(subcommand)]
@@ -129,6 +135,7 @@ fn main() -> ExitCode {
         Cmd::Probe(args) => probe::probe(&args),
         Cmd::Engine(args) => engine::engine(&args, cli.log_format),
         Cmd::Registry(args) => registry::registry(&args, cli.log_format),
+        Cmd::Model { which } => model::model(&which),
         Cmd::Gateway(args) => gateway::gateway(&args, cli.log_format),
         Cmd::Bench { which } => match which {
             BenchCmd::Wire(args) => bench::wire::wire(&args),

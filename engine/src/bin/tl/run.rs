@@ -155,3 +155,14 @@ impl AndFlush for ExitCode {
         self
     }
 }
+
+/// `--model`: `fake`, or a checkpoint directory served as a Llama-family model.
+pub(crate) fn set_model(c: &mut tl_engine::node::config::Config, model: &str) {
+    if model == "fake" {
+        c.model.kind = "fake".into();
+        c.model.path.clear();
+    } else {
+        c.model.kind = "llama".into();
+        c.model.path = model.to_owned();
+    }
+}

@@ -77,7 +77,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         let mut colocated_runs = Vec::new();
         let mut colocated_first = Vec::new();
         for _ in 0..args.repeat.max(1) {
-            let mut solo = Engine::new(cfg.build_model(), cfg.build_pool());
+            let mut solo = Engine::new(cfg.build_model()?, cfg.build_pool());
             let t = Instant::now();
             colocated_first = solo.generate(req(Mode::Generate))?;
             colocated_runs.push(t.elapsed());
@@ -87,7 +87,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         // Disaggregated, step by step: prefill here, transfer to a decode engine, resume there.
         let d = EngineNode::start(&cfg).await?;
         let kv = d.addresses().kv;
-        let mut p = Engine::new(cfg.build_model(), cfg.build_pool());
+        let mut p = Engine::new(cfg.build_model()?, cfg.build_pool());
         let t = Instant::now();
         let out = prefill_only(&mut p, req(Mode::PrefillOnly))?;
         let prefill = t.elapsed();
@@ -136,7 +136,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         let mut warm_single = Vec::new();
         if n == 1 {
             let tail: Vec<u32> = (0..15).collect();
-            let mut q = Engine::new(cfg.build_model(), cfg.build_pool());
+            let mut q = Engine::new(cfg.build_model()?, cfg.build_pool());
             let small = prefill_only(
                 &mut q,
                 Request {
