@@ -628,7 +628,9 @@ impl Engine {
         let alone = batch
             .iter()
             .all(|s| Some(s.group) == batch.first().map(|f| f.group));
-        let mut keep = Vec::with_capacity(batch.len());
+        // Each sequence gets the block its next position needs; then one model pass decodes
+        // them all (every weight read once per step), then each samples.
+        let mut ready = Vec::with_capacity(batch.len());
         for mut seq in batch {
             if failed.contains(&seq.group) {
                 // A sibling failed this step: the request is over.
@@ -643,9 +645,42 @@ impl Engine {
                 events.push(finished(&seq, reason));
                 continue;
             }
-            match self.decode_one(&mut seq) {
-                Ok((token, logprobs)) => {
+            match self.reserve_block(&mut seq) {
+                Ok(()) => ready.push(seq),
+                // No block for its next position (another thread's import took the last
+                // ones): nothing changed, so the request pauses instead of failing.
+                Err(SeqError::Pool(PoolError::Exhausted { .. })) if !alone => {
+                    paused.push(seq.group);
+                    preempted.push(seq.preempt());
+                }
+                Err(error) => {
+                    failed.push(seq.group);
+                    events.push(Event::Failed {
+                        seq: seq.group,
+                        error,
+                    });
+                }
+            }
+        }
+        let (gone, ready): (Vec<Seq>, Vec<Seq>) = ready
+            .into_iter()
+            .partition(|s| paused.contains(&s.group) || failed.contains(&s.group));
+        preempted.extend(
+            gone.into_iter()
+                .filter(|s| paused.contains(&s.group))
+                .map(Seq::preempt),
+        );
+        let mut keep = Vec::with_capacity(ready.len());
+        let inputs: Vec<(&[u32], &[BlockId])> = ready
+            .iter()
+            .map(|s| (&s.tokens[..=s.n_cached], s.blocks.ids()))
+            .collect();
+        match self.model.decode_batch(&self.pool, &inputs) {
+            Ok(all) => {
+                drop(inputs);
+                for (mut seq, logits) in ready.into_iter().zip(all) {
                     stats.decoded += 1;
+                    let (token, logprobs) = self.finish_decode(&mut seq, &logits);
                     events.push(Event::Token {
                         seq: seq.group,
                         choice: seq.choice,
@@ -658,18 +693,18 @@ impl Engine {
                         None => keep.push(seq),
                     }
                 }
-                // No block for its next position (another thread's import took the last
-                // ones): decode_one changed nothing, so the request pauses instead of failing.
-                Err(SeqError::Pool(PoolError::Exhausted { .. })) if !alone => {
-                    paused.push(seq.group);
-                    preempted.push(seq.preempt());
-                }
-                Err(error) => {
-                    failed.push(seq.group);
-                    events.push(Event::Failed {
-                        seq: seq.group,
-                        error,
-                    });
+            }
+            Err(error) => {
+                drop(inputs);
+                // The pass failed for every sequence in it.
+                for seq in &ready {
+                    if !failed.contains(&seq.group) {
+                        failed.push(seq.group);
+                        events.push(Event::Failed {
+                            seq: seq.group,
+                            error: SeqError::Model(error),
+                        });
+                    }
                 }
             }
         }
@@ -1032,21 +1067,22 @@ impl Engine {
         Ok((blocks, hashes, prompt.len() - start))
     }
 
-    /// Feeds the last token of `seq` and samples the next; returns it and, when asked for, its
-    /// log-probabilities.
-    fn decode_one(&mut self, seq: &mut Seq) -> Result<(u32, Option<TokenLogprobs>), SeqError> {
+    /// The block `seq`'s next position needs, when it starts one (the pool's lock, briefly).
+    /// Nothing changes on an error.
+    fn reserve_block(&mut self, seq: &mut Seq) -> Result<(), SeqError> {
         let b = self.model.shape().block_tokens() as usize;
-        let pos = seq.n_cached;
-        // A block for the position when it starts one (the pool's lock, briefly), then the
-        // position's KV (under the block's own lock) and the logits after it, in one pass
-        // where the model can (the fake model reads the sequence's whole KV, block by block).
-        if pos / b >= seq.blocks.len() {
+        if seq.n_cached / b >= seq.blocks.len() {
             let id = self.pool.lock().allocate(1)?[0];
             seq.blocks.push(id);
         }
-        let logits = self
-            .model
-            .decode(&self.pool, &seq.tokens[..=pos], seq.blocks.ids())?;
+        Ok(())
+    }
+
+    /// After the model wrote `seq`'s last token's KV and gave `logits` for the next: registers
+    /// the block it filled, samples the next token; returns it and, when asked for, its
+    /// log-probabilities.
+    fn finish_decode(&mut self, seq: &mut Seq, logits: &[f32]) -> (u32, Option<TokenLogprobs>) {
+        let b = self.model.shape().block_tokens() as usize;
         seq.n_cached += 1;
         if seq.n_cached.is_multiple_of(b) {
             let i = seq.n_cached / b - 1;
@@ -1062,13 +1098,13 @@ impl Engine {
             self.pool.lock().register(seq.blocks.ids()[i], key);
             seq.hashes.push(h);
         }
-        let (token, draws) = seq.sampling.sample(&logits, &mut seq.rng);
+        let (token, draws) = seq.sampling.sample(logits, &mut seq.rng);
         seq.draws += u64::from(draws);
         seq.tokens.push(token);
         let logprobs = seq
             .logprobs
-            .map(|k| token_logprobs(&logits, token, k as usize));
-        Ok((token, logprobs))
+            .map(|k| token_logprobs(logits, token, k as usize));
+        (token, logprobs)
     }
 
     /// Runs one request to completion by itself (no other sequence is stepped differently) and

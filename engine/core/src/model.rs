@@ -117,6 +117,22 @@ pub trait Model: Send + Sync + fmt::Debug {
         self.write(pool, &[last], tokens.len() - 1, blocks)?;
         self.logits(pool, tokens, blocks)
     }
+    /// [`decode`](Self::decode) for every sequence of a step: each entry is a sequence's
+    /// tokens and its block table. A model that batches runs them through each weight once;
+    /// each sequence's logits are the same bits as it would get alone. The default decodes
+    /// them one by one.
+    ///
+    /// # Errors
+    /// As [`write`](Self::write); the step's sequences all fail with it.
+    fn decode_batch(
+        &self,
+        pool: &SharedKv,
+        seqs: &[(&[u32], &[BlockId])],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        seqs.iter()
+            .map(|(tokens, blocks)| self.decode(pool, tokens, blocks))
+            .collect()
+    }
 }
 
 /// The fake model: cheap, deterministic, and sensitive to every cached KV byte.

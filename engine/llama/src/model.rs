@@ -471,4 +471,31 @@ impl Model for Llama {
         };
         Ok(self.forward(pool, &[row])?.swap_remove(0))
     }
+
+    fn decode_batch(
+        &self,
+        pool: &SharedKv,
+        seqs: &[(&[u32], &[BlockId])],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let mut rows = Vec::with_capacity(seqs.len());
+        for (tokens, blocks) in seqs {
+            let Some(&token) = tokens.last() else {
+                return Err(ModelError::NoBlock {
+                    pos: 0,
+                    blocks: blocks.len(),
+                });
+            };
+            rows.push(Row {
+                token,
+                pos: tokens.len() - 1,
+                blocks,
+                write: true,
+                logits: true,
+            });
+        }
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.forward(pool, &rows)
+    }
 }
