@@ -86,6 +86,9 @@ enum BenchCmd {
     /// One tenant against another: a light key beside a heavy one, and B's time to first token
     /// with and without A's prefix (Welch's t-test).
     Tenants(bench::tenants::TenantsArgs),
+    /// The real transformer: decode tokens/s at batch 1, 8, 32 against the weight-streaming
+    /// roofline, prefill against the kernels' matmul peak (SmolLM2-135M's shape).
+    Model(bench::model::ModelArgs),
 }
 
 /// Keeps glibc from handing multi-MiB buffers back to the kernel on every free.
@@ -144,6 +147,7 @@ fn main() -> ExitCode {
             BenchCmd::Serve(args) => bench::serve::serve(&args),
             BenchCmd::Control(args) => bench::control::control(&args),
             BenchCmd::Tenants(args) => bench::tenants::tenants(&args),
+            BenchCmd::Model(args) => bench::model::model(&args),
         },
     }
 }

@@ -2,6 +2,7 @@
 //! measured in the same run, interleaved, because absolute speeds on a shared machine drift.
 
 pub(crate) mod control;
+pub(crate) mod model;
 pub(crate) mod serve;
 pub(crate) mod stats;
 pub(crate) mod tenants;
