@@ -396,3 +396,104 @@ async fn trace_context_crosses_processes() {
     assert_eq!(receive.attr("kv.blocks_sent"), push.attr("kv.blocks_sent"));
     assert_eq!(push.attr("kv.blocks_sent"), Some("5"));
 }
+
+/// P/D equals colocated on the real transformer, across processes: `tl model init` writes a
+/// tiny Llama checkpoint, a prefill and a decode `tl engine --model DIR` serve it, and each
+/// request, greedy and seeded, prefilled in one process and decoded in the other, has exactly
+/// the tokens of a colocated run of the same checkpoint in this process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_equals_colocated_on_the_real_model_across_processes() {
+    let dir = std::env::temp_dir().join(format!("tl-proc-llama-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_tl"))
+        .args(["model", "init", "--dir"])
+        .arg(&dir)
+        .args(["--seed", "5"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let model = dir.display().to_string();
+    let reg = Proc::start(&["registry", "--listen", "127.0.0.1:0"]);
+    let reg_addr = reg.addr("registry");
+    let engine = |role: &str, id: &str| {
+        Proc::start(&[
+            "engine",
+            "--role",
+            role,
+            "--id",
+            id,
+            "--gateway-registry",
+            &reg_addr,
+            "--model",
+            &model,
+        ])
+    };
+    let (p, d) = (engine("prefill", "P"), engine("decode", "D"));
+    let ctl = ControlClient::new(&p.addr("grpc")).unwrap();
+    let mut cfg = Config::default();
+    cfg.model.kind = "llama".into();
+    cfg.model.path = model.clone();
+    let prompts: [Vec<u32>; 2] = [
+        b"the quick brown fox"
+            .iter()
+            .map(|&b| u32::from(b))
+            .collect(),
+        (0..37).map(|i| (i * 7 + 1) % 256).collect(),
+    ];
+    for (n, prompt) in prompts.iter().enumerate() {
+        for (t, seed) in [(0.0f32, 1u64), (0.8, 77)] {
+            let h = ctl
+                .prefill(PrefillRequest {
+                    cache_scope: 0,
+                    request_id: format!("llama-{n}-{seed}"),
+                    prompt_tokens: prompt.clone(),
+                    sampling: Some(SamplingParams {
+                        temperature: t,
+                        top_p: 1.0,
+                        top_k: 0,
+                        seed: Some(seed),
+                        max_tokens: 16,
+                    }),
+                    decode_target: d.addr("kv"),
+                    rng_draws_offset: 0,
+                    decode_holds: None,
+                })
+                .await
+                .unwrap();
+            let body = json!({
+                "prompt": prompt, "max_tokens": 16, "temperature": t, "seed": h.seed,
+                "tl_resume": { "first_token": h.first_token,
+                               "rng_draws_consumed": h.rng_draws_consumed },
+            });
+            let r = HttpClient::default()
+                .post(
+                    &d.addr("http"),
+                    "/v1/completions",
+                    &[("x-tl-kv-handle", &h.handle_id)],
+                    body.to_string(),
+                )
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            let got: Vec<u32> = r.json()["choices"][0]["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect();
+            let s = SamplingRequest {
+                temperature: t,
+                ..SamplingRequest::default()
+            };
+            let want = cfg.colocated(prompt, s, seed, 16).unwrap();
+            assert_eq!(got, want, "prompt {n}, temperature {t}");
+        }
+    }
+    for proc in [p, d, reg] {
+        assert_eq!(proc.terminate(Duration::from_secs(5)), Some(0));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
