@@ -488,3 +488,74 @@ fn safetensors_view(bytes: &[u8]) -> Vec<u8> {
     out.extend_from_slice(bytes);
     out
 }
+
+/// On the real model too, preemption and `n > 1` keep exactness: three requests (one of two
+/// choices) in a pool too small for all of them finish with the tokens and log-probabilities
+/// each has alone.
+#[test]
+fn preemption_and_choices_stay_exact_on_the_real_model() {
+    let dir = tiny("preempt", &InitShape::tiny(VOCAB), DType::Bf16, 1);
+    let m = load(&dir.0);
+    let reqs: Vec<Request> = (0..3u64)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..(9 + i as u32 * 4))
+                .map(|t| (t * 11 + 3) % 256)
+                .collect();
+            Request {
+                choices: Choices {
+                    n: if i == 1 { 2 } else { 1 },
+                    logprobs: Some(2),
+                },
+                ..request(&prompt, seeded(), 40 + i, 30, Mode::Generate)
+            }
+        })
+        .collect();
+    let alone: Vec<_> = reqs
+        .iter()
+        .map(|r| {
+            Engine::new(m.clone(), pool_for(&m, 128))
+                .generate_choices(r.clone())
+                .unwrap()
+        })
+        .collect();
+    // About 40 blocks wanted in all, 20 in the pool.
+    let mut e = Engine::new(m.clone(), pool_for(&m, 20));
+    let ids: Vec<u64> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
+    let mut got: std::collections::HashMap<(u64, u32), tl_engine_core::engine::Generated> =
+        std::collections::HashMap::new();
+    while !e.is_idle() {
+        for ev in e.step().0 {
+            match ev {
+                Event::Token {
+                    seq,
+                    choice,
+                    token,
+                    logprobs,
+                    ..
+                } => {
+                    let g = got.entry((seq, choice)).or_default();
+                    g.tokens.push(token);
+                    g.logprobs.extend(logprobs);
+                }
+                Event::Finished {
+                    seq,
+                    choice,
+                    reason,
+                } => got.entry((seq, choice)).or_default().finish = Some(reason),
+                Event::Failed { error, .. } => panic!("{error}"),
+                Event::Prefilled { .. } => {}
+            }
+        }
+    }
+    assert!(
+        e.preemptions() >= 1,
+        "the pool was meant to force preemption"
+    );
+    for (i, id) in ids.iter().enumerate() {
+        for (c, want) in alone[i].iter().enumerate() {
+            assert_eq!(&got[&(*id, c as u32)], want, "request {i} choice {c}");
+        }
+    }
+    let c = e.pool().lock().counts();
+    assert_eq!(c.used, 0, "{c:?}");
+}
