@@ -390,6 +390,23 @@ impl Llama {
     }
 }
 
+/// The row of a sequence's last token (its KV written when `write`), its logits wanted.
+fn last_row<'a>(tokens: &[u32], blocks: &'a [BlockId], write: bool) -> Result<Row<'a>, ModelError> {
+    let Some(&token) = tokens.last() else {
+        return Err(ModelError::NoBlock {
+            pos: 0,
+            blocks: blocks.len(),
+        });
+    };
+    Ok(Row {
+        token,
+        pos: tokens.len() - 1,
+        blocks,
+        write,
+        logits: true,
+    })
+}
+
 impl Model for Llama {
     fn name(&self) -> &str {
         &self.name
@@ -434,19 +451,7 @@ impl Model for Llama {
         tokens: &[u32],
         blocks: &[BlockId],
     ) -> Result<Vec<f32>, ModelError> {
-        let Some(&token) = tokens.last() else {
-            return Err(ModelError::NoBlock {
-                pos: 0,
-                blocks: blocks.len(),
-            });
-        };
-        let row = Row {
-            token,
-            pos: tokens.len() - 1,
-            blocks,
-            write: false,
-            logits: true,
-        };
+        let row = last_row(tokens, blocks, false)?;
         Ok(self.forward(pool, &[row])?.swap_remove(0))
     }
 
@@ -456,19 +461,7 @@ impl Model for Llama {
         tokens: &[u32],
         blocks: &[BlockId],
     ) -> Result<Vec<f32>, ModelError> {
-        let Some(&token) = tokens.last() else {
-            return Err(ModelError::NoBlock {
-                pos: 0,
-                blocks: blocks.len(),
-            });
-        };
-        let row = Row {
-            token,
-            pos: tokens.len() - 1,
-            blocks,
-            write: true,
-            logits: true,
-        };
+        let row = last_row(tokens, blocks, true)?;
         Ok(self.forward(pool, &[row])?.swap_remove(0))
     }
 
@@ -477,22 +470,10 @@ impl Model for Llama {
         pool: &SharedKv,
         seqs: &[(&[u32], &[BlockId])],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        let mut rows = Vec::with_capacity(seqs.len());
-        for (tokens, blocks) in seqs {
-            let Some(&token) = tokens.last() else {
-                return Err(ModelError::NoBlock {
-                    pos: 0,
-                    blocks: blocks.len(),
-                });
-            };
-            rows.push(Row {
-                token,
-                pos: tokens.len() - 1,
-                blocks,
-                write: true,
-                logits: true,
-            });
-        }
+        let rows = seqs
+            .iter()
+            .map(|(tokens, blocks)| last_row(tokens, blocks, true))
+            .collect::<Result<Vec<_>, _>>()?;
         if rows.is_empty() {
             return Ok(Vec::new());
         }

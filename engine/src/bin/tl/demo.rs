@@ -222,32 +222,14 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
     };
     let gw = GatewayNode::start(&gw_cfg).await?;
     let reg = gw.registry_addr().to_string();
-    let nodes = [
-        EngineNode::start(&config(
-            "prefill-0",
-            Role::Prefill,
-            &reg,
-            certs.path(),
-            &model,
-        )?)
-        .await?,
-        EngineNode::start(&config(
-            "decode-1",
-            Role::Decode,
-            &reg,
-            certs.path(),
-            &model,
-        )?)
-        .await?,
-        EngineNode::start(&config(
-            "decode-2",
-            Role::Decode,
-            &reg,
-            certs.path(),
-            &model,
-        )?)
-        .await?,
-    ];
+    let mut nodes = Vec::new();
+    for (id, role) in [
+        ("prefill-0", Role::Prefill),
+        ("decode-1", Role::Decode),
+        ("decode-2", Role::Decode),
+    ] {
+        nodes.push(EngineNode::start(&config(id, role, &reg, certs.path(), &model)?).await?);
+    }
     let end = Instant::now() + Duration::from_secs(10);
     let workers = loop {
         let w = gw.registry().list(Instant::now());
