@@ -1037,32 +1037,39 @@ impl Engine {
             }
         };
         told(reused);
-        for from in (start..prompt.len()).step_by(b) {
-            let to = (from + b).min(prompt.len());
-            let i = from / b;
+        // A chunk of the model's choosing (a block for the fake model; a few hundred tokens
+        // for a transformer, whose matmuls want rows) is written in one pass; then its blocks
+        // are named one by one.
+        let chunk = b * self.model.prefill_chunk_blocks().max(1);
+        for c in (start..prompt.len()).step_by(chunk) {
+            let end = (c + chunk).min(prompt.len());
             self.model
-                .write(&self.pool, &prompt[from..to], from, blocks.ids())?;
-            // A full block is final once written: named now, so a push streaming it sends the
-            // same envelope as one sent after the prefill. False when another sequence
-            // registered the same block first: ours stays private.
-            let mut pool = self.pool.lock();
-            match hashes.get(i) {
-                Some(&hash) => {
-                    let key = BlockKey {
-                        scope: seq.scope,
-                        hash,
-                        tokens: &prompt[from..to],
-                        parent: i.checked_sub(1).map(|p| blocks.ids()[p]),
-                    };
-                    pool.register(blocks.ids()[i], key);
+                .write(&self.pool, &prompt[c..end], c, blocks.ids())?;
+            for from in (c..end).step_by(b) {
+                let to = (from + b).min(prompt.len());
+                let i = from / b;
+                // A full block is final once written: named now, so a push streaming it sends
+                // the same envelope as one sent after the prefill. False when another sequence
+                // registered the same block first: ours stays private.
+                let mut pool = self.pool.lock();
+                match hashes.get(i) {
+                    Some(&hash) => {
+                        let key = BlockKey {
+                            scope: seq.scope,
+                            hash,
+                            tokens: &prompt[from..to],
+                            parent: i.checked_sub(1).map(|p| blocks.ids()[p]),
+                        };
+                        pool.register(blocks.ids()[i], key);
+                    }
+                    // The tail's tokens, so a claim of these blocks can compare every token.
+                    None => {
+                        pool.set_tokens(blocks.ids()[i], &prompt[from..to]);
+                    }
                 }
-                // The tail's tokens, so a claim of these blocks can compare every token.
-                None => {
-                    pool.set_tokens(blocks.ids()[i], &prompt[from..to]);
-                }
+                drop(pool);
+                told(i + 1);
             }
-            drop(pool);
-            told(i + 1);
         }
         Ok((blocks, hashes, prompt.len() - start))
     }

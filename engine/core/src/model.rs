@@ -64,6 +64,12 @@ pub trait Model: Send + Sync + fmt::Debug {
         first_pos: usize,
         blocks: &[BlockId],
     ) -> Result<(), ModelError>;
+    /// Blocks of a prompt written in one [`write`](Self::write) call while it is prefilled
+    /// (each is named, and can stream, as soon as its call returns). One for a model whose
+    /// cost is per token; more for one whose matrix products want many rows at once.
+    fn prefill_chunk_blocks(&self) -> usize {
+        1
+    }
     /// The logits for the token after `tokens`, the sequence's first `n = tokens.len()`
     /// positions, whose KV is already in `blocks`: read through [`SharedKv::read`], one block's
     /// lock at a time and never the pool's, so a control call or an import never waits for a

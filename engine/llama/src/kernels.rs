@@ -7,6 +7,56 @@
 
 use half::f16;
 
+/// Which matrix-multiply kernels a model runs. Both are batch-invariant; they differ in speed
+/// and in what else they promise.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Kernels {
+    /// The `gemm` crate's f32 micro-kernels (FMA, chosen at run time for the CPU), driven so
+    /// that no row's reduction order depends on its batch (see [`matmul_gemm`]). Fast; the
+    /// bits are the same on every machine with the same CPU features.
+    #[default]
+    Gemm,
+    /// The plain Rust kernels ([`matmul_portable`]): no FMA, one written order, so the same
+    /// bits on every CPU (a fleet of mixed CPUs stays exact), at a fraction of the speed.
+    Portable,
+}
+
+impl Kernels {
+    /// The kernels a `[model] kernels` value names.
+    #[must_use]
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "gemm" => Some(Self::Gemm),
+            "portable" => Some(Self::Portable),
+            _ => None,
+        }
+    }
+
+    /// The configuration name.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Gemm => "gemm",
+            Self::Portable => "portable",
+        }
+    }
+}
+
+/// `out[i][j] = x[i] . w[j] (+ bias[j])` with `kernels`.
+pub fn matmul(
+    kernels: Kernels,
+    x: &[f32],
+    w: MatRef<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    threads: usize,
+) {
+    match kernels {
+        Kernels::Gemm => matmul_gemm(x, w, bias, out, threads),
+        Kernels::Portable => matmul_portable(x, w, bias, out, threads),
+    }
+}
+
 /// A checkpoint dtype the kernels read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {
@@ -51,24 +101,38 @@ impl MatRef<'_> {
     }
 }
 
-/// `bytes` of `dtype` widened to f32 into `out`.
+/// `bytes` of `dtype` widened to f32 into `out` (exact for every dtype, so when and in what
+/// pieces a value is widened never changes a bit). Aligned input goes through `half`'s slice
+/// conversions (F16C and friends where the CPU has them); unaligned input element by element.
 pub fn widen(bytes: &[u8], dtype: DType, out: &mut [f32]) {
+    use half::slice::HalfFloatSliceExt;
+    let n = out.len().min(bytes.len() / dtype.size());
+    let (bytes, out) = (&bytes[..n * dtype.size()], &mut out[..n]);
     match dtype {
-        DType::Bf16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16);
+        DType::Bf16 => match bytemuck::try_cast_slice::<u8, half::bf16>(bytes) {
+            Ok(h) => h.convert_to_f32_slice(out),
+            Err(_) => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16);
+                }
             }
-        }
-        DType::F16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+        },
+        DType::F16 => match bytemuck::try_cast_slice::<u8, f16>(bytes) {
+            Ok(h) => h.convert_to_f32_slice(out),
+            Err(_) => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+                }
             }
-        }
-        DType::F32 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        },
+        DType::F32 => match bytemuck::try_cast_slice::<u8, f32>(bytes) {
+            Ok(f) => out.copy_from_slice(f),
+            Err(_) => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
             }
-        }
+        },
     }
 }
 
@@ -132,12 +196,18 @@ fn quads(x: &[f32], w: [&[f32]; 4], k: usize, out: &mut [[f32; 4]]) {
     }
 }
 
-/// `out[i][j] = x[i] . w[j] (+ bias[j])` for the `m = x.len() / w.cols` rows of `x`: each weight
+/// The portable kernels' [`matmul`]: `out[i][j] = x[i] . w[j] (+ bias[j])` for the `m = x.len() / w.cols` rows of `x`: each weight
 /// row is widened once and used for every row of the batch, so a decode step reads each weight
 /// byte once whatever its batch. The columns are split over up to `threads` threads; each output
 /// is computed by one thread in the fixed order of [`dot`], so the result is the same bits for
 /// any batch and any thread count.
-pub fn matmul(x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, out: &mut [f32], threads: usize) {
+pub fn matmul_portable(
+    x: &[f32],
+    w: MatRef<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    threads: usize,
+) {
     let (k, n) = (w.cols, w.rows);
     let m = x.len() / k;
     debug_assert_eq!(out.len(), m * n);
@@ -243,6 +313,171 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// Depth of one `gemm` call: every call sees at most this many columns of `x`, so the crate's
+/// own depth blocking (which depends on the problem's shape) never splits a reduction; the
+/// pieces are summed into the output in order.
+const GEMM_DEPTH: usize = 512;
+/// Weight rows widened to f32 at a time (a scratch that stays in L2).
+const GEMM_ROWS: usize = 256;
+
+/// The rows of `x` as `gemm` must see them: the crate takes other paths, with other reduction
+/// orders, for one-row products (a matrix-vector kernel) and for products of at most 256
+/// outputs (horizontal kernels). Padding the batch with zero rows past both keeps every call
+/// on the blocked micro-kernels, where an output is one FMA chain over the depth whatever the
+/// batch, the other rows or the split of the weight rows. (Tested here by
+/// `gemm_is_batch_invariant` over batches 1..=300 and random splits.)
+fn gemm_rows(m: usize, nw: usize) -> usize {
+    m.max(2).max(256 / nw.max(1) + 1)
+}
+
+/// `dst[i * nw + j] = x[i] . w[j]` for `mm` rows of `x` (`k` wide) and `nw >= 2` rows of `w`.
+#[allow(unsafe_code)]
+fn gemm_block(x: &[f32], mm: usize, k: usize, w: &[f32], nw: usize, dst: &mut [f32]) {
+    assert!(nw >= 2 && x.len() >= mm * k && w.len() >= nw * k && dst.len() >= mm * nw);
+    let mut k0 = 0;
+    while k0 < k {
+        let kb = GEMM_DEPTH.min(k - k0);
+        // SAFETY: dst is mm x nw row-major (row stride nw), x is mm x k (row stride k) read
+        // from column k0 for kb columns, w is nw x k read the same way as the transposed
+        // right-hand side; the assert above bounds every element the call touches, and the
+        // three slices do not overlap (dst is the only mutable one).
+        unsafe {
+            gemm::gemm(
+                mm,
+                nw,
+                kb,
+                dst.as_mut_ptr(),
+                1,
+                nw as isize,
+                k0 > 0,
+                x.as_ptr().add(k0),
+                1,
+                k as isize,
+                w.as_ptr().add(k0),
+                k as isize,
+                1,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        k0 += kb;
+    }
+}
+
+/// [`matmul`] on the `gemm` crate: the weight rows are split over up to `threads` threads,
+/// each widening [`GEMM_ROWS`] rows at a time from the checkpoint dtype into a scratch and
+/// multiplying the batch by them. A row's outputs are the same bits for any batch, any
+/// thread count and any split (see [`gemm_rows`]).
+pub fn matmul_gemm(
+    x: &[f32],
+    w: MatRef<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    threads: usize,
+) {
+    let (k, n) = (w.cols, w.rows);
+    let m = x.len() / k.max(1);
+    debug_assert_eq!(out.len(), m * n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    if n < 2 {
+        // One output feature: no gemm call can be invariant; the portable dot is.
+        return matmul_portable(x, w, bias, out, 1);
+    }
+    let threads = if n * k < 1 << 16 {
+        1
+    } else {
+        threads.clamp(1, n / 2)
+    };
+    // Each thread's range is at least two rows; the last takes the remainder.
+    let per = n.div_ceil(threads).max(2);
+    let columns = |j0: usize, j1: usize| -> Vec<f32> {
+        let mut dst = vec![0f32; m * (j1 - j0)];
+        let mut scratch = vec![0f32; GEMM_ROWS.min(j1 - j0) * k];
+        let mut padded = Vec::new();
+        let mut part = Vec::new();
+        let mut j = j0;
+        while j < j1 {
+            let mut e = (j + GEMM_ROWS).min(j1);
+            if j1 - e == 1 {
+                e = j1; // never leave a one-row block
+            }
+            let nw = e - j;
+            if scratch.len() < nw * k {
+                scratch.resize(nw * k, 0.0);
+            }
+            let s = w.dtype.size();
+            widen(
+                &w.bytes[j * k * s..e * k * s],
+                w.dtype,
+                &mut scratch[..nw * k],
+            );
+            let mm = gemm_rows(m, nw);
+            let xs = if mm == m {
+                x
+            } else {
+                padded.clear();
+                padded.extend_from_slice(x);
+                padded.resize(mm * k, 0.0);
+                &padded[..]
+            };
+            part.clear();
+            part.resize(mm * nw, 0.0);
+            gemm_block(xs, mm, k, &scratch, nw, &mut part);
+            let width = j1 - j0;
+            for i in 0..m {
+                let row = &mut dst[i * width + (j - j0)..i * width + (e - j0)];
+                row.copy_from_slice(&part[i * nw..(i + 1) * nw]);
+                if let Some(b) = bias {
+                    for (o, b) in row.iter_mut().zip(&b[j..e]) {
+                        *o += b;
+                    }
+                }
+            }
+            j = e;
+        }
+        dst
+    };
+    let mut ranges = Vec::new();
+    let mut j0 = 0;
+    while j0 < n {
+        let mut j1 = (j0 + per).min(n);
+        if n - j1 < 2 {
+            j1 = n;
+        }
+        ranges.push((j0, j1));
+        j0 = j1;
+    }
+    let parts: Vec<Vec<f32>> = if ranges.len() == 1 {
+        vec![columns(0, n)]
+    } else {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = ranges
+                .iter()
+                .map(|&(a, b)| {
+                    let columns = &columns;
+                    s.spawn(move || columns(a, b))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a matmul thread panicked"))
+                .collect()
+        })
+    };
+    for ((j0, j1), part) in ranges.into_iter().zip(parts) {
+        let width = j1 - j0;
+        for i in 0..m {
+            out[i * n + j0..i * n + j1].copy_from_slice(&part[i * width..(i + 1) * width]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -269,19 +504,83 @@ mod tests {
         let x: Vec<f32> = (0..9 * k)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
             .collect();
-        let mut alone = vec![0f32; n];
-        matmul(&x[4 * k..5 * k], w, None, &mut alone, 1);
-        for threads in [1, 2, 3] {
-            let mut batch = vec![0f32; 9 * n];
-            matmul(&x, w, None, &mut batch, threads);
-            assert_eq!(
-                batch[4 * n..5 * n]
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect::<Vec<_>>(),
-                alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                "{threads} threads"
-            );
+        for kernels in [Kernels::Gemm, Kernels::Portable] {
+            let mut alone = vec![0f32; n];
+            matmul(kernels, &x[4 * k..5 * k], w, None, &mut alone, 1);
+            for threads in [1, 2, 3] {
+                let mut batch = vec![0f32; 9 * n];
+                matmul(kernels, &x, w, None, &mut batch, threads);
+                assert_eq!(
+                    batch[4 * n..5 * n]
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<_>>(),
+                    alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{kernels:?} on {threads} threads"
+                );
+            }
+        }
+    }
+
+    /// The gemm path's promise over the shapes a model has and the edges of the crate's own
+    /// paths: every batch from 1 (padded past the matrix-vector kernel) to 70, depths below and
+    /// above one call's 512, weights with few rows (the horizontal kernels' range) and many, on
+    /// 1 to 5 threads (so the weight rows split differently), with a bias: each row is the same
+    /// bits as that row computed alone on one thread, and within 1e-4 of the portable kernels.
+    #[test]
+    fn gemm_is_batch_invariant() {
+        for (n, k) in [
+            (2usize, 64usize),
+            (3, 600),
+            (40, 300),
+            (192, 1100),
+            (600, 96),
+        ] {
+            let bytes = mat(n, k, 11);
+            let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
+            for dtype in [DType::F32, DType::Bf16] {
+                let bytes: Vec<u8> = match dtype {
+                    DType::F32 => bytes.clone(),
+                    _ => bytes.chunks_exact(4).flat_map(|c| [c[2], c[3]]).collect(),
+                };
+                let w = MatRef {
+                    bytes: &bytes,
+                    dtype,
+                    rows: n,
+                    cols: k,
+                };
+                let x: Vec<f32> = (0..70 * k)
+                    .map(|i| ((i * 53 % 211) as f32 - 105.0) / 128.0)
+                    .collect();
+                let alone: Vec<Vec<u32>> = (0..70)
+                    .map(|i| {
+                        let mut o = vec![0f32; n];
+                        matmul_gemm(&x[i * k..(i + 1) * k], w, Some(&bias), &mut o, 1);
+                        o.iter().map(|v| v.to_bits()).collect()
+                    })
+                    .collect();
+                let mut portable = vec![0f32; n];
+                matmul_portable(&x[..k], w, Some(&bias), &mut portable, 1);
+                for (a, p) in alone[0].iter().zip(&portable) {
+                    let a = f32::from_bits(*a);
+                    assert!((a - p).abs() <= 1e-4 * p.abs().max(1.0), "{a} vs {p}");
+                }
+                for m in 1..=70 {
+                    let threads = 1 + m % 5;
+                    let mut out = vec![0f32; m * n];
+                    matmul_gemm(&x[..m * k], w, Some(&bias), &mut out, threads);
+                    for i in 0..m {
+                        let row: Vec<u32> = out[i * n..(i + 1) * n]
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect();
+                        assert_eq!(
+                            row, alone[i],
+                            "n {n} k {k} {dtype:?}: row {i} of {m} on {threads} threads"
+                        );
+                    }
+                }
+            }
         }
     }
 
@@ -306,5 +605,23 @@ mod tests {
         assert_eq!(out, [1.0, -2.0]);
         widen(&[0x00, 0x3c, 0x00, 0xb8], DType::F16, &mut out);
         assert_eq!(out, [1.0, -0.5]);
+        // Aligned and unaligned input give the same values, for every dtype and every bit
+        // pattern of the two-byte types (a NaN stays a NaN; the hardware conversion may quiet
+        // a signalling one, which no K, V or weight the engine computes is).
+        let all: Vec<u8> = (0..=u16::MAX).flat_map(u16::to_le_bytes).collect();
+        let mut shifted = vec![0u8; all.len() + 1];
+        shifted[1..].copy_from_slice(&all);
+        for dtype in [DType::Bf16, DType::F16, DType::F32] {
+            let n = all.len() / dtype.size();
+            let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+            widen(&all, dtype, &mut a);
+            widen(&shifted[1..], dtype, &mut b);
+            let bits = |v: &[f32]| {
+                v.iter()
+                    .map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() })
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(bits(&a), bits(&b), "{dtype:?}");
+        }
     }
 }

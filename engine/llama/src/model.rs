@@ -12,8 +12,11 @@ use tl_engine_core::model::{Model, ModelError};
 use tl_engine_core::pool::{BlockId, SharedKv};
 
 use crate::config::{CheckpointError, LlamaConfig};
-use crate::kernels::{self, matmul, rms_norm};
+use crate::kernels::{self, Kernels, matmul, rms_norm};
 use crate::weights::{Tensor, Weights};
+
+/// Prompt rows one prefill pass takes (rounded up to whole blocks).
+const PREFILL_CHUNK_TOKENS: usize = 256;
 
 struct Layer {
     attn_norm: Vec<f32>,
@@ -42,6 +45,7 @@ pub struct Llama {
     layers: Vec<Layer>,
     inv_freq: Vec<f64>,
     threads: usize,
+    kernels: Kernels,
     max_context: u32,
 }
 
@@ -152,7 +156,21 @@ impl Llama {
             final_norm,
             layers,
             threads: threads.max(1),
+            kernels: Kernels::default(),
         })
+    }
+
+    /// The same model on other matrix-multiply kernels (the default is [`Kernels::Gemm`]).
+    #[must_use]
+    pub fn with_kernels(mut self, kernels: Kernels) -> Self {
+        self.kernels = kernels;
+        self
+    }
+
+    /// The kernels it runs.
+    #[must_use]
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
     }
 
     /// The validated configuration.
@@ -184,6 +202,7 @@ impl Llama {
         let (nq, nkv) = (self.cfg.heads, self.cfg.kv_heads);
         let m = rows.len();
         let t = self.threads;
+        let kern = self.kernels;
         // The residual stream, one row per position.
         let mut x = vec![0f32; m * h];
         let embed = self.weights.get(self.embed);
@@ -214,9 +233,30 @@ impl Llama {
             let mut hn = x.clone();
             rms_norm(&mut hn, &layer.attn_norm, self.cfg.rms_eps);
             let w = &self.weights;
-            matmul(&hn, w.get(layer.q), layer.q_bias.as_deref(), &mut q, t);
-            matmul(&hn, w.get(layer.k), layer.k_bias.as_deref(), &mut k, t);
-            matmul(&hn, w.get(layer.v), layer.v_bias.as_deref(), &mut v, t);
+            matmul(
+                kern,
+                &hn,
+                w.get(layer.q),
+                layer.q_bias.as_deref(),
+                &mut q,
+                t,
+            );
+            matmul(
+                kern,
+                &hn,
+                w.get(layer.k),
+                layer.k_bias.as_deref(),
+                &mut k,
+                t,
+            );
+            matmul(
+                kern,
+                &hn,
+                w.get(layer.v),
+                layer.v_bias.as_deref(),
+                &mut v,
+                t,
+            );
             for i in 0..m {
                 let (c, s) = (
                     &cos[i * half..(i + 1) * half],
@@ -238,25 +278,37 @@ impl Llama {
                     &v[i * nkv * d..(i + 1) * nkv * d],
                 )?;
             }
-            for (i, r) in rows.iter().enumerate() {
-                self.attend(
-                    pool,
-                    l,
-                    r,
-                    &q[i * nq * d..(i + 1) * nq * d],
-                    &mut att[i * nq * d..(i + 1) * nq * d],
-                )?;
+            // The rows of one sequence (one block table) share one widening of its K and V.
+            let mut i = 0;
+            while i < m {
+                let table = rows[i].blocks;
+                let mut j = i + 1;
+                while j < m && std::ptr::eq(rows[j].blocks, table) {
+                    j += 1;
+                }
+                let n = rows[i..j].iter().map(|r| r.pos + 1).max().unwrap_or(0);
+                let (keys, vals) = self.gather(pool, l, table, n)?;
+                for (r, a) in rows[i..j].iter().zip(i..j) {
+                    self.attend(
+                        &keys,
+                        &vals,
+                        r.pos + 1,
+                        &q[a * nq * d..(a + 1) * nq * d],
+                        &mut att[a * nq * d..(a + 1) * nq * d],
+                    );
+                }
+                i = j;
             }
-            matmul(&att, w.get(layer.o), None, &mut o, t);
+            matmul(kern, &att, w.get(layer.o), None, &mut o, t);
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
             let mut hn = x.clone();
             rms_norm(&mut hn, &layer.mlp_norm, self.cfg.rms_eps);
-            matmul(&hn, w.get(layer.gate), None, &mut g, t);
-            matmul(&hn, w.get(layer.up), None, &mut u, t);
+            matmul(kern, &hn, w.get(layer.gate), None, &mut g, t);
+            matmul(kern, &hn, w.get(layer.up), None, &mut u, t);
             kernels::swiglu(&mut g, &u);
-            matmul(&g, w.get(layer.down), None, &mut o, t);
+            matmul(kern, &g, w.get(layer.down), None, &mut o, t);
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
@@ -270,7 +322,14 @@ impl Llama {
         rms_norm(&mut last, &self.final_norm, self.cfg.rms_eps);
         let vocab = self.cfg.vocab;
         let mut logits = vec![0f32; wanted.len() * vocab];
-        matmul(&last, self.weights.get(self.lm_head), None, &mut logits, t);
+        matmul(
+            kern,
+            &last,
+            self.weights.get(self.lm_head),
+            None,
+            &mut logits,
+            t,
+        );
         Ok(logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
     }
 
@@ -303,44 +362,50 @@ impl Llama {
         Ok(())
     }
 
-    /// Attention of one row at layer `l` over positions `0..=pos`, read from the blocks: each
-    /// query head against its KV head (GQA), softmax and weighted sum in position order.
-    fn attend(
+    /// K and V of layer `l` for positions `0..n` of the sequence with block table `blocks`,
+    /// read from its blocks and widened to f32 (exactly: the f16 values the pool holds).
+    fn gather(
         &self,
         pool: &SharedKv,
         l: usize,
-        r: &Row<'_>,
-        q: &[f32],
-        out: &mut [f32],
-    ) -> Result<(), ModelError> {
+        blocks: &[BlockId],
+        n: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
         let b = self.shape.block_tokens() as usize;
         let (row, plane) = self.row_plane();
-        let (d, nkv) = (self.cfg.head_dim, self.cfg.kv_heads);
-        let n = r.pos + 1;
-        let mut keys = vec![0f32; n * nkv * d];
-        let mut vals = vec![0f32; n * nkv * d];
-        for (bi, &id) in r.blocks.iter().enumerate().take(n.div_ceil(b)) {
+        let w = self.cfg.kv_heads * self.cfg.head_dim;
+        let mut keys = vec![0f32; n * w];
+        let mut vals = vec![0f32; n * w];
+        for (bi, &id) in blocks.iter().enumerate().take(n.div_ceil(b)) {
             let rows_here = (n - bi * b).min(b);
             let payload = pool.read(id)?;
-            for slot in 0..rows_here {
-                let p = bi * b + slot;
-                let kat = (2 * l) * plane + slot * row;
-                let vat = (2 * l + 1) * plane + slot * row;
-                kernels::widen(
-                    &payload[kat..kat + row],
-                    kernels::DType::F16,
-                    &mut keys[p * nkv * d..(p + 1) * nkv * d],
-                );
-                kernels::widen(
-                    &payload[vat..vat + row],
-                    kernels::DType::F16,
-                    &mut vals[p * nkv * d..(p + 1) * nkv * d],
-                );
-            }
+            // A plane's rows are contiguous: one widening per plane of the block.
+            let (p0, p1) = (bi * b * w, (bi * b + rows_here) * w);
+            let kat = (2 * l) * plane;
+            let vat = (2 * l + 1) * plane;
+            let len = rows_here * row;
+            kernels::widen(
+                &payload[kat..kat + len],
+                kernels::DType::F16,
+                &mut keys[p0..p1],
+            );
+            kernels::widen(
+                &payload[vat..vat + len],
+                kernels::DType::F16,
+                &mut vals[p0..p1],
+            );
         }
+        Ok((keys, vals))
+    }
+
+    /// Attention of one row over positions `0..n` of `keys` and `vals` (from [`Self::gather`]):
+    /// each query head against its KV head (GQA), softmax and weighted sum in position order.
+    fn attend(&self, keys: &[f32], vals: &[f32], n: usize, q: &[f32], out: &mut [f32]) {
+        let (d, nkv) = (self.cfg.head_dim, self.cfg.kv_heads);
         let group = self.cfg.heads / nkv;
         let scale = 1.0 / (d as f32).sqrt();
         let mut scores = vec![0f32; n];
+        let (keys, vals) = (&keys[..n * nkv * d], &vals[..n * nkv * d]);
         for (hq, (qh, oh)) in q.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
             let kv = hq / group;
             let mut max = f32::NEG_INFINITY;
@@ -363,7 +428,6 @@ impl Llama {
                 }
             }
         }
-        Ok(())
     }
 
     /// Raises the fills of the blocks the written rows filled.
@@ -418,6 +482,12 @@ impl Model for Llama {
 
     fn vocab(&self) -> u32 {
         self.cfg.vocab as u32
+    }
+
+    fn prefill_chunk_blocks(&self) -> usize {
+        // 256 prompt rows per pass: enough rows for the matmul kernels' blocking to pay for
+        // widening and packing each weight, few enough that the first blocks stream early.
+        PREFILL_CHUNK_TOKENS.div_ceil(self.shape.block_tokens() as usize)
     }
 
     fn max_context(&self) -> u32 {

@@ -23,6 +23,9 @@
 //!                               # safetensors): kind "llama"; L, H, D and vocab come from it
 //! name = ""                     # the served model name ("": the directory's name)
 //! threads = 0                   # threads of the llama kernels (0: every core)
+//! kernels = "gemm"              # "gemm": the gemm crate's FMA kernels (fast; the same bits
+//!                               # on CPUs with the same features); "portable": plain Rust,
+//!                               # the same bits on every CPU (a mixed fleet), slower
 //! vocab = 260                   # byte-level tokenizer: 256 bytes + 4 specials
 //! n_layers = 2                  # L
 //! n_kv_heads = 1                # H
@@ -59,7 +62,7 @@ use tl_engine_core::engine::CostModel;
 use tl_engine_core::model::{BYTE_VOCAB, FakeModel, Model};
 
 /// A loaded checkpoint's identity: directory, name, B, threads, context.
-type LlamaKey = (std::path::PathBuf, String, u32, usize, u32);
+type LlamaKey = (std::path::PathBuf, String, u32, usize, u32, &'static str);
 use tl_engine_core::pool::{KvPool, SharedKv};
 
 pub use crate::net::role::{Role, UnknownRole};
@@ -146,6 +149,8 @@ pub struct ModelSection {
     pub name: String,
     /// Threads of the llama kernels (0: every core).
     pub threads: usize,
+    /// The llama matrix-multiply kernels: `gemm` or `portable`.
+    pub kernels: String,
     /// Vocabulary size.
     pub vocab: u32,
     /// L.
@@ -169,6 +174,7 @@ impl Default for ModelSection {
             path: String::new(),
             name: String::new(),
             threads: 0,
+            kernels: "gemm".into(),
             vocab: BYTE_VOCAB,
             n_layers: 2,
             n_kv_heads: 1,
@@ -397,12 +403,19 @@ impl Config {
             0 => std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
             n => n,
         };
+        let kernels = tl_llama::kernels::Kernels::parse(&m.kernels).ok_or_else(|| {
+            ConfigError::Invalid(format!(
+                "model.kernels {:?}: expected \"gemm\" or \"portable\"",
+                m.kernels
+            ))
+        })?;
         let key = (
             dir.to_path_buf(),
             name.clone(),
             self.pool.block_tokens,
             threads,
             m.max_context,
+            kernels.name(),
         );
         static LOADED: std::sync::OnceLock<
             std::sync::Mutex<std::collections::HashMap<LlamaKey, Arc<tl_llama::Llama>>>,
@@ -415,7 +428,8 @@ impl Config {
             return Ok(l.clone());
         }
         let l = tl_llama::Llama::load(dir, &name, self.pool.block_tokens, threads, m.max_context)
-            .map_err(|e| ConfigError::Invalid(format!("model.path {}: {e}", m.path)))?;
+            .map_err(|e| ConfigError::Invalid(format!("model.path {}: {e}", m.path)))?
+            .with_kernels(kernels);
         let l = Arc::new(l);
         cache.insert(key, l.clone());
         Ok(l)

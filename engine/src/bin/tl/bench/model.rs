@@ -1,7 +1,8 @@
 //! `tl bench model`: the real transformer on this CPU, on a published shape with seeded random
 //! weights (nothing downloaded). Decode tokens/s at several batch sizes against the roofline of
 //! streaming every weight byte once per step at the memcpy bandwidth measured in the same run;
-//! prefill tokens/s against the kernels' own best square-matmul FLOP/s, also measured here.
+//! prefill tokens/s against the matmul crate's own best square-matmul FLOP/s, also measured
+//! here. Each figure for both kernel sets: `gemm` (the crate, the default) and `portable`.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use tl_engine_core::pool::{KvPool, SharedKv};
 use tl_engine_core::sampler::Sampling;
 use tl_llama::Llama;
 use tl_llama::init::{InitShape, write_checkpoint};
-use tl_llama::kernels::{DType, MatRef, matmul};
+use tl_llama::kernels::{DType, Kernels, MatRef, matmul};
 
 use super::{BenchError, round3};
 use crate::run::print_json;
@@ -42,6 +43,9 @@ pub(crate) struct ModelArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_tokens: u32,
+    /// Kernel sets to measure: gemm, portable, or both.
+    #[arg(long, value_delimiter = ',', default_value = "gemm,portable")]
+    kernels: Vec<String>,
 }
 
 /// Runs `tl bench model`.
@@ -65,13 +69,19 @@ fn memcpy_gbps() -> f64 {
     best
 }
 
-/// The kernels' best FLOP/s on a square-ish f32 product (512 rows by 1024 x 1024).
-fn matmul_peak(threads: usize) -> f64 {
+/// A 512 x 1024 x 1024 f32 product's operands.
+fn square() -> (Vec<f32>, Vec<u8>, usize, usize, usize) {
     let (m, k, n) = (512, 1024, 1024);
     let w: Vec<u8> = (0..n * k)
         .flat_map(|i| ((i % 97) as f32 / 97.0 - 0.5).to_le_bytes())
         .collect();
     let x: Vec<f32> = (0..m * k).map(|i| (i % 89) as f32 / 89.0 - 0.5).collect();
+    (x, w, m, k, n)
+}
+
+/// The kernels' best FLOP/s on the square-ish f32 product, through the engine's own driver.
+fn driver_peak(kernels: Kernels, threads: usize) -> f64 {
+    let (x, w, m, k, n) = square();
     let mat = MatRef {
         bytes: &w,
         dtype: DType::F32,
@@ -82,9 +92,59 @@ fn matmul_peak(threads: usize) -> f64 {
     let mut best = 0f64;
     for _ in 0..3 {
         let t = Instant::now();
-        matmul(&x, mat, None, &mut out, threads);
+        matmul(kernels, &x, mat, None, &mut out, threads);
         std::hint::black_box(&out);
         best = best.max(2.0 * (m * k * n) as f64 / t.elapsed().as_secs_f64());
+    }
+    best
+}
+
+/// The gemm crate's own best FLOP/s on the same product, called as its documentation shows
+/// (one call over the whole product, its own blocking), once per thread at the same time.
+#[allow(unsafe_code)]
+fn crate_peak(threads: usize) -> f64 {
+    let (x, w, m, k, n) = square();
+    let w: Vec<f32> = w
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| {
+                    let mut out = vec![0f32; m * n];
+                    // SAFETY: out is m x n, x is m x k and w is n x k (read transposed), all
+                    // row-major and exactly that long.
+                    unsafe {
+                        gemm::gemm(
+                            m,
+                            n,
+                            k,
+                            out.as_mut_ptr(),
+                            1,
+                            n as isize,
+                            false,
+                            x.as_ptr(),
+                            1,
+                            k as isize,
+                            w.as_ptr(),
+                            k as isize,
+                            1,
+                            0.0,
+                            1.0,
+                            false,
+                            false,
+                            false,
+                            gemm::Parallelism::None,
+                        );
+                    }
+                    std::hint::black_box(&out);
+                });
+            }
+        });
+        best = best.max(threads as f64 * 2.0 * (m * k * n) as f64 / t.elapsed().as_secs_f64());
     }
     best
 }
@@ -135,11 +195,56 @@ fn bench(a: &ModelArgs) -> Result<serde_json::Value, BenchError> {
         0 => std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
         n => n,
     };
-    let model = Arc::new(Llama::load(&dir, "bench", a.block_tokens, threads, 8192)?);
     let bytes = weight_bytes(&dir);
     let memcpy = memcpy_gbps();
     let roofline_steps = memcpy * 1e9 / bytes as f64;
-    let peak = matmul_peak(threads);
+    let crate_peak = crate_peak(threads);
+    let mut sets = serde_json::Map::new();
+    for name in &a.kernels {
+        let kernels = Kernels::parse(name).ok_or_else(|| {
+            BenchError::from(format!("--kernels {name:?}: expected gemm or portable"))
+        })?;
+        let model =
+            Llama::load(&dir, "bench", a.block_tokens, threads, 8192)?.with_kernels(kernels);
+        let r = measure(
+            a,
+            Arc::new(model),
+            roofline_steps,
+            kernels,
+            threads,
+            crate_peak,
+        )?;
+        sets.insert(name.clone(), r);
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+    Ok(serde_json::json!({
+        "bench": "model",
+        "model": shape_name,
+        "threads": threads,
+        "block_tokens": a.block_tokens,
+        "weight_bytes": bytes,
+        "memcpy_gbps": round3(memcpy),
+        "roofline_steps_per_s": round3(roofline_steps),
+        "gemm_crate_peak_gflops": round3(crate_peak / 1e9),
+        "kernels": sets,
+    }))
+}
+
+/// One kernel set's decode and prefill figures.
+fn measure(
+    a: &ModelArgs,
+    model: Arc<Llama>,
+    roofline_steps: f64,
+    kernels: Kernels,
+    threads: usize,
+    crate_peak: f64,
+) -> Result<serde_json::Value, BenchError> {
+    let driver = driver_peak(kernels, threads);
+    // The gemm set is held to the crate's own best; the portable set to its own.
+    let peak = match kernels {
+        Kernels::Gemm => crate_peak,
+        Kernels::Portable => driver,
+    };
     let b = a.block_tokens as usize;
     let vocab = model.vocab();
 
@@ -202,15 +307,7 @@ fn bench(a: &ModelArgs) -> Result<serde_json::Value, BenchError> {
                 + c.heads * c.head_dim * c.hidden
                 + 3 * c.hidden * c.intermediate)) as f64;
     let prefill_flops = per_token_flops * a.prefill_tokens as f64 / secs;
-    let _ = std::fs::remove_dir_all(&tmp);
     Ok(serde_json::json!({
-        "bench": "model",
-        "model": shape_name,
-        "threads": threads,
-        "block_tokens": a.block_tokens,
-        "weight_bytes": bytes,
-        "memcpy_gbps": round3(memcpy),
-        "roofline_steps_per_s": round3(roofline_steps),
         "decode": decode,
         "batch_32_over_batch_1": batch32_over_batch1,
         "prefill": {
@@ -219,7 +316,7 @@ fn bench(a: &ModelArgs) -> Result<serde_json::Value, BenchError> {
             "gflops": round3(prefill_flops / 1e9),
             "prefill_over_matmul_peak": round3(prefill_flops / peak),
         },
-        "matmul_peak_gflops": round3(peak / 1e9),
-        "kernels": "tl-llama's own: f32 dot products in a fixed order per row (8 lanes), weights widened from their dtype one row at a time, columns split over threads",
+        "driver_square_gflops": round3(driver / 1e9),
+        "peak_gflops": round3(peak / 1e9),
     }))
 }
