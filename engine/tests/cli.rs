@@ -212,3 +212,68 @@ fn demo_trace_prints_the_waterfall() {
     assert!(indent(line("kv.transfer [server]")) > indent(line("kv.transfer [client]")));
     assert!(tail.contains('#'), "no bars: {tail}");
 }
+
+/// `tl generate --model DIR --prompt TEXT --chat` on a checkpoint `tl model init` wrote: the
+/// prompt goes through the checkpoint's tokenizer and chat template, generation stops at its
+/// EOS (the last token, left out of the text), and `--ignore-eos` goes on past it with the
+/// same tokens up to there.
+#[test]
+fn generate_on_a_checkpoint_stops_at_eos_unless_ignored() {
+    let dir = std::env::temp_dir().join(format!("tl-cli-ckpt-{}", std::process::id()));
+    let (code, _, err) = tl(&["model", "init", "--dir", dir.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        assert!(dir.join(f).is_file(), "{f}");
+    }
+    let run = |seed: u64, extra: &[&str]| -> serde_json::Value {
+        let seed = seed.to_string();
+        let mut args = vec![
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "Hi there",
+            "--chat",
+            "--max-tokens",
+            "300",
+            "--temperature",
+            "1.0",
+            "--seed",
+            &seed,
+        ];
+        args.extend_from_slice(extra);
+        let (code, out, err) = tl(&args);
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str(out.trim()).unwrap()
+    };
+    let ids = |v: &serde_json::Value| -> Vec<u64> {
+        v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect()
+    };
+    // The byte tokenizer's EOS is 257; one in ~260 tokens is it, so some seed stops early.
+    let (seed, stopped) = (0..40)
+        .map(|s| (s, run(s, &[])))
+        .find(|(_, v)| ids(v).len() < 300)
+        .expect("no seed of 40 met EOS in 300 tokens");
+    let stopped_ids = ids(&stopped);
+    assert_eq!(*stopped_ids.last().unwrap(), 257, "{stopped}");
+    assert!(!stopped_ids[..stopped_ids.len() - 1].contains(&257));
+    let text = stopped["text"].as_str().unwrap();
+    assert!(!text.contains("<|im_end|>"), "{text}");
+    let on = run(seed, &["--ignore-eos"]);
+    let on_ids = ids(&on);
+    assert_eq!(on_ids.len(), 300);
+    assert_eq!(&on_ids[..stopped_ids.len()], &stopped_ids[..]);
+    // A chat without a template (the fake model) is a usage error.
+    let (code, _, err) = tl(&["generate", "--prompt", "x", "--chat", "--max-tokens", "1"]);
+    assert_eq!(code, 2, "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

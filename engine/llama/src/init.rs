@@ -174,9 +174,15 @@ fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
     }
 }
 
+/// The byte-level vocabulary's special tokens, from id 256: BOS, EOS (end of turn), PAD, UNK,
+/// named as SmolLM2 names its first two.
+pub const BYTE_SPECIALS: [&str; 4] = ["<|im_start|>", "<|im_end|>", "<|pad|>", "<|unk|>"];
+
 /// Writes a checkpoint of `shape` into `dir` (created): weights seeded by `seed` in `dtype`,
 /// in `shards` files (1: `model.safetensors`; more: `model-0000i-of-0000n.safetensors` with an
-/// index), `config.json` naming `eos` and `bos`.
+/// index), `config.json` naming `eos` and `bos`, and the byte-level tokenizer files of
+/// [`crate::text::byte_level_files`] (`tokenizer.json`, `tokenizer_config.json` with a chat
+/// template, `generation_config.json`).
 ///
 /// # Errors
 /// When a file cannot be written.
@@ -196,6 +202,16 @@ pub fn write_checkpoint(
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let cpath = dir.join("config.json");
     std::fs::write(&cpath, shape.config_json(eos, bos)).map_err(|e| io(&cpath, e))?;
+    let (tokenizer, tokenizer_config, generation) =
+        crate::text::byte_level_files(&BYTE_SPECIALS, bos, eos);
+    for (name, body) in [
+        ("tokenizer.json", tokenizer),
+        ("tokenizer_config.json", tokenizer_config),
+        ("generation_config.json", generation),
+    ] {
+        let path = dir.join(name);
+        std::fs::write(&path, body).map_err(|e| io(&path, e))?;
+    }
     let st_dtype = match dtype {
         DType::Bf16 => safetensors::Dtype::BF16,
         DType::F16 => safetensors::Dtype::F16,

@@ -11,7 +11,9 @@ pub mod config;
 pub mod init;
 pub mod kernels;
 pub mod model;
+pub mod text;
 pub mod weights;
 
 pub use config::{CheckpointError, LlamaConfig};
 pub use model::Llama;
+pub use text::{Message, Text, TextError};

@@ -1,4 +1,4 @@
-//! `tl generate`: one colocated generation, one JSON line `{"tokens":[...],"seed":S}`.
+//! `tl generate`: one colocated generation, one JSON line `{"tokens":[...],"text":"...","seed":S}`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -16,8 +16,19 @@ pub(crate) struct GenerateArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// Prompt token ids, comma-separated.
-    #[arg(long, value_delimiter = ',', required = true, num_args = 1..)]
+    #[arg(long, value_delimiter = ',', num_args = 1.., required_unless_present = "prompt", conflicts_with = "prompt")]
     prompt_tokens: Vec<u32>,
+    /// Prompt text, tokenized by the checkpoint's tokenizer as `transformers` does
+    /// (`add_special_tokens=True`); the fake model's bytes otherwise.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Send `--prompt` as one user message through the checkpoint's chat template, with the
+    /// generation prompt.
+    #[arg(long, requires = "prompt")]
+    chat: bool,
+    /// Go on past the checkpoint's end-of-sequence tokens (else generation stops at one).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Tokens to generate.
     #[arg(long)]
     max_tokens: u32,
@@ -60,8 +71,55 @@ pub(crate) fn generate(args: &GenerateArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // The checkpoint's tokenizer, when the model is one; the byte ids of the fake model.
+    let text = if cfg.model.path.is_empty() {
+        None
+    } else {
+        match tl_llama::Text::load(std::path::Path::new(&cfg.model.path)) {
+            Ok(t) => Some(t),
+            Err(e) if args.prompt.is_some() => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+            Err(_) => None,
+        }
+    };
+    let prompt: Vec<u32> = match (&args.prompt, &text) {
+        (None, _) => args.prompt_tokens.clone(),
+        (Some(p), Some(t)) => {
+            let rendered = if args.chat {
+                let m = [tl_llama::Message {
+                    role: "user".into(),
+                    content: p.clone(),
+                }];
+                // The template writes its own special tokens: none are added again.
+                t.render_chat(&m, true).and_then(|r| t.encode(&r, false))
+            } else {
+                t.encode(p, true)
+            };
+            match rendered {
+                Ok(ids) => ids,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+        (Some(_), None) if args.chat => {
+            eprintln!("error: --chat needs a checkpoint with a chat template (--model DIR)");
+            return ExitCode::from(2);
+        }
+        (Some(p), None) => tl_engine_core::model::encode_text(p),
+    };
+    let stop = tl_engine_core::stop::Stop {
+        sequences: Vec::new(),
+        token_ids: match &text {
+            Some(t) if !args.ignore_eos => t.eos_ids().to_vec(),
+            _ => Vec::new(),
+        },
+    };
     let params = Params {
-        prompt: &args.prompt_tokens,
+        prompt: &prompt,
         max_tokens: args.max_tokens,
         sampling: SamplingRequest {
             temperature: args.temperature,
@@ -83,21 +141,27 @@ pub(crate) fn generate(args: &GenerateArgs) -> ExitCode {
     let seed = args.seed.unwrap_or_else(entropy_seed);
     let mut engine = Engine::new(model, cfg.build_pool());
     let req = Request {
-        prompt: args.prompt_tokens.clone(),
+        prompt,
         sampling,
         seed,
         max_tokens: args.max_tokens,
         mode: Mode::Generate,
         draws_offset: 0,
-        stop: tl_engine_core::stop::Stop::default(),
+        stop,
         choices: tl_engine_core::engine::Choices::ONE,
         scope: 0,
     };
     match engine.generate(req) {
         Ok(tokens) => {
-            // Keys in the documented order: tokens, then seed.
+            // Keys in the documented order: tokens, text, then seed. The text leaves out
+            // special tokens (an EOS that ended the generation among them).
+            let words = match &text {
+                Some(t) => t.decode(&tokens),
+                None => tl_engine_core::model::decode_text(&tokens),
+            };
+            let words = serde_json::to_string(&words).unwrap_or_default();
             let tokens = serde_json::to_string(&tokens).unwrap_or_default();
-            println!("{{\"tokens\":{tokens},\"seed\":{seed}}}");
+            println!("{{\"tokens\":{tokens},\"text\":{words},\"seed\":{seed}}}");
             ExitCode::SUCCESS
         }
         Err(e) => {

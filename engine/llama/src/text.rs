@@ -1,0 +1,488 @@
+//! A checkpoint's text side, as Hugging Face publishes it: `tokenizer.json` through the
+//! `tokenizers` crate, the special tokens and chat template of `tokenizer_config.json` (or
+//! `chat_template.jinja` beside it) rendered with `minijinja`, and the end-of-sequence ids of
+//! `generation_config.json`. Also the byte-level tokenizer files `tl model init` writes.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+/// Why a checkpoint's text files cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TextError {
+    /// A file is missing or unreadable.
+    #[error("{path}: {why}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        why: String,
+    },
+    /// The tokenizer refused the input, or its file.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The chat template does not parse or does not render.
+    #[error("chat template: {0}")]
+    Template(String),
+}
+
+/// One chat message.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Message {
+    /// `system`, `user`, `assistant`, ...
+    pub role: String,
+    /// Its text.
+    pub content: String,
+}
+
+/// A checkpoint's tokenizer, special tokens, chat template and EOS ids.
+pub struct Text {
+    tok: tokenizers::Tokenizer,
+    template: Option<String>,
+    bos: Option<String>,
+    eos: Option<String>,
+    eos_ids: Vec<u32>,
+}
+
+impl std::fmt::Debug for Text {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Text")
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .field("eos_ids", &self.eos_ids)
+            .field("chat_template", &self.template.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+fn read_json(path: &Path) -> Result<Option<Value>, TextError> {
+    match std::fs::read_to_string(path) {
+        Ok(s) => serde_json::from_str(&s)
+            .map(Some)
+            .map_err(|e| TextError::File {
+                path: path.to_owned(),
+                why: e.to_string(),
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(TextError::File {
+            path: path.to_owned(),
+            why: e.to_string(),
+        }),
+    }
+}
+
+/// A special token as `tokenizer_config.json` gives it: a string or `{"content": ...}`.
+fn token_string(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content")?.as_str().map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// An id or a list of ids.
+fn ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|n| n as u32).into_iter().collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|n| n as u32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl Text {
+    /// Loads `dir`'s `tokenizer.json` (required), and `tokenizer_config.json`,
+    /// `chat_template.jinja` and `generation_config.json` where present. EOS ids come from
+    /// `generation_config.json`, else `config.json`, else the tokenizer's `eos_token`.
+    ///
+    /// # Errors
+    /// A missing `tokenizer.json`, a file that is not JSON, or a tokenizer it cannot build.
+    pub fn load(dir: &Path) -> Result<Self, TextError> {
+        let path = dir.join("tokenizer.json");
+        if !path.is_file() {
+            return Err(TextError::File {
+                path,
+                why: "not found (a checkpoint served as text needs its tokenizer)".into(),
+            });
+        }
+        let tok = tokenizers::Tokenizer::from_file(&path).map_err(|e| TextError::File {
+            path: path.clone(),
+            why: e.to_string(),
+        })?;
+        let tc = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
+        let jinja = dir.join("chat_template.jinja");
+        let template = match std::fs::read_to_string(&jinja) {
+            Ok(t) => Some(t),
+            Err(_) => match tc.get("chat_template") {
+                Some(Value::String(s)) => Some(s.clone()),
+                // A list of named templates: the one named "default".
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                    .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
+                _ => None,
+            },
+        };
+        let bos = token_string(tc.get("bos_token"));
+        let eos = token_string(tc.get("eos_token"));
+        let generation = read_json(&dir.join("generation_config.json"))?.unwrap_or(Value::Null);
+        let mut eos_ids = ids(generation.get("eos_token_id"));
+        if eos_ids.is_empty() {
+            let config = read_json(&dir.join("config.json"))?.unwrap_or(Value::Null);
+            eos_ids = ids(config.get("eos_token_id"));
+        }
+        if eos_ids.is_empty() {
+            eos_ids.extend(eos.as_deref().and_then(|e| tok.token_to_id(e)));
+        }
+        if let Some(t) = &template {
+            // Parsed once here, so a broken template is refused at load, not per request.
+            let mut env = minijinja::Environment::new();
+            env.add_template("chat", t)
+                .map_err(|e| TextError::Template(e.to_string()))?;
+        }
+        Ok(Self {
+            tok,
+            template,
+            bos,
+            eos,
+            eos_ids,
+        })
+    }
+
+    /// Token ids of `text`; `add_special_tokens` as `transformers` means it (a BOS where the
+    /// tokenizer's post-processor adds one).
+    ///
+    /// # Errors
+    /// The tokenizer's own refusal.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
+        self.tok
+            .encode(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TextError::Tokenizer(e.to_string()))
+    }
+
+    /// Text of `ids`, special tokens skipped (ids the tokenizer does not know are dropped).
+    #[must_use]
+    pub fn decode(&self, ids: &[u32]) -> String {
+        self.tok.decode(ids, true).unwrap_or_default()
+    }
+
+    /// One token as a log-probability entry names it: its text, special tokens included.
+    #[must_use]
+    pub fn token_text(&self, id: u32) -> String {
+        self.tok.decode(&[id], false).unwrap_or_default()
+    }
+
+    /// The end-of-sequence ids generation stops at (unless asked to ignore them).
+    #[must_use]
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+
+    /// Whether the checkpoint has a chat template.
+    #[must_use]
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// `messages` through the chat template, as `apply_chat_template(..., tokenize=False)`
+    /// renders them, with `bos_token`, `eos_token` and `add_generation_prompt` defined and
+    /// `raise_exception` failing the render with the template's message.
+    ///
+    /// # Errors
+    /// No template, or one that fails on these messages.
+    pub fn render_chat(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String, TextError> {
+        let t = self
+            .template
+            .as_deref()
+            .ok_or_else(|| TextError::Template("the checkpoint has no chat template".into()))?;
+        let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", t)
+            .map_err(|e| TextError::Template(e.to_string()))?;
+        let tmpl = env
+            .get_template("chat")
+            .map_err(|e| TextError::Template(e.to_string()))?;
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos.clone().unwrap_or_default(),
+            eos_token => self.eos.clone().unwrap_or_default(),
+        })
+        .map_err(|e| TextError::Template(e.to_string()))
+    }
+
+    /// An incremental decoder over this tokenizer.
+    #[must_use]
+    pub fn stream(&self) -> Detokenizer<'_> {
+        Detokenizer {
+            text: self,
+            ids: Vec::new(),
+            prefix: 0,
+            read: 0,
+        }
+    }
+}
+
+/// Text of a growing list of ids, piece by piece: each piece is what the newest ids add to the
+/// decoding of a window that starts a few tokens back (so merged tokens, byte-level pieces and
+/// byte-fallback tokens that only form a character together come out whole), held back while
+/// the window's text ends in an incomplete character (U+FFFD). The pieces' concatenation is
+/// the decoding of all the ids whenever the text is valid UTF-8.
+#[derive(Debug)]
+pub struct Detokenizer<'a> {
+    text: &'a Text,
+    ids: Vec<u32>,
+    prefix: usize,
+    read: usize,
+}
+
+impl Detokenizer<'_> {
+    /// The text `ids` complete.
+    pub fn push(&mut self, ids: &[u32]) -> String {
+        self.ids.extend_from_slice(ids);
+        let before = self.text.decode(&self.ids[self.prefix..self.read]);
+        let now = self.text.decode(&self.ids[self.prefix..]);
+        if now.len() > before.len()
+            && !now.ends_with('\u{FFFD}')
+            && now.is_char_boundary(before.len())
+        {
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            now[before.len()..].to_owned()
+        } else {
+            String::new()
+        }
+    }
+
+    /// What was held back, at the end of the stream.
+    pub fn finish(&mut self) -> String {
+        let before = self.text.decode(&self.ids[self.prefix..self.read]);
+        let now = self.text.decode(&self.ids[self.prefix..]);
+        self.prefix = self.ids.len();
+        self.read = self.ids.len();
+        if now.len() > before.len() && now.is_char_boundary(before.len()) {
+            now[before.len()..].to_owned()
+        } else {
+            String::new()
+        }
+    }
+}
+
+/// GPT-2's map from bytes to printable characters, which byte-level BPE vocabularies are
+/// written in: printable Latin-1 bytes stand for themselves, the others for U+0100 onwards.
+#[must_use]
+pub fn byte_chars() -> [char; 256] {
+    let mut out = ['\0'; 256];
+    let mut next = 256u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        out[b as usize] = if printable {
+            char::from(b)
+        } else {
+            let c = char::from_u32(next).unwrap_or('?');
+            next += 1;
+            c
+        };
+    }
+    out
+}
+
+/// The byte-level tokenizer files of `tl model init`: ids 0..=255 are the bytes (so the model
+/// reads the same ids as the engine's built-in byte tokenizer), then `specials` from 256 on
+/// (`<|im_start|>` as BOS, `<|im_end|>` as EOS and end of turn, as SmolLM2 publishes them),
+/// a ChatML chat template, and `eos` in `generation_config.json`. Returns
+/// `(tokenizer.json, tokenizer_config.json, generation_config.json)`.
+#[must_use]
+pub fn byte_level_files(specials: &[&str], bos: u32, eos: u32) -> (String, String, String) {
+    let chars = byte_chars();
+    let vocab: serde_json::Map<String, Value> = chars
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), Value::from(i)))
+        .collect();
+    let added: Vec<Value> = specials
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            serde_json::json!({
+                "id": 256 + i, "content": s, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true,
+            })
+        })
+        .collect();
+    let byte_level = serde_json::json!({
+        "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false,
+    });
+    let tokenizer = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": byte_level,
+        "post_processor": byte_level,
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": [],
+        },
+    });
+    let name = |id: u32| {
+        specials
+            .get(id.wrapping_sub(256) as usize)
+            .copied()
+            .unwrap_or("")
+    };
+    let template = "{% for message in messages %}{{ bos_token + message['role'] + '\\n' + \
+                    message['content'] + eos_token + '\\n' }}{% endfor %}\
+                    {% if add_generation_prompt %}{{ bos_token + 'assistant\\n' }}{% endif %}";
+    let config = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": name(bos),
+        "eos_token": name(eos),
+        "add_bos_token": false,
+        "model_max_length": 8192,
+        "chat_template": template,
+    });
+    let generation = serde_json::json!({ "bos_token_id": bos, "eos_token_id": eos });
+    let pretty = |v: &Value| serde_json::to_string_pretty(v).unwrap_or_default();
+    (pretty(&tokenizer), pretty(&config), pretty(&generation))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPECIALS: [&str; 4] = ["<|im_start|>", "<|im_end|>", "<|pad|>", "<|unk|>"];
+
+    fn byte_text(name: &str) -> Text {
+        let dir = std::env::temp_dir().join(format!("tl-text-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (t, c, g) = byte_level_files(&SPECIALS, 256, 257);
+        std::fs::write(dir.join("tokenizer.json"), t).unwrap();
+        std::fs::write(dir.join("tokenizer_config.json"), c).unwrap();
+        std::fs::write(dir.join("generation_config.json"), g).unwrap();
+        let text = Text::load(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        text
+    }
+
+    /// The byte-level tokenizer.json read by the `tokenizers` crate gives the engine's own
+    /// byte ids, and decodes them back, for ASCII, multi-byte text and control bytes.
+    #[test]
+    fn byte_level_tokenizer_is_the_byte_ids() {
+        let text = byte_text("bytes");
+        for s in [
+            "hello world",
+            "héllo wörld, Բարեւ, 日本語, 🦀!",
+            "tab\tnew\nline\r\0end",
+            "",
+        ] {
+            let ids = text.encode(s, true).unwrap();
+            assert_eq!(ids, s.bytes().map(u32::from).collect::<Vec<_>>(), "{s:?}");
+            assert_eq!(text.decode(&ids), s);
+        }
+        // Special tokens in text are their ids; decoding skips them; token_text names them.
+        assert_eq!(text.encode("a<|im_end|>", true).unwrap(), vec![97, 257]);
+        assert_eq!(text.decode(&[97, 257, 98]), "ab");
+        assert_eq!(text.token_text(257), "<|im_end|>");
+        assert_eq!(text.eos_ids(), &[257]);
+    }
+
+    /// The chat template renders ChatML with the generation prompt, as transformers does.
+    #[test]
+    fn chat_template_renders_with_the_generation_prompt() {
+        let text = byte_text("chat");
+        let m = [
+            Message {
+                role: "system".into(),
+                content: "Be brief.".into(),
+            },
+            Message {
+                role: "user".into(),
+                content: "Hi".into(),
+            },
+        ];
+        assert_eq!(
+            text.render_chat(&m, true).unwrap(),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert!(
+            !text
+                .render_chat(&m, false)
+                .unwrap()
+                .ends_with("assistant\n")
+        );
+    }
+
+    /// Streamed text equals the whole decoding for valid UTF-8 cut at every token, and a
+    /// character split over byte tokens comes out whole with its last byte.
+    #[test]
+    fn streamed_text_equals_whole_text() {
+        let text = byte_text("stream");
+        let s = "héllo wörld, Բարեւ, 日本語, 🦀!";
+        let mut ids = text.encode(s, false).unwrap();
+        ids.insert(3, 257); // a special in between: skipped in both
+        for piece in 1..=ids.len() {
+            let mut d = text.stream();
+            let mut out: String = ids.chunks(piece).map(|c| d.push(c)).collect();
+            out.push_str(&d.finish());
+            assert_eq!(out, text.decode(&ids), "pieces of {piece}");
+        }
+        let mut d = text.stream();
+        assert_eq!(d.push(&[0xF0, 0x9F]), "");
+        assert_eq!(d.push(&[0xA6]), "");
+        assert_eq!(d.push(&[0x80]), "🦀");
+        // An incomplete character at the end is flushed as the tokenizer decodes it.
+        assert_eq!(d.push(&[0xE6]), "");
+        assert_eq!(d.finish(), "\u{FFFD}");
+    }
+
+    /// Files that cannot be used are refused naming the file.
+    #[test]
+    fn broken_text_files_are_refused_by_name() {
+        let dir = std::env::temp_dir().join(format!("tl-text-bad-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let e = Text::load(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains("tokenizer.json") && e.contains("not found"),
+            "{e}"
+        );
+        std::fs::write(dir.join("tokenizer.json"), "{not json").unwrap();
+        let e = Text::load(&dir).unwrap_err().to_string();
+        assert!(e.contains("tokenizer.json"), "{e}");
+        let (t, _, _) = byte_level_files(&SPECIALS, 256, 257);
+        std::fs::write(dir.join("tokenizer.json"), t).unwrap();
+        std::fs::write(dir.join("chat_template.jinja"), "{% for %}").unwrap();
+        let e = Text::load(&dir).unwrap_err().to_string();
+        assert!(e.starts_with("chat template"), "{e}");
+        std::fs::write(
+            dir.join("chat_template.jinja"),
+            "{{ raise_exception('no system role') }}",
+        )
+        .unwrap();
+        let text = Text::load(&dir).unwrap();
+        let e = text.render_chat(&[], true).unwrap_err().to_string();
+        assert!(e.contains("no system role"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
