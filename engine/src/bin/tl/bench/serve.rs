@@ -40,6 +40,10 @@ pub(crate) struct ServeArgs {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 32)]
     max_tokens: u32,
+    /// A checkpoint directory for every engine instead of the fake model (its own costs; the
+    /// simulated ones are not used). B = 16, 1024 blocks per engine.
+    #[arg(long)]
+    model: Option<String>,
     /// Simulated prefill cost per prompt token, microseconds.
     #[arg(long, default_value_t = 50)]
     prefill_us_per_token: u64,
@@ -258,14 +262,20 @@ async fn gateway_load(a: &ServeArgs, mtls: bool) -> Result<serde_json::Value, Be
 }
 
 fn engine_cfg(a: &ServeArgs, id: &str, role: Role, reg: &str) -> Config {
-    simulated(
+    let mut c = simulated(
         id,
         role,
         reg,
         a.prefill_us_per_token,
         a.decode_us_per_seq,
         8192,
-    )
+    );
+    if let Some(dir) = &a.model {
+        crate::run::set_model(&mut c, dir);
+        c.pool.block_tokens = 16;
+        c.pool.n_blocks = 1024;
+    }
+    c
 }
 
 /// An engine beating every 100 ms to `reg`, with simulated costs and `n_blocks` pool blocks.
@@ -340,7 +350,10 @@ async fn serve_bench(a: &ServeArgs) -> Result<serde_json::Value, BenchError> {
             "short_tokens": a.short_tokens, "max_tokens": a.max_tokens,
             "prefill_us_per_token": a.prefill_us_per_token, "decode_us_per_seq": a.decode_us_per_seq,
             "n": a.n, "logprobs": a.logprobs,
-            "shape": "test shape B=4 L=2 H=1 D=4, fake model, cost model by sleeping in the step loop",
+            "shape": match &a.model {
+                Some(dir) => format!("{dir}: the checkpoint on every engine, B=16, every engine's kernels on every core"),
+                None => "test shape B=4 L=2 H=1 D=4, fake model, cost model by sleeping in the step loop".to_owned(),
+            },
         },
         "disaggregated_gateway_1p_2d": disagg,
         "disaggregated_gateway_1p_2d_mtls": disagg_mtls,

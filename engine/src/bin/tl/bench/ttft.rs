@@ -24,6 +24,10 @@ pub(crate) struct TtftArgs {
     /// Warm one-block pushes timed after the first (one-block row only).
     #[arg(long, default_value_t = 9)]
     single_pushes: usize,
+    /// A checkpoint directory to run instead of the fake model at the 2 MiB-block shape
+    /// (`tl model init --shape smollm2-135m` writes one); its own shape then.
+    #[arg(long)]
+    model: Option<String>,
 }
 
 /// Runs `tl bench ttft`.
@@ -49,9 +53,14 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
     let mut rows = Vec::new();
     for &n in &args.blocks {
         let mut cfg = Config::default();
-        cfg.model.n_layers = 32;
-        cfg.model.n_kv_heads = 8;
-        cfg.model.head_dim = 128;
+        match &args.model {
+            Some(dir) => crate::run::set_model(&mut cfg, dir),
+            None => {
+                cfg.model.n_layers = 32;
+                cfg.model.n_kv_heads = 8;
+                cfg.model.head_dim = 128;
+            }
+        }
         cfg.model.max_context = 16 * (n as u32 + 8);
         cfg.pool.block_tokens = 16;
         cfg.pool.n_blocks = n as u32 + 8;
@@ -60,6 +69,8 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         cfg.engine.role = Role::Decode;
         cfg.validate()?;
         let shape = cfg.shape();
+        let model_name = cfg.build_model()?.name().to_owned();
+        let model_name = model_name.as_str();
         let prompt: Vec<u32> = (0..n * 16).map(|i| (i * 7 % 251) as u32).collect();
         let req = |mode| Request {
             prompt: prompt.clone(),
@@ -98,7 +109,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         let warm = HasBlocksRequest {
             hashes: vec![1],
             kv_format: 1,
-            model: "fake".into(),
+            model: model_name.into(),
             ..HasBlocksRequest::default()
         };
         transport.has_blocks(&kv, warm).await?;
@@ -106,7 +117,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         let hb = HasBlocksRequest {
             hashes: out.hashes.clone(),
             kv_format: 1,
-            model: "fake".into(),
+            model: model_name.into(),
             tokens: prompt[..out.hashes.len() * 16].to_vec(),
             cache_scope: 0,
         };
@@ -120,7 +131,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
             kvwire_grpc::Push {
                 target: &kv,
                 handle_id: "ttft",
-                model: "fake",
+                model: model_name,
                 hashes: &out.hashes,
                 n_blocks: out.blocks.ids().len(),
                 known: None,
@@ -154,7 +165,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
                     kvwire_grpc::Push {
                         target: &kv,
                         handle_id: &handle,
-                        model: "fake",
+                        model: model_name,
                         hashes: &[],
                         n_blocks: small.blocks.ids().len(),
                         known: None,
@@ -218,7 +229,10 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
     drop(spin);
     Ok(serde_json::json!({
         "bench": "ttft",
-        "shape": "B=16 L=32 H=8 D=128 (2 MiB blocks), fake model, greedy",
+        "shape": match &args.model {
+            Some(dir) => format!("{dir}: the checkpoint's own L, H, D with B=16, greedy"),
+            None => "B=16 L=32 H=8 D=128 (2 MiB blocks), fake model, greedy".to_owned(),
+        },
         "busy_core": args.busy_core,
         "note": "stepwise: prefill, HasBlocks and push timed apart on an in-process engine (push after prefill); prefill_rpc_*: a prefill engine's whole Prefill RPC (the first token returns with the KvHandle), pushing after the prefill (serial) or each block as it is written (pipelined); ttft_ratio = pipelined RPC / colocated (medians of --repeat runs); single_block_push_over_streamed = median warm one-block push / per-block time of the largest stepwise push, first_push_over_streamed the same for the first push on the connection; resume = claim + one decode step + HTTP",
         "single_block_push_over_streamed": single_over_streamed(&rows, "warm_single_push_p50_ms"),
