@@ -182,6 +182,16 @@ impl Text {
         &self.eos_ids
     }
 
+    /// Whether ids 0..=255 are the bytes, as in the byte-level vocabulary `tl model init`
+    /// writes (GPT-2's byte characters, one id per byte, in byte order).
+    #[must_use]
+    pub fn is_byte_level(&self) -> bool {
+        let chars = byte_chars();
+        (0..256u32).all(|b| {
+            self.tok.id_to_token(b).as_deref() == Some(chars[b as usize].to_string().as_str())
+        })
+    }
+
     /// Whether the checkpoint has a chat template.
     #[must_use]
     pub fn has_chat_template(&self) -> bool {
@@ -406,6 +416,7 @@ mod tests {
         assert_eq!(text.decode(&[97, 257, 98]), "ab");
         assert_eq!(text.token_text(257), "<|im_end|>");
         assert_eq!(text.eos_ids(), &[257]);
+        assert!(text.is_byte_level());
     }
 
     /// The chat template renders ChatML with the generation prompt, as transformers does.

@@ -105,6 +105,10 @@ pub struct GenerationParams {
     /// Chat: alternatives per token (0 to 20), with `logprobs: true`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_logprobs: Option<u32>,
+    /// vLLM's `ignore_eos`: go on past the checkpoint's end-of-sequence tokens. Read by the
+    /// gateway (which adds those tokens to the stop ids otherwise); never forwarded.
+    #[serde(default, skip_serializing)]
+    pub ignore_eos: Option<bool>,
 }
 
 /// OpenAI's `logprobs`: a count on completions, a flag on chat.
@@ -308,6 +312,9 @@ const SHARED_FIELDS: &[&str] = &[
     // OpenAI's end-user id, for abuse monitoring: accepted, not used.
     "user",
     "cache_salt",
+    // vLLM's: go on past EOS (an engine's front, whose stop ids come from the gateway, has no
+    // EOS of its own to ignore).
+    "ignore_eos",
 ];
 
 /// The value of an unsupported field that asks for nothing, and so passes.

@@ -34,6 +34,9 @@
 //! prefill_timeout_ms = 10000       # one Prefill call (compute and push); a prefill engine that
 //!                                  # takes longer is given up: the request falls back to a
 //!                                  # `both` engine, or fails with 503
+//! model_path = ""                 # a checkpoint directory whose tokenizer.json, chat template,
+//!                                  # EOS ids, vocabulary and context the gateway uses (the one
+//!                                  # the engines serve); "": the byte tokenizer of the fake model
 //!
 //! [gateway.public_tls]             # HTTPS on the public endpoint (no client certificates)
 //! cert = "public.pem"
@@ -117,6 +120,8 @@ pub struct GatewaySection {
     /// Tokens one tenant may have in flight, a request counting its prompt and `n` x
     /// `max_tokens` (0: no token bound). A tenant's first request is never refused by it.
     pub max_tokens_in_flight_per_key: u64,
+    /// The checkpoint directory the engines serve, for its text side ("": the byte tokenizer).
+    pub model_path: String,
 }
 
 impl Default for GatewaySection {
@@ -146,6 +151,7 @@ impl Default for GatewaySection {
             prefill_timeout_ms: 10_000,
             max_inflight_per_key: 0,
             max_tokens_in_flight_per_key: 0,
+            model_path: String::new(),
         }
     }
 }

@@ -23,6 +23,7 @@ pub mod request;
 pub mod routed;
 pub mod session;
 pub mod tenant;
+pub mod text;
 pub mod upstream;
 pub mod worker;
 
@@ -61,6 +62,8 @@ pub struct Gateway {
     /// When this gateway started: for a while after, a request that finds no engine waits for
     /// the engines to register (they beat to a fresh registry within one interval).
     started: Instant,
+    /// The served checkpoint's text side (`[gateway] model_path`); none: the byte tokenizer.
+    text: Option<Arc<text::GatewayText>>,
 }
 
 impl Gateway {
@@ -103,7 +106,15 @@ impl Gateway {
             metrics: Arc::new(Metrics::new()),
             drain: Drain::default(),
             started: Instant::now(),
+            text: None,
         })
+    }
+
+    /// The same gateway tokenizing with `text` (the checkpoint the engines serve).
+    #[must_use]
+    pub fn with_text(mut self, text: Option<Arc<text::GatewayText>>) -> Self {
+        self.text = text;
+        self
     }
 
     /// The gateway's metrics.
@@ -283,9 +294,17 @@ impl GatewayNode {
             &cfg.limits,
         )
         .await?;
+        let text = if g.model_path.is_empty() {
+            None
+        } else {
+            Some(Arc::new(
+                text::GatewayText::load(&g.model_path).map_err(|e| invalid(&e))?,
+            ))
+        };
         let gateway = Arc::new(
             Gateway::new(state, g.clone(), tls.as_ref(), api_keys, &cfg.limits)
-                .map_err(|e| invalid(&e))?,
+                .map_err(|e| invalid(&e))?
+                .with_text(text),
         );
         let public_tls = g
             .public_tls

@@ -116,7 +116,16 @@ async fn completions(
     match parse_fields::<CompletionRequest>(&body, COMPLETION_FIELDS) {
         Ok(r) => {
             let caller = caller_of(caller);
-            start(g, caller, r.prompt.tokens(), r.params, Flavor::Completion)
+            let prompt = match (&g.text, &r.prompt) {
+                // Text through the checkpoint's tokenizer, special tokens added as
+                // transformers adds them.
+                (Some(t), crate::api::Prompt::Text(s)) => match t.text.encode(s, true) {
+                    Ok(p) => p,
+                    Err(e) => return ApiError::bad_request(e.to_string()).into_response(),
+                },
+                _ => r.prompt.tokens(),
+            };
+            start(g, caller, prompt, r.params, Flavor::Completion)
                 .instrument(span)
                 .await
         }
@@ -155,7 +164,29 @@ async fn chat(
     if r.messages.is_empty() {
         return ApiError::bad_request("no messages").into_response();
     }
-    let prompt = encode_text(&render_chat(&r.messages));
+    let prompt = match &g.text {
+        // The checkpoint's own template, with the generation prompt; it writes its special
+        // tokens itself, so none are added again.
+        Some(t) if t.text.has_chat_template() => {
+            let m: Vec<tl_llama::Message> = r
+                .messages
+                .iter()
+                .map(|m| tl_llama::Message {
+                    role: m.role.clone(),
+                    content: m.content.clone(),
+                })
+                .collect();
+            match t
+                .text
+                .render_chat(&m, true)
+                .and_then(|s| t.text.encode(&s, false))
+            {
+                Ok(p) => p,
+                Err(e) => return ApiError::bad_request(e.to_string()).into_response(),
+            }
+        }
+        _ => encode_text(&render_chat(&r.messages)),
+    };
     start(g, caller_of(caller), prompt, r.params, Flavor::Chat)
         .instrument(span)
         .await
@@ -182,13 +213,26 @@ async fn start(
     if let Err(e) = fits(&g, prompt.len(), &params) {
         return e.into_response();
     }
-    if let Err(e) = params.params(&prompt).validate(GATEWAY_LIMITS) {
+    let limits = g.text.as_ref().map_or(GATEWAY_LIMITS, |t| t.limits);
+    if let Err(e) = params.params(&prompt).validate(limits) {
         return ApiError::from(e).into_response();
     }
-    let stop = match params.stop_rules() {
+    let mut stop = match params.stop_rules() {
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };
+    // The checkpoint's EOS ends the completion (finish_reason "stop") unless ignore_eos.
+    let mut params = params;
+    if let Some(t) = &g.text
+        && params.ignore_eos != Some(true)
+    {
+        for &id in t.text.eos_ids() {
+            if !stop.token_ids.contains(&id) {
+                stop.token_ids.push(id);
+                params.stop_token_ids.get_or_insert_with(Vec::new).push(id);
+            }
+        }
+    }
     let choices = match params.choices(flavor, MAX_COMPLETION_LOGPROBS) {
         Ok(c) => c,
         Err(e) => return e.into_response(),
@@ -381,6 +425,9 @@ struct ModelCard {
     id: String,
     object: &'static str,
     owned_by: &'static str,
+    /// The checkpoint's context length, as vLLM reports it (with `[gateway] model_path`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_model_len: Option<u32>,
 }
 
 async fn models(State(g): State<Arc<Gateway>>) -> Response {
@@ -393,6 +440,7 @@ async fn models(State(g): State<Arc<Gateway>>) -> Response {
             id,
             object: "model",
             owned_by: "kvwire",
+            max_model_len: g.text.as_ref().map(|t| t.max_model_len),
         })
         .collect();
     Json(ModelList {
