@@ -203,6 +203,9 @@ impl Llama {
         let m = rows.len();
         let t = self.threads;
         let kern = self.kernels;
+        let mul = |x: &[f32], w: kernels::MatRef<'_>, b: Option<&[f32]>, out: &mut [f32]| {
+            matmul(kern, x, w, b, out, t);
+        };
         // The residual stream, one row per position.
         let mut x = vec![0f32; m * h];
         let embed = self.weights.get(self.embed);
@@ -233,30 +236,9 @@ impl Llama {
             let mut hn = x.clone();
             rms_norm(&mut hn, &layer.attn_norm, self.cfg.rms_eps);
             let w = &self.weights;
-            matmul(
-                kern,
-                &hn,
-                w.get(layer.q),
-                layer.q_bias.as_deref(),
-                &mut q,
-                t,
-            );
-            matmul(
-                kern,
-                &hn,
-                w.get(layer.k),
-                layer.k_bias.as_deref(),
-                &mut k,
-                t,
-            );
-            matmul(
-                kern,
-                &hn,
-                w.get(layer.v),
-                layer.v_bias.as_deref(),
-                &mut v,
-                t,
-            );
+            mul(&hn, w.get(layer.q), layer.q_bias.as_deref(), &mut q);
+            mul(&hn, w.get(layer.k), layer.k_bias.as_deref(), &mut k);
+            mul(&hn, w.get(layer.v), layer.v_bias.as_deref(), &mut v);
             for i in 0..m {
                 let (c, s) = (
                     &cos[i * half..(i + 1) * half],
@@ -299,16 +281,16 @@ impl Llama {
                 }
                 i = j;
             }
-            matmul(kern, &att, w.get(layer.o), None, &mut o, t);
+            mul(&att, w.get(layer.o), None, &mut o);
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
             let mut hn = x.clone();
             rms_norm(&mut hn, &layer.mlp_norm, self.cfg.rms_eps);
-            matmul(kern, &hn, w.get(layer.gate), None, &mut g, t);
-            matmul(kern, &hn, w.get(layer.up), None, &mut u, t);
+            mul(&hn, w.get(layer.gate), None, &mut g);
+            mul(&hn, w.get(layer.up), None, &mut u);
             kernels::swiglu(&mut g, &u);
-            matmul(kern, &g, w.get(layer.down), None, &mut o, t);
+            mul(&g, w.get(layer.down), None, &mut o);
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
@@ -322,14 +304,7 @@ impl Llama {
         rms_norm(&mut last, &self.final_norm, self.cfg.rms_eps);
         let vocab = self.cfg.vocab;
         let mut logits = vec![0f32; wanted.len() * vocab];
-        matmul(
-            kern,
-            &last,
-            self.weights.get(self.lm_head),
-            None,
-            &mut logits,
-            t,
-        );
+        mul(&last, self.weights.get(self.lm_head), None, &mut logits);
         Ok(logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
     }
 
