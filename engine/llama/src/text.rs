@@ -38,7 +38,8 @@ pub struct Message {
 /// A checkpoint's tokenizer, special tokens, chat template and EOS ids.
 pub struct Text {
     tok: tokenizers::Tokenizer,
-    template: Option<String>,
+    /// The chat template, parsed once at load (with the helpers templates call).
+    template: Option<minijinja::Environment<'static>>,
     bos: Option<String>,
     eos: Option<String>,
     eos_ids: Vec<u32>,
@@ -137,12 +138,8 @@ impl Text {
         if eos_ids.is_empty() {
             eos_ids.extend(eos.as_deref().and_then(|e| tok.token_to_id(e)));
         }
-        if let Some(t) = &template {
-            // Parsed once here, so a broken template is refused at load, not per request.
-            let mut env = minijinja::Environment::new();
-            env.add_template("chat", t)
-                .map_err(|e| TextError::Template(e.to_string()))?;
-        }
+        // Parsed once here: a broken template is refused at load, and no request parses it.
+        let template = template.map(chat_env).transpose()?;
         Ok(Self {
             tok,
             template,
@@ -209,23 +206,10 @@ impl Text {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<String, TextError> {
-        let t = self
+        let env = self
             .template
-            .as_deref()
+            .as_ref()
             .ok_or_else(|| TextError::Template("the checkpoint has no chat template".into()))?;
-        let mut env = minijinja::Environment::new();
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_template("chat", t)
-            .map_err(|e| TextError::Template(e.to_string()))?;
         let tmpl = env
             .get_template("chat")
             .map_err(|e| TextError::Template(e.to_string()))?;
@@ -248,6 +232,25 @@ impl Text {
             read: 0,
         }
     }
+}
+
+/// The environment a chat template renders in: Python's string methods (pycompat) and
+/// `raise_exception`, which fails the render with the template's message.
+fn chat_env(template: String) -> Result<minijinja::Environment<'static>, TextError> {
+    let mut env = minijinja::Environment::new();
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_template_owned("chat", template)
+        .map_err(|e| TextError::Template(e.to_string()))?;
+    Ok(env)
 }
 
 /// Text of a growing list of ids, piece by piece: each piece is what the newest ids add to the
