@@ -38,16 +38,33 @@ fn check(v: &Value) {
     assert!((1.9..=4.5).contains(&beats), "{v}");
 }
 
+/// A drill whose fault found no stream in flight on the victim proves nothing about failover
+/// (the victim is picked with streams in flight, but on a loaded machine they can end before the
+/// fault lands): it is run again, up to 3 times. Every other outcome is checked as it is.
+fn drill_with_streams_at_fault(fault: &str) -> Value {
+    let mut v = drill(fault);
+    for _ in 0..2 {
+        if v["in_flight_at_fault_on_victim"].as_u64() != Some(0) {
+            break;
+        }
+        eprintln!("no stream in flight on the victim at the fault, run again: {v}");
+        assert_eq!(v["lost"], 0, "{v}");
+        assert_eq!(v["failed"], 0, "{v}");
+        v = drill(fault);
+    }
+    v
+}
+
 #[test]
 fn drill_kill_decode_loses_nothing() {
-    let v = drill("kill");
+    let v = drill_with_streams_at_fault("kill");
     check(&v);
     assert_eq!(v["fault"], "kill");
 }
 
 #[test]
 fn stalled_decode_engine_fails_over() {
-    let v = drill("sigstop");
+    let v = drill_with_streams_at_fault("sigstop");
     check(&v);
     // The hung engine's streams waited out the stall timeout before they moved.
     let gap = v["p50_max_gap_ms_in_flight_at_fault"].as_f64().unwrap();
