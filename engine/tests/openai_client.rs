@@ -307,6 +307,7 @@ async fn openai_client_round_trip() {
     let stops = Stop {
         sequences: vec![stop.as_bytes().to_vec()],
         token_ids: Vec::new(),
+        ..Stop::default()
     };
     let messages = json!([
         { "role": "system", "content": "Answer in one line." },
@@ -319,6 +320,7 @@ async fn openai_client_round_trip() {
     let chat_stops = Stop {
         sequences: vec![chat_stop.as_bytes().to_vec()],
         token_ids: Vec::new(),
+        ..Stop::default()
     };
 
     let completion = json!({ "model": model, "prompt": prompt_text, "max_tokens": max, "temperature": t, "seed": seed });

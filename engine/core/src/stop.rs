@@ -9,6 +9,9 @@ pub struct Stop {
     pub sequences: Vec<Vec<u8>>,
     /// Token ids.
     pub token_ids: Vec<u32>,
+    /// vLLM's `min_tokens`: no rule ends a completion shorter than this (a stop token or
+    /// string before it is generated text like any other).
+    pub min_tokens: u32,
 }
 
 /// Whether `tokens` are exactly the bytes `bytes`.
@@ -27,6 +30,9 @@ impl Stop {
     /// form it (the stop sequence's length, or 1 for a stop token id).
     #[must_use]
     pub fn matched(&self, completion: &[u32]) -> Option<usize> {
+        if (completion.len() as u64) < u64::from(self.min_tokens) {
+            return None;
+        }
         let last = *completion.last()?;
         if self.token_ids.contains(&last) {
             return Some(1);
@@ -66,6 +72,7 @@ mod tests {
         let stop = Stop {
             sequences: vec![b"END".to_vec(), "é".as_bytes().to_vec()],
             token_ids: vec![259],
+            min_tokens: 0,
         };
         assert_eq!(stop.matched(&toks("abcEND")), Some(3));
         assert_eq!(stop.matched(&toks("abcEN")), None);
@@ -79,6 +86,15 @@ mod tests {
         assert_eq!(stop.matched(&[0x61, 259]), Some(1));
         assert_eq!(stop.matched(&[]), None);
         assert!(Stop::default().is_empty());
+        // min_tokens: nothing ends a completion shorter than it.
+        let min = Stop {
+            min_tokens: 4,
+            ..stop.clone()
+        };
+        assert_eq!(min.matched(&toks("END")), None);
+        assert_eq!(min.matched(&[0x61, 0x62, 259]), None);
+        assert_eq!(min.matched(&toks("aEND")), Some(3));
+        assert_eq!(min.matched(&[0x61, 0x62, 0x63, 259]), Some(1));
         assert_eq!(Stop::default().matched(&toks("x")), None);
     }
 }

@@ -469,10 +469,12 @@ fn stop_ends_the_sequence_at_the_matching_step() {
         Stop {
             sequences: vec![seq.clone()],
             token_ids: vec![],
+            ..Stop::default()
         },
         Stop {
             sequences: vec![],
             token_ids: vec![whole[end]],
+            ..Stop::default()
         },
     ] {
         let first_id = whole.iter().position(|&t| stop.token_ids.contains(&t));

@@ -14,6 +14,10 @@ pub struct ErrorDetail {
     /// `invalid_request_error`, `engine_error`, `timeout`, ...
     #[serde(rename = "type")]
     pub kind: String,
+    /// The request field at fault, as OpenAI names it (`prompt`, `messages[2].content`), when
+    /// one is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub param: Option<String>,
     /// The HTTP status (whole responses only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code: Option<u16>,
@@ -36,6 +40,8 @@ pub struct ApiError {
     pub kind: &'static str,
     /// The message.
     pub message: String,
+    /// The request field at fault (OpenAI's `param`), when one is.
+    pub param: Option<String>,
 }
 
 impl ApiError {
@@ -46,7 +52,32 @@ impl ApiError {
             status,
             kind,
             message: message.into(),
+            param: None,
         }
+    }
+
+    /// 400 `invalid_request_error` naming the field at fault: the message is "`field` said"
+    /// (`message` says the rest: "is at most 5"), and
+    /// OpenAI's `param` carries it.
+    pub fn bad_field(param: impl Into<String>, message: impl std::fmt::Display) -> Self {
+        let param = param.into();
+        Self::bad_request(format!("`{param}` {message}")).at(param)
+    }
+
+    /// The same error, naming the field at fault in OpenAI's `param`.
+    #[must_use]
+    pub fn at(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+
+    /// 405 `invalid_request_error`: the path exists, not with this method.
+    pub fn method_not_allowed(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            message,
+        )
     }
 
     /// 400 `invalid_request_error`: the request's own fault.
@@ -127,6 +158,7 @@ impl ApiError {
         ErrorDetail {
             message: self.message.clone(),
             kind: self.kind.into(),
+            param: self.param.clone(),
             code: None,
         }
     }
@@ -145,6 +177,7 @@ impl IntoResponse for ApiError {
             error: ErrorDetail {
                 message: self.message,
                 kind: self.kind.into(),
+                param: self.param,
                 code: Some(self.status.as_u16()),
             },
         };

@@ -12,9 +12,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use tl_engine_core::logprobs::TokenLogprobs;
-use tl_engine_core::model::{BOS, EOS, PAD, TextStream};
+use tl_engine_core::model::{BOS, EOS, PAD};
 
-use super::Flavor;
+use super::{Detok, Flavor, TextRender};
 
 /// The text of one token, as logprobs name it.
 #[must_use]
@@ -124,11 +124,20 @@ pub enum ChoiceLogprobs {
 /// Text offsets as a completion streams: the characters of the text before each token.
 #[derive(Clone, Debug, Default)]
 pub struct Offsets {
-    text: TextStream,
+    text: Detok,
     chars: usize,
 }
 
 impl Offsets {
+    /// Offsets in text rendered as `render` says.
+    #[must_use]
+    pub fn new(render: TextRender) -> Self {
+        Self {
+            text: Detok::new(render),
+            chars: 0,
+        }
+    }
+
     /// The offsets of `tokens`, continuing after the ones before.
     pub fn next(&mut self, tokens: &[u32]) -> Vec<usize> {
         tokens

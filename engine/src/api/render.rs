@@ -120,7 +120,7 @@ pub fn stream(
     let (tx, response) = sse::channel(depth);
     tokio::spawn(async move {
         let mut streams: Vec<ChoiceStream> = (0..n)
-            .map(|_| ChoiceStream::new(meta.stop.clone()))
+            .map(|_| ChoiceStream::new(meta.stop.clone(), &meta.render))
             .collect();
         let mut open = n;
         let mut tokens = 0usize;
@@ -135,7 +135,8 @@ pub fn stream(
                         continue;
                     };
                     tokens += 1;
-                    let c = meta.chunk(s, choice, vec![token], logprobs.map(|l| vec![l]), None);
+                    let lp = logprobs.map(|l| vec![l]);
+                    let c = meta.chunk(s, choice, vec![token], lp, None, tokens);
                     StreamEvent::Chunk(Box::new(c))
                 }
                 Some(ChoiceEvent::Done { choice, finish }) => {
@@ -143,7 +144,8 @@ pub fn stream(
                         continue;
                     };
                     open -= 1;
-                    StreamEvent::Chunk(Box::new(meta.chunk(s, choice, vec![], None, Some(finish))))
+                    let c = meta.chunk(s, choice, vec![], None, Some(finish), tokens);
+                    StreamEvent::Chunk(Box::new(c))
                 }
                 Some(ChoiceEvent::Failed(e)) => StreamEvent::Error(e.detail()),
                 Some(ChoiceEvent::Broken(e)) => StreamEvent::Error(e),

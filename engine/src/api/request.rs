@@ -24,24 +24,150 @@ pub const CACHE_SCOPE_HEADER: &str = "x-tl-cache-scope";
 /// OpenAI's default completion length.
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
 
-/// A prompt as token ids or as text (byte-level tokenizer).
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+/// A prompt, in any of the four shapes OpenAI's completions take: a string, a list of token
+/// ids, a list of strings, or a list of token-id lists. The two list-of-prompts shapes ask for
+/// one completion per prompt ([`Prompt::split`]).
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(untagged)]
 pub enum Prompt {
     /// Token ids.
     Tokens(Vec<u32>),
     /// Text.
     Text(String),
+    /// Several prompts as text.
+    Texts(Vec<String>),
+    /// Several prompts as token ids.
+    TokenLists(Vec<Vec<u32>>),
 }
 
+/// At most this many prompts in one request (a list of strings or of token-id lists); with `n`
+/// choices each, at most [`MAX_BATCH_CHOICES`] choices in all.
+pub const MAX_PROMPTS: usize = 32;
+/// At most this many choices in one request over all its prompts (`prompts x n`).
+pub const MAX_BATCH_CHOICES: u32 = 64;
+
 impl Prompt {
-    /// The token ids.
+    /// The token ids of a single prompt (text through the byte-level tokenizer); a list of
+    /// prompts gives its first (use [`split`](Self::split) first).
     #[must_use]
     pub fn tokens(&self) -> Vec<u32> {
         match self {
             Prompt::Tokens(t) => t.clone(),
             Prompt::Text(s) => encode_text(s),
+            Prompt::Texts(v) => v.first().map(|s| encode_text(s)).unwrap_or_default(),
+            Prompt::TokenLists(v) => v.first().cloned().unwrap_or_default(),
         }
+    }
+
+    /// The single prompts this one holds, in order: itself when it is one.
+    #[must_use]
+    pub fn split(self) -> Vec<Prompt> {
+        match self {
+            Prompt::Texts(v) => v.into_iter().map(Prompt::Text).collect(),
+            Prompt::TokenLists(v) => v.into_iter().map(Prompt::Tokens).collect(),
+            one => vec![one],
+        }
+    }
+}
+
+/// What a prompt list may hold; the list's elements must all be of one kind.
+enum PromptItem {
+    Text(String),
+    Id(u32),
+    Ids(Vec<u32>),
+}
+
+const PROMPT_SHAPES: &str =
+    "a string, a list of strings, a list of token ids, or a list of token-id lists";
+
+impl<'de> Deserialize<'de> for PromptItem {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = PromptItem;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string, a token id (0 to 2^32-1) or a list of token ids")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<PromptItem, E> {
+                Ok(PromptItem::Text(v.to_owned()))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<PromptItem, E> {
+                Ok(PromptItem::Text(v))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<PromptItem, E> {
+                u32::try_from(v)
+                    .map(PromptItem::Id)
+                    .map_err(|_| E::custom(format!("token id {v} is out of range")))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<PromptItem, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::custom(format!("token id {v} is negative")))
+                    .and_then(|v| self.visit_u64(v))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> Result<PromptItem, A::Error> {
+                let mut ids = Vec::with_capacity(a.size_hint().unwrap_or(0).min(1 << 16));
+                while let Some(t) = a.next_element::<u32>()? {
+                    ids.push(t);
+                }
+                Ok(PromptItem::Ids(ids))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Prompt;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(PROMPT_SHAPES)
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Prompt, E> {
+                Ok(Prompt::Text(v.to_owned()))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Prompt, E> {
+                Ok(Prompt::Text(v))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> Result<Prompt, A::Error> {
+                use serde::de::Error;
+                let mixed = || {
+                    A::Error::custom(format!(
+                        "a list mixing strings, token ids and lists; a prompt is {PROMPT_SHAPES}"
+                    ))
+                };
+                let mut out = match a.next_element::<PromptItem>()? {
+                    None => return Ok(Prompt::Tokens(Vec::new())),
+                    Some(PromptItem::Id(t)) => Prompt::Tokens(vec![t]),
+                    Some(PromptItem::Text(s)) => Prompt::Texts(vec![s]),
+                    Some(PromptItem::Ids(v)) => Prompt::TokenLists(vec![v]),
+                };
+                while let Some(item) = a.next_element::<PromptItem>()? {
+                    match (&mut out, item) {
+                        (Prompt::Tokens(v), PromptItem::Id(t)) => v.push(t),
+                        (Prompt::Texts(v), PromptItem::Text(s)) => v.push(s),
+                        (Prompt::TokenLists(v), PromptItem::Ids(t)) => v.push(t),
+                        _ => return Err(mixed()),
+                    }
+                    let many = match &out {
+                        Prompt::Texts(v) => v.len(),
+                        Prompt::TokenLists(v) => v.len(),
+                        _ => 0,
+                    };
+                    if many > MAX_PROMPTS {
+                        return Err(A::Error::custom(format!(
+                            "more than {MAX_PROMPTS} prompts in one request"
+                        )));
+                    }
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
@@ -66,12 +192,16 @@ pub struct GenerationParams {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     /// Completion length ([`DEFAULT_MAX_TOKENS`] when omitted).
-    #[serde(
-        default,
-        alias = "max_completion_tokens",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u32>,
+    /// OpenAI's newer name for the completion length: it wins over `max_tokens` when both are
+    /// set, as in vLLM. Folded into `max_tokens` by [`normalize`](Self::normalize).
+    #[serde(default, skip_serializing)]
+    pub max_completion_tokens: Option<u32>,
+    /// vLLM's `min_tokens`: EOS, stop token ids and stop strings end nothing before this many
+    /// tokens were generated (at most `max_tokens`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_tokens: Option<u32>,
     /// 0 = greedy (the default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f32>,
@@ -109,7 +239,26 @@ pub struct GenerationParams {
     /// gateway (which adds those tokens to the stop ids otherwise); never forwarded.
     #[serde(default, skip_serializing)]
     pub ignore_eos: Option<bool>,
+    /// vLLM's `skip_special_tokens` (default true): leave special tokens (BOS, EOS, chat
+    /// markers) out of the text. The token ids are reported either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skip_special_tokens: Option<bool>,
+    /// vLLM's `spaces_between_special_tokens` (default true): with `skip_special_tokens: false`,
+    /// a space between a special token and the text or special token next to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spaces_between_special_tokens: Option<bool>,
+    /// OpenAI's end-user id, for abuse monitoring: accepted (bounded), not used.
+    #[serde(default, skip_serializing)]
+    pub user: Option<String>,
+    /// OpenAI's `metadata`: up to 16 string pairs, accepted (bounded), not stored.
+    #[serde(default, skip_serializing)]
+    pub metadata: Option<std::collections::BTreeMap<String, String>>,
 }
+
+/// OpenAI's bounds on `metadata`: pairs, key length, value length (characters).
+pub const MAX_METADATA: (usize, usize, usize) = (16, 64, 512);
+/// The longest `user` taken, in bytes.
+pub const MAX_USER_BYTES: usize = 256;
 
 /// OpenAI's `logprobs`: a count on completions, a flag on chat.
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
@@ -144,13 +293,16 @@ pub const MAX_STOP_BYTES: usize = 64;
 /// At most this many stop token ids.
 pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
-/// OpenAI's `stream_options`.
+/// OpenAI's `stream_options`, with vLLM's `continuous_usage_stats`.
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     /// Send the usage chunk.
     #[serde(default)]
     pub include_usage: bool,
+    /// vLLM's: with `include_usage`, every chunk also carries the usage so far.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub continuous_usage_stats: bool,
 }
 
 impl GenerationParams {
@@ -160,10 +312,68 @@ impl GenerationParams {
         self.model.as_deref().filter(|m| !m.is_empty())
     }
 
-    /// Completion length, defaulted.
+    /// Completion length, defaulted: `max_completion_tokens`, else `max_tokens`, else
+    /// [`DEFAULT_MAX_TOKENS`].
     #[must_use]
     pub fn max_tokens(&self) -> u32 {
-        self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)
+        self.max_completion_tokens
+            .or(self.max_tokens)
+            .unwrap_or(DEFAULT_MAX_TOKENS)
+    }
+
+    /// Checks the fields no type can (`min_tokens`, `user`, `metadata`) and folds
+    /// `max_completion_tokens` into `max_tokens`, so what is forwarded says one length.
+    ///
+    /// # Errors
+    /// 400 naming the field.
+    pub fn normalize(&mut self) -> Result<(), ApiError> {
+        self.max_tokens = Some(self.max_tokens());
+        self.max_completion_tokens = None;
+        if let Some(m) = self.min_tokens
+            && m > self.max_tokens()
+        {
+            return Err(ApiError::bad_field(
+                "min_tokens",
+                format!("({m}) is more than max_tokens ({})", self.max_tokens()),
+            ));
+        }
+        if let Some(u) = &self.user
+            && u.len() > MAX_USER_BYTES
+        {
+            return Err(ApiError::bad_field(
+                "user",
+                format!("is longer than {MAX_USER_BYTES} bytes"),
+            ));
+        }
+        let (pairs, key, value) = MAX_METADATA;
+        if let Some(m) = &self.metadata {
+            if m.len() > pairs {
+                return Err(ApiError::bad_field(
+                    "metadata",
+                    format!("has {} pairs; at most {pairs}", m.len()),
+                ));
+            }
+            for (k, v) in m {
+                if k.chars().count() > key || v.chars().count() > value {
+                    return Err(ApiError::bad_field(
+                        format!("metadata.{k}"),
+                        format!("is too long: keys are at most {key} characters, values {value}"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// How text is rendered from the tokens: specials left out unless `skip_special_tokens`
+    /// is false, then spaced unless `spaces_between_special_tokens` is false.
+    #[must_use]
+    pub fn specials(&self) -> Specials {
+        match (self.skip_special_tokens, self.spaces_between_special_tokens) {
+            (Some(false), Some(false)) => Specials::Shown { spaced: false },
+            (Some(false), _) => Specials::Shown { spaced: true },
+            _ => Specials::Skipped,
+        }
     }
 
     /// Sampling as stated, defaulted.
@@ -204,35 +414,42 @@ impl GenerationParams {
             Some(StopStrings::Many(v)) => v.iter().collect(),
         };
         if strings.len() > MAX_STOP_STRINGS {
-            return Err(ApiError::bad_request(format!(
-                "`stop` has {} strings; at most {MAX_STOP_STRINGS}",
-                strings.len()
-            )));
+            return Err(ApiError::bad_field(
+                "stop",
+                format!("has {} strings; at most {MAX_STOP_STRINGS}", strings.len()),
+            ));
         }
-        if let Some(s) = strings
+        if let Some((i, s)) = strings
             .iter()
-            .find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+            .enumerate()
+            .find(|(_, s)| s.is_empty() || s.len() > MAX_STOP_BYTES)
         {
-            return Err(ApiError::bad_request(format!(
-                "`stop` strings are 1 to {MAX_STOP_BYTES} bytes; got {}",
-                s.len()
-            )));
+            let at = match &self.stop {
+                Some(StopStrings::Many(_)) => format!("stop[{i}]"),
+                _ => "stop".to_owned(),
+            };
+            return Err(ApiError::bad_field(
+                at,
+                format!("strings are 1 to {MAX_STOP_BYTES} bytes; got {}", s.len()),
+            ));
         }
         let ids = self.stop_token_ids.clone().unwrap_or_default();
         if ids.len() > MAX_STOP_TOKEN_IDS {
-            return Err(ApiError::bad_request(format!(
-                "`stop_token_ids` has {} ids; at most {MAX_STOP_TOKEN_IDS}",
-                ids.len()
-            )));
+            return Err(ApiError::bad_field(
+                "stop_token_ids",
+                format!("has {} ids; at most {MAX_STOP_TOKEN_IDS}", ids.len()),
+            ));
         }
-        if let Some(t) = ids.iter().find(|&&t| t >= BYTE_VOCAB) {
-            return Err(ApiError::bad_request(format!(
-                "stop token id {t} is outside the vocabulary (0..{BYTE_VOCAB})"
-            )));
+        if let Some((i, t)) = ids.iter().enumerate().find(|(_, t)| **t >= BYTE_VOCAB) {
+            return Err(ApiError::bad_field(
+                format!("stop_token_ids[{i}]"),
+                format!("({t}) is outside the vocabulary (0..{BYTE_VOCAB})"),
+            ));
         }
         Ok(Stop {
             sequences: strings.iter().map(|s| s.as_bytes().to_vec()).collect(),
             token_ids: ids,
+            min_tokens: self.min_tokens.unwrap_or(0),
         })
     }
 
@@ -245,42 +462,48 @@ impl GenerationParams {
     pub fn choices(&self, flavor: Flavor, completion_max: u32) -> Result<Choices, ApiError> {
         let n = self.n.unwrap_or(1);
         if !(1..=MAX_CHOICES).contains(&n) {
-            return Err(ApiError::bad_request(format!(
-                "`n` must be between 1 and {MAX_CHOICES}; got {n}"
-            )));
+            return Err(ApiError::bad_field(
+                "n",
+                format!("must be between 1 and {MAX_CHOICES}; got {n}"),
+            ));
         }
         let logprobs = match (flavor, self.logprobs, self.top_logprobs) {
             (_, None | Some(LogprobsField::Flag(false)), None) => None,
             (Flavor::Completion, Some(LogprobsField::Count(k)), None) => {
                 if k > completion_max {
-                    return Err(ApiError::bad_request(format!(
-                        "`logprobs` is at most {completion_max}; got {k}"
-                    )));
+                    return Err(ApiError::bad_field(
+                        "logprobs",
+                        format!("is at most {completion_max}; got {k}"),
+                    ));
                 }
                 Some(k)
             }
             (Flavor::Chat, Some(LogprobsField::Flag(true)), k) => {
                 let k = k.unwrap_or(0);
                 if k > MAX_TOP_LOGPROBS {
-                    return Err(ApiError::bad_request(format!(
-                        "`top_logprobs` is at most {MAX_TOP_LOGPROBS}; got {k}"
-                    )));
+                    return Err(ApiError::bad_field(
+                        "top_logprobs",
+                        format!("is at most {MAX_TOP_LOGPROBS}; got {k}"),
+                    ));
                 }
                 Some(k)
             }
             (Flavor::Chat, _, Some(_)) => {
-                return Err(ApiError::bad_request(
-                    "`top_logprobs` needs `logprobs: true`",
+                return Err(ApiError::bad_field(
+                    "top_logprobs",
+                    "needs `logprobs: true`",
                 ));
             }
             (Flavor::Completion, _, _) => {
-                return Err(ApiError::bad_request(format!(
-                    "`logprobs` on completions is a number from 0 to {completion_max}"
-                )));
+                return Err(ApiError::bad_field(
+                    "logprobs",
+                    format!("on completions is a number from 0 to {completion_max}"),
+                ));
             }
             (Flavor::Chat, _, None) => {
-                return Err(ApiError::bad_request(
-                    "`logprobs` on chat completions is true or false",
+                return Err(ApiError::bad_field(
+                    "logprobs",
+                    "on chat completions is true or false",
                 ));
             }
         };
@@ -292,6 +515,26 @@ impl GenerationParams {
     pub fn include_usage(&self) -> bool {
         self.stream_options.is_some_and(|o| o.include_usage)
     }
+
+    /// Usage so far in every chunk (vLLM's `continuous_usage_stats`, with `include_usage`).
+    #[must_use]
+    pub fn continuous_usage(&self) -> bool {
+        self.stream_options
+            .is_some_and(|o| o.include_usage && o.continuous_usage_stats)
+    }
+}
+
+/// Whether special tokens appear in a response's text.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Specials {
+    /// Left out (vLLM's default, `skip_special_tokens: true`).
+    #[default]
+    Skipped,
+    /// Written by name; `spaced`: with a space between each and its neighbours.
+    Shown {
+        /// `spaces_between_special_tokens`.
+        spaced: bool,
+    },
 }
 
 /// Fields every completion endpoint reads (besides its own: `prompt` or `messages`).
@@ -309,9 +552,13 @@ const SHARED_FIELDS: &[&str] = &[
     "stop_token_ids",
     "n",
     "logprobs",
-    // OpenAI's end-user id, for abuse monitoring: accepted, not used.
+    // OpenAI's end-user id and request metadata: accepted (bounded), not used.
     "user",
+    "metadata",
     "cache_salt",
+    "min_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
     // vLLM's: go on past EOS (an engine's front, whose stop ids come from the gateway, has no
     // EOS of its own to ignore).
     "ignore_eos",
@@ -357,7 +604,6 @@ const UNSUPPORTED_FIELDS: &[(&str, Off)] = &[
     ("function_call", Off::Never),
     ("service_tier", Off::Never),
     ("store", Off::FalseOrZero),
-    ("metadata", Off::Never),
     ("modalities", Off::Never),
     ("audio", Off::Never),
     ("prediction", Off::Never),
@@ -371,7 +617,7 @@ const UNSUPPORTED_FIELDS: &[(&str, Off)] = &[
 ///
 /// # Errors
 /// 400 `invalid_request_error`.
-pub fn parse_fields<T: serde::de::DeserializeOwned>(
+pub fn parse_fields<T: serde::de::DeserializeOwned + Body>(
     body: &[u8],
     own: &[&str],
 ) -> Result<T, ApiError> {
@@ -380,8 +626,13 @@ pub fn parse_fields<T: serde::de::DeserializeOwned>(
     let Some(fields) = v.as_object() else {
         return Err(ApiError::bad_request("a request is a JSON object"));
     };
+    let mut shared = serde_json::Map::new();
     for (k, value) in fields {
-        if own.contains(&k.as_str()) || SHARED_FIELDS.contains(&k.as_str()) {
+        if SHARED_FIELDS.contains(&k.as_str()) {
+            shared.insert(k.clone(), value.clone());
+            continue;
+        }
+        if own.contains(&k.as_str()) {
             continue;
         }
         match UNSUPPORTED_FIELDS.iter().find(|(name, _)| name == k) {
@@ -389,19 +640,111 @@ pub fn parse_fields<T: serde::de::DeserializeOwned>(
             Some(_) => {
                 return Err(ApiError::bad_request(format!(
                     "`{k}` is not supported by this server"
-                )));
+                ))
+                .at(k));
             }
-            None => return Err(ApiError::bad_request(format!("unknown field `{k}`"))),
+            None => return Err(ApiError::bad_request(format!("unknown field `{k}`")).at(k)),
         }
     }
     if fields.get("stream_options").is_some_and(|o| !o.is_null())
         && fields.get("stream") != Some(&serde_json::Value::Bool(true))
     {
-        return Err(ApiError::bad_request(
-            "`stream_options` is only allowed when `stream` is true",
+        return Err(ApiError::bad_field(
+            "stream_options",
+            "is only allowed when `stream` is true",
         ));
     }
-    serde_json::from_value(v).map_err(|e| ApiError::bad_request(format!("malformed request: {e}")))
+    // The shared fields alone first: a flattened struct's errors carry no path, these do.
+    // (Chat's `top_logprobs` is its own field but lives in the params: the whole parse below
+    // reads it.)
+    from_value_at::<GenerationParams>(serde_json::Value::Object(shared))?;
+    let mut body: T = from_value_at(v)?;
+    body.params_mut().normalize()?;
+    body.check()?;
+    Ok(body)
+}
+
+/// A request body [`parse_fields`] reads: its shared fields, and the checks of its own.
+pub trait Body {
+    /// The shared fields.
+    fn params_mut(&mut self) -> &mut GenerationParams;
+    /// The endpoint's own checks, after parsing.
+    ///
+    /// # Errors
+    /// 400 naming the field.
+    fn check(&self) -> Result<(), ApiError> {
+        Ok(())
+    }
+}
+
+impl Body for CompletionRequest {
+    fn params_mut(&mut self) -> &mut GenerationParams {
+        &mut self.params
+    }
+
+    fn check(&self) -> Result<(), ApiError> {
+        let prompts = match &self.prompt {
+            Prompt::Texts(v) => v.len(),
+            Prompt::TokenLists(v) => v.len(),
+            _ => 1,
+        };
+        let n = self.params.n.unwrap_or(1);
+        if prompts as u32 * n > MAX_BATCH_CHOICES {
+            return Err(ApiError::bad_field(
+                "prompt",
+                format!(
+                    "holds {prompts} prompts: with n = {n}, more than {MAX_BATCH_CHOICES} \
+                     choices in one request"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Body for ChatRequest {
+    fn params_mut(&mut self) -> &mut GenerationParams {
+        &mut self.params
+    }
+
+    /// Text parts only: an image or audio part is refused by its place.
+    fn check(&self) -> Result<(), ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::bad_field("messages", "is empty: no messages"));
+        }
+        for (i, m) in self.messages.iter().enumerate() {
+            if let Content::Parts(parts) = &m.content {
+                for (j, p) in parts.iter().enumerate() {
+                    if p.kind != "text" {
+                        return Err(ApiError::bad_field(
+                            format!("messages[{i}].content[{j}].type"),
+                            format!("`{}` is not supported; only `text` parts are", p.kind),
+                        ));
+                    }
+                    if p.text.is_none() {
+                        return Err(ApiError::bad_field(
+                            format!("messages[{i}].content[{j}].text"),
+                            "is missing: a text part needs its text",
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `v` as a `T`; a shape error names the field it is in (`messages[2].content`).
+fn from_value_at<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path.is_empty() || path == "." {
+            ApiError::bad_request(format!("malformed request: {inner}"))
+        } else {
+            ApiError::bad_field(path, inner)
+        }
+    })
 }
 
 /// The completion endpoints' own fields: the public one's, and an engine front's (which also
@@ -430,8 +773,70 @@ pub struct CompletionRequest {
 pub struct ChatMessage {
     /// `system`, `user`, `assistant`, ...
     pub role: String,
-    /// The text.
-    pub content: String,
+    /// The text: a string, a list of content parts, or null (an assistant turn with none).
+    #[serde(default, deserialize_with = "content_or_null")]
+    pub content: Content,
+}
+
+impl ChatMessage {
+    /// A message of plain text.
+    #[must_use]
+    pub fn new(role: &str, content: &str) -> Self {
+        Self {
+            role: role.to_owned(),
+            content: Content::Text(content.to_owned()),
+        }
+    }
+
+    /// Its text: a string as it is; text parts joined by newlines, as vLLM joins them.
+    #[must_use]
+    pub fn text(&self) -> String {
+        match &self.content {
+            Content::Text(s) => s.clone(),
+            Content::Parts(p) => p
+                .iter()
+                .filter_map(|p| p.text.as_deref())
+                .collect::<Vec<_>>()
+                .join("\n"),
+        }
+    }
+}
+
+fn content_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Content, D::Error> {
+    Ok(Option::<Content>::deserialize(d)?.unwrap_or_default())
+}
+
+/// OpenAI's message `content`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(untagged, expecting = "a string or a list of content parts")]
+pub enum Content {
+    /// A string.
+    Text(String),
+    /// Parts (`{"type": "text", "text": ...}`; others are refused by [`Body::check`]).
+    Parts(Vec<ContentPart>),
+}
+
+impl From<&str> for Content {
+    fn from(s: &str) -> Self {
+        Content::Text(s.to_owned())
+    }
+}
+
+impl Default for Content {
+    fn default() -> Self {
+        Content::Text(String::new())
+    }
+}
+
+/// One part of a message's content.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct ContentPart {
+    /// `text`, `image_url`, `input_audio`, ...
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// A text part's text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
 }
 
 /// `POST /v1/chat/completions` body.
@@ -450,7 +855,7 @@ pub struct ChatRequest {
 pub fn render_chat(messages: &[ChatMessage]) -> String {
     let mut s = String::new();
     for m in messages {
-        s.push_str(&format!("<|{}|>\n{}\n", m.role, m.content));
+        s.push_str(&format!("<|{}|>\n{}\n", m.role, m.text()));
     }
     s.push_str("<|assistant|>\n");
     s

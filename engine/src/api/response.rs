@@ -1,14 +1,109 @@
 //! Responses: whole completions and stream chunks, their choices and usage, the text each
 //! choice streams, and why a choice ended.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 use tl_engine_core::engine::FinishReason;
 use tl_engine_core::logprobs::TokenLogprobs;
-use tl_engine_core::model::{TextStream, decode_text};
+use tl_engine_core::model::{BYTE_VOCAB, TextStream};
 use tl_engine_core::stop::Stop;
 
+use super::Specials;
 use super::logprobs;
 use super::logprobs::{ChoiceLogprobs, Offsets, TlLogprob};
+
+/// How a response writes its tokens as text: byte tokens as UTF-8, and special tokens (ids
+/// from 256) left out or written by name, as the request's `skip_special_tokens` and
+/// `spaces_between_special_tokens` say.
+#[derive(Clone, Debug)]
+pub struct TextRender {
+    /// Left out or shown.
+    pub specials: Specials,
+    /// The names of ids 256 and up, in order.
+    pub names: Arc<[String]>,
+}
+
+impl Default for TextRender {
+    /// Specials skipped; named as the fake model's byte vocabulary names them.
+    fn default() -> Self {
+        Self {
+            specials: Specials::Skipped,
+            names: (256..BYTE_VOCAB).map(logprobs::token_str).collect(),
+        }
+    }
+}
+
+impl TextRender {
+    /// The same names with `specials`.
+    #[must_use]
+    pub fn with(&self, specials: Specials) -> Self {
+        Self {
+            specials,
+            names: Arc::clone(&self.names),
+        }
+    }
+
+    fn name(&self, t: u32) -> &str {
+        t.checked_sub(256)
+            .and_then(|i| self.names.get(i as usize))
+            .map_or("", String::as_str)
+    }
+}
+
+/// Token ids to text as they stream ([`TextStream`] for the bytes), with special tokens as
+/// [`TextRender`] says. Shown, a special ends the byte run before it (an incomplete character
+/// there is U+FFFD) and is written by name; spaced, a space goes between every two neighbouring
+/// pieces (a special, or a run of byte tokens), as vLLM's detokenizer joins them.
+#[derive(Clone, Debug, Default)]
+pub struct Detok {
+    render: TextRender,
+    bytes: TextStream,
+    /// What the last piece was: none yet, bytes, or a special.
+    last: Option<bool>,
+}
+
+impl Detok {
+    /// A detokenizer rendering as `render` says.
+    #[must_use]
+    pub fn new(render: TextRender) -> Self {
+        Self {
+            render,
+            ..Self::default()
+        }
+    }
+
+    /// The text `tokens` complete.
+    pub fn push(&mut self, tokens: &[u32]) -> String {
+        let spaced = match self.render.specials {
+            Specials::Skipped => return self.bytes.push(tokens),
+            Specials::Shown { spaced } => spaced,
+        };
+        let mut out = String::new();
+        for &t in tokens {
+            if t < 256 {
+                if spaced && self.last == Some(true) {
+                    out.push(' ');
+                }
+                self.last = Some(false);
+                out.push_str(&self.bytes.push(&[t]));
+            } else {
+                out.push_str(&self.bytes.finish());
+                if spaced && self.last.is_some() {
+                    out.push(' ');
+                }
+                self.last = Some(true);
+                out.push_str(self.render.name(t));
+            }
+        }
+        out
+    }
+
+    /// What was held back, at the end.
+    pub fn finish(&mut self) -> String {
+        self.bytes.finish()
+    }
+}
 
 /// Which endpoint a response answers: they differ in `object` and in how text is carried.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,14 +264,18 @@ pub struct ResponseMeta {
     pub route: Option<RouteInfo>,
     /// The stop rules: a matched stop string is cut from the text.
     pub stop: Stop,
+    /// How tokens become text.
+    pub render: TextRender,
+    /// vLLM's `continuous_usage_stats`: every stream chunk carries the usage so far.
+    pub continuous_usage: bool,
 }
 
-/// A stream's text: byte tokens decoded incrementally ([`TextStream`]), with the tokens that
+/// A stream's text: tokens decoded incrementally ([`Detok`]), with the tokens that
 /// could still begin a stop string held back until the next ones decide, so that a stop string
 /// is never half-sent and the concatenated chunks equal the whole response's text.
 #[derive(Debug, Default)]
 pub struct StreamText {
-    text: TextStream,
+    text: Detok,
     stop: Stop,
     /// The completion so far (bounded by `max_tokens`).
     all: Vec<u32>,
@@ -185,11 +284,12 @@ pub struct StreamText {
 }
 
 impl StreamText {
-    /// A stream ending on `stop`.
+    /// A stream ending on `stop`, its text rendered as `render` says.
     #[must_use]
-    pub fn new(stop: Stop) -> Self {
+    pub fn new(stop: Stop, render: TextRender) -> Self {
         Self {
             stop,
+            text: Detok::new(render),
             ..Self::default()
         }
     }
@@ -250,6 +350,9 @@ impl ResponseMeta {
     /// their text decoded by the choice's `stream` (held-back bytes of a split character go out
     /// with the token that completes them; the last chunk flushes the rest), and their
     /// log-probabilities when asked for.
+    ///
+    /// `so_far` is the tokens generated over all choices, this chunk's included: with
+    /// [`continuous_usage`](Self::continuous_usage) the chunk carries it as its usage.
     #[must_use]
     pub fn chunk(
         &self,
@@ -258,6 +361,7 @@ impl ResponseMeta {
         tokens: Vec<u32>,
         logprobs: Option<Vec<TokenLogprobs>>,
         finish: Option<Finish>,
+        so_far: usize,
     ) -> Completion {
         let mut s = stream.text.push(&tokens);
         if let Some(f) = finish {
@@ -267,7 +371,10 @@ impl ResponseMeta {
         let mut choice = Choice::with_text(self.flavor, true, tokens, s, finish);
         choice.index = index;
         self.attach(&mut choice, logprobs, offsets);
-        self.body(true, choice, None)
+        let usage = self
+            .continuous_usage
+            .then(|| Usage::new(self.prompt_tokens, so_far));
+        self.body(true, choice, usage)
     }
 
     fn attach(
@@ -308,14 +415,12 @@ impl ResponseMeta {
             .into_iter()
             .enumerate()
             .map(|(i, c)| {
-                // OpenAI's text ends before the stop string; the tokens stay exact.
-                let cut = if c.finish == Finish::Stop {
-                    self.stop.matched(&c.tokens).unwrap_or(0)
-                } else {
-                    0
-                };
-                let text = decode_text(&c.tokens[..c.tokens.len() - cut]);
-                let offsets = Offsets::default().next(&c.tokens);
+                // OpenAI's text ends before the stop string; the tokens stay exact. The
+                // stream's text code, run once over all the tokens: the two never differ.
+                let mut t = StreamText::new(self.stop.clone(), self.render.clone());
+                let mut text = t.push(&c.tokens);
+                text.push_str(&t.finish(c.finish == Finish::Stop));
+                let offsets = Offsets::new(self.render.clone()).next(&c.tokens);
                 let mut choice =
                     Choice::with_text(self.flavor, false, c.tokens, text, Some(c.finish));
                 choice.index = i as u32;
@@ -346,12 +451,12 @@ pub struct ChoiceStream {
 }
 
 impl ChoiceStream {
-    /// A choice's stream ending on `stop`.
+    /// A choice's stream ending on `stop`, rendered as `render` says.
     #[must_use]
-    pub fn new(stop: Stop) -> Self {
+    pub fn new(stop: Stop, render: &TextRender) -> Self {
         Self {
-            text: StreamText::new(stop),
-            offsets: Offsets::default(),
+            text: StreamText::new(stop, render.clone()),
+            offsets: Offsets::new(render.clone()),
         }
     }
 }

@@ -202,6 +202,8 @@ mod tests {
             prompt_tokens: 3,
             route: None,
             stop: Default::default(),
+            render: Default::default(),
+            continuous_usage: false,
         };
         let mut text = crate::api::ChoiceStream::default();
         let lp = tl_engine_core::logprobs::TokenLogprobs {
@@ -210,13 +212,21 @@ mod tests {
             top: vec![(0xA9, -0.1234567), (7, -2.5e-8)],
         };
         let events = vec![
-            StreamEvent::Chunk(Box::new(meta.chunk(&mut text, 0, vec![0xC3], None, None))),
+            StreamEvent::Chunk(Box::new(meta.chunk(
+                &mut text,
+                0,
+                vec![0xC3],
+                None,
+                None,
+                1,
+            ))),
             StreamEvent::Chunk(Box::new(meta.chunk(
                 &mut text,
                 0,
                 vec![0xA9],
                 Some(vec![lp]),
                 None,
+                2,
             ))),
             StreamEvent::Chunk(Box::new(meta.chunk(
                 &mut text,
@@ -224,10 +234,12 @@ mod tests {
                 vec![],
                 None,
                 Some(crate::api::Finish::Length),
+                2,
             ))),
             StreamEvent::Error(ErrorDetail {
                 message: "boom".into(),
                 kind: "engine_error".into(),
+                param: None,
                 code: None,
             }),
             StreamEvent::Done,

@@ -62,6 +62,8 @@ pub struct Gateway {
     /// When this gateway started: for a while after, a request that finds no engine waits for
     /// the engines to register (they beat to a fresh registry within one interval).
     started: Instant,
+    /// The same, in seconds since the epoch: `created` of `/v1/models`.
+    started_secs: u64,
     /// The served checkpoint's text side (`[gateway] model_path`); none: the byte tokenizer.
     text: Option<Arc<text::GatewayText>>,
 }
@@ -106,6 +108,7 @@ impl Gateway {
             metrics: Arc::new(Metrics::new()),
             drain: Drain::default(),
             started: Instant::now(),
+            started_secs: crate::api::now_secs(),
             text: None,
         })
     }

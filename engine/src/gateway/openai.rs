@@ -25,8 +25,8 @@ use super::tenant::{Caller, MAX_CACHE_SALT};
 use crate::api::render::{self, ChoiceEvent, ChoiceSource};
 use crate::api::{
     ApiError, CHAT_FIELDS, COMPLETION_FIELDS, ChatRequest, CompletionRequest, Flavor,
-    GenerationParams, MAX_COMPLETION_LOGPROBS, ResponseMeta, completion_id, parse_fields,
-    render_chat,
+    GenerationParams, MAX_COMPLETION_LOGPROBS, Prompt, ResponseMeta, TextRender, completion_id,
+    parse_fields, render_chat,
 };
 use crate::telemetry::metrics::SharedMetrics;
 
@@ -43,8 +43,11 @@ pub fn router(g: Arc<Gateway>) -> axum::Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
         .route("/health", get(health))
         .route("/workers", get(workers))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             g.api_keys.clone(),
             super::keys::require_key,
@@ -113,24 +116,37 @@ async fn completions(
     body: axum::body::Bytes,
 ) -> Response {
     let span = request_span("POST /v1/completions", &g.cfg.id, &headers);
-    match parse_fields::<CompletionRequest>(&body, COMPLETION_FIELDS) {
-        Ok(r) => {
-            let caller = caller_of(caller);
-            let prompt = match (&g.text, &r.prompt) {
-                // Text through the checkpoint's tokenizer, special tokens added as
-                // transformers adds them.
-                (Some(t), crate::api::Prompt::Text(s)) => match t.text.encode(s, true) {
-                    Ok(p) => p,
-                    Err(e) => return ApiError::bad_request(e.to_string()).into_response(),
-                },
-                _ => r.prompt.tokens(),
-            };
-            start(g, caller, prompt, r.params, Flavor::Completion)
-                .instrument(span)
-                .await
-        }
-        Err(e) => e.into_response(),
+    let r = match parse_fields::<CompletionRequest>(&body, COMPLETION_FIELDS) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let listed = matches!(r.prompt, Prompt::Texts(_) | Prompt::TokenLists(_));
+    let mut prompts = Vec::new();
+    for (i, p) in r.prompt.split().into_iter().enumerate() {
+        let at = if listed {
+            format!("prompt[{i}]")
+        } else {
+            "prompt".to_owned()
+        };
+        prompts.push(match (&g.text, &p) {
+            // Text through the checkpoint's tokenizer, special tokens added as transformers
+            // adds them.
+            (Some(t), Prompt::Text(s)) => match t.text.encode(s, true) {
+                Ok(p) => p,
+                Err(e) => {
+                    return ApiError::bad_field(at, format_args!("cannot be tokenized: {e}"))
+                        .into_response();
+                }
+            },
+            _ => p.tokens(),
+        });
     }
+    if prompts.is_empty() {
+        return ApiError::bad_field("prompt", "is an empty list").into_response();
+    }
+    start(g, caller_of(caller), prompts, r.params, Flavor::Completion)
+        .instrument(span)
+        .await
 }
 
 /// The gateway's SERVER span of one request, a child of the client's own `traceparent` when
@@ -161,9 +177,6 @@ async fn chat(
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    if r.messages.is_empty() {
-        return ApiError::bad_request("no messages").into_response();
-    }
     let prompt = match &g.text {
         // The checkpoint's own template, with the generation prompt; it writes its special
         // tokens itself, so none are added again.
@@ -173,7 +186,7 @@ async fn chat(
                 .iter()
                 .map(|m| tl_llama::Message {
                     role: m.role.clone(),
-                    content: m.content.clone(),
+                    content: m.text(),
                 })
                 .collect();
             match t
@@ -187,42 +200,47 @@ async fn chat(
         }
         _ => encode_text(&render_chat(&r.messages)),
     };
-    start(g, caller_of(caller), prompt, r.params, Flavor::Chat)
+    start(g, caller_of(caller), vec![prompt], r.params, Flavor::Chat)
         .instrument(span)
         .await
 }
 
 /// Validates, then serves: nothing reaches an engine before the request is known to be valid.
+/// `prompts` are one or more (a completion's list of prompts): each is a job of `n` choices.
 async fn start(
     g: Arc<Gateway>,
     caller: Caller,
-    prompt: Vec<u32>,
-    params: GenerationParams,
+    prompts: Vec<Vec<u32>>,
+    mut params: GenerationParams,
     flavor: Flavor,
 ) -> Response {
     let salt = params.cache_salt.as_deref();
     if salt.is_some_and(|s| s.len() > MAX_CACHE_SALT) {
-        return ApiError::bad_request(format!("cache_salt is longer than {MAX_CACHE_SALT} bytes"))
-            .into_response();
+        return ApiError::bad_field(
+            "cache_salt",
+            format!("is longer than {MAX_CACHE_SALT} bytes"),
+        )
+        .into_response();
     }
     if g.is_draining() {
         return ApiError::unavailable("the gateway is draining; send the request to another")
             .into_response();
     }
     let scope = g.scopes.scope(&caller.tenant, salt);
-    if let Err(e) = fits(&g, prompt.len(), &params) {
-        return e.into_response();
-    }
     let limits = g.text.as_ref().map_or(GATEWAY_LIMITS, |t| t.limits);
-    if let Err(e) = params.params(&prompt).validate(limits) {
-        return ApiError::from(e).into_response();
+    for p in &prompts {
+        if let Err(e) = fits(&g, p.len(), &params) {
+            return e.into_response();
+        }
+        if let Err(e) = params.params(p).validate(limits) {
+            return ApiError::from(e).into_response();
+        }
     }
     let mut stop = match params.stop_rules() {
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };
     // The checkpoint's EOS ends the completion (finish_reason "stop") unless ignore_eos.
-    let mut params = params;
     if let Some(t) = &g.text
         && params.ignore_eos != Some(true)
     {
@@ -237,16 +255,21 @@ async fn start(
         Ok(c) => c,
         Err(e) => return e.into_response(),
     };
-    let job = Job {
-        prompt,
-        params,
-        stop,
-        choices,
-        scope,
-    };
-    // What the request may hold at most: its prompt and every token of every choice.
-    let tokens = job.prompt.len() as u64
-        + u64::from(job.params.n.unwrap_or(1).max(1)) * u64::from(job.params.max_tokens());
+    // What the request may hold at most: its prompts and every token of every choice.
+    let tokens: u64 = prompts
+        .iter()
+        .map(|p| p.len() as u64 + u64::from(choices.n) * u64::from(params.max_tokens()))
+        .sum();
+    let jobs: Vec<Job> = prompts
+        .into_iter()
+        .map(|prompt| Job {
+            prompt,
+            params: params.clone(),
+            stop: stop.clone(),
+            choices,
+            scope,
+        })
+        .collect();
     let quota = match g.quotas.take(&caller.tenant, tokens) {
         Ok(q) => q,
         Err(super::tenant::OverQuota::Requests) => {
@@ -263,7 +286,7 @@ async fn start(
             .into_response();
         }
     };
-    serve(g, job, flavor, caller.admin, quota)
+    serve(g, jobs, flavor, caller.admin, quota)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -314,67 +337,133 @@ fn timed_out() -> ApiError {
     ApiError::timeout("the request timed out")
 }
 
+/// `ev` as the request's choice `by + ` its own: prompt `i` of a list has choices `i * n ..`.
+fn shifted(ev: Out, by: u32) -> Out {
+    match ev {
+        Out::Choice(ChoiceEvent::Token {
+            choice,
+            token,
+            logprobs,
+        }) => Out::Choice(ChoiceEvent::Token {
+            choice: choice + by,
+            token,
+            logprobs,
+        }),
+        Out::Choice(ChoiceEvent::Done { choice, finish }) => Out::Choice(ChoiceEvent::Done {
+            choice: choice + by,
+            finish,
+        }),
+        other => other,
+    }
+}
+
 async fn serve(
     g: Arc<Gateway>,
-    job: Job,
+    jobs: Vec<Job>,
     flavor: Flavor,
     admin: bool,
     quota: super::tenant::Held,
 ) -> Result<Response, ApiError> {
-    let Ok(permit) = Arc::clone(&g.permits).try_acquire_owned() else {
+    // One permit a prompt: a list of prompts is as many requests in flight.
+    let Ok(permit) = Arc::clone(&g.permits).try_acquire_many_owned(jobs.len() as u32) else {
         return Err(ApiError::rate_limited("too many requests in flight"));
     };
+    let held = Arc::new((permit, quota));
     let arrived = Instant::now();
     let (tx, mut rx) = mpsc::channel::<Out>(64);
     let timeout = Duration::from_millis(g.cfg.request_timeout_ms);
-    let stream = job.params.streams();
-    let include_usage = job.params.include_usage();
-    let prompt_tokens = job.prompt.len();
-    let stop = job.stop.clone();
-    let n = job.choices.n;
-    tokio::spawn(
-        {
-            let g = Arc::clone(&g);
+    let first = &jobs[0];
+    let stream = first.params.streams();
+    let include_usage = first.params.include_usage();
+    let continuous_usage = first.params.continuous_usage();
+    let specials = first.params.specials();
+    let prompt_tokens = jobs.iter().map(|j| j.prompt.len()).sum();
+    let stop = first.stop.clone();
+    let per_prompt = first.choices.n;
+    let k = jobs.len();
+    for (i, job) in jobs.into_iter().enumerate() {
+        let g = Arc::clone(&g);
+        let held = Arc::clone(&held);
+        // The first prompt's events go straight through; each other's through a task that
+        // numbers its choices after the ones before.
+        let job_tx = if i == 0 {
+            tx.clone()
+        } else {
+            let (job_tx, mut job_rx) = mpsc::channel::<Out>(64);
+            let tx = tx.clone();
+            let by = i as u32 * per_prompt;
+            tokio::spawn(async move {
+                while let Some(ev) = job_rx.recv().await {
+                    if tx.send(shifted(ev, by)).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            job_tx
+        };
+        tokio::spawn(
             async move {
-                let (_permit, _quota) = (permit, quota);
+                let _held = held;
                 // On timeout the drive future is dropped; the handler then answers 504.
-                let _ = tokio::time::timeout(timeout, g.drive(job, tx)).await;
+                let _ = tokio::time::timeout(timeout, g.drive(job, job_tx)).await;
             }
-        }
-        .instrument(tracing::Span::current()),
-    );
-    // Wait for the route (or the failure) before answering anything.
-    let meta = match rx.recv().await {
-        Some(Out::Start { seed, model, route }) => {
-            // Where it went, what was cached and deduplicated: kept in the logs and the
-            // `route` span; in the response only for an admin, since to anyone else a cached
-            // prefix says what another request held.
-            tracing::info!(
-                decode = route.decode.as_str(),
-                cached_blocks = route.cached_blocks,
-                reason = route.reason.as_str(),
-                "routed"
-            );
-            ResponseMeta {
-                id: completion_id(),
-                model,
-                seed,
-                flavor,
-                prompt_tokens,
-                route: admin.then_some(route),
-                stop,
+            .instrument(tracing::Span::current()),
+        );
+    }
+    drop(tx);
+    // Wait for every prompt's route (or the first failure) before answering anything; the
+    // choice events of a prompt routed early wait their turn.
+    let mut early = std::collections::VecDeque::new();
+    let mut started = None;
+    let mut starts = 0;
+    while starts < k {
+        match rx.recv().await {
+            Some(Out::Start { seed, model, route }) => {
+                // Where it went, what was cached and deduplicated: kept in the logs and the
+                // `route` span; in the response only for an admin, since to anyone else a
+                // cached prefix says what another request held.
+                tracing::info!(
+                    decode = route.decode.as_str(),
+                    cached_blocks = route.cached_blocks,
+                    reason = route.reason.as_str(),
+                    "routed"
+                );
+                starts += 1;
+                started.get_or_insert((seed, model, route));
             }
+            Some(Out::Choice(ChoiceEvent::Failed(f))) => return Err(f),
+            Some(Out::Choice(e)) if starts > 0 => early.push_back(e),
+            Some(other) => {
+                return Err(ApiError::engine(format!("unexpected {other:?}")));
+            }
+            None => return Err(timed_out()),
         }
-        Some(Out::Choice(ChoiceEvent::Failed(f))) => return Err(f),
-        Some(other) => {
-            return Err(ApiError::engine(format!("unexpected {other:?}")));
-        }
-        None => return Err(timed_out()),
+    }
+    let Some((seed, model, route)) = started else {
+        return Err(timed_out());
+    };
+    let render = g
+        .text
+        .as_ref()
+        .map_or_else(TextRender::default, |t| t.render.clone())
+        .with(specials);
+    let meta = ResponseMeta {
+        id: completion_id(),
+        model,
+        seed,
+        flavor,
+        prompt_tokens,
+        route: admin.then_some(route),
+        stop,
+        render,
+        continuous_usage,
     };
     let mut src = Answer {
         rx,
+        early,
         meter: Meter::new(Arc::clone(&g.metrics), arrived),
     };
+    let n = per_prompt * k as u32;
     if stream {
         return Ok(render::stream(meta, n, src, include_usage, 64));
     }
@@ -385,11 +474,19 @@ async fn serve(
 /// token and per token recorded on the way.
 struct Answer {
     rx: mpsc::Receiver<Out>,
+    /// Events that came before every prompt had started.
+    early: std::collections::VecDeque<ChoiceEvent>,
     meter: Meter,
 }
 
 impl ChoiceSource for Answer {
     async fn next(&mut self) -> Option<ChoiceEvent> {
+        if let Some(e) = self.early.pop_front() {
+            if matches!(e, ChoiceEvent::Token { .. }) {
+                self.meter.token();
+            }
+            return Some(e);
+        }
         loop {
             match self.rx.recv().await? {
                 Out::Choice(e) => {
@@ -424,30 +521,63 @@ struct ModelList {
 struct ModelCard {
     id: String,
     object: &'static str,
+    /// When this gateway started (a model has no creation time of its own here).
+    created: u64,
     owned_by: &'static str,
     /// The checkpoint's context length, as vLLM reports it (with `[gateway] model_path`).
     #[serde(skip_serializing_if = "Option::is_none")]
     max_model_len: Option<u32>,
 }
 
-async fn models(State(g): State<Arc<Gateway>>) -> Response {
+fn model_cards(g: &Gateway) -> Vec<ModelCard> {
     let mut names: Vec<String> = g.workers().into_iter().map(|w| w.model).collect();
     names.sort();
     names.dedup();
-    let data = names
+    names
         .into_iter()
         .map(|id| ModelCard {
             id,
             object: "model",
+            created: g.started_secs,
             owned_by: "kvwire",
             max_model_len: g.text.as_ref().map(|t| t.max_model_len),
         })
-        .collect();
+        .collect()
+}
+
+async fn models(State(g): State<Arc<Gateway>>) -> Response {
     Json(ModelList {
         object: "list",
-        data,
+        data: model_cards(&g),
     })
     .into_response()
+}
+
+/// `GET /v1/models/{id}`: the model's entry, or 404 `model_not_found`. Ids may hold slashes
+/// (`org/name`), as Hugging Face names do.
+async fn model(
+    State(g): State<Arc<Gateway>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    match model_cards(&g).into_iter().find(|m| m.id == id) {
+        Some(card) => Json(card).into_response(),
+        None => {
+            let mut e = ApiError::model_not_found(format!("the model `{id}` does not exist"));
+            e.param = Some("model".into());
+            e.into_response()
+        }
+    }
+}
+
+/// Any other path: 404 with OpenAI's error object.
+async fn not_found(uri: axum::http::Uri) -> Response {
+    ApiError::not_found(format!("no route for {}", uri.path())).into_response()
+}
+
+/// A known path with another method: 405 with OpenAI's error object.
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    ApiError::method_not_allowed(format!("{method} is not allowed on {}", uri.path()))
+        .into_response()
 }
 
 async fn health(State(g): State<Arc<Gateway>>) -> Response {

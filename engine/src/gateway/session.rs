@@ -528,6 +528,7 @@ impl Session {
                                   finished"
                             .into(),
                         kind: "unavailable".into(),
+                        param: None,
                         code: None,
                     };
                     if self.started {
@@ -921,6 +922,12 @@ impl Session {
                 stream: Some(true),
                 stream_options: None,
                 max_tokens: Some(self.job.params.max_tokens().saturating_sub(held as u32)),
+                // The engine sees only its own tokens: min_tokens counts the ones sent before.
+                min_tokens: self
+                    .job
+                    .params
+                    .min_tokens
+                    .map(|m| m.saturating_sub(held as u32)),
                 n: Some(n),
                 logprobs: self.job.choices.logprobs.map(LogprobsField::Count),
                 top_logprobs: None,
@@ -1206,6 +1213,7 @@ fn engine_detail(message: String) -> ErrorDetail {
     ErrorDetail {
         message,
         kind: "engine_error".into(),
+        param: None,
         code: None,
     }
 }
@@ -1485,6 +1493,7 @@ mod tests {
             stop: Stop {
                 sequences: stop.iter().map(|s| s.to_vec()).collect(),
                 token_ids: Vec::new(),
+                ..Stop::default()
             },
             choices: Choices {
                 n,

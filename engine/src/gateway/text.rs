@@ -15,6 +15,8 @@ pub struct GatewayText {
     pub limits: Limits,
     /// The checkpoint's context length (`max_position_embeddings`), for `/v1/models`.
     pub max_model_len: u32,
+    /// Its special tokens' names (ids 256 and up), for `skip_special_tokens: false`.
+    pub render: crate::api::TextRender,
 }
 
 impl GatewayText {
@@ -41,7 +43,13 @@ impl GatewayText {
             ));
         }
         let max_model_len = u32::try_from(cfg.max_positions).unwrap_or(u32::MAX);
+        let vocab = u32::try_from(cfg.vocab).unwrap_or(u32::MAX);
+        let render = crate::api::TextRender {
+            specials: crate::api::Specials::Skipped,
+            names: (256..vocab).map(|id| text.token_text(id)).collect(),
+        };
         Ok(Self {
+            render,
             text,
             limits: Limits {
                 vocab: u32::try_from(cfg.vocab).unwrap_or(u32::MAX),

@@ -25,7 +25,7 @@ use super::state::NodeState;
 use crate::api::render::{self, ChoiceEvent, ChoiceSource};
 use crate::api::{
     ApiError, CACHE_SCOPE_HEADER, CompletionRequest, ENGINE_COMPLETION_FIELDS, Flavor,
-    KV_HANDLE_HEADER, ResponseMeta, TlResume, completion_id, parse_fields,
+    KV_HANDLE_HEADER, Prompt, ResponseMeta, TextRender, TlResume, completion_id, parse_fields,
 };
 use crate::net::tls::PeerRole;
 
@@ -158,6 +158,15 @@ impl DecodeFront {
                 "too many requests in flight on this engine",
             ));
         };
+        if matches!(&req.prompt, Prompt::Texts(v) if v.len() != 1)
+            || matches!(&req.prompt, Prompt::TokenLists(v) if v.len() != 1)
+        {
+            return Err(ApiError::bad_field(
+                "prompt",
+                "is a list of prompts; an engine's front takes one a request (send lists to \
+                 the gateway)",
+            ));
+        }
         let prompt = req.prompt.tokens();
         let sampling = req
             .params
@@ -193,6 +202,8 @@ impl DecodeFront {
             prompt_tokens: prompt.len(),
             route: None,
             stop,
+            render: TextRender::default().with(req.params.specials()),
+            continuous_usage: req.params.continuous_usage(),
         };
         let mut src = Sequences {
             events,
@@ -201,7 +212,13 @@ impl DecodeFront {
         if req.params.streams() {
             // A client that went away closes the stream: dropping the events then cancels the
             // request on the engine thread.
-            Ok(render::stream(meta, choices.n, src, false, 16))
+            Ok(render::stream(
+                meta,
+                choices.n,
+                src,
+                req.params.include_usage(),
+                16,
+            ))
         } else {
             render::whole(&meta, choices.n, &mut src).await
         }

@@ -117,6 +117,7 @@ pub(crate) fn generate(args: &GenerateArgs) -> ExitCode {
             Some(t) if !args.ignore_eos => t.eos_ids().to_vec(),
             _ => Vec::new(),
         },
+        min_tokens: 0,
     };
     let params = Params {
         prompt: &prompt,
