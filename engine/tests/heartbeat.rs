@@ -172,6 +172,7 @@ async fn heartbeat_beats_on_schedule() {
             *n += 1;
             status(*n)
         },
+        || {},
         move || *dr.lock().unwrap() += 1,
         Arc::new(tokio::sync::Notify::new()),
         stop.clone(),

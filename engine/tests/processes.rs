@@ -497,3 +497,90 @@ async fn disaggregated_equals_colocated_on_the_real_model_across_processes() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An engine pointed at a registry that is not there says so on stderr at its first beat,
+/// naming the address and the error, and again at every missed beat (backing off); `/readyz`
+/// stays 503 until a beat is acknowledged, then turns 200 once a registry comes up there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_cannot_reach_its_registry_says_so() {
+    // A loopback port with nothing on it (bound, then freed).
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let dir = std::env::temp_dir().join(format!("tl-unreachable-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("engine.toml");
+    std::fs::write(&cfg, "[engine]\nheartbeat_ms = 200\n").unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tl"))
+        .args(["engine", "--role", "decode", "--id", "lonely", "--config"])
+        .arg(&cfg)
+        .args(["--gateway-registry", &addr])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let listening: Value = serde_json::from_str(&line).unwrap();
+    let metrics = listening["metrics"].as_str().unwrap().to_owned();
+    let (tx, rx) = std::sync::mpsc::channel::<(Instant, String)>();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send((Instant::now(), l));
+        }
+    });
+    let mut child = scopeguard(child);
+    // Two complaints, each naming the address and the error.
+    let mut complaints = Vec::new();
+    while complaints.len() < 2 {
+        let (at, l) = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("no complaint on stderr within 5 s");
+        if l.contains("cannot reach the gateway registry") {
+            assert!(l.contains(&addr), "{l}");
+            assert!(l.contains("error"), "{l}");
+            complaints.push(at);
+        }
+    }
+    assert!(
+        complaints[0] - started < Duration::from_secs(2),
+        "the first complaint came {:?} after the start",
+        complaints[0] - started
+    );
+    let http = HttpClient::default();
+    let r = http.get(&metrics, "/readyz").await.unwrap();
+    assert_eq!(r.status, 503, "ready before any beat was acknowledged");
+    assert!(String::from_utf8_lossy(&r.body).contains(&addr));
+    // A registry comes up at that address: the engine registers and turns ready.
+    let _reg = Proc::start(&["registry", "--listen", &addr]);
+    let end = Instant::now() + Duration::from_secs(5);
+    loop {
+        if http.get(&metrics, "/readyz").await.unwrap().status == 200 {
+            break;
+        }
+        assert!(Instant::now() < end, "not ready 5 s after the registry came up");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = child.0.kill();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Kills the child on drop, so a failing assertion leaves nothing running.
+struct Guard(Child);
+
+fn scopeguard(c: Child) -> Guard {
+    Guard(c)
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

@@ -34,6 +34,14 @@ pub enum NotReady {
         /// Its id.
         worker: String,
     },
+    /// The worker's registry has not acknowledged a beat yet.
+    #[error("worker {worker} is not registered yet: no beat to {registry} acknowledged")]
+    Unregistered {
+        /// Its id.
+        worker: String,
+        /// The registry it beats to.
+        registry: String,
+    },
 }
 
 /// What the probes ask a process.

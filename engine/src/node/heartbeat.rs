@@ -95,6 +95,8 @@ pub fn worker_status(node: &NodeState, addrs: &Addresses, heartbeat_ms: u32) -> 
 #[derive(Debug)]
 pub struct Heartbeat<R> {
     registry: R,
+    /// The registry's address, for the log.
+    target: String,
     timeout: Duration,
     failures: AtomicU32,
     failed_total: AtomicU64,
@@ -107,12 +109,20 @@ impl<R: Registry> Heartbeat<R> {
     pub fn new(registry: R, timeout: Duration) -> Self {
         Self {
             registry,
+            target: String::new(),
             timeout,
             failures: AtomicU32::new(0),
             failed_total: AtomicU64::new(0),
             beats: AtomicU64::new(0),
             drain: AtomicBool::new(false),
         }
+    }
+
+    /// The same, logging `target` as the registry's address.
+    #[must_use]
+    pub fn named(mut self, target: impl Into<String>) -> Self {
+        self.target = target.into();
+        self
     }
 
     /// Consecutive failed beats (0 after a success).
@@ -167,31 +177,73 @@ impl<R: Registry> Heartbeat<R> {
 
     /// Beats at once, then every `interval` and whenever `wake` is notified (a drain started),
     /// with a fresh status each time, until `stop` fires (promptly: a beat in progress is
-    /// abandoned). Never stops on failure; `on_drain` runs (once) when an ack first says drain.
+    /// abandoned). Never stops on failure: each failed beat is logged on stderr with the
+    /// registry's address and the error, and the next waits [`backoff`] intervals. `on_ack`
+    /// runs at every acknowledged beat; `on_drain` (once) when an ack first says drain.
     pub async fn run(
         self: Arc<Self>,
         interval: Duration,
         status: impl Fn() -> WorkerStatus + Send,
+        on_ack: impl Fn() + Send,
         on_drain: impl Fn() + Send,
         wake: Arc<Notify>,
         stop: CancellationToken,
     ) {
         let mut drained = false;
+        let mut acked = false;
         loop {
+            let failing = self.failures();
             tokio::select! {
-                r = self.beat_once(status()) => {
-                    if matches!(r, Ok(true)) && !drained {
-                        drained = true;
-                        on_drain();
+                r = self.beat_once(status()) => match r {
+                    Ok(drain) => {
+                        if !acked {
+                            tracing::info!(registry = self.target.as_str(), "registered");
+                        } else if failing > 0 {
+                            tracing::info!(
+                                registry = self.target.as_str(),
+                                failed_beats = failing,
+                                "reached the gateway registry again"
+                            );
+                        }
+                        acked = true;
+                        on_ack();
+                        if drain && !drained {
+                            drained = true;
+                            on_drain();
+                        }
                     }
-                }
+                    Err(e) => {
+                        let failures = self.failures();
+                        tracing::warn!(
+                            registry = self.target.as_str(),
+                            code = ?e.code(),
+                            error = e.message(),
+                            failures,
+                            retry_in_ms = (interval * backoff(failures)).as_millis() as u64,
+                            "cannot reach the gateway registry; retrying"
+                        );
+                    }
+                },
                 () = stop.cancelled() => return,
             }
+            let wait = interval * backoff(self.failures());
             tokio::select! {
-                () = tokio::time::sleep(interval) => {}
+                () = tokio::time::sleep(wait) => {}
                 () = wake.notified() => {}
                 () = stop.cancelled() => return,
             }
         }
+    }
+}
+
+/// Intervals to wait after `failures` consecutive failed beats: 1, then 2, then 4 for good. A
+/// registry that is down is not asked every interval, and one that is back hears from the
+/// engine within 4 intervals (it evicts after 3 missed beats, so the engine registers anew).
+#[must_use]
+pub fn backoff(failures: u32) -> u32 {
+    match failures {
+        0 | 1 => 1,
+        2 => 2,
+        _ => 4,
     }
 }

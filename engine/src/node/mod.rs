@@ -266,14 +266,20 @@ impl EngineNode {
                 None => RegistryClient::new(&cfg.engine.gateway_registry, timeout),
             }
             .map_err(|s| invalid(s.message()))?;
-            let hb = Arc::new(Heartbeat::new(registry, timeout));
+            let hb = Arc::new(Heartbeat::new(registry, timeout).named(&cfg.engine.gateway_registry));
+            state.awaits_registration(&cfg.engine.gateway_registry);
             {
                 let hb = Arc::clone(&hb);
                 metrics.on_scrape(move |m| {
                     Metrics::catch_up(&m.heartbeat_failures, hb.failed_total());
                 });
             }
-            let (s1, s2, a) = (Arc::clone(&state), Arc::clone(&state), addrs.clone());
+            let (s1, s2, s3, a) = (
+                Arc::clone(&state),
+                Arc::clone(&state),
+                Arc::clone(&state),
+                addrs.clone(),
+            );
             // The longest sequence this engine can ever hold: its context, within the pool a
             // push may fill (less the reserve held back for running sequences).
             let b = shape.block_tokens();
@@ -289,6 +295,7 @@ impl EngineNode {
                     usable_context,
                     ..worker_status(&s1, &a, ms)
                 },
+                move || s3.registered(),
                 move || s2.start_drain(),
                 state.drain_started(),
                 life.token().clone(),

@@ -23,6 +23,9 @@ pub struct NodeState {
     drain_started: Arc<Notify>,
     prefills: AtomicUsize,
     prefills_changed: Notify,
+    /// The registry this engine beats to, until it first acknowledged a beat (then empty):
+    /// not ready before.
+    unregistered: std::sync::Mutex<Option<String>>,
 }
 
 impl NodeState {
@@ -44,6 +47,7 @@ impl NodeState {
             drain_started: Arc::new(Notify::new()),
             prefills: AtomicUsize::new(0),
             prefills_changed: Notify::new(),
+            unregistered: std::sync::Mutex::new(None),
         }
     }
 
@@ -75,6 +79,20 @@ impl NodeState {
     #[must_use]
     pub fn runner(&self) -> &Runner {
         &self.runner
+    }
+
+    /// Not ready until `registry` acknowledges a beat ([`registered`](Self::registered)).
+    pub fn awaits_registration(&self, registry: &str) {
+        *self.unregistered.lock().unwrap_or_else(|e| e.into_inner()) = Some(registry.to_owned());
+    }
+
+    /// The registry acknowledged a beat: ready from now on (a later outage of the registry
+    /// does not take the engine out of service; the gateway's own view evicts it).
+    pub fn registered(&self) {
+        self.unregistered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
     }
 
     /// True once draining (it never goes back).
@@ -176,11 +194,21 @@ impl Drop for PrefillInFlight {
 impl crate::net::probes::Probe for NodeState {
     fn ready(&self) -> Result<(), crate::net::probes::NotReady> {
         if self.is_draining() {
-            Err(crate::net::probes::NotReady::Draining {
+            return Err(crate::net::probes::NotReady::Draining {
                 worker: self.id.clone(),
-            })
-        } else {
-            Ok(())
+            });
+        }
+        let waiting = self
+            .unregistered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        match waiting {
+            Some(registry) => Err(crate::net::probes::NotReady::Unregistered {
+                worker: self.id.clone(),
+                registry,
+            }),
+            None => Ok(()),
         }
     }
 
