@@ -27,13 +27,17 @@ use tl_engine_core::stop::Stop;
 /// The client version the test drives.
 const CLIENT: &str = "openai==3.57.0";
 
-/// A directory holding the pinned client, installed there on first use.
-fn client_dir() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(CLIENT.replace("==", "-"));
+/// langchain-openai's version, for its completions LLM (`langchain_openai.OpenAI`).
+const LANGCHAIN: &str = "langchain-openai==1.7.4";
+
+/// A directory holding the pinned `spec` (which imports as `module`), installed there on first
+/// use.
+fn installed(spec: &str, module: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(spec.replace("==", "-"));
     let importable = || {
         Command::new("python3")
             .env("PYTHONPATH", &dir)
-            .args(["-c", "import openai"])
+            .args(["-c", &format!("import {module}")])
             .stderr(Stdio::null())
             .status()
             .is_ok_and(|s| s.success())
@@ -49,27 +53,36 @@ fn client_dir() -> PathBuf {
                 "--target",
             ])
             .arg(&dir)
-            .arg(CLIENT)
+            .arg(spec)
             .status()
-            .unwrap_or_else(|e| {
-                panic!("this test needs python3 with pip to install {CLIENT}: {e}")
-            });
+            .unwrap_or_else(|e| panic!("this test needs python3 with pip to install {spec}: {e}"));
         assert!(
             status.success(),
-            "`python3 -m pip install {CLIENT}` failed ({status}): this test needs Python 3, pip \
+            "`python3 -m pip install {spec}` failed ({status}): this test needs Python 3, pip \
              and PyPI"
         );
-        assert!(importable(), "{CLIENT} installed but does not import");
+        assert!(importable(), "{spec} installed but does not import");
     }
     dir
 }
 
+/// The pinned openai client's directory.
+fn client_dir() -> PathBuf {
+    installed(CLIENT, "openai")
+}
+
 /// Runs `tests/openai/client.py` with `plan` on stdin; returns what it printed.
 fn run_client(plan: &Value) -> Value {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai/client.py");
+    run_script("client.py", &client_dir(), plan)
+}
+
+/// Runs `tests/openai/{script}` with `dir` on the Python path and `plan` on stdin; returns
+/// what it printed.
+fn run_script(script: &str, dir: &std::path::Path, plan: &Value) -> Value {
+    let script = format!("{}/tests/openai/{script}", env!("CARGO_MANIFEST_DIR"));
     let mut child = Command::new("python3")
-        .arg(script)
-        .env("PYTHONPATH", client_dir())
+        .arg(&script)
+        .env("PYTHONPATH", dir)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -84,7 +97,7 @@ fn run_client(plan: &Value) -> Value {
     let out = child.wait_with_output().unwrap();
     assert!(
         out.status.success(),
-        "client.py failed: {}",
+        "{script} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap()
@@ -435,4 +448,56 @@ async fn openai_client_round_trip() {
     for node in [&c.p, &c.d[0], &c.d[1]] {
         assert!(common::settled(node, 0).await, "{}", node.state().id());
     }
+}
+
+/// langchain-openai's completions LLM sends `"prompt": [...]` (a list even for one prompt):
+/// invoke, stream, batch and generate all work, and each text is the greedy colocated run of
+/// its prompt, with langchain's own finish reasons and summed usage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn langchain_completions_llm_sends_prompt_lists() {
+    let dir = tokio::task::spawn_blocking(|| installed(LANGCHAIN, "langchain_openai"))
+        .await
+        .unwrap();
+    let c = common::cluster(2).await;
+    let model = Config::default().model.kind;
+    let max = 12;
+    let prompts = ["hello", "The quick brown fox", "Dîtes-moi"];
+    let plan = json!({
+        "base_url": format!("http://{}/v1", c.gw.http_addr()),
+        "model": model,
+        "prompts": prompts,
+        "max_tokens": max,
+    });
+    let out = tokio::task::spawn_blocking(move || run_script("langchain_llm.py", &dir, &plan))
+        .await
+        .unwrap();
+    let greedy = |p: &str| decode_text(&common::colocated(&encode_text(p), 0.0, 0, max));
+    assert_eq!(out["invoke"], greedy(prompts[0]), "{out}");
+    let streamed: String = out["stream"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap())
+        .collect();
+    assert_eq!(streamed, greedy(prompts[0]));
+    let batch: Vec<&str> = out["batch"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap())
+        .collect();
+    assert_eq!(batch, prompts.map(greedy));
+    let generated = out["generate"].as_array().unwrap();
+    assert_eq!(generated.len(), prompts.len());
+    for (g, p) in generated.iter().zip(prompts) {
+        assert_eq!(g[0]["text"], greedy(p));
+        assert_eq!(g[0]["finish_reason"], "length");
+    }
+    assert_eq!(
+        out["token_usage"]["completion_tokens"],
+        max as usize * prompts.len(),
+        "{out}"
+    );
+    let prompt_tokens: usize = prompts.iter().map(|p| p.len()).sum();
+    assert_eq!(out["token_usage"]["prompt_tokens"], prompt_tokens);
 }

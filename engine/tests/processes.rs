@@ -564,7 +564,10 @@ async fn an_engine_that_cannot_reach_its_registry_says_so() {
         if http.get(&metrics, "/readyz").await.unwrap().status == 200 {
             break;
         }
-        assert!(Instant::now() < end, "not ready 5 s after the registry came up");
+        assert!(
+            Instant::now() < end,
+            "not ready 5 s after the registry came up"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let _ = child.0.kill();

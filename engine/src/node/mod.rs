@@ -266,7 +266,8 @@ impl EngineNode {
                 None => RegistryClient::new(&cfg.engine.gateway_registry, timeout),
             }
             .map_err(|s| invalid(s.message()))?;
-            let hb = Arc::new(Heartbeat::new(registry, timeout).named(&cfg.engine.gateway_registry));
+            let hb =
+                Arc::new(Heartbeat::new(registry, timeout).named(&cfg.engine.gateway_registry));
             state.awaits_registration(&cfg.engine.gateway_registry);
             {
                 let hb = Arc::clone(&hb);
