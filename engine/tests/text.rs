@@ -118,3 +118,160 @@ async fn a_tokenizer_the_gateway_cannot_render_is_refused_at_start() {
     assert!(e.contains("tokenizer.json"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// vLLM's `ignore_eos`, `min_tokens`, `skip_special_tokens` and
+/// `spaces_between_special_tokens` on a model that ends sequences: the tiny checkpoint, whose
+/// EOS some seed meets early. ignore_eos runs to the length; min_tokens past the EOS continues
+/// through the same tokens (EOS included); the EOS shows in the text only when asked, spaced
+/// unless asked not to; streamed text equals the whole text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ignore_eos_and_min_tokens() {
+    let dir = checkpoint("min");
+    let path = dir.display().to_string();
+    let text_side = tl_llama::Text::load(&dir).unwrap();
+    let eos: Vec<u64> = text_side.eos_ids().iter().map(|&t| u64::from(t)).collect();
+    let c = cluster_of(&gateway(&dir), 1, |cfg| {
+        cfg.model.kind = "llama".into();
+        cfg.model.path = path.clone();
+        cfg.model.threads = 1;
+        cfg.pool.block_tokens = 16;
+        cfg.pool.n_blocks = 256;
+    })
+    .await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let max = 120u64;
+    let ask = |seed: u64, extra: Value| {
+        let mut v = json!({
+            "prompt": "Hi", "max_tokens": max, "temperature": 1.0, "seed": seed,
+        });
+        v.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (http, addr) = (http.clone(), addr.clone());
+        async move {
+            let r = http
+                .post(&addr, "/v1/completions", &[], v.to_string())
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            r
+        }
+    };
+    let tokens = |v: &Value| -> Vec<u64> {
+        v["choices"][0]["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect()
+    };
+    // A seed that meets EOS early enough to leave room after it.
+    let mut found = None;
+    for seed in 0..60 {
+        let v = ask(seed, json!({})).await.json();
+        let t = tokens(&v);
+        if v["choices"][0]["finish_reason"] == "stop" && (t.len() as u64) < max - 20 {
+            found = Some((seed, t, v));
+            break;
+        }
+    }
+    let (seed, stopped, v) = found.expect("no seed of 60 met EOS early");
+    let used = stopped.len();
+    assert!(eos.contains(&stopped[used - 1]), "{v}");
+    let eos_name = text_side.token_text(stopped[used - 1] as u32);
+    assert!(
+        !v["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .contains(&eos_name)
+    );
+
+    // ignore_eos: to the length, through the same tokens.
+    let all = ask(seed, json!({ "ignore_eos": true })).await.json();
+    assert_eq!(all["choices"][0]["finish_reason"], "length", "{all}");
+    let all = tokens(&all);
+    assert_eq!(all.len() as u64, max);
+    assert_eq!(all[..used], stopped[..]);
+
+    // min_tokens past the EOS: EOS is text like any other before it; the completion ends at
+    // the next EOS at or after min_tokens, or at the length.
+    let min = used + 10;
+    let m = ask(seed, json!({ "min_tokens": min })).await.json();
+    let mt = tokens(&m);
+    let next_eos = (min - 1..all.len()).find(|&i| eos.contains(&all[i]));
+    match next_eos {
+        Some(i) => {
+            assert_eq!(m["choices"][0]["finish_reason"], "stop", "{m}");
+            assert_eq!(mt[..], all[..=i]);
+        }
+        None => {
+            assert_eq!(m["choices"][0]["finish_reason"], "length", "{m}");
+            assert_eq!(mt, all);
+        }
+    }
+    assert_eq!(
+        mt[used - 1],
+        stopped[used - 1],
+        "the early EOS is in the completion"
+    );
+    // min_tokens above max_tokens is refused, naming the field.
+    let r = http
+        .post(
+            &addr,
+            "/v1/completions",
+            &[],
+            json!({ "prompt": "Hi", "max_tokens": 4, "min_tokens": 5 }).to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["param"], "min_tokens");
+
+    // The EOS in the text: only when asked, spaced by default.
+    let text = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_owned();
+    assert!(!text(&m).contains(&eos_name));
+    let shown = ask(
+        seed,
+        json!({ "min_tokens": min, "skip_special_tokens": false }),
+    )
+    .await
+    .json();
+    assert!(text(&shown).contains(&format!(" {eos_name}")), "{shown}");
+    let tight = ask(
+        seed,
+        json!({ "min_tokens": min, "skip_special_tokens": false,
+                "spaces_between_special_tokens": false }),
+    )
+    .await
+    .json();
+    assert!(text(&tight).contains(&eos_name), "{tight}");
+    // Spaced: one space at every boundary between a special and its neighbour, over the
+    // tokens the text shows (a final EOS that stopped the completion is cut).
+    let shown_tokens = match m["choices"][0]["finish_reason"].as_str() {
+        Some("stop") => &mt[..mt.len() - 1],
+        _ => &mt[..],
+    };
+    let boundaries = (1..shown_tokens.len())
+        .filter(|&i| shown_tokens[i] >= 256 || shown_tokens[i - 1] >= 256)
+        .count();
+    assert_eq!(text(&tight).len() + boundaries, text(&shown).len());
+    // Streamed, the same text.
+    let r = ask(
+        seed,
+        json!({ "min_tokens": min, "skip_special_tokens": false, "stream": true }),
+    )
+    .await;
+    let mut streamed = String::new();
+    for line in String::from_utf8_lossy(&r.body).lines() {
+        if let Some(d) = line.strip_prefix("data: ")
+            && d != "[DONE]"
+        {
+            let chunk: Value = serde_json::from_str(d).unwrap();
+            streamed.push_str(chunk["choices"][0]["text"].as_str().unwrap_or_default());
+        }
+    }
+    assert_eq!(streamed, text(&shown));
+    c.gw.stop().await;
+    std::fs::remove_dir_all(&dir).unwrap();
+}
