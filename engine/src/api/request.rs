@@ -262,7 +262,10 @@ pub const MAX_USER_BYTES: usize = 256;
 
 /// OpenAI's `logprobs`: a count on completions, a flag on chat.
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a number from 0 (completions) or true or false (chat completions)"
+)]
 pub enum LogprobsField {
     /// Chat's.
     Flag(bool),
@@ -276,7 +279,7 @@ pub const MAX_COMPLETION_LOGPROBS: u32 = 5;
 
 /// OpenAI's `stop`: a string or a list of strings.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or a list of strings")]
 pub enum StopStrings {
     /// One.
     One(String),
