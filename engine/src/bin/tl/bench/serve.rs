@@ -56,6 +56,11 @@ pub(crate) struct ServeArgs {
     /// Ask for this many alternatives' log-probabilities per token (completions' `logprobs`).
     #[arg(long)]
     logprobs: Option<u32>,
+    /// Send the load to this running gateway (or engine front), `HOST:PORT`, instead of
+    /// starting engines: prints that one load's figures (`target`), to set beside another
+    /// client's (aiperf, guidellm) against the same server.
+    #[arg(long)]
+    target: Option<String>,
 }
 
 /// One request's timings.
@@ -298,6 +303,9 @@ pub(crate) fn simulated(
 async fn serve_bench(a: &ServeArgs) -> Result<serde_json::Value, BenchError> {
     use tl_engine::node::EngineNode;
 
+    if let Some(t) = &a.target {
+        return Ok(serde_json::json!({ "target": load(t, a).await? }));
+    }
     // (a) The gateway over one prefill and two decode engines, plaintext and over mutual TLS.
     let disagg = gateway_load(a, false).await?;
     let disagg_mtls = gateway_load(a, true).await?;
