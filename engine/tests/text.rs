@@ -28,18 +28,23 @@ fn gateway(dir: &std::path::Path) -> GatewayConfig {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_gateway_uses_the_checkpoints_template_and_eos() {
-    let dir = checkpoint("eos");
+/// The gateway on `dir`'s text side over one prefill and one decode engine serving `dir`.
+async fn llama_cluster(dir: &std::path::Path) -> common::Cluster {
     let path = dir.display().to_string();
-    let c = cluster_of(&gateway(&dir), 1, |cfg| {
+    cluster_of(&gateway(dir), 1, |cfg| {
         cfg.model.kind = "llama".into();
         cfg.model.path = path.clone();
         cfg.model.threads = 1;
         cfg.pool.block_tokens = 16;
         cfg.pool.n_blocks = 256;
     })
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_uses_the_checkpoints_template_and_eos() {
+    let dir = checkpoint("eos");
+    let c = llama_cluster(&dir).await;
     let http = HttpClient::default();
     let addr = c.gw.http_addr().to_string();
     let chat = |seed: u64, ignore: bool| {
@@ -127,17 +132,9 @@ async fn a_tokenizer_the_gateway_cannot_render_is_refused_at_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ignore_eos_and_min_tokens() {
     let dir = checkpoint("min");
-    let path = dir.display().to_string();
     let text_side = tl_llama::Text::load(&dir).unwrap();
     let eos: Vec<u64> = text_side.eos_ids().iter().map(|&t| u64::from(t)).collect();
-    let c = cluster_of(&gateway(&dir), 1, |cfg| {
-        cfg.model.kind = "llama".into();
-        cfg.model.path = path.clone();
-        cfg.model.threads = 1;
-        cfg.pool.block_tokens = 16;
-        cfg.pool.n_blocks = 256;
-    })
-    .await;
+    let c = llama_cluster(&dir).await;
     let http = HttpClient::default();
     let addr = c.gw.http_addr().to_string();
     let max = 120u64;
