@@ -151,9 +151,19 @@ impl Offsets {
     }
 }
 
-/// `lps` in `flavor`'s shape, with `offsets` (from [`Offsets`]) for a completion.
+/// `lps` in `flavor`'s shape, with `offsets` (from [`Offsets`]) for a completion; special
+/// tokens named as `names` names them (the checkpoint's tokenizer, or the fake vocabulary's).
 #[must_use]
-pub fn render(flavor: Flavor, lps: &[TokenLogprobs], offsets: Vec<usize>) -> ChoiceLogprobs {
+pub fn render(
+    flavor: Flavor,
+    lps: &[TokenLogprobs],
+    offsets: Vec<usize>,
+    names: &TextRender,
+) -> ChoiceLogprobs {
+    let token_str = |t: u32| match names.name(t) {
+        "" => token_str(t),
+        name => name.to_owned(),
+    };
     match flavor {
         Flavor::Completion => ChoiceLogprobs::Completion(CompletionLogprobs {
             tokens: lps.iter().map(|l| token_str(l.token)).collect(),

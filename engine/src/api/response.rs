@@ -44,7 +44,9 @@ impl TextRender {
         }
     }
 
-    fn name(&self, t: u32) -> &str {
+    /// A special token's name (ids 256 and up); empty for a byte or an id past the names.
+    #[must_use]
+    pub fn name(&self, t: u32) -> &str {
         t.checked_sub(256)
             .and_then(|i| self.names.get(i as usize))
             .map_or("", String::as_str)
@@ -384,7 +386,7 @@ impl ResponseMeta {
         offsets: Vec<usize>,
     ) {
         if let Some(l) = logprobs {
-            choice.logprobs = Some(logprobs::render(self.flavor, &l, offsets));
+            choice.logprobs = Some(logprobs::render(self.flavor, &l, offsets, &self.render));
             choice.tl_logprobs = Some(l.into_iter().map(TlLogprob::from).collect());
         }
     }
