@@ -416,6 +416,59 @@ async fn client_abort_during_prefill_cancels_it() {
     assert_eq!(d.runner().pool().lock().counts().used, 0);
 }
 
+/// A client that gives up on a list of prompts ends every prompt's request, not only the
+/// first's: the prefill engine stops prefilling and every block comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_abort_of_a_prompt_list_cancels_every_prompt() {
+    let gw = GatewayNode::start(&GatewayConfig::local()).await.unwrap();
+    let reg = gw.registry_addr().to_string();
+    // Slow prefills: 30 ms per prompt token, 1.2 s a prompt, 3.6 s for the three.
+    let mut pc = engine_cfg("P", Role::Prefill, &reg);
+    pc.model.prefill_us_per_token = 30_000;
+    let p = EngineNode::start(&pc).await.unwrap();
+    let d = EngineNode::start(&engine_cfg("D1", Role::Decode, &reg))
+        .await
+        .unwrap();
+    wait_workers(&gw, 2).await;
+    let http = HttpClient::default();
+    let prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|i| (0..40).map(|t| (t * 7 + i) % 256).collect())
+        .collect();
+    let body = json!({ "prompt": prompts, "max_tokens": 4 }).to_string();
+    let addr = gw.http_addr().to_string();
+    let call = http.post(&addr, "/v1/completions", &[], body);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), call)
+            .await
+            .is_err()
+    );
+    // Well before any one prompt's prefill could have ended by itself.
+    assert!(
+        eventually(Duration::from_secs(2), || p.state().inflight_prefills()
+            == 0)
+        .await,
+        "a prompt's prefill outlived its client"
+    );
+    // The blocks come back once the engine's step in progress ends (a step is not
+    // interrupted).
+    assert!(
+        eventually(Duration::from_secs(10), || p
+            .runner()
+            .pool()
+            .lock()
+            .counts()
+            .used
+            == 0)
+        .await
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || d.receiver().unwrap().pending()
+            == 0)
+        .await
+    );
+    assert_eq!(d.runner().pool().lock().counts().used, 0);
+}
+
 /// A character split over two byte tokens streams as one character: the streamed chunks'
 /// text, concatenated, is byte-equal to the whole response's text, on completions and chat.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -392,10 +392,18 @@ async fn serve(
             let (job_tx, mut job_rx) = mpsc::channel::<Out>(64);
             let tx = tx.clone();
             let by = i as u32 * per_prompt;
+            // A client that leaves closes `tx`: dropping `job_rx` then ends this prompt's
+            // request task too (it watches its channel), so no prompt of the list outlives it.
             tokio::spawn(async move {
-                while let Some(ev) = job_rx.recv().await {
-                    if tx.send(shifted(ev, by)).await.is_err() {
-                        return;
+                loop {
+                    tokio::select! {
+                        ev = job_rx.recv() => {
+                            let Some(ev) = ev else { return };
+                            if tx.send(shifted(ev, by)).await.is_err() {
+                                return;
+                            }
+                        }
+                        () = tx.closed() => return,
                     }
                 }
             });
