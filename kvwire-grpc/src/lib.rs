@@ -13,6 +13,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod etcd;
 pub mod glue;
 pub mod memory;
 pub mod pb;
