@@ -13,6 +13,7 @@
 #![deny(missing_docs)]
 
 pub mod api;
+pub mod etcd;
 pub mod gateway;
 pub mod net;
 pub mod node;

@@ -427,3 +427,31 @@ fn is_transport_failure(s: &Status) -> bool {
         && std::error::Error::source(s)
             .is_some_and(|e| e.downcast_ref::<tonic::transport::Error>().is_some())
 }
+
+/// Opens a bidirectional-streaming call fed by `stream`; the answer is the server's stream.
+///
+/// # Errors
+/// As [`unary`].
+pub async fn streaming<S, Req, Resp>(
+    channel: Channel,
+    path: &'static str,
+    limits: MessageLimits,
+    req: Request<S>,
+) -> Result<Streaming<Resp>, Status>
+where
+    S: Stream<Item = Req> + Send + 'static,
+    Req: prost::Message + Send + Sync + 'static,
+    Resp: prost::Message + Default + Send + Sync + 'static,
+{
+    let mut grpc = client(channel, limits);
+    grpc.ready()
+        .await
+        .map_err(|e| Status::unavailable(format!("channel not ready: {e}")))?;
+    grpc.streaming(
+        req,
+        PathAndQuery::from_static(path),
+        ProstCodec::<Req, Resp>::default(),
+    )
+    .await
+    .map(Response::into_inner)
+}

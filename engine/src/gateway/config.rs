@@ -170,6 +170,9 @@ pub struct GatewayConfig {
     pub limits: LimitsSection,
     /// `[telemetry]`: where spans are exported (CONTRACTS section 9).
     pub telemetry: crate::telemetry::TelemetrySection,
+    /// `[registry]`: the workers from etcd (`etcd_endpoints`, `prefix`, `stale_ms`); none:
+    /// only the engines that beat to this gateway's own registry.
+    pub registry: crate::etcd::RegistrySection,
 }
 
 impl GatewaySection {

@@ -246,6 +246,44 @@ pub fn workers_by_role(m: &Metrics, live: &[WorkerStatus]) {
     }
 }
 
+/// Makes `state` a mirror of the workers on etcd (`[registry]`), followed for the life of the
+/// gateway; drain requests are written to etcd.
+fn mirror_etcd(
+    life: &Lifecycle,
+    state: &Arc<RegistryState>,
+    cfg: &GatewayConfig,
+    tls: Option<&Tls>,
+) -> Result<(), crate::etcd::EtcdError> {
+    use crate::etcd::{Etcd, Keys, registry};
+    let etcd = Arc::new(Etcd::new(
+        &cfg.registry.etcd_endpoints,
+        tls,
+        Duration::from_secs(2),
+    )?);
+    let keys = Keys::new(&cfg.registry.prefix);
+    let (e, k) = (Arc::clone(&etcd), keys.clone());
+    let rt = tokio::runtime::Handle::current();
+    state.mirror_etcd(
+        Duration::from_millis(cfg.registry.stale_ms),
+        Arc::new(move |id: String, drain: bool| {
+            let (e, k) = (Arc::clone(&e), k.clone());
+            rt.spawn(async move {
+                if let Err(s) = registry::set_drain(&e, &k, &id, drain).await {
+                    tracing::warn!(worker = %id, error = %s, "cannot write the drain key to etcd");
+                }
+            });
+        }),
+        Instant::now(),
+    );
+    life.spawn(registry::mirror(
+        etcd,
+        keys,
+        Arc::clone(state),
+        life.token().clone(),
+    ));
+    Ok(())
+}
+
 /// A running gateway: registry and HTTP front.
 #[derive(Debug)]
 pub struct GatewayNode {
@@ -289,6 +327,9 @@ impl GatewayNode {
         }
         let life = Lifecycle::new();
         let state = Arc::new(RegistryState::default());
+        if cfg.registry.on_etcd() {
+            mirror_etcd(&life, &state, cfg, tls.as_ref()).map_err(|e| invalid(&e))?;
+        }
         let registry_addr = registry::serve_registry(
             &life,
             &g.registry_listen,

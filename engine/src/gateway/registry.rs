@@ -31,6 +31,27 @@ struct Entry {
     status: WorkerStatus,
     last: Instant,
     drain: bool,
+    /// Mirrored from etcd: alive while its lease is (etcd deletes the key), not by beats.
+    leased: bool,
+}
+
+/// The mirror's freshness, when the registry mirrors etcd.
+struct Mirror {
+    /// When etcd last answered the mirror.
+    synced: Instant,
+    /// How long the last snapshot is routed on without an answer.
+    stale: std::time::Duration,
+    /// Writes drain requests to etcd.
+    drain: Arc<dyn Fn(String, bool) + Send + Sync>,
+}
+
+impl std::fmt::Debug for Mirror {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mirror")
+            .field("synced", &self.synced)
+            .field("stale", &self.stale)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The registry's state: live workers and drain requests.
@@ -42,6 +63,8 @@ pub struct RegistryState {
     beats: tokio::sync::Notify,
     /// Beats refused because another address holds the worker id's lease.
     conflicts: std::sync::atomic::AtomicU64,
+    /// Set when the workers come from etcd ([`crate::etcd::registry::mirror`]).
+    mirror: Mutex<Option<Mirror>>,
 }
 
 impl RegistryState {
@@ -62,6 +85,7 @@ impl RegistryState {
                 status,
                 last: now,
                 drain,
+                leased: false,
             },
         );
         drop(w);
@@ -87,6 +111,19 @@ impl RegistryState {
         now: Instant,
         max_workers: usize,
     ) -> Result<HeartbeatAck, Status> {
+        Self::within_bounds(&status)?;
+        status.heartbeat_ms = status
+            .heartbeat_ms
+            .clamp(*HEARTBEAT_MS_RANGE.start(), *HEARTBEAT_MS_RANGE.end());
+        self.admit(status, now, max_workers)
+    }
+
+    /// The registry's bounds on one status: a worker id of 1 to [`MAX_WORKER_ID`] bytes and
+    /// addresses (and model) of at most [`MAX_ADDRESS`].
+    ///
+    /// # Errors
+    /// INVALID_ARGUMENT naming the field.
+    pub fn within_bounds(status: &WorkerStatus) -> Result<(), Status> {
         if status.worker_id.is_empty() || status.worker_id.len() > MAX_WORKER_ID {
             return Err(Status::invalid_argument(format!(
                 "worker_id must be 1 to {MAX_WORKER_ID} bytes"
@@ -104,9 +141,15 @@ impl RegistryState {
                 )));
             }
         }
-        status.heartbeat_ms = status
-            .heartbeat_ms
-            .clamp(*HEARTBEAT_MS_RANGE.start(), *HEARTBEAT_MS_RANGE.end());
+        Ok(())
+    }
+
+    fn admit(
+        &self,
+        status: WorkerStatus,
+        now: Instant,
+        max_workers: usize,
+    ) -> Result<HeartbeatAck, Status> {
         {
             let w = self.lock();
             // One id, one live process: a second address for an id whose lease is held (a
@@ -155,9 +198,16 @@ impl RegistryState {
 
     /// Forgets workers silent for more than three of their intervals; returns how many.
     pub fn evict_stale(&self, now: Instant) -> usize {
+        let fresh = self.mirror_fresh(now);
         let mut w = self.lock();
         let before = w.len();
-        w.retain(|_, e| !is_stale(&e.status, now.saturating_duration_since(e.last)));
+        w.retain(|_, e| {
+            if e.leased {
+                fresh
+            } else {
+                !is_stale(&e.status, now.saturating_duration_since(e.last))
+            }
+        });
         before - w.len()
     }
 
@@ -177,15 +227,27 @@ impl RegistryState {
             .values()
             .map(|e| WorkerView {
                 status: e.status.clone(),
-                age: now.saturating_duration_since(e.last),
+                // A leased worker is alive while etcd says so: its key is the beat.
+                age: if e.leased {
+                    std::time::Duration::ZERO
+                } else {
+                    now.saturating_duration_since(e.last)
+                },
             })
             .collect();
         v.sort_by(|a, b| a.status.worker_id.cmp(&b.status.worker_id));
         v
     }
 
-    /// Sets or clears the drain request of a known worker.
+    /// Sets or clears the drain request of a known worker (on etcd: writes its drain key).
     pub fn set_drain(&self, worker_id: &str, drain: bool) -> bool {
+        if let Some(m) = self.mirror_lock().as_ref() {
+            let found = self.lock().contains_key(worker_id);
+            if found {
+                (m.drain)(worker_id.to_owned(), drain);
+            }
+            return found;
+        }
         match self.lock().get_mut(worker_id) {
             Some(e) => {
                 e.drain = drain;
@@ -193,6 +255,76 @@ impl RegistryState {
             }
             None => false,
         }
+    }
+}
+
+impl RegistryState {
+    fn mirror_lock(&self) -> std::sync::MutexGuard<'_, Option<Mirror>> {
+        self.mirror
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Makes this registry a mirror of etcd's workers: they come and go by
+    /// [`mirror_put`](Self::mirror_put) and [`mirror_remove`](Self::mirror_remove), the last
+    /// snapshot stays routable for `stale` after etcd last answered, and drain requests go to
+    /// `drain`.
+    pub fn mirror_etcd(
+        &self,
+        stale: std::time::Duration,
+        drain: Arc<dyn Fn(String, bool) + Send + Sync>,
+        now: Instant,
+    ) {
+        *self.mirror_lock() = Some(Mirror {
+            synced: now,
+            stale,
+            drain,
+        });
+    }
+
+    /// True unless this is a mirror that has not heard from etcd for longer than its bound.
+    fn mirror_fresh(&self, now: Instant) -> bool {
+        self.mirror_lock()
+            .as_ref()
+            .is_none_or(|m| now.saturating_duration_since(m.synced) <= m.stale)
+    }
+
+    /// etcd answered at `now`.
+    pub fn mirror_synced(&self, now: Instant) {
+        if let Some(m) = self.mirror_lock().as_mut() {
+            m.synced = m.synced.max(now);
+        }
+    }
+
+    /// A worker's key was written.
+    pub fn mirror_put(&self, mut status: WorkerStatus, now: Instant) {
+        status.heartbeat_ms = status
+            .heartbeat_ms
+            .clamp(*HEARTBEAT_MS_RANGE.start(), *HEARTBEAT_MS_RANGE.end());
+        self.lock().insert(
+            status.worker_id.clone(),
+            Entry {
+                status,
+                last: now,
+                drain: false,
+                leased: true,
+            },
+        );
+        self.beats.notify_waiters();
+    }
+
+    /// A worker's key went (its lease ended).
+    pub fn mirror_remove(&self, worker_id: &str) {
+        self.lock().remove(worker_id);
+    }
+
+    /// etcd's workers as read at once: they replace every mirrored one.
+    pub fn mirror_replace(&self, statuses: Vec<WorkerStatus>, now: Instant) {
+        self.lock().retain(|_, e| !e.leased);
+        for s in statuses {
+            self.mirror_put(s, now);
+        }
+        self.mirror_synced(now);
     }
 }
 

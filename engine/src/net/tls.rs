@@ -35,16 +35,19 @@ pub enum PeerRole {
     Both,
     /// An operator's tool.
     Admin,
+    /// An etcd member (the registry's store): a server certificate, allowed no call here.
+    Etcd,
 }
 
 impl PeerRole {
     /// Every role.
-    pub const ALL: [PeerRole; 5] = [
+    pub const ALL: [PeerRole; 6] = [
         PeerRole::Gateway,
         PeerRole::Prefill,
         PeerRole::Decode,
         PeerRole::Both,
         PeerRole::Admin,
+        PeerRole::Etcd,
     ];
 
     /// The role's name in a SPIFFE id.
@@ -56,6 +59,7 @@ impl PeerRole {
             PeerRole::Decode => "decode",
             PeerRole::Both => "both",
             PeerRole::Admin => "admin",
+            PeerRole::Etcd => "etcd",
         }
     }
 }

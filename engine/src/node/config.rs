@@ -38,6 +38,10 @@
 //! block_tokens = 4              # B
 //! n_blocks = 1024               # blocks in the KV pool
 //!
+//! [registry]                    # the worker registry on etcd, instead of gateway_registry
+//! etcd_endpoints = []           # etcd client URLs (https:// with [tls]); empty: not on etcd
+//! prefix = "/tl"                # the keys live under <prefix>/workers/ and <prefix>/drain/
+//!
 //! [limits]                      # see net/limits.rs: every bound a peer meets, and drain_ms
 //!
 //! [tls]                         # mutual TLS on every port (see `tl certs`); omitted: plaintext,
@@ -85,6 +89,9 @@ pub struct Config {
     pub limits: LimitsSection,
     /// `[telemetry]`: where spans are exported (CONTRACTS section 9).
     pub telemetry: crate::telemetry::TelemetrySection,
+    /// `[registry]`: the worker registry on etcd (`etcd_endpoints`), instead of the
+    /// gateway's own (`[engine] gateway_registry`).
+    pub registry: crate::etcd::RegistrySection,
 }
 
 /// `[engine]`.
@@ -327,6 +334,11 @@ impl Config {
         }
         if self.engine.id.is_empty() {
             return Err(ConfigError::Invalid("engine.id must not be empty".into()));
+        }
+        if self.registry.on_etcd() && !self.engine.gateway_registry.is_empty() {
+            return Err(ConfigError::Invalid(
+                "set one registry: engine.gateway_registry or registry.etcd_endpoints".into(),
+            ));
         }
         if self.tls.is_none() && !self.allow_insecure {
             let e = &self.engine;

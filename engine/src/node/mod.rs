@@ -251,7 +251,26 @@ impl EngineNode {
             )?;
             addrs.http = advertised(http, advertise)?;
         }
-        if !cfg.engine.gateway_registry.is_empty() {
+        if cfg.registry.on_etcd() {
+            let ms = cfg.engine.heartbeat_ms;
+            let interval = Duration::from_millis(u64::from(ms));
+            let timeout = interval.clamp(Duration::from_millis(500), Duration::from_secs(2));
+            let etcd = Arc::new(
+                crate::etcd::Etcd::new(&cfg.registry.etcd_endpoints, tls.as_ref(), timeout)
+                    .map_err(|e| invalid(&e))?,
+            );
+            let registry = crate::etcd::registry::EtcdRegistrar::new(
+                etcd,
+                crate::etcd::Keys::new(&cfg.registry.prefix),
+                ms,
+            );
+            let target = cfg.registry.etcd_endpoints.join(",");
+            let hb = Arc::new(Heartbeat::new(registry, timeout).named(&target));
+            state.awaits_registration(&target);
+            self::start_heartbeat(
+                &life, &state, &metrics, &addrs, hb, cfg, limits, role, &shape,
+            );
+        } else if !cfg.engine.gateway_registry.is_empty() {
             let ms = cfg.engine.heartbeat_ms;
             let interval = Duration::from_millis(u64::from(ms));
             let timeout = interval.clamp(Duration::from_millis(100), Duration::from_secs(2));
@@ -269,38 +288,9 @@ impl EngineNode {
             let hb =
                 Arc::new(Heartbeat::new(registry, timeout).named(&cfg.engine.gateway_registry));
             state.awaits_registration(&cfg.engine.gateway_registry);
-            {
-                let hb = Arc::clone(&hb);
-                metrics.on_scrape(move |m| {
-                    Metrics::catch_up(&m.heartbeat_failures, hb.failed_total());
-                });
-            }
-            let (s1, s2, s3, a) = (
-                Arc::clone(&state),
-                Arc::clone(&state),
-                Arc::clone(&state),
-                addrs.clone(),
+            self::start_heartbeat(
+                &life, &state, &metrics, &addrs, hb, cfg, limits, role, &shape,
             );
-            // The longest sequence this engine can ever hold: its context, within the pool a
-            // push may fill (less the reserve held back for running sequences).
-            let b = shape.block_tokens();
-            let room = if role.decodes() {
-                cfg.pool.n_blocks - limits.reserve(cfg.pool.n_blocks) as u32
-            } else {
-                cfg.pool.n_blocks
-            };
-            let usable_context = cfg.model.max_context.min(room.saturating_mul(b));
-            life.spawn(hb.run(
-                interval,
-                move || kvwire_grpc::pb::control::WorkerStatus {
-                    usable_context,
-                    ..worker_status(&s1, &a, ms)
-                },
-                move || s3.registered(),
-                move || s2.start_drain(),
-                state.drain_started(),
-                life.token().clone(),
-            ));
         }
         let metrics_listener = serve_http(
             &life,
@@ -393,4 +383,54 @@ impl EngineNode {
         self.thread.join().await;
         remaining
     }
+}
+
+/// Beats to `hb`'s registry for the life of the node, with the node's live status; the
+/// heartbeat's failures are counted in the node's metrics.
+#[allow(clippy::too_many_arguments)] // The node's parts, passed once at start.
+fn start_heartbeat<R: heartbeat::Registry>(
+    life: &Lifecycle,
+    state: &Arc<NodeState>,
+    metrics: &SharedMetrics,
+    addrs: &Addresses,
+    hb: Arc<Heartbeat<R>>,
+    cfg: &Config,
+    limits: &crate::net::limits::LimitsSection,
+    role: config::Role,
+    shape: &kvwire::Shape,
+) {
+    let ms = cfg.engine.heartbeat_ms;
+    let interval = Duration::from_millis(u64::from(ms));
+    {
+        let hb = Arc::clone(&hb);
+        metrics.on_scrape(move |m| {
+            Metrics::catch_up(&m.heartbeat_failures, hb.failed_total());
+        });
+    }
+    let (s1, s2, s3, a) = (
+        Arc::clone(state),
+        Arc::clone(state),
+        Arc::clone(state),
+        addrs.clone(),
+    );
+    // The longest sequence this engine can ever hold: its context, within the pool a
+    // push may fill (less the reserve held back for running sequences).
+    let b = shape.block_tokens();
+    let room = if role.decodes() {
+        cfg.pool.n_blocks - limits.reserve(cfg.pool.n_blocks) as u32
+    } else {
+        cfg.pool.n_blocks
+    };
+    let usable_context = cfg.model.max_context.min(room.saturating_mul(b));
+    life.spawn(hb.run(
+        interval,
+        move || kvwire_grpc::pb::control::WorkerStatus {
+            usable_context,
+            ..worker_status(&s1, &a, ms)
+        },
+        move || s3.registered(),
+        move || s2.start_drain(),
+        state.drain_started(),
+        life.token().clone(),
+    ));
 }

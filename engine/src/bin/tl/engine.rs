@@ -39,6 +39,10 @@ pub(crate) struct EngineArgs {
     /// The gateway's WorkerRegistry (host:port).
     #[arg(long)]
     gateway_registry: Option<String>,
+    /// The worker registry on etcd instead: its client URLs, comma separated
+    /// (`[registry] etcd_endpoints`).
+    #[arg(long, value_name = "URL[,URL...]")]
+    etcd_endpoints: Option<String>,
     /// The host peers reach this engine at (advertised with the bound ports); needed when
     /// listening on 0.0.0.0.
     #[arg(long)]
@@ -74,6 +78,9 @@ impl EngineArgs {
         set(&mut c.engine.http_listen, &self.http_listen);
         set(&mut c.engine.metrics_listen, &self.metrics_listen);
         set(&mut c.engine.gateway_registry, &self.gateway_registry);
+        if let Some(e) = &self.etcd_endpoints {
+            c.registry.set_endpoints(e);
+        }
         set(&mut c.engine.advertise_address, &self.advertise_address);
         if let Some(m) = &self.model {
             crate::run::set_model(&mut c, m);

@@ -23,6 +23,10 @@ pub(crate) struct GatewayArgs {
     /// WorkerRegistry listen address.
     #[arg(long)]
     registry_listen: Option<String>,
+    /// Route over the workers registered on etcd: its client URLs, comma separated
+    /// (`[registry] etcd_endpoints`).
+    #[arg(long, value_name = "URL[,URL...]")]
+    etcd_endpoints: Option<String>,
     /// `GET /metrics` listen address (plaintext).
     #[arg(long)]
     metrics_listen: Option<String>,
@@ -49,6 +53,9 @@ pub(crate) fn gateway(args: &GatewayArgs, log_format: LogFormat) -> ExitCode {
     }
     if let Some(r) = &args.registry_listen {
         cfg.gateway.registry_listen.clone_from(r);
+    }
+    if let Some(e) = &args.etcd_endpoints {
+        cfg.registry.set_endpoints(e);
     }
     if let Some(m) = &args.metrics_listen {
         cfg.gateway.metrics_listen.clone_from(m);

@@ -5,6 +5,7 @@ mod certs;
 mod demo;
 mod drill;
 mod engine;
+mod etcd;
 mod gateway;
 mod generate;
 mod inspect;
@@ -59,6 +60,12 @@ enum Cmd {
     Probe(probe::ProbeArgs),
     /// Run a worker registry until SIGTERM.
     Registry(registry::RegistryArgs),
+    /// The registry on etcd: `init` turns auth on, `grant` lets an identity in, `drain` asks a
+    /// worker to drain.
+    Etcd {
+        #[command(subcommand)]
+        which: etcd::EtcdCmd,
+    },
     /// Model checkpoints: `tl model init` writes one with seeded random weights.
     Model {
         #[command(subcommand)]
@@ -139,6 +146,7 @@ fn main() -> ExitCode {
         Cmd::Engine(args) => engine::engine(&args, cli.log_format),
         Cmd::Registry(args) => registry::registry(&args, cli.log_format),
         Cmd::Model { which } => model::model(&which),
+        Cmd::Etcd { which } => etcd::etcd(&which),
         Cmd::Gateway(args) => gateway::gateway(&args, cli.log_format),
         Cmd::Bench { which } => match which {
             BenchCmd::Wire(args) => bench::wire::wire(&args),

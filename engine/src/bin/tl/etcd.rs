@@ -1,0 +1,129 @@
+//! `tl etcd`: an admin's tool for the registry on etcd. `init` sets up etcd's auth (run once,
+//! with the admin's certificate, before auth is on); `grant` lets one identity in with the
+//! role its certificate names; `drain` asks a worker to drain. Each prints one JSON line.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use tl_engine::etcd::{Etcd, Keys, auth, registry};
+use tl_engine::net::tls::{PeerId, Tls};
+
+use crate::run::TlsArgs;
+
+/// Arguments shared by every `tl etcd` command.
+#[derive(clap::Args, Debug)]
+pub(crate) struct EtcdTarget {
+    /// etcd's client URLs, comma separated.
+    #[arg(long, value_name = "URL[,URL...]")]
+    etcd_endpoints: String,
+    /// The key prefix of the deployment (`[registry] prefix`).
+    #[arg(long, default_value = tl_engine::etcd::DEFAULT_PREFIX)]
+    prefix: String,
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+/// `tl etcd` commands.
+#[derive(clap::Subcommand, Debug)]
+pub(crate) enum EtcdCmd {
+    /// Turn etcd's auth on: the root user, the caller (an admin certificate) as a superuser,
+    /// and the gateway role.
+    Init(EtcdTarget),
+    /// Let an identity in: `--id ID --role ROLE` as in `tl certs`.
+    Grant {
+        #[command(flatten)]
+        target: EtcdTarget,
+        /// The identity's id.
+        #[arg(long)]
+        id: String,
+        /// Its role: gateway, prefill, decode, both or admin.
+        #[arg(long)]
+        role: String,
+    },
+    /// Ask a worker to drain (`--undo`: withdraw the request).
+    Drain {
+        #[command(flatten)]
+        target: EtcdTarget,
+        /// The worker's id.
+        #[arg(long)]
+        id: String,
+        /// Withdraw the request.
+        #[arg(long)]
+        undo: bool,
+    },
+}
+
+fn client(t: &EtcdTarget) -> Result<(Etcd, Keys, Option<Tls>), String> {
+    let (mut section, mut allow) = (None, false);
+    t.tls.apply(&mut section, &mut allow);
+    let tls = section
+        .as_ref()
+        .map(Tls::load)
+        .transpose()
+        .map_err(|e| e.to_string())?;
+    let mut r = tl_engine::etcd::RegistrySection::default();
+    r.set_endpoints(&t.etcd_endpoints);
+    let etcd = Etcd::new(&r.etcd_endpoints, tls.as_ref(), Duration::from_secs(5))
+        .map_err(|e| e.to_string())?;
+    Ok((etcd, Keys::new(&t.prefix), tls))
+}
+
+/// Runs `tl etcd`.
+#[must_use]
+pub(crate) fn etcd(cmd: &EtcdCmd) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let r: Result<serde_json::Value, String> = rt.block_on(async {
+        match cmd {
+            EtcdCmd::Init(t) => {
+                let (etcd, keys, tls) = client(t)?;
+                let me = tls
+                    .as_ref()
+                    .map(|t| t.identity().clone())
+                    .ok_or("tl etcd init needs the admin's certificate (--tls-*)")?;
+                auth::init(&etcd, &keys, &me)
+                    .await
+                    .map_err(|s| s.message().to_owned())?;
+                Ok(serde_json::json!({"auth": "enabled", "superuser": auth::user(&me)}))
+            }
+            EtcdCmd::Grant { target, id, role } => {
+                let (etcd, keys, _) = client(target)?;
+                let peer = PeerId {
+                    role: role
+                        .parse()
+                        .map_err(|e: tl_engine::net::tls::TlsError| e.to_string())?,
+                    id: id.clone(),
+                };
+                let granted = auth::grant(&etcd, &keys, &peer)
+                    .await
+                    .map_err(|s| s.message().to_owned())?;
+                Ok(serde_json::json!({"user": auth::user(&peer), "role": granted}))
+            }
+            EtcdCmd::Drain { target, id, undo } => {
+                let (etcd, keys, _) = client(target)?;
+                registry::set_drain(&etcd, &keys, id, !undo)
+                    .await
+                    .map_err(|s| s.message().to_owned())?;
+                Ok(serde_json::json!({"worker": id, "drain": !undo}))
+            }
+        }
+    });
+    match r {
+        Ok(v) => {
+            println!("{v}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,411 @@
+//! The worker registry on its two backends: the gateway's own (engines beat to it over gRPC)
+//! and etcd (engines hold a lease and a key; gateways mirror a watch). One contract suite runs
+//! on both. Then what only etcd does: identities kept to their own keys by etcd's auth over
+//! mutual TLS, and two gateways serving the same engines.
+//!
+//! etcd is Debian's `etcd-server` 3.4, installed with apt when missing (as `.ci/run` does);
+//! each test starts its own members on free loopback ports with their own data directories.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::eventually;
+use kvwire_grpc::pb::control::{Role as PbRole, WorkerStatus};
+use tl_engine::etcd::member::{Member, MemberTls, start_cluster};
+use tl_engine::etcd::registry::{EtcdRegistrar, mirror};
+use tl_engine::etcd::{Etcd, Keys, auth};
+use tl_engine::gateway::registry::{RegistryNode, RegistryState};
+use tl_engine::net::clients::RegistryClient;
+use tl_engine::net::tls::{PeerId, PeerRole, Tls, issue};
+use tl_engine::node::heartbeat::Heartbeat;
+use tokio_util::sync::CancellationToken;
+use tonic::Code;
+
+/// Debian's etcd-server, installed when missing (this runs as root here).
+fn etcd_installed() {
+    let found = || {
+        Command::new(tl_engine::etcd::member::binary())
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if found() {
+        return;
+    }
+    let install = || {
+        Command::new("flock")
+            .args(["/tmp/tl-apt.lock", "apt-get", "install", "-y", "-q"])
+            .args(["--no-install-recommends", "etcd-server"])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !install() {
+        let _ = Command::new("flock")
+            .args(["/tmp/tl-apt.lock", "apt-get", "update", "-q"])
+            .status();
+        assert!(
+            install(),
+            "these tests need etcd: `apt-get install etcd-server` failed"
+        );
+    }
+    assert!(found(), "etcd-server installed but `etcd --version` fails");
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("etcd")
+        .join(format!("{name}-{}", tl_engine::net::tls::random_hex::<4>()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+const BEAT_MS: u32 = 300;
+
+fn status(id: &str, grpc: &str, queue: u32) -> WorkerStatus {
+    WorkerStatus {
+        worker_id: id.into(),
+        http_address: format!("{grpc}-http"),
+        grpc_address: grpc.into(),
+        kv_address: format!("{grpc}-kv"),
+        role: PbRole::Decode as i32,
+        model: "fake".into(),
+        kv_format: 1,
+        queue_depth: queue,
+        total_blocks: 64,
+        free_blocks: 60,
+        block_tokens: 4,
+        heartbeat_ms: BEAT_MS,
+        ..Default::default()
+    }
+}
+
+/// One backend, as the contract sees it: beats from engines, a gateway's view of them.
+enum Backend {
+    InProcess(RegistryNode),
+    Etcd {
+        _members: Vec<Member>,
+        etcd: Arc<Etcd>,
+        view: Arc<RegistryState>,
+        stop: CancellationToken,
+    },
+}
+
+impl Backend {
+    async fn in_process() -> Self {
+        Backend::InProcess(
+            RegistryNode::start("127.0.0.1:0", None, "127.0.0.1:0")
+                .await
+                .unwrap(),
+        )
+    }
+
+    async fn etcd(name: &str) -> Self {
+        etcd_installed();
+        let members = start_cluster(&tmp(name), 1, None).unwrap();
+        let urls: Vec<String> = members.iter().map(|m| m.client_url.clone()).collect();
+        let etcd = Arc::new(Etcd::new(&urls, None, Duration::from_secs(2)).unwrap());
+        let view = Arc::new(RegistryState::default());
+        let e = Arc::clone(&etcd);
+        view.mirror_etcd(
+            Duration::from_secs(15),
+            Arc::new(move |id: String, drain: bool| {
+                let e = Arc::clone(&e);
+                tokio::spawn(async move {
+                    tl_engine::etcd::registry::set_drain(&e, &Keys::new("/tl"), &id, drain)
+                        .await
+                        .unwrap();
+                });
+            }),
+            Instant::now(),
+        );
+        let stop = CancellationToken::new();
+        tokio::spawn(mirror(
+            Arc::clone(&etcd),
+            Keys::new("/tl"),
+            Arc::clone(&view),
+            stop.clone(),
+        ));
+        Backend::Etcd {
+            _members: members,
+            etcd,
+            view,
+            stop,
+        }
+    }
+
+    /// What the gateway routes over.
+    fn view(&self) -> &Arc<RegistryState> {
+        match self {
+            Backend::InProcess(n) => n.state(),
+            Backend::Etcd { view, .. } => view,
+        }
+    }
+
+    /// An engine's heartbeat to this backend.
+    fn beater(&self) -> Beater {
+        let t = Duration::from_secs(2);
+        match self {
+            Backend::InProcess(n) => Beater::Grpc(Heartbeat::new(
+                RegistryClient::new(&n.addr().to_string(), t).unwrap(),
+                t,
+            )),
+            Backend::Etcd { etcd, .. } => Beater::Etcd(Heartbeat::new(
+                EtcdRegistrar::new(Arc::clone(etcd), Keys::new("/tl"), BEAT_MS),
+                t,
+            )),
+        }
+    }
+
+    fn listed(&self, id: &str) -> Option<WorkerStatus> {
+        self.view()
+            .list(Instant::now())
+            .into_iter()
+            .find(|w| w.worker_id == id)
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        if let Backend::Etcd { stop, .. } = self {
+            stop.cancel();
+        }
+    }
+}
+
+enum Beater {
+    Grpc(Heartbeat<RegistryClient>),
+    Etcd(Heartbeat<EtcdRegistrar>),
+}
+
+impl Beater {
+    async fn beat(&self, s: WorkerStatus) -> Result<bool, tonic::Status> {
+        match self {
+            Beater::Grpc(h) => h.beat_once(s).await,
+            Beater::Etcd(h) => h.beat_once(s).await,
+        }
+    }
+}
+
+/// The contract every registry backend keeps.
+async fn contract(b: Backend) {
+    let wait = Duration::from_secs(10);
+    let e1 = b.beater();
+    // A beat registers the worker with the status it sent.
+    assert!(!e1.beat(status("w1", "10.0.0.1:1", 0)).await.unwrap());
+    assert!(
+        eventually(wait, || b.listed("w1")
+            == Some(status("w1", "10.0.0.1:1", 0)))
+        .await,
+        "a registered worker is listed with its status: {:?}",
+        b.listed("w1")
+    );
+    // A changed status is seen.
+    e1.beat(status("w1", "10.0.0.1:1", 7)).await.unwrap();
+    assert!(
+        eventually(wait, || b.listed("w1").is_some_and(|w| w.queue_depth == 7)).await,
+        "a changed load reaches the gateway"
+    );
+    // A second worker beside it; the list is sorted by id.
+    let e2 = b.beater();
+    e2.beat(status("w2", "10.0.0.2:1", 0)).await.unwrap();
+    assert!(eventually(wait, || b.view().list(Instant::now()).len() == 2).await);
+    let ids: Vec<String> = b
+        .view()
+        .list(Instant::now())
+        .into_iter()
+        .map(|w| w.worker_id)
+        .collect();
+    assert_eq!(ids, ["w1", "w2"]);
+    // A second address for a live id is refused, and the first keeps the id.
+    let thief = b.beater();
+    let err = thief.beat(status("w1", "10.9.9.9:1", 0)).await.unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists, "{err:?}");
+    assert_eq!(b.listed("w1").unwrap().grpc_address, "10.0.0.1:1");
+    // Out-of-bounds statuses are refused.
+    let long = "x".repeat(200);
+    let err = b.beater().beat(status(&long, "10.0.0.3:1", 0)).await;
+    match &b {
+        Backend::InProcess(_) => assert_eq!(err.unwrap_err().code(), Code::InvalidArgument),
+        // etcd stores any key an engine may write; the gateway's mirror refuses to list it.
+        Backend::Etcd { .. } => {
+            let _ = err;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert!(
+                b.listed(&long).is_none(),
+                "a worker id beyond the bound is not listed"
+            );
+        }
+    }
+    // A drain request from the gateway reaches the engine at a later beat, and stays.
+    assert!(b.view().set_drain("w1", true));
+    assert!(
+        !b.view().set_drain("nobody", true),
+        "draining an unknown worker finds nothing"
+    );
+    let mut drained = false;
+    for _ in 0..40 {
+        if e1.beat(status("w1", "10.0.0.1:1", 7)).await.unwrap() {
+            drained = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(drained, "the engine never heard the drain request");
+    assert!(
+        !e2.beat(status("w2", "10.0.0.2:1", 0)).await.unwrap(),
+        "only w1 was asked to drain"
+    );
+    // A worker that stops beating is forgotten (three beats; on etcd, its lease's TTL).
+    let start = Instant::now();
+    let gone = eventually(Duration::from_secs(15), || b.listed("w1").is_none()).await;
+    assert!(gone, "a silent worker was never forgotten");
+    assert!(
+        start.elapsed() >= Duration::from_millis(u64::from(BEAT_MS) * 2),
+        "forgotten too soon"
+    );
+    // After that, its id may register from another address.
+    thief.beat(status("w1", "10.9.9.9:1", 0)).await.unwrap();
+    assert!(
+        eventually(wait, || b
+            .listed("w1")
+            .is_some_and(|w| w.grpc_address == "10.9.9.9:1"))
+        .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registry_contract_in_process() {
+    contract(Backend::in_process().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registry_contract_on_etcd() {
+    contract(Backend::etcd("contract").await).await;
+}
+
+/// Certificates for a TLS cluster: the members', and one for each identity named.
+fn certs(dir: &Path, ids: &[(&str, PeerRole)]) -> (MemberTls, Vec<Tls>) {
+    let m = issue(dir, "etcd-0", PeerRole::Etcd, &[]).unwrap();
+    let member = MemberTls {
+        ca: m.ca.clone(),
+        cert: m.cert.clone(),
+        key: m.key.clone(),
+    };
+    let tls = ids
+        .iter()
+        .map(|(id, role)| Tls::load(&issue(dir, id, *role, &[]).unwrap().section()).unwrap())
+        .collect();
+    (member, tls)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_cannot_write_another_engines_key() {
+    etcd_installed();
+    let dir = tmp("auth");
+    let (member, tls) = certs(
+        &dir,
+        &[
+            ("ops", PeerRole::Admin),
+            ("d1", PeerRole::Decode),
+            ("d2", PeerRole::Decode),
+            ("gw", PeerRole::Gateway),
+        ],
+    );
+    let members = start_cluster(&dir.join("data"), 1, Some(&member)).unwrap();
+    let urls = vec![members[0].client_url.clone()];
+    let t = Duration::from_secs(5);
+    let client = |i: usize| Arc::new(Etcd::new(&urls, Some(&tls[i]), t).unwrap());
+    let (admin, d1, d2, gw) = (client(0), client(1), client(2), client(3));
+    let keys = Keys::new("/tl");
+    auth::init(&admin, &keys, tls[0].identity()).await.unwrap();
+    for t in &tls[1..] {
+        auth::grant(&admin, &keys, t.identity()).await.unwrap();
+    }
+    let v = || bytes::Bytes::from_static(b"x");
+    let denied = |r: Result<i64, tonic::Status>, what: &str| {
+        let e = r.expect_err(what);
+        assert_eq!(e.code(), Code::PermissionDenied, "{what}: {e:?}");
+    };
+    // Each engine writes its own key, and no other.
+    d1.put(&keys.worker("d1"), v(), 0).await.unwrap();
+    denied(
+        d1.put(&keys.worker("d2"), v(), 0).await,
+        "d1 writing d2's key",
+    );
+    denied(
+        d2.put(&keys.worker("d1"), v(), 0).await,
+        "d2 writing d1's key",
+    );
+    denied(
+        d1.put(&keys.worker("d3"), v(), 0).await,
+        "d1 writing a key of nobody's",
+    );
+    denied(d1.delete(&keys.worker("d2")).await, "d1 deleting d2's key");
+    // An engine does not drain itself or others, nor read the others' statuses.
+    denied(
+        d1.put(&keys.drain("d1"), v(), 0).await,
+        "d1 writing its drain key",
+    );
+    denied(
+        d1.put(&keys.drain("d2"), v(), 0).await,
+        "d1 writing d2's drain key",
+    );
+    let e = d1
+        .get(&keys.worker("d2"))
+        .await
+        .expect_err("d1 reading d2's key");
+    assert_eq!(e.code(), Code::PermissionDenied);
+    // A gateway reads every worker and writes drain keys, but no worker's key.
+    denied(
+        gw.put(&keys.worker("d1"), v(), 0).await,
+        "the gateway writing d1's key",
+    );
+    assert_eq!(gw.get_prefix(&keys.workers()).await.unwrap().0.len(), 1);
+    tl_engine::etcd::registry::set_drain(&gw, &keys, "d1", true)
+        .await
+        .unwrap();
+    // The engine's registrar works within its rights: lease, key, drain key read.
+    let reg = Heartbeat::new(
+        EtcdRegistrar::new(Arc::clone(&d1), keys.clone(), BEAT_MS),
+        t,
+    );
+    assert!(
+        reg.beat_once(status("d1", "127.0.0.1:1", 0)).await.unwrap(),
+        "d1 sees its drain key"
+    );
+    // A registrar beating for another id is refused by etcd, not by our own code.
+    let liar = Heartbeat::new(
+        EtcdRegistrar::new(Arc::clone(&d2), keys.clone(), BEAT_MS),
+        t,
+    );
+    let e = liar
+        .beat_once(status("d1", "127.0.0.1:9", 0))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    // A client without a certificate of this CA does not get in at all.
+    let other = tmp("other-ca");
+    let stranger = Tls::load(
+        &issue(&other, "d1", PeerRole::Decode, &[])
+            .unwrap()
+            .section(),
+    )
+    .unwrap();
+    let s = Etcd::new(&urls, Some(&stranger), Duration::from_secs(2)).unwrap();
+    assert!(
+        s.put(&keys.worker("d1"), v(), 0).await.is_err(),
+        "a stranger's certificate was let in"
+    );
+    // And the one good write stays as d1 left it.
+    let kvs = admin.get_prefix(&keys.workers()).await.unwrap().0;
+    assert_eq!(kvs.len(), 1);
+    assert_eq!(
+        PeerId::parse(&auth::user(tls[1].identity())).unwrap().id,
+        "d1"
+    );
+}
