@@ -436,9 +436,11 @@ async fn two_gateways_serve_the_same_engines_through_an_etcd_outage() {
     use tl_engine::node::config::Role;
     etcd_installed();
     let mut members = start_cluster(&tmp("two-gateways"), 1, None).unwrap();
-    let mut reg = tl_engine::etcd::RegistrySection::default();
-    reg.etcd_endpoints = vec![members[0].client_url.clone()];
-    reg.stale_ms = 30_000;
+    let reg = tl_engine::etcd::RegistrySection {
+        etcd_endpoints: vec![members[0].client_url.clone()],
+        stale_ms: 30_000,
+        ..Default::default()
+    };
     let mut gcfg = GatewayConfig::local();
     gcfg.registry = reg.clone();
     let g1 = GatewayNode::start(&gcfg).await.unwrap();
