@@ -46,6 +46,11 @@
 //! ca = "certs/ca.pem"
 //! cert = "certs/gw.pem"
 //! key = "certs/gw.key"
+//!
+//! [registry]                       # the workers from etcd as well (see crate::etcd)
+//! etcd_endpoints = []              # etcd client URLs (https:// with [tls]); empty: none
+//! prefix = "/tl"                   # <prefix>/workers/<id>, <prefix>/drain/<id>
+//! stale_ms = 15000                 # route on the last snapshot this long without etcd
 //! ```
 //!
 //! `allow_insecure = true` (top level) allows non-loopback listen addresses without `[tls]`.
