@@ -501,3 +501,92 @@ async fn two_gateways_serve_the_same_engines_through_an_etcd_outage() {
         assert!(common::settled(e, 0).await, "an engine kept blocks in use");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_registry_survives_losing_one_of_three_etcd_members() {
+    etcd_installed();
+    let mut members = start_cluster(&tmp("three"), 3, None).unwrap();
+    let urls: Vec<String> = members.iter().map(|m| m.client_url.clone()).collect();
+    let client = || Arc::new(Etcd::new(&urls, None, Duration::from_secs(2)).unwrap());
+    let view = Arc::new(RegistryState::default());
+    view.mirror_etcd(Duration::from_secs(15), Arc::new(|_, _| {}), Instant::now());
+    let stop = CancellationToken::new();
+    tokio::spawn(mirror(
+        client(),
+        Keys::new("/tl"),
+        Arc::clone(&view),
+        stop.clone(),
+    ));
+    let hb = Heartbeat::new(
+        EtcdRegistrar::new(client(), Keys::new("/tl"), BEAT_MS),
+        Duration::from_secs(3),
+    );
+    let listed = |q: u32| {
+        view.list(Instant::now())
+            .iter()
+            .any(|w| w.worker_id == "w" && w.queue_depth == q)
+    };
+    hb.beat_once(status("w", "10.0.0.1:1", 0)).await.unwrap();
+    assert!(eventually(Duration::from_secs(10), || listed(0)).await);
+    // The member both clients talk to first is killed (SIGKILL); the leader may be among the
+    // lost, so an election runs while the engine beats on.
+    members[0].kill();
+    let (mut failed, mut missing) = (0, 0);
+    for q in 1..=15u32 {
+        if hb.beat_once(status("w", "10.0.0.1:1", q)).await.is_err() {
+            failed += 1;
+        }
+        if view.list(Instant::now()).iter().all(|w| w.worker_id != "w") {
+            missing += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(u64::from(BEAT_MS))).await;
+    }
+    assert_eq!(failed, 0, "beats failed with two members of three up");
+    assert_eq!(missing, 0, "the gateway's view lost the worker");
+    assert!(
+        eventually(Duration::from_secs(10), || listed(15)).await,
+        "a status written after the loss never reached the gateway's view"
+    );
+    stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_drains_when_its_key_is_written_not_at_its_next_beat() {
+    use tl_engine::gateway::GatewayNode;
+    use tl_engine::gateway::config::GatewayConfig;
+    use tl_engine::node::EngineNode;
+    use tl_engine::node::config::Role;
+    etcd_installed();
+    let members = start_cluster(&tmp("drain"), 1, None).unwrap();
+    let reg = tl_engine::etcd::RegistrySection {
+        etcd_endpoints: vec![members[0].client_url.clone()],
+        ..Default::default()
+    };
+    let mut gcfg = GatewayConfig::local();
+    gcfg.registry = reg.clone();
+    let gw = GatewayNode::start(&gcfg).await.unwrap();
+    let mut c = common::engine_cfg("D1", Role::Decode, "");
+    // A beat a minute: a drain that waited for the next beat would take that long.
+    c.engine.heartbeat_ms = 60_000;
+    c.registry = reg;
+    let d = EngineNode::start(&c).await.unwrap();
+    common::wait_workers(&gw, 1).await;
+    assert!(!d.state().is_draining());
+    let asked = Instant::now();
+    assert!(gw.registry().set_drain("D1", true), "the gateway knows D1");
+    assert!(
+        eventually(Duration::from_secs(5), || d.state().is_draining()).await,
+        "the engine did not drain within 5 s of its drain key being written"
+    );
+    // It beats at once with draining = true, and the gateway's view says so.
+    assert!(
+        eventually(Duration::from_secs(5), || gw
+            .registry()
+            .list(Instant::now())
+            .iter()
+            .any(|w| w.draining))
+        .await,
+        "the draining engine's status never reached the gateway"
+    );
+    assert!(asked.elapsed() < Duration::from_secs(10));
+}

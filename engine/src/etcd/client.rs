@@ -279,6 +279,24 @@ impl Etcd {
     /// # Errors
     /// As [`put`](Self::put); a refused watch is PERMISSION_DENIED or FAILED_PRECONDITION.
     pub async fn watch(&self, prefix: &str, start_revision: i64) -> Result<Watch, Status> {
+        self.watch_range(prefix, pb::prefix_end(prefix.as_bytes()), start_revision)
+            .await
+    }
+
+    /// Watches the one key `key` from now on (a caller allowed to read only that key).
+    ///
+    /// # Errors
+    /// As [`watch`](Self::watch).
+    pub async fn watch_key(&self, key: &str) -> Result<Watch, Status> {
+        self.watch_range(key, Bytes::new(), 0).await
+    }
+
+    async fn watch_range(
+        &self,
+        key: &str,
+        range_end: Bytes,
+        start_revision: i64,
+    ) -> Result<Watch, Status> {
         let mut last = None;
         for offset in 0..self.members.len() {
             let (i, (_, ch)) = self.member(offset);
@@ -287,8 +305,8 @@ impl Etcd {
                 let create = pb::WatchRequest {
                     request_union: Some(pb::watch_request::RequestUnion::CreateRequest(
                         pb::WatchCreateRequest {
-                            key: Bytes::copy_from_slice(prefix.as_bytes()),
-                            range_end: pb::prefix_end(prefix.as_bytes()),
+                            key: Bytes::copy_from_slice(key.as_bytes()),
+                            range_end: range_end.clone(),
                             start_revision,
                             ..Default::default()
                         },

@@ -139,6 +139,57 @@ pub async fn set_drain(etcd: &Etcd, keys: &Keys, id: &str, drain: bool) -> Resul
     Ok(())
 }
 
+/// Watches worker `id`'s drain key until it is written, then calls `on_drain` (once) and
+/// returns; a lost watch is opened again. The heartbeat also reads the key at every beat: this
+/// makes a drain request take effect at once instead of at the next beat.
+pub async fn watch_drain(
+    etcd: Arc<Etcd>,
+    keys: Keys,
+    id: String,
+    on_drain: impl Fn() + Send,
+    stop: CancellationToken,
+) {
+    let key = keys.drain(&id);
+    let asked = async || -> Result<(), Status> {
+        // The watch first, then the read: a write between the two is seen by one of them.
+        let mut w = etcd.watch_key(&key).await?;
+        if etcd.get(&key).await?.is_some_and(|kv| !kv.value.is_empty()) {
+            return Ok(());
+        }
+        loop {
+            let r = w
+                .next()
+                .await?
+                .ok_or_else(|| Status::unavailable("etcd ended the watch"))?;
+            if r.canceled {
+                return Err(Status::aborted(r.cancel_reason));
+            }
+            let written = r.events.iter().any(|e| {
+                e.r#type == EVENT_PUT && e.kv.as_ref().is_some_and(|kv| !kv.value.is_empty())
+            });
+            if written {
+                return Ok(());
+            }
+        }
+    };
+    loop {
+        tokio::select! {
+            r = asked() => match r {
+                Ok(()) => {
+                    on_drain();
+                    return;
+                }
+                Err(e) => tracing::debug!(error = %e, "drain watch lost; opening it again"),
+            },
+            () = stop.cancelled() => return,
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            () = stop.cancelled() => return,
+        }
+    }
+}
+
 /// A worker's status as read from its key: `None` (and a warning) for one that does not
 /// decode, that names another worker than its key, or that breaks the registry's bounds.
 fn status_of(keys: &Keys, kv: &KeyValue) -> Option<WorkerStatus> {

@@ -259,11 +259,18 @@ impl EngineNode {
                 crate::etcd::Etcd::new(&cfg.registry.etcd_endpoints, tls.as_ref(), timeout)
                     .map_err(|e| invalid(&e))?,
             );
-            let registry = crate::etcd::registry::EtcdRegistrar::new(
-                etcd,
-                crate::etcd::Keys::new(&cfg.registry.prefix),
-                ms,
-            );
+            let keys = crate::etcd::Keys::new(&cfg.registry.prefix);
+            {
+                let s = Arc::clone(&state);
+                life.spawn(crate::etcd::registry::watch_drain(
+                    Arc::clone(&etcd),
+                    keys.clone(),
+                    cfg.engine.id.clone(),
+                    move || s.start_drain(),
+                    life.token().clone(),
+                ));
+            }
+            let registry = crate::etcd::registry::EtcdRegistrar::new(etcd, keys, ms);
             let target = cfg.registry.etcd_endpoints.join(",");
             let hb = Arc::new(Heartbeat::new(registry, timeout).named(&target));
             state.awaits_registration(&target);
