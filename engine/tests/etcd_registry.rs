@@ -590,3 +590,68 @@ async fn an_engine_drains_when_its_key_is_written_not_at_its_next_beat() {
     );
     assert!(asked.elapsed() < Duration::from_secs(10));
 }
+
+/// `tl etcd ARGS...` with the identity `id`'s certificate from `dir`: its JSON line, or its
+/// stderr when it failed.
+fn tl_etcd(dir: &Path, url: &str, id: &str, args: &[&str]) -> Result<serde_json::Value, String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_tl"))
+        .arg("etcd")
+        .args(args)
+        .args(["--etcd-endpoints", url])
+        .arg("--tls-ca")
+        .arg(dir.join("ca.pem"))
+        .arg("--tls-cert")
+        .arg(dir.join(format!("{id}.pem")))
+        .arg("--tls-key")
+        .arg(dir.join(format!("{id}.key")))
+        .output()
+        .unwrap();
+    if out.status.success() {
+        Ok(serde_json::from_slice(&out.stdout).unwrap())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tl_etcd_sets_up_auth_and_grants_identities_as_the_readme_says() {
+    etcd_installed();
+    let dir = tmp("cli");
+    let (member, tls) = certs(&dir, &[("ops", PeerRole::Admin), ("d1", PeerRole::Decode)]);
+    let members = start_cluster(&dir.join("data"), 1, Some(&member)).unwrap();
+    let url = members[0].client_url.as_str();
+    let v = tl_etcd(&dir, url, "ops", &["init"]).unwrap();
+    assert_eq!(v["auth"], "enabled");
+    assert_eq!(v["superuser"], "spiffe://tl/admin/ops");
+    // Before its grant, d1 may do nothing; auth is on.
+    let d1 = Etcd::new(&[url.to_owned()], Some(&tls[1]), Duration::from_secs(5)).unwrap();
+    let keys = Keys::new("/tl");
+    let e = d1
+        .put(&keys.worker("d1"), bytes::Bytes::from_static(b"x"), 0)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let v = tl_etcd(
+        &dir,
+        url,
+        "ops",
+        &["grant", "--id", "d1", "--role", "decode"],
+    )
+    .unwrap();
+    assert_eq!(v["role"], "tl-worker-d1");
+    d1.put(&keys.worker("d1"), bytes::Bytes::from_static(b"x"), 0)
+        .await
+        .unwrap();
+    // An engine's certificate cannot grant, nor drain.
+    let e = tl_etcd(&dir, url, "d1", &["grant", "--id", "d1", "--role", "admin"]).unwrap_err();
+    assert!(e.contains("permission denied"), "{e}");
+    let e = tl_etcd(&dir, url, "d1", &["drain", "--id", "d1"]).unwrap_err();
+    assert!(e.contains("permission denied"), "{e}");
+    // The admin drains; a second init is harmless.
+    assert_eq!(
+        tl_etcd(&dir, url, "ops", &["drain", "--id", "d1"]).unwrap()["drain"],
+        true
+    );
+    assert!(d1.get(&keys.drain("d1")).await.unwrap().is_some());
+    tl_etcd(&dir, url, "ops", &["init"]).unwrap();
+}

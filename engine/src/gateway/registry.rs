@@ -559,3 +559,62 @@ impl RegistryNode {
         self.life.shutdown().await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn worker(id: &str) -> WorkerStatus {
+        WorkerStatus {
+            worker_id: id.into(),
+            grpc_address: "127.0.0.1:1".into(),
+            heartbeat_ms: 100,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_mirror_routes_on_its_snapshot_for_stale_ms_and_not_after() {
+        let t0 = Instant::now();
+        let s = RegistryState::default();
+        s.mirror_etcd(Duration::from_secs(2), Arc::new(|_, _| {}), t0);
+        s.mirror_replace(vec![worker("a"), worker("b")], t0);
+        // Far beyond three beats of 100 ms: a leased worker does not age by beats.
+        let later = t0 + Duration::from_millis(1_900);
+        let v = s.snapshot(later);
+        assert_eq!(v.len(), 2);
+        assert!(
+            v.iter().all(|w| w.age.is_zero()),
+            "a leased worker's age is its lease's"
+        );
+        // etcd answered again: the bound counts from then.
+        s.mirror_synced(t0 + Duration::from_secs(1));
+        assert_eq!(s.snapshot(t0 + Duration::from_millis(2_900)).len(), 2);
+        // Silent past stale_ms: no worker is routed to.
+        assert!(s.snapshot(t0 + Duration::from_millis(3_100)).is_empty());
+        // Back: a fresh read replaces the snapshot; a delete removes one worker.
+        let back = t0 + Duration::from_secs(4);
+        s.mirror_replace(vec![worker("a"), worker("b")], back);
+        s.mirror_remove("b");
+        let ids: Vec<String> = s.list(back).into_iter().map(|w| w.worker_id).collect();
+        assert_eq!(ids, ["a"]);
+    }
+
+    #[test]
+    fn a_mirrors_drain_request_goes_to_etcd_for_known_workers_only() {
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let s = RegistryState::default();
+        let a = Arc::clone(&asked);
+        s.mirror_etcd(
+            Duration::from_secs(5),
+            Arc::new(move |id, drain| a.lock().unwrap().push((id, drain))),
+            Instant::now(),
+        );
+        s.mirror_put(worker("a"), Instant::now());
+        assert!(s.set_drain("a", true));
+        assert!(!s.set_drain("zz", true));
+        assert_eq!(*asked.lock().unwrap(), [("a".to_owned(), true)]);
+    }
+}
