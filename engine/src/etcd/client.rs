@@ -111,16 +111,17 @@ impl Etcd {
         )
     }
 
-    async fn unary<Req, Resp>(&self, p: &'static str, req: Req) -> Result<Resp, Status>
+    /// Runs `call` on one member's channel after another, from the last that answered, until
+    /// one answers or says something about the request itself; each try bounded.
+    async fn on_members<T, F, Fut>(&self, p: &'static str, call: F) -> Result<T, Status>
     where
-        Req: prost::Message + Clone + Send + Sync + 'static,
-        Resp: prost::Message + Default + Send + Sync + 'static,
+        F: Fn(Channel) -> Fut,
+        Fut: std::future::Future<Output = Result<T, Status>>,
     {
         let mut last = None;
         for offset in 0..self.members.len() {
             let (i, (url, ch)) = self.member(offset);
-            let call = glue::unary::<Req, Resp>(ch.clone(), p, LIMITS, Request::new(req.clone()));
-            match glue::bounded(self.timeout, p, call).await {
+            match glue::bounded(self.timeout, p, call(ch.clone())).await {
                 Ok(r) => {
                     self.current.store(i, Ordering::Relaxed);
                     return Ok(r);
@@ -133,6 +134,17 @@ impl Etcd {
             }
         }
         Err(last.unwrap_or_else(|| Status::unavailable("no etcd member")))
+    }
+
+    async fn unary<Req, Resp>(&self, p: &'static str, req: Req) -> Result<Resp, Status>
+    where
+        Req: prost::Message + Clone + Send + Sync + 'static,
+        Resp: prost::Message + Default + Send + Sync + 'static,
+    {
+        self.on_members(p, |ch| {
+            glue::unary::<Req, Resp>(ch, p, LIMITS, Request::new(req.clone()))
+        })
+        .await
     }
 
     /// Puts `value` at `key`, attached to `lease` (0: none); returns the revision.
@@ -239,38 +251,26 @@ impl Etcd {
     /// # Errors
     /// As [`put`](Self::put).
     pub async fn keep_alive_once(&self, id: i64) -> Result<i64, Status> {
-        let mut last = None;
-        for offset in 0..self.members.len() {
-            let (i, (_, ch)) = self.member(offset);
-            let once = async {
-                let (tx, rx) = mpsc::channel(1);
-                tx.send(pb::LeaseKeepAliveRequest { id })
-                    .await
-                    .map_err(|_| Status::internal("keepalive stream closed"))?;
-                let mut answers: Streaming<pb::LeaseKeepAliveResponse> = glue::streaming(
-                    ch.clone(),
-                    path::LEASE_KEEP_ALIVE,
-                    LIMITS,
-                    Request::new(ReceiverStream::new(rx)),
-                )
-                .await?;
-                let r = answers
-                    .message()
-                    .await?
-                    .ok_or_else(|| Status::unavailable("etcd ended the keepalive stream"))?;
-                drop(tx);
-                Ok(r.ttl)
-            };
-            match glue::bounded(self.timeout, path::LEASE_KEEP_ALIVE, once).await {
-                Ok(ttl) => {
-                    self.current.store(i, Ordering::Relaxed);
-                    return Ok(ttl);
-                }
-                Err(s) if Self::try_next(&s) => last = Some(s),
-                Err(s) => return Err(s),
-            }
-        }
-        Err(last.unwrap_or_else(|| Status::unavailable("no etcd member")))
+        self.on_members(path::LEASE_KEEP_ALIVE, |ch| async move {
+            let (tx, rx) = mpsc::channel(1);
+            tx.send(pb::LeaseKeepAliveRequest { id })
+                .await
+                .map_err(|_| Status::internal("keepalive stream closed"))?;
+            let mut answers: Streaming<pb::LeaseKeepAliveResponse> = glue::streaming(
+                ch,
+                path::LEASE_KEEP_ALIVE,
+                LIMITS,
+                Request::new(ReceiverStream::new(rx)),
+            )
+            .await?;
+            let r = answers
+                .message()
+                .await?
+                .ok_or_else(|| Status::unavailable("etcd ended the keepalive stream"))?;
+            drop(tx);
+            Ok(r.ttl)
+        })
+        .await
     }
 
     /// Watches every key starting with `prefix` from `start_revision` on, with progress
@@ -297,26 +297,24 @@ impl Etcd {
         range_end: Bytes,
         start_revision: i64,
     ) -> Result<Watch, Status> {
-        let mut last = None;
-        for offset in 0..self.members.len() {
-            let (i, (_, ch)) = self.member(offset);
-            let open = async {
+        self.on_members(path::WATCH, |ch| {
+            let create = pb::WatchRequest {
+                request_union: Some(pb::watch_request::RequestUnion::CreateRequest(
+                    pb::WatchCreateRequest {
+                        key: Bytes::copy_from_slice(key.as_bytes()),
+                        range_end: range_end.clone(),
+                        start_revision,
+                        ..Default::default()
+                    },
+                )),
+            };
+            async move {
                 let (tx, rx) = mpsc::channel(4);
-                let create = pb::WatchRequest {
-                    request_union: Some(pb::watch_request::RequestUnion::CreateRequest(
-                        pb::WatchCreateRequest {
-                            key: Bytes::copy_from_slice(key.as_bytes()),
-                            range_end: range_end.clone(),
-                            start_revision,
-                            ..Default::default()
-                        },
-                    )),
-                };
                 tx.send(create)
                     .await
                     .map_err(|_| Status::internal("watch stream closed"))?;
                 let mut events: Streaming<pb::WatchResponse> = glue::streaming(
-                    ch.clone(),
+                    ch,
                     path::WATCH,
                     LIMITS,
                     Request::new(ReceiverStream::new(rx)),
@@ -333,17 +331,9 @@ impl Etcd {
                     )));
                 }
                 Ok(Watch { tx, events })
-            };
-            match glue::bounded(self.timeout, path::WATCH, open).await {
-                Ok(w) => {
-                    self.current.store(i, Ordering::Relaxed);
-                    return Ok(w);
-                }
-                Err(s) if Self::try_next(&s) => last = Some(s),
-                Err(s) => return Err(s),
             }
-        }
-        Err(last.unwrap_or_else(|| Status::unavailable("no etcd member")))
+        })
+        .await
     }
 
     /// Calls one Auth method (used by [`super::auth`]).
