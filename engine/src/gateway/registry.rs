@@ -296,12 +296,22 @@ impl RegistryState {
         }
     }
 
-    /// A worker's key was written.
+    /// A worker's key was written. A new worker beyond [`DEFAULT_MAX_WORKERS`] is not
+    /// listed: whoever can write keys under the prefix cannot grow the gateway without bound.
     pub fn mirror_put(&self, mut status: WorkerStatus, now: Instant) {
         status.heartbeat_ms = status
             .heartbeat_ms
             .clamp(*HEARTBEAT_MS_RANGE.start(), *HEARTBEAT_MS_RANGE.end());
-        self.lock().insert(
+        let mut w = self.lock();
+        if !w.contains_key(&status.worker_id) && w.len() >= DEFAULT_MAX_WORKERS {
+            drop(w);
+            tracing::warn!(
+                worker = %status.worker_id,
+                "etcd lists more than {DEFAULT_MAX_WORKERS} workers; not listing this one"
+            );
+            return;
+        }
+        w.insert(
             status.worker_id.clone(),
             Entry {
                 status,
@@ -310,6 +320,7 @@ impl RegistryState {
                 leased: true,
             },
         );
+        drop(w);
         self.beats.notify_waiters();
     }
 
@@ -616,5 +627,21 @@ mod tests {
         assert!(s.set_drain("a", true));
         assert!(!s.set_drain("zz", true));
         assert_eq!(*asked.lock().unwrap(), [("a".to_owned(), true)]);
+    }
+
+    #[test]
+    fn a_mirror_lists_at_most_the_registrys_bound_of_workers() {
+        let s = RegistryState::default();
+        let now = Instant::now();
+        s.mirror_etcd(Duration::from_secs(5), Arc::new(|_, _| {}), now);
+        for i in 0..DEFAULT_MAX_WORKERS + 5 {
+            s.mirror_put(worker(&format!("w{i:05}")), now);
+        }
+        assert_eq!(s.list(now).len(), DEFAULT_MAX_WORKERS);
+        // A listed worker's update still lands.
+        let mut w = worker("w00000");
+        w.queue_depth = 9;
+        s.mirror_put(w, now);
+        assert_eq!(s.list(now)[0].queue_depth, 9);
     }
 }
