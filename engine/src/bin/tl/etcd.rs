@@ -116,14 +116,5 @@ pub(crate) fn etcd(cmd: &EtcdCmd) -> ExitCode {
             }
         }
     });
-    match r {
-        Ok(v) => {
-            println!("{v}");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(1)
-        }
-    }
+    crate::run::print_json(r)
 }
