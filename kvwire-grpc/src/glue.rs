@@ -2,9 +2,10 @@
 //!
 //! - A server is a [`Routes`] implementation: its service name and one table of
 //!   (method path, handler). [`Dispatch`] turns it into the tower service tonic serves; each
-//!   handler answers with [`serve_unary`] or [`serve_client_streaming`] and a closure.
-//! - A client builds its channel from [`endpoint`] and calls [`unary`] or [`client_streaming`]
-//!   with the method path, bounded by [`bounded`].
+//!   handler answers with [`serve_unary`], [`serve_client_streaming`] or
+//!   [`serve_server_streaming`] and a closure.
+//! - A client builds its channel from [`endpoint`] and calls [`unary`], [`client_streaming`] or
+//!   [`server_streaming`] with the method path, bounded by [`bounded`].
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -16,7 +17,9 @@ use std::time::Duration;
 use http::uri::PathAndQuery;
 use tokio_stream::Stream;
 use tonic::body::Body;
-use tonic::server::{ClientStreamingService, Grpc, NamedService, UnaryService};
+use tonic::server::{
+    ClientStreamingService, Grpc, NamedService, ServerStreamingService, UnaryService,
+};
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::{Request, Response, Status, Streaming};
 use tonic_prost::ProstCodec;
@@ -232,6 +235,23 @@ where
     }
 }
 
+struct ServerStreamingFn<F>(F);
+
+impl<Req, Resp, S, F, Fut> ServerStreamingService<Req> for ServerStreamingFn<F>
+where
+    F: FnMut(Request<Req>) -> Fut,
+    Fut: Future<Output = Result<Response<S>, Status>>,
+    S: Stream<Item = Result<Resp, Status>> + Send + 'static,
+{
+    type Response = Resp;
+    type ResponseStream = S;
+    type Future = Fut;
+
+    fn call(&mut self, request: Request<Req>) -> Fut {
+        (self.0)(request)
+    }
+}
+
 /// A handler's answer, boxed so one adapter serves every method kind.
 type Answer<Resp> = Pin<Box<dyn Future<Output = Result<Response<Resp>, Status>> + Send>>;
 
@@ -302,6 +322,25 @@ where
     })
 }
 
+/// Answers one server-streaming call with `handler`, whose stream is the response.
+pub fn serve_server_streaming<Req, Resp, S, F, Fut>(
+    req: http::Request<Body>,
+    limits: MessageLimits,
+    handler: F,
+) -> ResponseFuture
+where
+    Req: prost::Message + Default + Send + 'static,
+    Resp: prost::Message + Send + 'static,
+    S: Stream<Item = Result<Resp, Status>> + Send + 'static,
+    F: FnOnce(Req) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<S, Status>> + Send + 'static,
+{
+    Box::pin(async move {
+        let svc = ServerStreamingFn(once(handler));
+        Ok(server::<Req, Resp>(limits).server_streaming(svc, req).await)
+    })
+}
+
 /// The answer to a path no method matches.
 pub fn unimplemented(path: &str) -> ResponseFuture {
     let resp = Status::unimplemented(format!("no method {path}")).into_http();
@@ -336,6 +375,32 @@ where
         .map_err(|e| Status::unavailable(format!("channel not ready: {e}")))?;
     let codec = ProstCodec::<Req, Resp>::default();
     grpc.unary(req, PathAndQuery::from_static(path), codec)
+        .await
+        .map(Response::into_inner)
+}
+
+/// Calls a server-streaming method; the answer is the server's stream.
+///
+/// # Errors
+/// As [`unary`].
+pub async fn server_streaming<Req, Resp>(
+    channel: Channel,
+    path: &'static str,
+    limits: MessageLimits,
+    req: Request<Req>,
+) -> Result<Streaming<Resp>, Status>
+where
+    Req: prost::Message + Send + Sync + 'static,
+    Resp: prost::Message + Default + Send + Sync + 'static,
+{
+    let mut req = req;
+    inject_context(req.metadata_mut().as_mut());
+    let mut grpc = client(channel, limits);
+    grpc.ready()
+        .await
+        .map_err(|e| Status::unavailable(format!("channel not ready: {e}")))?;
+    let codec = ProstCodec::<Req, Resp>::default();
+    grpc.server_streaming(req, PathAndQuery::from_static(path), codec)
         .await
         .map(Response::into_inner)
 }

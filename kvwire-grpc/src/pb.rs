@@ -227,6 +227,42 @@ pub mod engine {
         pub remaining: i32,
     }
 
+    #[derive(Clone, Copy, PartialEq, prost::Message)]
+    pub struct WatchBlocksRequest {}
+
+    /// One change to an engine's prefix index.
+    #[derive(Clone, Copy, PartialEq, Eq, Hash, prost::Message)]
+    pub struct BlockChange {
+        /// The tenant scope (0: shared).
+        #[prost(uint64, tag = "1")]
+        pub cache_scope: u64,
+        /// The block's chained v1 hash.
+        #[prost(uint64, tag = "2")]
+        pub hash: u64,
+        /// true: stored; false: evicted.
+        #[prost(bool, tag = "3")]
+        pub stored: bool,
+    }
+
+    /// One message of a WatchBlocks stream: a snapshot (first), or changes numbered from `seq`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct BlockEvents {
+        /// Random per engine process.
+        #[prost(uint64, tag = "1")]
+        pub epoch: u64,
+        #[prost(bool, tag = "2")]
+        pub snapshot: bool,
+        #[prost(uint64, tag = "3")]
+        pub seq: u64,
+        #[prost(message, repeated, tag = "4")]
+        pub changes: Vec<BlockChange>,
+        #[prost(string, tag = "5")]
+        pub worker_id: String,
+        /// A snapshot continues in the next message.
+        #[prost(bool, tag = "6")]
+        pub more: bool,
+    }
+
     /// Method paths of `tl.engine.v1.EngineControl`.
     pub mod path {
         pub const SERVICE: &str = "tl.engine.v1.EngineControl";
@@ -234,6 +270,7 @@ pub mod engine {
         pub const INFO: &str = "/tl.engine.v1.EngineControl/Info";
         pub const CANCEL: &str = "/tl.engine.v1.EngineControl/Cancel";
         pub const DRAIN: &str = "/tl.engine.v1.EngineControl/Drain";
+        pub const WATCH_BLOCKS: &str = "/tl.engine.v1.EngineControl/WatchBlocks";
     }
 }
 

@@ -326,6 +326,51 @@ fn proto_matches_hand_written_messages() {
         &[("remaining", I32(-3))],
     );
 
+    conform(
+        &p,
+        "tl.engine.v1.WatchBlocksRequest",
+        &engine::WatchBlocksRequest {},
+        &[],
+    );
+    let change = engine::BlockChange {
+        cache_scope: u64::MAX,
+        hash: 7,
+        stored: true,
+    };
+    let change_fields = [
+        ("cache_scope", U64(u64::MAX)),
+        ("hash", U64(7)),
+        ("stored", Bool(true)),
+    ];
+    conform(&p, "tl.engine.v1.BlockChange", &change, &change_fields);
+    conform(
+        &p,
+        "tl.engine.v1.BlockEvents",
+        &engine::BlockEvents {
+            epoch: 9,
+            snapshot: true,
+            seq: 11,
+            changes: vec![change],
+            worker_id: "w".into(),
+            more: true,
+        },
+        &[
+            ("epoch", U64(9)),
+            ("snapshot", Bool(true)),
+            ("seq", U64(11)),
+            (
+                "changes",
+                List(vec![Message(dynamic(
+                    &p,
+                    "tl.engine.v1.BlockChange",
+                    &change_fields,
+                ))]),
+            ),
+            ("worker_id", String("w".into())),
+            ("more", Bool(true)),
+        ],
+    );
+
     // tl.control.v1
     let roles = p.get_enum_by_name("tl.control.v1.Role").unwrap();
     let named: Vec<(std::string::String, i32)> = roles
@@ -428,7 +473,7 @@ fn proto_matches_hand_written_messages() {
     );
 
     // Every message of the three packages was checked above.
-    let checked = 6 + 10 + 6;
+    let checked = 6 + 13 + 6;
     assert_eq!(
         p.all_messages().count(),
         checked,
@@ -439,13 +484,14 @@ fn proto_matches_hand_written_messages() {
 #[test]
 fn method_paths_match_the_services() {
     let p = pool();
-    // (service, method path constant, input, output, client streaming)
+    // (service, method path constant, input, output, client streaming, server streaming)
     let methods = [
         (
             kv::path::SERVICE,
             kv::path::HAS_BLOCKS,
             "tl.kv.v1.HasBlocksRequest",
             "tl.kv.v1.HasBlocksResponse",
+            false,
             false,
         ),
         (
@@ -454,12 +500,14 @@ fn method_paths_match_the_services() {
             "tl.kv.v1.KvChunk",
             "tl.kv.v1.KvAck",
             true,
+            false,
         ),
         (
             kv::path::SERVICE,
             kv::path::RELEASE,
             "tl.kv.v1.ReleaseRequest",
             "tl.kv.v1.ReleaseResponse",
+            false,
             false,
         ),
         (
@@ -468,12 +516,14 @@ fn method_paths_match_the_services() {
             "tl.engine.v1.PrefillRequest",
             "tl.engine.v1.KvHandle",
             false,
+            false,
         ),
         (
             engine::path::SERVICE,
             engine::path::INFO,
             "tl.engine.v1.InfoRequest",
             "tl.engine.v1.InfoResponse",
+            false,
             false,
         ),
         (
@@ -482,6 +532,7 @@ fn method_paths_match_the_services() {
             "tl.engine.v1.CancelRequest",
             "tl.engine.v1.CancelResponse",
             false,
+            false,
         ),
         (
             engine::path::SERVICE,
@@ -489,12 +540,22 @@ fn method_paths_match_the_services() {
             "tl.engine.v1.DrainRequest",
             "tl.engine.v1.DrainResponse",
             false,
+            false,
+        ),
+        (
+            engine::path::SERVICE,
+            engine::path::WATCH_BLOCKS,
+            "tl.engine.v1.WatchBlocksRequest",
+            "tl.engine.v1.BlockEvents",
+            false,
+            true,
         ),
         (
             control::path::SERVICE,
             control::path::HEARTBEAT,
             "tl.control.v1.WorkerStatus",
             "tl.control.v1.HeartbeatAck",
+            false,
             false,
         ),
         (
@@ -503,12 +564,14 @@ fn method_paths_match_the_services() {
             "tl.control.v1.ListWorkersRequest",
             "tl.control.v1.ListWorkersResponse",
             false,
+            false,
         ),
         (
             control::path::SERVICE,
             control::path::SET_DRAIN,
             "tl.control.v1.SetDrainRequest",
             "tl.control.v1.SetDrainResponse",
+            false,
             false,
         ),
     ];
@@ -527,7 +590,7 @@ fn method_paths_match_the_services() {
                 "{path}"
             );
             assert_eq!(m.is_client_streaming(), row.4, "{path}");
-            assert!(!m.is_server_streaming(), "{path}");
+            assert_eq!(m.is_server_streaming(), row.5, "{path}");
             seen += 1;
         }
     }

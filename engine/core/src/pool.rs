@@ -198,6 +198,31 @@ impl std::ops::DerefMut for BlockMut<'_> {
     }
 }
 
+/// Told of every change to a pool's prefix index, under the pool's lock: `(scope, hash, stored)`,
+/// `stored` false for an entry removed (evicted, or forgotten with its block). It must not
+/// block: an engine forwards the change to its WatchBlocks subscribers.
+pub type IndexObserver = Box<dyn FnMut(u64, u64, bool) + Send>;
+
+struct Observer(Option<IndexObserver>);
+
+impl std::fmt::Debug for Observer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Observer(set)"
+        } else {
+            "Observer(none)"
+        })
+    }
+}
+
+impl Observer {
+    fn tell(&mut self, scope: u64, hash: u64, stored: bool) {
+        if let Some(f) = &mut self.0 {
+            f(scope, hash, stored);
+        }
+    }
+}
+
 /// A fixed pool of KV blocks of one [`Shape`].
 #[derive(Debug)]
 pub struct KvPool {
@@ -215,6 +240,7 @@ pub struct KvPool {
     used: usize,
     cached: usize,
     evictions: u64,
+    observer: Observer,
 }
 
 impl KvPool {
@@ -245,6 +271,7 @@ impl KvPool {
             used: 0,
             cached: 0,
             evictions: 0,
+            observer: Observer(None),
         }
     }
 
@@ -294,6 +321,20 @@ impl KvPool {
         v
     }
 
+    /// Calls `f` for every later change to the prefix index (replacing any earlier observer).
+    pub fn set_observer(&mut self, f: IndexObserver) {
+        self.observer = Observer(Some(f));
+    }
+
+    /// Every `(scope, hash)` in the prefix index, sorted: what an index observer has been told
+    /// so far, for a subscriber's snapshot.
+    #[must_use]
+    pub fn index_keys(&self) -> Vec<(u64, u64)> {
+        let mut v: Vec<(u64, u64)> = self.index.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
     /// Cached blocks evicted so far.
     #[must_use]
     pub fn evictions(&self) -> u64 {
@@ -336,6 +377,7 @@ impl KvPool {
                 self.cached -= 1;
                 let m = self.meta[id as usize];
                 self.index.remove(&(m.scope, m.hash));
+                self.observer.tell(m.scope, m.hash, false);
                 self.evictions += 1;
                 id
             }
@@ -405,6 +447,7 @@ impl KvPool {
         } else {
             if m.hash != 0 {
                 self.index.remove(&(m.scope, m.hash));
+                self.observer.tell(m.scope, m.hash, false);
             }
             let meta = &mut self.meta[id as usize];
             *meta = Meta {
@@ -462,6 +505,7 @@ impl KvPool {
             return false;
         }
         self.index.insert((key.scope, key.hash), id);
+        self.observer.tell(key.scope, key.hash, true);
         let at = id as usize * b;
         self.tokens[at..at + b].copy_from_slice(key.tokens);
         let m = &mut self.meta[id as usize];

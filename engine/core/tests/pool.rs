@@ -211,6 +211,25 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     };
     let mut held: Vec<BlockId> = Vec::new(); // one entry per reference we own
     let payload = vec![0xAB; 128];
+    // What a WatchBlocks subscriber rebuilds from the observer's changes alone: at every step
+    // it must be the index. A change that does not alter it (a second store, an eviction of
+    // something absent) is a bug a subscriber would carry.
+    let replayed = std::sync::Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
+    let bad = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    {
+        let (replayed, bad) = (replayed.clone(), bad.clone());
+        pool.set_observer(Box::new(move |scope, hash, stored| {
+            let mut r = replayed.lock().unwrap();
+            let changed = if stored {
+                r.insert((scope, hash))
+            } else {
+                r.remove(&(scope, hash))
+            };
+            if !changed {
+                bad.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }));
+    }
     for op in ops {
         match op {
             Op::Allocate(n) => match pool.allocate(n) {
@@ -316,6 +335,9 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             prop_assert!(false, "invariant: {e}");
         }
         prop_assert_eq!(pool.counts(), m.counts());
+        prop_assert!(!bad.load(std::sync::atomic::Ordering::Relaxed));
+        let keys: Vec<(u64, u64)> = replayed.lock().unwrap().iter().copied().collect();
+        prop_assert_eq!(keys, pool.index_keys());
         for (i, (&r, &h)) in m.refs.iter().zip(&m.hash).enumerate() {
             let (ph, _, pr) = pool.info(i as BlockId).unwrap();
             prop_assert_eq!((ph, pr), (h, r), "block {}", i);

@@ -17,6 +17,8 @@
 //! max_inflight = 256               # requests in flight; beyond it 429
 //! request_timeout_ms = 60000       # whole request; beyond it 504
 //! has_blocks_timeout_ms = 250      # per decode engine when routing; a slower one is skipped
+//! route_from_index = true          # route from the engines' WatchBlocks streams; HasBlocks
+//!                                  # only to engines whose stream is down or behind
 //! load_penalty_tokens = 64         # routing: cached prefix tokens one in-flight sequence is worth
 //! stall_timeout_ms = 3000          # a decode stream with no event for this long has failed over
 //! max_failovers = 2                # times one request may continue on another decode engine
@@ -101,6 +103,10 @@ pub struct GatewaySection {
     pub request_timeout_ms: u64,
     /// HasBlocks timeout per decode engine in milliseconds.
     pub has_blocks_timeout_ms: u64,
+    /// Route from a prefix index kept from the decode engines' WatchBlocks streams, asking
+    /// HasBlocks only of engines whose stream is down or behind; false: ask every decode
+    /// engine HasBlocks per request.
+    pub route_from_index: bool,
     /// Routing weight of load against cached prefix (see [`super::plan::score`]).
     pub load_penalty_tokens: f64,
     /// A decode engine's stream that sends nothing for this long (milliseconds) is given up and
@@ -147,6 +153,7 @@ impl Default for GatewaySection {
             max_inflight: 256,
             request_timeout_ms: 60_000,
             has_blocks_timeout_ms: 250,
+            route_from_index: true,
             load_penalty_tokens: 64.0,
             stall_timeout_ms: 3_000,
             max_failovers: 2,

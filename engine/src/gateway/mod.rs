@@ -8,6 +8,7 @@
 //! | a worker as last heard from, and when it is stale | [`worker`] |
 //! | choosing prefill and decode engines: a pure function | [`plan`] |
 //! | the load this gateway routed to each engine, until each stream ends | [`routed`] |
+//! | which decode engine holds which block, from their WatchBlocks streams | [`index`] |
 //! | clients of the engines (one channel cache) | [`upstream`] |
 //! | one request's life: its decisions, with no I/O | [`session`] |
 //! | one request's life: the task that performs them | [`request`] |
@@ -15,6 +16,7 @@
 //! | API keys on the public endpoint | [`keys`] |
 
 pub mod config;
+pub mod index;
 pub mod keys;
 pub mod openai;
 pub mod plan;
@@ -53,6 +55,8 @@ pub struct Gateway {
     upstream: Arc<Upstream>,
     permits: Arc<Semaphore>,
     routed: Arc<RoutedLoad>,
+    /// The decode engines' blocks, from their streams (`route_from_index`).
+    index: Arc<index::BlockIndex>,
     api_keys: keys::ApiKeys,
     scopes: tenant::Scopes,
     quotas: Arc<tenant::Quotas>,
@@ -102,6 +106,7 @@ impl Gateway {
             registry,
             cfg,
             routed: Arc::new(RoutedLoad::default()),
+            index: Arc::default(),
             api_keys,
             scopes,
             quotas,
@@ -118,6 +123,12 @@ impl Gateway {
     pub fn with_text(mut self, text: Option<Arc<text::GatewayText>>) -> Self {
         self.text = text;
         self
+    }
+
+    /// The prefix index kept from the decode engines' streams.
+    #[must_use]
+    pub fn block_index(&self) -> &Arc<index::BlockIndex> {
+        &self.index
     }
 
     /// The gateway's metrics.
@@ -350,6 +361,16 @@ impl GatewayNode {
                 .map_err(|e| invalid(&e))?
                 .with_text(text),
         );
+        if g.route_from_index {
+            let registry = Arc::clone(&gateway.registry);
+            life.spawn(index::follow(
+                Arc::clone(&gateway.index),
+                Arc::clone(&gateway.upstream),
+                move || registry.list(Instant::now()),
+                Duration::from_millis(250),
+                life.token().clone(),
+            ));
+        }
         let public_tls = g
             .public_tls
             .as_ref()

@@ -398,18 +398,78 @@ impl Gateway {
             return Err(Unservable::UnknownModel(m.to_owned()));
         }
         let route_span = tracing::info_span!("route", otel.kind = "internal", reason = Empty);
-        let holds = self
-            .upstream
+        let (holds, cached) = self
             .cached_prefixes(prompt, scope, &has_blocks_targets(&workers))
             .instrument(route_span.clone())
             .await;
-        let cached: HashMap<String, usize> = holds
-            .iter()
-            .map(|(id, h)| (id.clone(), h.present.iter().take_while(|&&x| x).count()))
-            .collect();
         let p = plan(&workers, &cached, &self.routed.snapshot(), self.policy());
         route_span.record("reason", super::plan::reason_label(&p));
         Ok((p, holds))
+    }
+}
+
+impl Gateway {
+    /// The leading full blocks of `prompt` each decode engine of `targets` holds: from the
+    /// prefix index for engines whose stream it follows, from HasBlocks for the others (whose
+    /// answers are also returned, handed on to the Prefill that pushes there).
+    pub(crate) async fn cached_prefixes(
+        &self,
+        prompt: &[u32],
+        scope: u64,
+        targets: &[&WorkerStatus],
+    ) -> (super::session::Holds, HashMap<String, usize>) {
+        let mut cached = HashMap::new();
+        let ask: Vec<&WorkerStatus> = if self.cfg.route_from_index {
+            // Engines of one block size share one hashing of the prompt.
+            let mut by_b: HashMap<u32, Vec<&str>> = HashMap::new();
+            for w in targets {
+                by_b.entry(w.block_tokens.max(1))
+                    .or_default()
+                    .push(&w.worker_id);
+            }
+            let mut unsynced = Vec::new();
+            for (b, ids) in by_b {
+                let hashes = kvwire::prompt_hashes(prompt, b as usize);
+                let (found, rest) = self.index.prefixes(scope, &hashes, &ids);
+                cached.extend(found);
+                unsynced.extend(rest.into_iter().map(str::to_owned));
+            }
+            targets
+                .iter()
+                .copied()
+                .filter(|w| unsynced.contains(&w.worker_id))
+                .collect()
+        } else {
+            targets.to_vec()
+        };
+        let holds = if ask.is_empty() {
+            HashMap::new()
+        } else {
+            self.upstream.cached_prefixes(prompt, scope, &ask).await
+        };
+        cached.extend(
+            holds
+                .iter()
+                .map(|(id, h)| (id.clone(), h.present.iter().take_while(|&&x| x).count())),
+        );
+        (holds, cached)
+    }
+
+    /// Routes `prompt` as a request's first plan would, without serving it: the plan, and
+    /// how many decode engines were asked HasBlocks (for `tl bench route`).
+    pub async fn route_only(&self, prompt: &[u32], scope: u64) -> (super::plan::Plan, usize) {
+        let workers = self.registry.snapshot(Instant::now());
+        let targets = has_blocks_targets(&workers);
+        let (holds, cached) = self.cached_prefixes(prompt, scope, &targets).await;
+        let asked = if self.cfg.route_from_index {
+            holds.len()
+        } else {
+            targets.len()
+        };
+        (
+            plan(&workers, &cached, &self.routed.snapshot(), self.policy()),
+            asked,
+        )
     }
 }
 

@@ -51,6 +51,9 @@ impl Upstream {
         let mut tc = TransportConfig::for_envelope(4096);
         tc.call_timeout = has_blocks_timeout.max(Duration::from_millis(1));
         tc.max_channels = max_channels;
+        // A WatchBlocks stream lives as long as its engine: pings find a peer that went silent
+        // (CONTRACTS section 8's keepalive defaults).
+        tc.keepalive = Some((Duration::from_secs(10), Duration::from_secs(20)));
         let http = match tls {
             Some(t) => HttpClient::tls_verifying(
                 t.client_config(&[])?,

@@ -15,8 +15,8 @@ use kvwire_grpc::pb::control::{
     WorkerStatus, path as reg_path,
 };
 use kvwire_grpc::pb::engine::{
-    CancelRequest, CancelResponse, DrainRequest, DrainResponse, InfoRequest, InfoResponse,
-    KvHandle, PrefillRequest, path,
+    BlockEvents, CancelRequest, CancelResponse, DrainRequest, DrainResponse, InfoRequest,
+    InfoResponse, KvHandle, PrefillRequest, WatchBlocksRequest, path,
 };
 use tonic::transport::Channel;
 use tonic::{Request, Status};
@@ -114,6 +114,27 @@ impl ControlClient {
         )
         .await?;
         Ok(r.remaining)
+    }
+
+    /// WatchBlocks: the engine's prefix index, a snapshot then its changes. Each message is
+    /// bounded by `max_message` bytes.
+    ///
+    /// # Errors
+    /// The engine's status.
+    pub async fn watch_blocks(
+        &self,
+        max_message: usize,
+    ) -> Result<tonic::Streaming<BlockEvents>, Status> {
+        glue::server_streaming(
+            self.channel.clone(),
+            path::WATCH_BLOCKS,
+            MessageLimits {
+                max_decode: max_message,
+                max_encode: 1 << 10,
+            },
+            Request::new(WatchBlocksRequest {}),
+        )
+        .await
     }
 }
 

@@ -26,6 +26,7 @@
 //! http_max_inflight = 256        # requests in flight on an engine's HTTP front (429 beyond)
 //! max_peer_channels = 256        # outgoing connections kept, least recently used closed first
 //! registry_max_workers = 1024    # workers a registry holds (RESOURCE_EXHAUSTED beyond)
+//! max_block_watchers = 16        # WatchBlocks streams open at once on an engine (RESOURCE_EXHAUSTED)
 //! drain_ms = 5000                # drain on SIGTERM
 //! ```
 
@@ -83,6 +84,8 @@ pub struct LimitsSection {
     pub max_peer_channels: usize,
     /// Workers a registry holds.
     pub registry_max_workers: usize,
+    /// WatchBlocks streams open at once on a decode engine (gateways, each one).
+    pub max_block_watchers: usize,
     /// Drain on SIGTERM.
     pub drain_ms: u64,
 }
@@ -111,6 +114,7 @@ impl Default for LimitsSection {
             http_max_inflight: 256,
             max_peer_channels: 256,
             registry_max_workers: 1024,
+            max_block_watchers: 16,
             drain_ms: 5_000,
         }
     }
@@ -154,6 +158,12 @@ impl LimitsSection {
             1 << 20,
         )?;
         in_range("limits.h2_max_streams", self.h2_max_streams, 1, 1 << 16)?;
+        in_range(
+            "limits.max_block_watchers",
+            self.max_block_watchers,
+            1,
+            1024,
+        )?;
         in_range("limits.keepalive_ms", self.keepalive_ms, 1, DAY_MS)?;
         in_range(
             "limits.keepalive_timeout_ms",

@@ -8,12 +8,13 @@ use std::time::Duration;
 use kvwire_grpc::glue::{self, Handler, MessageLimits, ResponseFuture, Routes};
 use kvwire_grpc::pb::engine::{
     CancelRequest, CancelResponse, DrainRequest, DrainResponse, InfoRequest, InfoResponse,
-    PrefillRequest, path,
+    PrefillRequest, WatchBlocksRequest, path,
 };
 use kvwire_grpc::{KV_FORMAT_V1, KvReceiver};
 use tonic::Status;
 use tonic::body::Body;
 
+use super::blocks::BlockFeed;
 use super::prefill::PrefillService;
 use super::state::NodeState;
 use crate::net::authz::{ANY, Table};
@@ -24,6 +25,7 @@ pub const POLICY: Table = &[
     (path::PREFILL, &[PeerRole::Gateway, PeerRole::Admin]),
     (path::CANCEL, &[PeerRole::Gateway, PeerRole::Admin]),
     (path::DRAIN, &[PeerRole::Gateway, PeerRole::Admin]),
+    (path::WATCH_BLOCKS, &[PeerRole::Gateway, PeerRole::Admin]),
     (path::INFO, ANY),
 ];
 
@@ -40,6 +42,7 @@ pub struct EngineControl {
     state: Arc<NodeState>,
     prefill: Option<Arc<PrefillService>>,
     receiver: Option<Arc<KvReceiver>>,
+    feed: Option<Arc<BlockFeed>>,
 }
 
 impl Routes for EngineControl {
@@ -49,6 +52,7 @@ impl Routes for EngineControl {
         (path::INFO, Self::info),
         (path::CANCEL, Self::cancel),
         (path::DRAIN, Self::drain),
+        (path::WATCH_BLOCKS, Self::watch_blocks),
     ];
 }
 
@@ -65,7 +69,28 @@ impl EngineControl {
             state,
             prefill,
             receiver,
+            feed: None,
         }
+    }
+
+    /// The same service streaming `feed` on WatchBlocks (decode roles).
+    #[must_use]
+    pub fn with_feed(mut self, feed: Option<Arc<BlockFeed>>) -> Self {
+        self.feed = feed;
+        self
+    }
+
+    fn watch_blocks(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
+        let me = Arc::clone(self);
+        glue::serve_server_streaming(req, SMALL, move |_: WatchBlocksRequest| async move {
+            match &me.feed {
+                Some(f) => f.subscribe(),
+                None => Err(Status::failed_precondition(format!(
+                    "worker {} has no decode role: no block index to watch",
+                    me.state.id()
+                ))),
+            }
+        })
     }
 
     fn prefill(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {

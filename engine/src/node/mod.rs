@@ -10,6 +10,7 @@
 //! | the decode front (`/v1/completions`) | decode, both | [`front`] |
 //! | the heartbeat | when a registry is configured | [`heartbeat`] |
 
+pub mod blocks;
 pub mod config;
 pub mod control;
 pub mod front;
@@ -189,7 +190,17 @@ impl EngineNode {
             ))
         });
 
-        let control = EngineControl::new(Arc::clone(&state), prefill, receiver.clone());
+        // Gateways route from each decode engine's index as it streams it (WatchBlocks).
+        let feed = role.decodes().then(|| {
+            Arc::new(blocks::BlockFeed::attach(
+                &pool,
+                &cfg.engine.id,
+                limits.max_block_watchers,
+                Duration::from_millis(limits.push_idle_ms.max(1)),
+            ))
+        });
+        let control =
+            EngineControl::new(Arc::clone(&state), prefill, receiver.clone()).with_feed(feed);
         let svc = Dispatch::new(Arc::new(control))
             .with_auth(RolePolicy::for_service::<EngineControl>(control::POLICY).when(mtls));
         let advertise = &cfg.engine.advertise_address;
