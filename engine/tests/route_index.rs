@@ -129,7 +129,7 @@ async fn index_follows_the_engines() {
     // Routing with every stream up asks no decode engine HasBlocks, and ranks first the
     // engine the index says holds the most of the prompt (the last one served is cached).
     let prompt = prompt(50_000 + 7, 64);
-    let (plan, asked) = c.gw.gateway().route_only(&prompt, 0).await;
+    let (plan, asked) = c.gw.gateway().route_only(&prompt, 0, true).await;
     assert_eq!(asked, 0, "routing asked HasBlocks with every stream up");
     let hashes = kvwire::prompt_hashes(&prompt, 4);
     let (counts, unsynced) = ix.prefixes(0, &hashes, &["D1", "D2"]);
@@ -141,6 +141,19 @@ async fn index_follows_the_engines() {
     );
     assert_eq!(plan.decode[0].cached_blocks, best, "{plan:?}");
     assert_eq!(counts[&plan.decode[0].worker.worker_id], best);
+    // Asking every engine instead finds the same prefixes.
+    let (asked_plan, asked) = c.gw.gateway().route_only(&prompt, 0, false).await;
+    assert_eq!(asked, 2);
+    let blocks = |p: &tl_engine::gateway::plan::Plan| -> Vec<(String, usize)> {
+        let mut v: Vec<(String, usize)> = p
+            .decode
+            .iter()
+            .map(|r| (r.worker.worker_id.clone(), r.cached_blocks))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(blocks(&asked_plan), blocks(&plan));
 
     // An engine restart: D1 goes (its stream breaks, the registry drops it), a new D1 comes on
     // new ports, empty; the index follows the new one from its snapshot.

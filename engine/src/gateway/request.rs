@@ -399,7 +399,12 @@ impl Gateway {
         }
         let route_span = tracing::info_span!("route", otel.kind = "internal", reason = Empty);
         let (holds, cached) = self
-            .cached_prefixes(prompt, scope, &has_blocks_targets(&workers))
+            .cached_prefixes(
+                prompt,
+                scope,
+                &has_blocks_targets(&workers),
+                self.cfg.route_from_index,
+            )
             .instrument(route_span.clone())
             .await;
         let p = plan(&workers, &cached, &self.routed.snapshot(), self.policy());
@@ -417,9 +422,10 @@ impl Gateway {
         prompt: &[u32],
         scope: u64,
         targets: &[&WorkerStatus],
+        from_index: bool,
     ) -> (super::session::Holds, HashMap<String, usize>) {
         let mut cached = HashMap::new();
-        let ask: Vec<&WorkerStatus> = if self.cfg.route_from_index {
+        let ask: Vec<&WorkerStatus> = if from_index {
             // Engines of one block size share one hashing of the prompt.
             let mut by_b: HashMap<u32, Vec<&str>> = HashMap::new();
             for w in targets {
@@ -455,17 +461,22 @@ impl Gateway {
         (holds, cached)
     }
 
-    /// Routes `prompt` as a request's first plan would, without serving it: the plan, and
-    /// how many decode engines were asked HasBlocks (for `tl bench route`).
-    pub async fn route_only(&self, prompt: &[u32], scope: u64) -> (super::plan::Plan, usize) {
+    /// Routes `prompt` as a request's first plan would, without serving it, from the prefix
+    /// index (`from_index`, with HasBlocks for engines whose stream is down) or by asking every
+    /// decode engine: the plan, and how many decode engines answered HasBlocks (for
+    /// `tl bench route` and the tests).
+    pub async fn route_only(
+        &self,
+        prompt: &[u32],
+        scope: u64,
+        from_index: bool,
+    ) -> (super::plan::Plan, usize) {
         let workers = self.registry.snapshot(Instant::now());
         let targets = has_blocks_targets(&workers);
-        let (holds, cached) = self.cached_prefixes(prompt, scope, &targets).await;
-        let asked = if self.cfg.route_from_index {
-            holds.len()
-        } else {
-            targets.len()
-        };
+        let (holds, cached) = self
+            .cached_prefixes(prompt, scope, &targets, from_index)
+            .await;
+        let asked = holds.len();
         (
             plan(&workers, &cached, &self.routed.snapshot(), self.policy()),
             asked,

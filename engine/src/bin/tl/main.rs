@@ -96,6 +96,9 @@ enum BenchCmd {
     /// The real transformer: decode tokens/s at batch 1, 8, 32 against the weight-streaming
     /// roofline, prefill against the kernels' matmul peak (SmolLM2-135M's shape).
     Model(bench::model::ModelArgs),
+    /// Routing per request at 4, 16 and 64 decode engines, fan-out against the prefix index,
+    /// and the prefix-hit rate through 1 gateway against 2.
+    Route(bench::route::RouteArgs),
 }
 
 /// Keeps glibc from handing multi-MiB buffers back to the kernel on every free.
@@ -156,6 +159,7 @@ fn main() -> ExitCode {
             BenchCmd::Control(args) => bench::control::control(&args),
             BenchCmd::Tenants(args) => bench::tenants::tenants(&args),
             BenchCmd::Model(args) => bench::model::model(&args),
+            BenchCmd::Route(args) => bench::route::route(&args),
         },
     }
 }

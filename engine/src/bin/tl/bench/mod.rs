@@ -3,6 +3,7 @@
 
 pub(crate) mod control;
 pub(crate) mod model;
+pub(crate) mod route;
 pub(crate) mod serve;
 pub(crate) mod stats;
 pub(crate) mod tenants;
@@ -121,4 +122,37 @@ impl Tracing {
             "exporter": "OTLP/gRPC to an in-process receiver, batches of up to 512 every 200 ms",
         })
     }
+}
+
+/// The CPU a figure was measured on, from `/proc/cpuinfo`: model name, family, model, cores and
+/// the flags the hot paths depend on (every figure names its CPU class).
+pub(crate) fn cpu_json() -> serde_json::Value {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |k: &str| {
+        info.lines()
+            .find(|l| l.split(':').next().is_some_and(|n| n.trim() == k))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_owned())
+            .unwrap_or_default()
+    };
+    let flags = field("flags");
+    let have: Vec<&str> = [
+        "avx2",
+        "avx512f",
+        "vaes",
+        "vpclmulqdq",
+        "sha_ni",
+        "erms",
+        "fsrm",
+    ]
+    .into_iter()
+    .filter(|f| flags.split_whitespace().any(|x| x == *f))
+    .collect();
+    serde_json::json!({
+        "model_name": field("model name"),
+        "family": field("cpu family"),
+        "model": field("model"),
+        "cores": std::thread::available_parallelism().map_or(0, std::num::NonZero::get),
+        "flags": have,
+    })
 }
