@@ -252,3 +252,41 @@ async fn watch_blocks_is_bounded_and_refused_without_a_decode_role() {
     };
     assert_eq!(code, tonic::Code::FailedPrecondition);
 }
+
+#[test]
+fn tl_bench_route_routes_from_the_index_without_rpcs() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tl"))
+        .args([
+            "bench",
+            "route",
+            "--json",
+            "--engines",
+            "2,3",
+            "--calls",
+            "20",
+        ])
+        .args(["--requests", "24", "--documents", "6", "--hit-engines", "2"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for s in v["sizes"].as_array().unwrap() {
+        assert_eq!(s["index_rpcs_per_request"], 0.0, "{s}");
+        assert_eq!(
+            s["cached_blocks_chosen_index"], s["cached_blocks_chosen_fan_out"],
+            "{s}"
+        );
+        assert!(s["cached_blocks_chosen_index"].as_u64().unwrap() > 0, "{s}");
+    }
+    for k in ["gateways_1", "gateways_2"] {
+        let h = &v["hit_rate"][k];
+        assert_eq!(h["failed"], 0, "{h}");
+        assert!(h["prefix_hit_rate"].as_f64().unwrap() > 0.0, "{h}");
+    }
+    assert!(v["cpu"]["model_name"].is_string());
+}
