@@ -16,6 +16,12 @@ issue prefill --role prefill --host kvwire-engine
 for i in 0 1; do
     issue "decode-$i" --role decode --host kvwire-engine
 done
+# etcd members: clients and peers reach each by its stable name under the headless Service.
+for i in 0 1 2; do
+    issue "etcd-$i" --role etcd --host "etcd-$i.etcd.kvwire.svc" --host "etcd-$i.etcd" --host etcd
+done
+# The admin identity of the etcd-init Job (etcd's superuser role).
+issue ops --role admin
 # One tenant key and one admin key for the gateway (its Secret mounts them): a gateway with no
 # key refuses to start unless told to serve the public unauthenticated.
 for f in api_keys admin_keys; do

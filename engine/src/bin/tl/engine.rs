@@ -176,6 +176,9 @@ mod tests {
             let t = c.tls.unwrap();
             assert_eq!(t.cert, std::path::PathBuf::from("/certs/d1.pem"));
             assert_eq!(t.peer_name.as_deref(), Some("kvwire-engine"));
+            let members = if file.contains("k8s") { 3 } else { 0 };
+            assert_eq!(c.registry.etcd_endpoints.len(), members, "{file}");
+            assert!(members == 0 || c.engine.gateway_registry.is_empty(), "{file}");
         }
     }
 }

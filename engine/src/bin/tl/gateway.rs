@@ -112,6 +112,9 @@ mod tests {
                 "{file}: plaintext on 0.0.0.0 accepted"
             );
             assert!(c.gateway.stall_timeout_ms > 0 && c.gateway.max_failovers > 0);
+            // Kubernetes runs two gateways over the registry on etcd's three members.
+            let members = if file.contains("k8s") { 3 } else { 0 };
+            assert_eq!(c.registry.etcd_endpoints.len(), members, "{file}");
         }
     }
 }
