@@ -89,3 +89,57 @@ fn registry_restart_reregisters_and_frees_what_was_in_flight() {
     assert_eq!(v["survivor_pool_back_to_baseline"], true, "{v}");
     assert_eq!(v["restored_pool_back_to_baseline"], true, "{v}");
 }
+
+/// `tl drill --gateways 2`: two gateways over the registry on etcd, as processes.
+fn fleet_drill(fault: &str) -> Value {
+    common::etcd_installed();
+    let v = common::drill(&[
+        "--gateways",
+        "2",
+        "--clients",
+        "4",
+        "--seconds",
+        "6",
+        "--max-tokens",
+        "48",
+        "--fault",
+        fault,
+        "--stall-ms",
+        "800",
+    ]);
+    assert_eq!(
+        (v["drill"].as_str(), v["gateways"].as_u64()),
+        (Some("gateways"), Some(2))
+    );
+    assert!(v["requests"].as_u64().unwrap() > 20, "{v}");
+    assert!(v["non_streamed"].as_u64().unwrap() > 0, "{v}");
+    for k in ["failed", "lost", "streams_cut_on_other_gateways"] {
+        assert_eq!(v[k], 0, "{k}: {v}");
+    }
+    for id in ["P", "D1", "D2"] {
+        assert_eq!(v["pools_back_to_baseline"][id], true, "{v}");
+    }
+    assert!(
+        v["etcd_lists_every_engine_after_restore_ms"].is_number(),
+        "{v}"
+    );
+    v
+}
+
+#[test]
+fn killing_one_of_two_gateways_cuts_only_its_own_streams() {
+    let v = fleet_drill("gateway-kill");
+    // Every request that reached the other gateway completed; a cut stream was in flight on
+    // the killed one when it died.
+    assert_eq!(v["streams_cut_not_in_flight_at_fault"], 0, "{v}");
+    let cut = v["streams_cut_on_killed_gateway"].as_u64().unwrap();
+    let equal = v["completed_equal"].as_u64().unwrap();
+    assert_eq!(equal + cut, v["requests"].as_u64().unwrap(), "{v}");
+}
+
+#[test]
+fn etcd_down_leaves_the_gateways_routing_on_their_snapshot() {
+    let v = fleet_drill("etcd-down");
+    assert_eq!(v["survivors_listed_every_engine_throughout"], true, "{v}");
+    assert_eq!(v["completed_equal"], v["requests"], "{v}");
+}

@@ -13,7 +13,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::eventually;
+use common::{etcd_installed, eventually};
 use kvwire_grpc::pb::control::{Role as PbRole, WorkerStatus};
 use tl_engine::etcd::member::{Member, MemberTls, start_cluster};
 use tl_engine::etcd::registry::{EtcdRegistrar, mirror};
@@ -24,37 +24,6 @@ use tl_engine::net::tls::{PeerId, PeerRole, Tls, issue};
 use tl_engine::node::heartbeat::Heartbeat;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
-
-/// Debian's etcd-server, installed when missing (this runs as root here).
-fn etcd_installed() {
-    let found = || {
-        Command::new(tl_engine::etcd::member::binary())
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    if found() {
-        return;
-    }
-    let install = || {
-        Command::new("flock")
-            .args(["/tmp/tl-apt.lock", "apt-get", "install", "-y", "-q"])
-            .args(["--no-install-recommends", "etcd-server"])
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !install() {
-        let _ = Command::new("flock")
-            .args(["/tmp/tl-apt.lock", "apt-get", "update", "-q"])
-            .status();
-        assert!(
-            install(),
-            "these tests need etcd: `apt-get install etcd-server` failed"
-        );
-    }
-    assert!(found(), "etcd-server installed but `etcd --version` fails");
-}
 
 fn tmp(name: &str) -> PathBuf {
     let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))

@@ -234,3 +234,34 @@ pub async fn cluster_with(
     })
     .await
 }
+
+/// Debian's etcd-server, installed when missing (this runs as root here).
+pub fn etcd_installed() {
+    let found = || {
+        std::process::Command::new(tl_engine::etcd::member::binary())
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if found() {
+        return;
+    }
+    let install = || {
+        std::process::Command::new("flock")
+            .args(["/tmp/tl-apt.lock", "apt-get", "install", "-y", "-q"])
+            .args(["--no-install-recommends", "etcd-server"])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !install() {
+        let _ = std::process::Command::new("flock")
+            .args(["/tmp/tl-apt.lock", "apt-get", "update", "-q"])
+            .status();
+        assert!(
+            install(),
+            "these tests need etcd: `apt-get install etcd-server` failed"
+        );
+    }
+    assert!(found(), "etcd-server installed but `etcd --version` fails");
+}

@@ -36,6 +36,13 @@ pub(crate) enum Fault {
     /// on the same addresses: the engines re-register; work it had in flight on the engines
     /// is freed (streams cancelled, unclaimed handles by their lease).
     RegistryRestart,
+    /// With `--gateways 2`: one gateway killed with `kill -9` under load, started again at 2T/3.
+    GatewayKill,
+    /// With `--gateways 2`: one of three etcd members killed, started again at 2T/3.
+    EtcdKill,
+    /// With `--gateways 2`: every etcd member stopped from T/3 to 2T/3; gateways route on their
+    /// last snapshot (`[registry] stale_ms`) and engines keep serving.
+    EtcdDown,
 }
 
 /// Arguments of `tl drill`.
@@ -43,24 +50,24 @@ pub(crate) enum Fault {
 pub(crate) struct DrillArgs {
     /// Concurrent streaming clients.
     #[arg(long, default_value_t = 8)]
-    clients: usize,
+    pub(crate) clients: usize,
     /// Seconds of load.
     #[arg(long, default_value_t = 15.0)]
-    seconds: f64,
+    pub(crate) seconds: f64,
     /// What happens to the decode engine at T/3.
     #[arg(long, value_enum, default_value_t = Fault::Kill)]
-    fault: Fault,
+    pub(crate) fault: Fault,
     /// Tokens per request.
     #[arg(long, default_value_t = 24)]
-    max_tokens: u32,
+    pub(crate) max_tokens: u32,
     /// Simulated decode cost per sequence per step, in microseconds (so streams are in flight
     /// when the fault lands).
     #[arg(long, default_value_t = 1500)]
-    decode_us: u64,
+    pub(crate) decode_us: u64,
     /// Run against `deploy/compose.yaml`'s containers (`docker kill` / `docker pause`) instead
     /// of processes; the image must exist (deploy/build-image.sh).
     #[arg(long)]
-    compose: bool,
+    pub(crate) compose: bool,
     /// Run the processes in network namespaces of their own (root only): each engine on its
     /// own address, the prefill engine reaching each decode engine over a link that
     /// `--fault partition` cuts.
@@ -71,20 +78,34 @@ pub(crate) struct DrillArgs {
     image: String,
     /// The gateway's stall timeout, in milliseconds (processes; the compose file sets its own).
     #[arg(long, default_value_t = 1000)]
-    stall_ms: u64,
+    pub(crate) stall_ms: u64,
     /// The output is always one JSON line; accepted for scripts that ask for it.
     #[arg(long)]
     json: bool,
     /// Heartbeat interval of the engines, in milliseconds.
     #[arg(long, default_value_t = 200)]
-    heartbeat_ms: u32,
+    pub(crate) heartbeat_ms: u32,
+    /// Gateways over the same engines, sharing the registry on etcd (processes only): the
+    /// faults gateway-kill, etcd-kill and etcd-down need 2.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) gateways: usize,
 }
 
 /// Runs `tl drill`.
 #[must_use]
 pub(crate) fn drill(args: &DrillArgs) -> ExitCode {
     block_on(async {
-        match run(args).await {
+        let fleet = args.gateways > 1
+            || matches!(
+                args.fault,
+                Fault::GatewayKill | Fault::EtcdKill | Fault::EtcdDown
+            );
+        let ran = if fleet {
+            crate::drill_fleet::run(args).await
+        } else {
+            run(args).await
+        };
+        match ran {
             Ok((v, ok)) => {
                 let code = print_json(Ok::<_, String>(v));
                 if ok { code } else { ExitCode::from(1) }
@@ -95,14 +116,14 @@ pub(crate) fn drill(args: &DrillArgs) -> ExitCode {
 }
 
 /// A child process of the drill, killed on drop.
-struct Proc {
-    child: Child,
+pub(crate) struct Proc {
+    pub(crate) child: Child,
     listening: Value,
     _stdout: BufReader<ChildStdout>,
 }
 
 impl Proc {
-    fn start(args: &[&str], log: &Path) -> Result<Self, String> {
+    pub(crate) fn start(args: &[&str], log: &Path) -> Result<Self, String> {
         Self::start_in(&[], args, log)
     }
 
@@ -137,11 +158,11 @@ impl Proc {
         })
     }
 
-    fn addr(&self, key: &str) -> String {
+    pub(crate) fn addr(&self, key: &str) -> String {
         self.listening[key].as_str().unwrap_or_default().to_owned()
     }
 
-    fn signal(&self, sig: &str) {
+    pub(crate) fn signal(&self, sig: &str) {
         let _ = Command::new("kill")
             .arg(format!("-{sig}"))
             .arg(self.child.id().to_string())
@@ -179,7 +200,7 @@ enum Verdict {
 }
 
 /// The prompts: one of three shared system prefixes, then a suffix of its own.
-fn prompt(client: usize, n: usize) -> Vec<u32> {
+pub(crate) fn prompt(client: usize, n: usize) -> Vec<u32> {
     let mut rng = stream((client as u64) << 32 | n as u64, "drill");
     let system = (rng.next_u32() % 3) as u8;
     let mut p: Vec<u32> = format!("system prompt {system}: be brief and exact. ")
@@ -191,7 +212,7 @@ fn prompt(client: usize, n: usize) -> Vec<u32> {
     p
 }
 
-fn colocated(prompt: &[u32], temperature: f32, seed: u64, max_tokens: u32) -> Vec<u32> {
+pub(crate) fn colocated(prompt: &[u32], temperature: f32, seed: u64, max_tokens: u32) -> Vec<u32> {
     let s = SamplingRequest {
         temperature,
         ..SamplingRequest::default()
@@ -335,7 +356,7 @@ async fn receive(
     }
 }
 
-fn p99_ms(mut v: Vec<Duration>) -> Value {
+pub(crate) fn p99_ms(mut v: Vec<Duration>) -> Value {
     if v.is_empty() {
         return Value::Null;
     }
@@ -353,7 +374,7 @@ fn p50_ms(mut v: Vec<Duration>) -> Value {
 }
 
 /// The figures of one `GET /metrics`, by series (name and labels as printed).
-async fn scrape(addr: &str) -> Option<BTreeMap<String, f64>> {
+pub(crate) async fn scrape(addr: &str) -> Option<BTreeMap<String, f64>> {
     let r = tokio::time::timeout(
         Duration::from_secs(2),
         HttpClient::default().get(addr, "/metrics"),
@@ -374,7 +395,7 @@ async fn scrape(addr: &str) -> Option<BTreeMap<String, f64>> {
 }
 
 /// Blocks in use and handles pending, from an engine's metrics.
-fn in_use(m: &BTreeMap<String, f64>) -> f64 {
+pub(crate) fn in_use(m: &BTreeMap<String, f64>) -> f64 {
     m.get("tl_pool_blocks{state=\"used\"}")
         .copied()
         .unwrap_or(0.0)
@@ -392,7 +413,7 @@ async fn failovers(metrics: &str, outcome: &str) -> u64 {
     })
 }
 
-fn engine_toml(
+pub(crate) fn engine_toml(
     dir: &Path,
     id: &str,
     role: &str,
@@ -743,12 +764,18 @@ impl Cluster {
                     (Fault::Partition, None) => {
                         return Err("--fault partition needs --compose or --netns".into());
                     }
+                    (Fault::GatewayKill | Fault::EtcdKill | Fault::EtcdDown, _) => {
+                        return Err("this fault needs --gateways 2".into());
+                    }
                 }
                 Ok(())
             }
             Self::Compose(c) => {
                 let service = ["decode-1", "decode-2"][i];
                 match f {
+                    Fault::GatewayKill | Fault::EtcdKill | Fault::EtcdDown => {
+                        Err("this fault needs --gateways 2".into())
+                    }
                     Fault::RegistryRestart => c
                         .docker(&["kill", "-s", "KILL"], "gateway")
                         .and_then(|_| c.docker(&["start"], "gateway")),
@@ -782,12 +809,18 @@ impl Cluster {
                     (Fault::Partition, None) => {
                         return Err("--fault partition needs --compose or --netns".into());
                     }
+                    (Fault::GatewayKill | Fault::EtcdKill | Fault::EtcdDown, _) => {
+                        return Err("this fault needs --gateways 2".into());
+                    }
                 }
                 Ok(())
             }
             Self::Compose(c) => {
                 let service = ["decode-1", "decode-2"][i];
                 match f {
+                    Fault::GatewayKill | Fault::EtcdKill | Fault::EtcdDown => {
+                        Err("this fault needs --gateways 2".into())
+                    }
                     Fault::RegistryRestart => Ok(String::new()),
                     Fault::Kill => c.docker(&["start"], service),
                     Fault::Sigstop => c.docker(&["unpause"], service),

@@ -178,7 +178,10 @@ mod tests {
             assert_eq!(t.peer_name.as_deref(), Some("kvwire-engine"));
             let members = if file.contains("k8s") { 3 } else { 0 };
             assert_eq!(c.registry.etcd_endpoints.len(), members, "{file}");
-            assert!(members == 0 || c.engine.gateway_registry.is_empty(), "{file}");
+            assert!(
+                members == 0 || c.engine.gateway_registry.is_empty(),
+                "{file}"
+            );
         }
     }
 }

@@ -4,6 +4,7 @@ mod bench;
 mod certs;
 mod demo;
 mod drill;
+mod drill_fleet;
 mod engine;
 mod etcd;
 mod gateway;
