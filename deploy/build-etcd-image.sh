@@ -12,7 +12,8 @@ fi
 bin=$(command -v etcd)
 ctx=target/etcd-image
 rm -rf "$ctx"
-mkdir -p "$ctx/rootfs/var/lib/etcd"
+# The data directory belongs to the image's user: a named volume mounted there starts so.
+mkdir -p "$ctx/rootfs" "$ctx/data"
 cp -L "$bin" "$ctx/etcd"
 libs=$(ldd "$bin" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }' | sort -u || true)
 for lib in $libs; do
@@ -22,6 +23,7 @@ done
 cat >"$ctx/Containerfile" <<'IMAGE'
 FROM scratch
 COPY rootfs/ /
+COPY --chown=65532:65532 data/ /var/lib/etcd/
 COPY etcd /etcd
 USER 65532:65532
 ENTRYPOINT ["/etcd"]

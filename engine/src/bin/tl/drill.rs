@@ -75,7 +75,10 @@ pub(crate) struct DrillArgs {
     netns: bool,
     /// The image `--compose` runs.
     #[arg(long, default_value = "kvwire-tl:dev")]
-    image: String,
+    pub(crate) image: String,
+    /// The etcd image `--compose` runs (deploy/build-etcd-image.sh).
+    #[arg(long, default_value = "kvwire-etcd:dev")]
+    pub(crate) etcd_image: String,
     /// The gateway's stall timeout, in milliseconds (processes; the compose file sets its own).
     #[arg(long, default_value_t = 1000)]
     pub(crate) stall_ms: u64,
@@ -509,10 +512,11 @@ enum Cluster {
 }
 
 /// `deploy/compose.yaml` brought up under a project name of its own, taken down on drop.
-struct Compose {
+pub(crate) struct Compose {
     file: PathBuf,
     project: String,
-    http: String,
+    /// The first gateway's published OpenAI endpoint.
+    pub(crate) http: String,
     /// Container ids by service, read once after `up`: during the drill only the `docker` CLI
     /// runs (docker-compose is a Python program whose start-up takes a core for half a second,
     /// enough on a small host to slow the engines it is about to fault).
@@ -520,7 +524,16 @@ struct Compose {
 }
 
 /// The services the drill touches.
-const SERVICES: [&str; 4] = ["gateway", "prefill", "decode-1", "decode-2"];
+const SERVICES: [&str; 8] = [
+    "gateway",
+    "gateway-2",
+    "prefill",
+    "decode-1",
+    "decode-2",
+    "etcd-0",
+    "etcd-1",
+    "etcd-2",
+];
 
 impl Compose {
     fn cmd(&self) -> Command {
@@ -547,23 +560,36 @@ impl Compose {
     }
 
     /// `docker <args...> <service's container>`.
-    fn docker(&self, args: &[&str], service: &str) -> Result<String, String> {
+    pub(crate) fn docker(&self, args: &[&str], service: &str) -> Result<String, String> {
         sh(bounded("docker", 60).args(args).arg(self.id(service)?))
     }
 
+    /// `docker <args...> <each service's container>`, in one command (killing three
+    /// containers one `docker` call after the other takes seconds).
+    pub(crate) fn docker_all(&self, args: &[&str], services: &[&str]) -> Result<String, String> {
+        let ids = services
+            .iter()
+            .map(|s| self.id(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        sh(bounded("docker", 60).args(args).args(ids))
+    }
+
     /// The host address a service's container port is published on.
-    fn port(&self, service: &str, port: u16) -> Option<String> {
+    pub(crate) fn port(&self, service: &str, port: u16) -> Option<String> {
         let id = self.id(service).ok()?;
         let p = sh(bounded("docker", 60).args(["port", id, &port.to_string()])).ok()?;
         let p = p.lines().find(|l| l.starts_with("127.0.0.1:"))?.to_owned();
         (!p.ends_with(":0")).then_some(p)
     }
 
-    fn up(image: &str) -> Result<Self, String> {
+    pub(crate) fn up(image: &str, etcd_image: &str) -> Result<Self, String> {
         let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
         let file = PathBuf::from(format!("{root}/deploy/compose.yaml"));
         sh(bounded("docker", 60).args(["image", "inspect", image]))
             .map_err(|_| format!("no image {image}: build it with deploy/build-image.sh"))?;
+        sh(bounded("docker", 60).args(["image", "inspect", etcd_image])).map_err(|_| {
+            format!("no image {etcd_image}: build it with deploy/build-etcd-image.sh")
+        })?;
         // A free loopback port for the gateway's published endpoint.
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -578,6 +604,7 @@ impl Compose {
         let mut up = c.cmd();
         up.env("TL_HTTP_PORT", port.to_string())
             .env("TL_IMAGE", image)
+            .env("TL_ETCD_IMAGE", etcd_image)
             .args(["up", "-d"]);
         sh(&mut up)?;
         for s in SERVICES {
@@ -604,7 +631,7 @@ impl Cluster {
             return Err("--fault partition needs --compose or --netns".into());
         }
         if a.compose {
-            return Ok(Self::Compose(Compose::up(&a.image)?));
+            return Ok(Self::Compose(Compose::up(&a.image, &a.etcd_image)?));
         }
         let dir = std::env::temp_dir().join(format!(
             "tl-drill-{}-{}",

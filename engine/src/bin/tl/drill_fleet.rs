@@ -24,7 +24,7 @@ use tl_engine::etcd::member::{Member, start_cluster};
 use tl_engine::net::clients::{EventStream, HttpClient};
 
 use crate::drill::{
-    DrillArgs, Fault, Proc, colocated, engine_toml, in_use, p99_ms, prompt, scrape,
+    Compose, DrillArgs, Fault, Proc, colocated, engine_toml, in_use, p99_ms, prompt, scrape,
 };
 
 /// How one request ended, as its client saw it.
@@ -335,26 +335,109 @@ fn start(a: &DrillArgs, dir: &Path) -> Result<Fleet, String> {
     })
 }
 
-pub(crate) async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
-    if a.compose {
-        return Err(
-            "--gateways 2 runs on processes only: deploy/compose.yaml has one gateway".into(),
-        );
+/// What the drill runs on: processes, or the compose file's containers.
+enum Backend {
+    Procs(Fleet),
+    Compose(Compose),
+}
+
+/// The compose services of the prefill and decode engines, and of the etcd members.
+const ENGINES: [&str; 3] = ["prefill", "decode-1", "decode-2"];
+const MEMBERS: [&str; 3] = ["etcd-0", "etcd-1", "etcd-2"];
+
+impl Backend {
+    fn gateways(&self) -> Result<Vec<String>, String> {
+        match self {
+            Self::Procs(f) => Ok(f.gateways.iter().map(|g| g.addr("http")).collect()),
+            Self::Compose(c) => Ok(vec![
+                c.http.clone(),
+                c.port("gateway-2", 8000)
+                    .ok_or("gateway-2's endpoint is not published")?,
+            ]),
+        }
     }
+
+    fn engine_metrics(&self, k: usize) -> Option<String> {
+        match self {
+            Self::Procs(f) => Some(f.engines[k].addr("metrics")),
+            Self::Compose(c) => c.port(ENGINES[k], 9100),
+        }
+    }
+
+    fn members(&self) -> usize {
+        match self {
+            Self::Procs(f) => f.etcd.len(),
+            Self::Compose(_) => MEMBERS.len(),
+        }
+    }
+
+    /// The services (or members) a fault takes away: gateway 0, etcd member 0, or every member.
+    fn victims(fault: Fault) -> &'static [&'static str] {
+        match fault {
+            Fault::GatewayKill => &["gateway"],
+            Fault::EtcdKill => &MEMBERS[..1],
+            _ => &MEMBERS,
+        }
+    }
+
+    fn fault(&mut self, fault: Fault) -> Result<(), String> {
+        match self {
+            Self::Procs(f) => match fault {
+                Fault::GatewayKill => {
+                    f.gateways[0].signal("KILL");
+                    let _ = f.gateways[0].child.wait();
+                }
+                Fault::EtcdKill => f.etcd[0].kill(),
+                _ => f.etcd.iter_mut().for_each(Member::kill),
+            },
+            Self::Compose(c) => {
+                c.docker_all(&["kill", "-s", "KILL"], Self::victims(fault))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn restore(&mut self, fault: Fault) -> Result<(), String> {
+        match self {
+            Self::Procs(f) => match fault {
+                Fault::GatewayKill => {
+                    let args: Vec<&str> = f.gateway_args[0].iter().map(String::as_str).collect();
+                    f.gateways[0] = Proc::start(&args, &f.dir.join("gateway-0-restarted.log"))?;
+                }
+                Fault::EtcdKill => f.etcd[0].restart().map_err(|e| e.to_string())?,
+                _ => {
+                    for m in &mut f.etcd {
+                        m.restart().map_err(|e| e.to_string())?;
+                    }
+                }
+            },
+            Self::Compose(c) => {
+                c.docker_all(&["start"], Self::victims(fault))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+pub(crate) async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
     if !matches!(
         a.fault,
         Fault::GatewayKill | Fault::EtcdKill | Fault::EtcdDown
     ) {
         return Err("--gateways 2 takes --fault gateway-kill, etcd-kill or etcd-down".into());
     }
-    let dir = std::env::temp_dir().join(format!(
-        "tl-drill-fleet-{}-{}",
-        std::process::id(),
-        tl_engine::net::tls::random_hex::<4>()
-    ));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let mut f = start(a, &dir)?;
-    let http: Vec<String> = f.gateways.iter().map(|g| g.addr("http")).collect();
+    let mut f = if a.compose {
+        Backend::Compose(Compose::up(&a.image, &a.etcd_image)?)
+    } else {
+        let dir = std::env::temp_dir().join(format!(
+            "tl-drill-fleet-{}-{}",
+            std::process::id(),
+            tl_engine::net::tls::random_hex::<4>()
+        ));
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        Backend::Procs(start(a, &dir)?)
+    };
+    let http = f.gateways()?;
     all_listed(&http, Duration::from_secs(30))
         .await
         .ok_or("the engines never appeared on both gateways")?;
@@ -375,15 +458,10 @@ pub(crate) async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
         ));
     }
     tokio::time::sleep_until((t0 + fault_at).into()).await;
+    let fault_start = t0.elapsed();
+    f.fault(a.fault)?;
+    // Once the fault has landed (a `docker` command takes a moment).
     let fault_time = t0.elapsed();
-    match a.fault {
-        Fault::GatewayKill => {
-            f.gateways[0].signal("KILL");
-            let _ = f.gateways[0].child.wait();
-        }
-        Fault::EtcdKill => f.etcd[0].kill(),
-        _ => f.etcd.iter_mut().for_each(Member::kill),
-    }
     // While the fault lasts, the surviving gateways keep listing every engine (from etcd, or
     // from their snapshot while etcd is down).
     let survivors: Vec<String> = match a.fault {
@@ -399,25 +477,24 @@ pub(crate) async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
     }
     tokio::time::sleep_until((t0 + restore_at).into()).await;
     let restore_time = t0.elapsed();
-    match a.fault {
-        Fault::GatewayKill => {
-            let args: Vec<&str> = f.gateway_args[0].iter().map(String::as_str).collect();
-            f.gateways[0] = Proc::start(&args, &dir.join("gateway-0-restarted.log"))?;
-        }
-        Fault::EtcdKill => f.etcd[0].restart().map_err(|e| e.to_string())?,
-        _ => {
-            for m in &mut f.etcd {
-                m.restart().map_err(|e| e.to_string())?;
-            }
-        }
-    }
-    let resynced = all_listed(&http, Duration::from_secs(20)).await;
-    // etcd itself lists every engine again (their leases renewed or granted anew).
-    let in_etcd = etcd_lists_every_engine(&f.etcd, Duration::from_secs(20)).await;
+    f.restore(a.fault)?;
+    let resynced = all_listed(&http, Duration::from_secs(30)).await;
+    // etcd itself lists every engine again (their leases renewed or granted anew); checked on
+    // processes, whose etcd the drill can reach (the containers' etcd is on their network).
+    let in_etcd = match &f {
+        Backend::Procs(p) => etcd_lists_every_engine(&p.etcd, Duration::from_secs(20))
+            .await
+            .ok_or(()),
+        Backend::Compose(_) => Err(()),
+    };
     while clients.join_next().await.is_some() {}
     let mut pools = BTreeMap::new();
-    for (id, e) in ["P", "D1", "D2"].iter().zip(&f.engines) {
-        pools.insert(*id, back_to_baseline(&e.addr("metrics")).await);
+    for (k, id) in ["P", "D1", "D2"].into_iter().enumerate() {
+        let back = match f.engine_metrics(k) {
+            Some(m) => back_to_baseline(&m).await,
+            None => false,
+        };
+        pools.insert(id, back);
     }
 
     let outcomes = std::mem::take(&mut *outcomes.lock().map_err(|e| e.to_string())?);
@@ -436,7 +513,7 @@ pub(crate) async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
             End::Cut(g) => {
                 cut[*g.min(&1)] += 1;
                 // A cut stream must have been in flight when the gateway died.
-                if !(o.started <= fault_time && o.ended >= fault_time) {
+                if !(o.started <= fault_time && o.ended >= fault_start) {
                     cut_outside_fault += 1;
                 }
             }
@@ -449,7 +526,7 @@ pub(crate) async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
         && n_lost == 0
         && pools_back
         && resynced.is_some()
-        && in_etcd.is_some()
+        && (a.compose || in_etcd.is_ok())
         && match a.fault {
             Fault::GatewayKill => cut[1] == 0 && cut_outside_fault == 0,
             _ => cut == [0, 0] && listed_throughout,
@@ -463,9 +540,9 @@ pub(crate) async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
     let v = json!({
         "drill": "gateways",
         "fault": clap::ValueEnum::to_possible_value(&a.fault).map(|v| v.get_name().to_owned()),
-        "mode": "processes",
+        "mode": if a.compose { "containers" } else { "processes" },
         "gateways": http.len(),
-        "etcd_members": f.etcd.len(),
+        "etcd_members": f.members(),
         "clients": a.clients.max(2),
         "seconds": total.as_secs_f64(),
         "requests": outcomes.len(),
@@ -481,7 +558,7 @@ pub(crate) async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
         "requests_retried": retried,
         "survivors_listed_every_engine_throughout": listed_throughout,
         "gateways_list_every_engine_after_restore_ms": resynced.map(|d| (d.as_secs_f64() * 1e5).round() / 100.0),
-        "etcd_lists_every_engine_after_restore_ms": in_etcd.map(|d| (d.as_secs_f64() * 1e5).round() / 100.0),
+        "etcd_lists_every_engine_after_restore_ms": in_etcd.ok().map(|d| (d.as_secs_f64() * 1e5).round() / 100.0),
         "fault_at_s": fault_time.as_secs_f64(),
         "restored_at_s": restore_time.as_secs_f64(),
         "p99_request_ms": p99_ms(ttft_free),

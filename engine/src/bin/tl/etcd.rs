@@ -21,6 +21,33 @@ pub(crate) struct EtcdTarget {
     prefix: String,
     #[command(flatten)]
     tls: TlsArgs,
+    /// How long to keep trying while etcd cannot be reached (a cluster still starting), in
+    /// milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    wait_ms: u64,
+}
+
+/// Runs `call` again every 500 ms while etcd is unreachable (UNAVAILABLE, DEADLINE_EXCEEDED),
+/// for at most `wait_ms`: an admin's Job may start before the members have formed a cluster.
+async fn patiently<T, F, Fut>(wait_ms: u64, mut call: F) -> Result<T, String>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+{
+    let end = std::time::Instant::now() + Duration::from_millis(wait_ms);
+    loop {
+        match call().await {
+            Err(s)
+                if matches!(
+                    s.code(),
+                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+                ) && std::time::Instant::now() < end =>
+            {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            r => return r.map_err(|s| format!("{:?}: {}", s.code(), s.message())),
+        }
+    }
 }
 
 /// `tl etcd` commands.
@@ -89,9 +116,7 @@ pub(crate) fn etcd(cmd: &EtcdCmd) -> ExitCode {
                     .as_ref()
                     .map(|t| t.identity().clone())
                     .ok_or("tl etcd init needs the admin's certificate (--tls-*)")?;
-                auth::init(&etcd, &keys, &me)
-                    .await
-                    .map_err(|s| s.message().to_owned())?;
+                patiently(t.wait_ms, || auth::init(&etcd, &keys, &me)).await?;
                 Ok(serde_json::json!({"auth": "enabled", "superuser": auth::user(&me)}))
             }
             EtcdCmd::Grant { target, id, role } => {
@@ -102,16 +127,16 @@ pub(crate) fn etcd(cmd: &EtcdCmd) -> ExitCode {
                         .map_err(|e: tl_engine::net::tls::TlsError| e.to_string())?,
                     id: id.clone(),
                 };
-                let granted = auth::grant(&etcd, &keys, &peer)
-                    .await
-                    .map_err(|s| s.message().to_owned())?;
+                let granted =
+                    patiently(target.wait_ms, || auth::grant(&etcd, &keys, &peer)).await?;
                 Ok(serde_json::json!({"user": auth::user(&peer), "role": granted}))
             }
             EtcdCmd::Drain { target, id, undo } => {
                 let (etcd, keys, _) = client(target)?;
-                registry::set_drain(&etcd, &keys, id, !undo)
-                    .await
-                    .map_err(|s| s.message().to_owned())?;
+                patiently(target.wait_ms, || {
+                    registry::set_drain(&etcd, &keys, id, !undo)
+                })
+                .await?;
                 Ok(serde_json::json!({"worker": id, "drain": !undo}))
             }
         }
