@@ -74,7 +74,8 @@ pub enum Applied {
     /// Out of order, another epoch, or a batch before any snapshot: the engine is unsynced and
     /// the watcher must subscribe again.
     Gap,
-    /// More blocks than [`MAX_BLOCKS_PER_ENGINE`]: unsynced, routed by HasBlocks.
+    /// More blocks than the engine's pool holds (or [`MAX_BLOCKS_PER_ENGINE`]): unsynced,
+    /// routed by HasBlocks.
     TooLarge,
 }
 
@@ -91,8 +92,14 @@ impl BlockIndex {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Applies one message of `worker`'s stream.
+    /// Applies one message of `worker`'s stream, at most [`MAX_BLOCKS_PER_ENGINE`] blocks.
     pub fn apply(&self, worker: &str, m: &BlockEvents) -> Applied {
+        self.apply_within(worker, m, MAX_BLOCKS_PER_ENGINE)
+    }
+
+    /// [`apply`](Self::apply) with at most `cap` blocks listed for `worker` (its pool's size:
+    /// an engine cannot index more blocks than it has, so one that lists more is lying).
+    pub fn apply_within(&self, worker: &str, m: &BlockEvents, cap: usize) -> Applied {
         let mut g = self.lock();
         let inner = &mut *g;
         let e = inner.engines.entry(worker.to_owned()).or_default();
@@ -126,7 +133,7 @@ impl BlockIndex {
                 }
             }
         }
-        if e.keys.len() > MAX_BLOCKS_PER_ENGINE {
+        if e.keys.len() > cap.min(MAX_BLOCKS_PER_ENGINE) {
             inner.clear(worker);
             return Applied::TooLarge;
         }
@@ -238,10 +245,15 @@ pub async fn follow(
     // worker id -> (the address followed, its task's token)
     let mut followed: HashMap<String, (String, CancellationToken)> = HashMap::new();
     loop {
-        let live: HashMap<String, String> = workers()
-            .into_iter()
+        let all = workers();
+        let live: HashMap<String, String> = all
+            .iter()
             .filter(|w| !w.kv_address.is_empty() && !w.grpc_address.is_empty())
-            .map(|w| (w.worker_id, w.grpc_address))
+            .map(|w| (w.worker_id.clone(), w.grpc_address.clone()))
+            .collect();
+        let pools: HashMap<&str, usize> = all
+            .iter()
+            .map(|w| (w.worker_id.as_str(), w.total_blocks as usize))
             .collect();
         followed.retain(|id, (addr, token)| {
             let keep = live.get(id) == Some(addr);
@@ -256,11 +268,15 @@ pub async fn follow(
                 continue;
             }
             let token = stop.child_token();
+            // 0: not reported; the gateway's own bound then.
+            let cap = match pools.get(id.as_str()) {
+                Some(&n) if n > 0 => n,
+                _ => MAX_BLOCKS_PER_ENGINE,
+            };
             tokio::spawn(watch_one(
                 Arc::clone(&index),
                 Arc::clone(&upstream),
-                id.clone(),
-                addr.clone(),
+                (id.clone(), addr.clone(), cap),
                 token.clone(),
             ));
             followed.insert(id, (addr, token));
@@ -281,8 +297,7 @@ pub async fn follow(
 async fn watch_one(
     index: Arc<BlockIndex>,
     upstream: Arc<Upstream>,
-    id: String,
-    addr: String,
+    (id, addr, cap): (String, String, usize),
     stop: CancellationToken,
 ) {
     const FIRST: Duration = Duration::from_millis(100);
@@ -291,7 +306,7 @@ async fn watch_one(
         let watched = async {
             let mut stream = upstream.control(&addr)?.watch_blocks(MAX_MESSAGE).await?;
             while let Some(m) = stream.message().await? {
-                match index.apply(&id, &m) {
+                match index.apply_within(&id, &m, cap) {
                     Applied::Ok => backoff = FIRST,
                     Applied::Gap => return Ok::<_, tonic::Status>(()),
                     Applied::TooLarge => {
@@ -386,6 +401,27 @@ mod tests {
         assert_eq!(ix.keys_of("D"), [(0, 1), (0, 2)]);
         assert_eq!(ix.apply("D", &msg(1, false, 11, &[(3, true)])), Applied::Ok);
         assert_eq!(ix.keys_of("D").len(), 3);
+    }
+
+    #[test]
+    fn an_engine_listing_more_blocks_than_its_pool_is_dropped() {
+        let ix = BlockIndex::default();
+        let three = [(1, true), (2, true), (3, true)];
+        assert_eq!(
+            ix.apply_within("D", &msg(1, true, 0, &three), 2),
+            Applied::TooLarge
+        );
+        assert!(!ix.synced("D") && ix.keys_of("D").is_empty());
+        assert_eq!(
+            ix.apply_within("D", &msg(1, true, 0, &three), 3),
+            Applied::Ok
+        );
+        // A batch that grows it past the pool drops it as well.
+        assert_eq!(
+            ix.apply_within("D", &msg(1, false, 1, &[(4, true)]), 3),
+            Applied::TooLarge
+        );
+        assert!(ix.keys_of("D").is_empty());
     }
 
     #[test]
