@@ -624,3 +624,38 @@ async fn tl_etcd_sets_up_auth_and_grants_identities_as_the_readme_says() {
     assert!(d1.get(&keys.drain("d1")).await.unwrap().is_some());
     tl_etcd(&dir, url, "ops", &["init"]).unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_shuts_down_leaves_etcd_at_once() {
+    use tl_engine::node::EngineNode;
+    use tl_engine::node::config::Role;
+    etcd_installed();
+    let members = start_cluster(&tmp("leave"), 1, None).unwrap();
+    let url = members[0].client_url.clone();
+    let mut c = common::engine_cfg("D1", Role::Decode, "");
+    // Beats 2 s apart: the lease (three beats) would keep the key for 6 s.
+    c.engine.heartbeat_ms = 2_000;
+    c.registry = tl_engine::etcd::RegistrySection {
+        etcd_endpoints: vec![url.clone()],
+        ..Default::default()
+    };
+    let d = EngineNode::start(&c).await.unwrap();
+    let etcd = Etcd::new(&[url], None, Duration::from_secs(2)).unwrap();
+    let key = Keys::new(tl_engine::etcd::DEFAULT_PREFIX).worker("D1");
+    let mut listed = false;
+    for _ in 0..100 {
+        if etcd.get(&key).await.unwrap().is_some() {
+            listed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(listed, "the engine never registered");
+    let t = Instant::now();
+    d.shutdown(Duration::from_millis(100)).await;
+    assert!(
+        etcd.get(&key).await.unwrap().is_none(),
+        "the key outlived a graceful shutdown"
+    );
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+}

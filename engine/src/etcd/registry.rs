@@ -30,6 +30,8 @@ pub fn lease_ttl_s(heartbeat_ms: u32) -> i64 {
 #[derive(Debug, Default)]
 struct Lease {
     id: i64,
+    /// Left the registry: no beat registers again.
+    left: bool,
     /// The status bytes last written under this lease.
     written: Option<Vec<u8>>,
 }
@@ -59,6 +61,9 @@ impl EtcdRegistrar {
     /// and reads the drain key.
     async fn beat(&self, status: WorkerStatus) -> Result<HeartbeatAck, Status> {
         let mut l = self.lease.lock().await;
+        if l.left {
+            return Err(Status::unavailable("this engine has left the registry"));
+        }
         if l.id != 0 && self.etcd.keep_alive_once(l.id).await? <= 0 {
             tracing::warn!(lease = l.id, "the registry lease expired; registering anew");
             *l = Lease::default();
@@ -108,9 +113,11 @@ impl EtcdRegistrar {
     /// etcd's status.
     pub async fn leave(&self) -> Result<(), Status> {
         let mut l = self.lease.lock().await;
+        l.left = true;
         if l.id != 0 {
             self.etcd.lease_revoke(l.id).await?;
-            *l = Lease::default();
+            l.id = 0;
+            l.written = None;
         }
         Ok(())
     }

@@ -76,6 +76,9 @@ pub struct EngineNode {
     life: Lifecycle,
     _stop_on_drop: DropGuard,
     thread: EngineThread,
+    /// On etcd: the registrar whose lease a graceful shutdown revokes, so that gateways drop
+    /// this engine at once rather than when the lease runs out.
+    etcd: Option<Arc<crate::etcd::registry::EtcdRegistrar>>,
 }
 
 impl EngineNode {
@@ -262,6 +265,7 @@ impl EngineNode {
             )?;
             addrs.http = advertised(http, advertise)?;
         }
+        let mut on_etcd = None;
         if cfg.registry.on_etcd() {
             let ms = cfg.engine.heartbeat_ms;
             let interval = Duration::from_millis(u64::from(ms));
@@ -281,7 +285,8 @@ impl EngineNode {
                     life.token().clone(),
                 ));
             }
-            let registry = crate::etcd::registry::EtcdRegistrar::new(etcd, keys, ms);
+            let registry = Arc::new(crate::etcd::registry::EtcdRegistrar::new(etcd, keys, ms));
+            on_etcd = Some(Arc::clone(&registry));
             let target = cfg.registry.etcd_endpoints.join(",");
             let hb = Arc::new(Heartbeat::new(registry, timeout).named(&target));
             state.awaits_registration(&target);
@@ -330,6 +335,7 @@ impl EngineNode {
             life,
             _stop_on_drop: stop_on_drop,
             thread,
+            etcd: on_etcd,
         })
     }
 
@@ -397,6 +403,20 @@ impl EngineNode {
     /// server and task and joins the engine thread. Returns the work that remained.
     pub async fn shutdown(self, deadline: Duration) -> usize {
         let remaining = self.state.drain(deadline).await;
+        // Leave the registry now: the heartbeat stops with the tasks below, and a lease left
+        // to run out would keep this engine listed for up to three beats.
+        if let Some(r) = &self.etcd {
+            self.life.token().cancel();
+            match tokio::time::timeout(Duration::from_secs(1), r.leave()).await {
+                Ok(Ok(())) => tracing::info!("left the registry on etcd (lease revoked)"),
+                Ok(Err(s)) => {
+                    tracing::warn!(code = ?s.code(), error = %s.message(), "cannot revoke the etcd lease; it runs out in three beats");
+                }
+                Err(_) => tracing::warn!(
+                    "revoking the etcd lease took over 1 s; it runs out in three beats"
+                ),
+            }
+        }
         self.life.shutdown().await;
         self.thread.join().await;
         remaining
