@@ -33,6 +33,9 @@
 //! max_context = 4096            # prompt plus completion, in tokens
 //! prefill_us_per_token = 0      # simulated compute (sleep) per prompt token prefilled; 0: off
 //! decode_us_per_seq = 0         # simulated compute (sleep) per sequence per decode step; 0: off
+//! decode_us_per_step = 0        # simulated compute once per step that decodes (the weights); 0: off
+//! cost_preset = ""              # "llama-3-8b-h100": the three above from that shape (keys set
+//!                               # above 0 override it); see CostModel::llama3_8b_h100
 //!
 //! [pool]
 //! block_tokens = 4              # B
@@ -172,6 +175,10 @@ pub struct ModelSection {
     pub prefill_us_per_token: u64,
     /// Simulated microseconds per sequence per decode step.
     pub decode_us_per_seq: u64,
+    /// Simulated microseconds once per step that decodes (the weights' read).
+    pub decode_us_per_step: u64,
+    /// A named cost model the three figures above default to ("": none; "llama-3-8b-h100").
+    pub cost_preset: String,
 }
 
 impl Default for ModelSection {
@@ -189,6 +196,8 @@ impl Default for ModelSection {
             max_context: 4096,
             prefill_us_per_token: 0,
             decode_us_per_seq: 0,
+            decode_us_per_step: 0,
+            cost_preset: String::new(),
         }
     }
 }
@@ -287,6 +296,12 @@ impl Config {
     /// The first value out of range.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let m = &self.model;
+        if !matches!(m.cost_preset.as_str(), "" | "llama-3-8b-h100") {
+            return Err(ConfigError::Invalid(format!(
+                "model.cost_preset {:?}: expected \"\" or \"llama-3-8b-h100\"",
+                m.cost_preset
+            )));
+        }
         match (m.kind.as_str(), m.path.is_empty()) {
             ("fake", true) => {}
             ("fake" | "llama", false) => {
@@ -519,9 +534,15 @@ impl Config {
     /// The simulated compute cost.
     #[must_use]
     pub fn cost(&self) -> CostModel {
+        let base = match self.model.cost_preset.as_str() {
+            "llama-3-8b-h100" => CostModel::llama3_8b_h100(),
+            _ => CostModel::default(),
+        };
+        let or = |us: u64, d: Duration| if us > 0 { Duration::from_micros(us) } else { d };
         CostModel {
-            prefill_per_token: Duration::from_micros(self.model.prefill_us_per_token),
-            decode_per_seq: Duration::from_micros(self.model.decode_us_per_seq),
+            prefill_per_token: or(self.model.prefill_us_per_token, base.prefill_per_token),
+            decode_per_seq: or(self.model.decode_us_per_seq, base.decode_per_seq),
+            decode_per_step: or(self.model.decode_us_per_step, base.decode_per_step),
         }
     }
 }
@@ -548,5 +569,39 @@ mod tests {
         let bad: Config = toml::from_str("[pool]\nblock_tokens = 0\n").unwrap();
         assert!(bad.validate().is_err());
         assert_eq!(Role::Both.names(), ["prefill", "decode"]);
+    }
+
+    #[test]
+    fn the_cost_model_batches_like_a_gpu_and_presets_are_overridable() {
+        use tl_engine_core::engine::{Engine, StepStats};
+        let mut c: Config = toml::from_str("[model]\ncost_preset = \"llama-3-8b-h100\"\n").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.cost(), CostModel::llama3_8b_h100());
+        let model = c.build_model().unwrap();
+        let mut e = Engine::new(model, c.build_pool());
+        e.set_cost(c.cost());
+        let step = |prefilled_tokens, decoded| StepStats {
+            prefilled_tokens,
+            decoded,
+            ..StepStats::default()
+        };
+        // The weights are read once a step: 8 sequences cost far less than 8 steps of one.
+        let one = e.simulated_cost(step(0, 1));
+        let eight = e.simulated_cost(step(0, 8));
+        assert!(eight < one * 2, "{eight:?} vs {one:?}");
+        assert_eq!(eight - one, c.cost().decode_per_seq * 7);
+        // A prefill in the same step adds to it: a colocated decode waits for it.
+        let mixed = e.simulated_cost(step(2048, 8));
+        assert_eq!(mixed, eight + c.cost().prefill_per_token * 2048);
+        // A step that only prefills pays no decode step.
+        assert_eq!(
+            e.simulated_cost(step(10, 0)),
+            c.cost().prefill_per_token * 10
+        );
+        // A key set above 0 overrides the preset; an unknown preset is refused.
+        c.model.decode_us_per_step = 1_000;
+        assert_eq!(c.cost().decode_per_step, Duration::from_millis(1));
+        c.model.cost_preset = "a100-maybe".into();
+        assert!(c.validate().is_err());
     }
 }
