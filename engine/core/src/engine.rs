@@ -407,6 +407,21 @@ pub struct Engine {
     cost: CostModel,
     scheduler: Scheduler,
     preemptions: u64,
+    /// The prompt being prefilled chunk by chunk across steps (`max_step_tokens`), if any.
+    partial: Option<Partial>,
+}
+
+/// A prompt whose prefill spans steps (chunked prefill): its blocks, all taken at its first
+/// chunk, and how far its KV is written.
+#[derive(Debug)]
+struct Partial {
+    seq: Seq,
+    blocks: Blocks,
+    hashes: Vec<u64>,
+    /// Prompt tokens whose KV is in `blocks`.
+    written: usize,
+    /// Of those, the ones found cached (a prefix of whole blocks).
+    reused: usize,
 }
 
 impl Engine {
@@ -430,6 +445,7 @@ impl Engine {
             cost: CostModel::default(),
             scheduler: Scheduler::default(),
             preemptions: 0,
+            partial: None,
         }
     }
 
@@ -464,7 +480,7 @@ impl Engine {
     /// Requests waiting for prefill.
     #[must_use]
     pub fn queue_depth(&self) -> usize {
-        self.waiting.len()
+        self.waiting.len() + usize::from(self.partial.is_some())
     }
 
     /// Sequences decoding.
@@ -482,7 +498,7 @@ impl Engine {
     /// True when nothing waits or runs.
     #[must_use]
     pub fn is_idle(&self) -> bool {
-        self.waiting.is_empty() && self.running.is_empty()
+        self.waiting.is_empty() && self.running.is_empty() && self.partial.is_none()
     }
 
     /// Checks a prompt against the model (the one validation of [`crate::request`]).
@@ -617,7 +633,12 @@ impl Engine {
         let before = self.waiting.len() + self.running.len();
         self.waiting.retain(|s| s.group != id);
         self.running.retain(|s| s.group != id);
-        self.waiting.len() + self.running.len() < before
+        // A prompt half prefilled: its blocks go back with it.
+        let partial = self.partial.as_ref().is_some_and(|p| p.seq.group == id);
+        if partial {
+            self.partial = None;
+        }
+        partial || self.waiting.len() + self.running.len() < before
     }
 
     /// One step: decode every sequence that was running before it (a resumed request first
@@ -752,8 +773,25 @@ impl Engine {
             return (events, stats);
         }
 
+        // Chunked prefill: what the step's token budget leaves after its decodes (at least a
+        // block, so a prompt always advances). Without a budget a prompt is prefilled whole.
+        let b = self.model.shape().block_tokens() as usize;
+        let mut left = self
+            .scheduler
+            .max_step_tokens
+            .map(|t| t.saturating_sub(stats.decoded).max(b));
+        if let Some(p) = self.partial.take() {
+            self.advance(p, &mut left, &mut stats, &mut events);
+            if self.partial.is_some() {
+                // Still prefilling: first come, first served, nothing behind it goes ahead.
+                return (events, stats);
+            }
+        }
         let admitted = self.scheduler.admit(self.waiting.iter().map(Seq::fill_len));
         for _ in 0..admitted {
+            if left == Some(0) {
+                break;
+            }
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
@@ -762,6 +800,9 @@ impl Engine {
                     Ok(Some(computed)) => {
                         stats.prefilled_tokens += computed;
                         stats.recomputed += 1;
+                        if let Some(l) = &mut left {
+                            *l = l.saturating_sub(computed);
+                        }
                         self.running.push(seq);
                         continue;
                     }
@@ -779,49 +820,24 @@ impl Engine {
                     }
                 }
             }
-            let (logits, computed) = match self.prefill_one(&mut seq) {
-                Ok(r) => r,
-                Err(error) => {
-                    events.push(Event::Failed {
-                        seq: seq.group,
-                        error,
-                    });
-                    continue;
-                }
-            };
-            stats.prefilled_tokens += computed;
-            if seq.mode == Mode::PrefillOnly {
-                let b = self.model.shape().block_tokens() as usize;
-                let output = PrefillOutput {
-                    first_token: seq.tokens[seq.prompt_len],
-                    hashes: seq.hashes.clone(),
-                    draws: seq.draws as u32,
-                    seed: seq.seed,
-                    prompt_tokens: seq.prompt_len,
-                    cached_blocks: (seq.prompt_len - computed) / b,
-                    prompt: seq.tokens[..seq.prompt_len].to_vec(),
-                    blocks: std::mem::replace(
-                        &mut seq.blocks,
-                        Blocks::new(self.pool.clone(), Vec::new()),
-                    ),
-                };
-                events.push(Event::Prefilled {
-                    seq: seq.group,
-                    output,
-                });
-                continue;
-            }
-            let group = seq.group;
-            match self.open_choices(seq, Some(&logits), &mut events) {
-                Ok(choices) => {
-                    for seq in choices {
-                        match self.finish_reason(&seq) {
-                            Some(reason) => events.push(finished(&seq, reason)),
-                            None => self.running.push(seq),
-                        }
+            match self.fill_begin(&seq, seq.prompt_len) {
+                Ok((blocks, hashes, reused)) => {
+                    let p = Partial {
+                        seq,
+                        blocks,
+                        hashes,
+                        written: reused,
+                        reused,
+                    };
+                    self.advance(p, &mut left, &mut stats, &mut events);
+                    if self.partial.is_some() {
+                        break;
                     }
                 }
-                Err(error) => events.push(Event::Failed { seq: group, error }),
+                Err(error) => events.push(Event::Failed {
+                    seq: seq.group,
+                    error,
+                }),
             }
         }
         (events, stats)
@@ -1008,22 +1024,108 @@ impl Engine {
         }
     }
 
-    /// Prefills `seq`: reuses the longest cached prefix, allocates the rest, runs the model,
-    /// registers the full blocks, samples the first token (appended to `seq.tokens`). Returns
-    /// the prompt's logits and the tokens computed.
-    fn prefill_one(&mut self, seq: &mut Seq) -> Result<(Vec<f32>, usize), SeqError> {
-        let (blocks, hashes, computed) = self.fill(seq, seq.prompt_len)?;
+    /// Writes the next chunk of `p`'s prompt, as much as `left` allows (all of it without a
+    /// budget; whole blocks, at least one, with one); a prompt that is complete then samples
+    /// its first token and starts decoding (or, prefill only, hands its blocks over). One that
+    /// is not stays [`Engine::partial`] for the next step. A failure ends the request and gives
+    /// its blocks back.
+    fn advance(
+        &mut self,
+        mut p: Partial,
+        left: &mut Option<usize>,
+        stats: &mut StepStats,
+        events: &mut Vec<Event>,
+    ) {
+        let b = self.model.shape().block_tokens() as usize;
+        let len = p.seq.prompt_len;
+        let to = match *left {
+            None => len,
+            Some(l) => (p.written + (l / b).max(1) * b).min(len),
+        };
+        if let Err(error) = self.fill_range(&p.seq, &p.blocks, &p.hashes, len, p.written, to) {
+            events.push(Event::Failed {
+                seq: p.seq.group,
+                error,
+            });
+            return;
+        }
+        stats.prefilled_tokens += to - p.written;
+        if let Some(l) = left {
+            *l = l.saturating_sub(to - p.written);
+        }
+        p.written = to;
+        if to < len {
+            self.partial = Some(p);
+            return;
+        }
+        self.prefilled(p, events);
+    }
+
+    /// A prompt whose KV is all written: its logits, its first token sampled (appended to
+    /// `seq.tokens`), then its choices start decoding, or (prefill only) its blocks are handed
+    /// over in a [`PrefillOutput`].
+    fn prefilled(&mut self, p: Partial, events: &mut Vec<Event>) {
+        let Partial {
+            mut seq,
+            blocks,
+            hashes,
+            reused,
+            ..
+        } = p;
         // The logits pass reads the whole prompt's KV, one block's lock at a time.
-        let logits = self
-            .model
-            .logits(&self.pool, &seq.tokens[..seq.prompt_len], blocks.ids())?;
+        let logits =
+            match self
+                .model
+                .logits(&self.pool, &seq.tokens[..seq.prompt_len], blocks.ids())
+            {
+                Ok(l) => l,
+                Err(e) => {
+                    events.push(Event::Failed {
+                        seq: seq.group,
+                        error: SeqError::Model(e),
+                    });
+                    return;
+                }
+            };
         seq.blocks = blocks;
         seq.hashes = hashes;
         seq.n_cached = seq.prompt_len;
         let (token, draws) = seq.sampling.sample(&logits, &mut seq.rng);
         seq.draws += u64::from(draws);
         seq.tokens.push(token);
-        Ok((logits, computed))
+        if seq.mode == Mode::PrefillOnly {
+            let b = self.model.shape().block_tokens() as usize;
+            let output = PrefillOutput {
+                first_token: seq.tokens[seq.prompt_len],
+                hashes: seq.hashes.clone(),
+                draws: seq.draws as u32,
+                seed: seq.seed,
+                prompt_tokens: seq.prompt_len,
+                cached_blocks: reused / b,
+                prompt: seq.tokens[..seq.prompt_len].to_vec(),
+                blocks: std::mem::replace(
+                    &mut seq.blocks,
+                    Blocks::new(self.pool.clone(), Vec::new()),
+                ),
+            };
+            events.push(Event::Prefilled {
+                seq: seq.group,
+                output,
+            });
+            return;
+        }
+        let group = seq.group;
+        match self.open_choices(seq, Some(&logits), events) {
+            Ok(choices) => {
+                for seq in choices {
+                    match self.finish_reason(&seq) {
+                        Some(reason) => events.push(finished(&seq, reason)),
+                        None => self.running.push(seq),
+                    }
+                }
+            }
+            Err(error) => events.push(Event::Failed { seq: group, error }),
+        }
     }
 
     /// Blocks holding the KV of `seq.tokens[..len]`: references on the longest cached prefix,
@@ -1031,6 +1133,15 @@ impl Engine {
     /// scope as it is written (`seq.progress` told). Returns them, the full blocks' chained
     /// hashes, and the tokens computed. Nothing is kept on an error.
     fn fill(&self, seq: &Seq, len: usize) -> Result<(Blocks, Vec<u64>, usize), SeqError> {
+        let (blocks, hashes, start) = self.fill_begin(seq, len)?;
+        self.fill_range(seq, &blocks, &hashes, len, start, len)?;
+        Ok((blocks, hashes, len - start))
+    }
+
+    /// The blocks of `seq.tokens[..len]`, all taken at once: references on the longest cached
+    /// prefix, the rest allocated (all or nothing). Returns them, the full blocks' chained
+    /// hashes, and the tokens found cached (whole blocks).
+    fn fill_begin(&self, seq: &Seq, len: usize) -> Result<(Blocks, Vec<u64>, usize), SeqError> {
         let b = self.model.shape().block_tokens() as usize;
         let prompt = &seq.tokens[..len];
         let hashes = prompt_hashes(prompt, b);
@@ -1063,23 +1174,42 @@ impl Engine {
         // The model writes block by block, each under that block's lock only: imports, lookups
         // and control calls on the same pool never wait for it.
         let start = reused * b;
+        if let Some(p) = &seq.progress {
+            p.written(blocks.ids(), reused);
+        }
+        Ok((blocks, hashes, start))
+    }
+
+    /// Writes the KV of `seq.tokens[from..to]` (of a prompt of `len` tokens; `from` at a block's
+    /// start) into `blocks`, in chunks of the model's choosing, naming each full block as it
+    /// is written and telling `seq.progress`.
+    fn fill_range(
+        &self,
+        seq: &Seq,
+        blocks: &Blocks,
+        hashes: &[u64],
+        len: usize,
+        from: usize,
+        to: usize,
+    ) -> Result<(), SeqError> {
+        let b = self.model.shape().block_tokens() as usize;
+        let prompt = &seq.tokens[..len];
         let told = |written| {
             if let Some(p) = &seq.progress {
                 p.written(blocks.ids(), written);
             }
         };
-        told(reused);
         // A chunk of the model's choosing (a block for the fake model; a few hundred tokens
         // for a transformer, whose matmuls want rows) is written in one pass; then its blocks
         // are named one by one.
         let chunk = b * self.model.prefill_chunk_blocks().max(1);
-        for c in (start..prompt.len()).step_by(chunk) {
-            let end = (c + chunk).min(prompt.len());
+        for c in (from..to).step_by(chunk) {
+            let end = (c + chunk).min(to);
             self.model
                 .write(&self.pool, &prompt[c..end], c, blocks.ids())?;
-            for from in (c..end).step_by(b) {
-                let to = (from + b).min(prompt.len());
-                let i = from / b;
+            for at in (c..end).step_by(b) {
+                let upto = (at + b).min(prompt.len());
+                let i = at / b;
                 // A full block is final once written: named now, so a push streaming it sends
                 // the same envelope as one sent after the prefill. False when another sequence
                 // registered the same block first: ours stays private.
@@ -1089,21 +1219,21 @@ impl Engine {
                         let key = BlockKey {
                             scope: seq.scope,
                             hash,
-                            tokens: &prompt[from..to],
+                            tokens: &prompt[at..upto],
                             parent: i.checked_sub(1).map(|p| blocks.ids()[p]),
                         };
                         pool.register(blocks.ids()[i], key);
                     }
                     // The tail's tokens, so a claim of these blocks can compare every token.
                     None => {
-                        pool.set_tokens(blocks.ids()[i], &prompt[from..to]);
+                        pool.set_tokens(blocks.ids()[i], &prompt[at..upto]);
                     }
                 }
                 drop(pool);
                 told(i + 1);
             }
         }
-        Ok((blocks, hashes, prompt.len() - start))
+        Ok(())
     }
 
     /// The block `seq`'s next position needs, when it starts one (the pool's lock, briefly).

@@ -9,6 +9,11 @@ pub struct Scheduler {
     /// Prompt tokens one step may prefill; `None` (the default) admits every waiting request.
     /// The first waiting request is always admitted, however long, so nothing starves.
     pub max_prefill_tokens: Option<usize>,
+    /// Tokens one step may compute, decodes (one each) and prefill chunks together: a prompt
+    /// longer than what the step's decodes leave is prefilled in whole blocks over several
+    /// steps (chunked prefill), so running sequences keep their pace beside a long prompt.
+    /// `None` (the default): every admitted prompt is prefilled whole in its step.
+    pub max_step_tokens: Option<usize>,
 }
 
 impl Scheduler {
@@ -41,6 +46,7 @@ mod tests {
         let all = Scheduler::default();
         let budget = Scheduler {
             max_prefill_tokens: Some(100),
+            ..Scheduler::default()
         };
         let cases: [(Scheduler, &[usize], usize); 6] = [
             (all, &[], 0),

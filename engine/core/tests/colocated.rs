@@ -507,3 +507,154 @@ fn stop_ends_the_sequence_at_the_matching_step() {
         assert_eq!(e.pool().lock().counts().used, 0, "{stop:?}");
     }
 }
+
+/// Runs `requests` on `e`: each `(prompt, sampling, seed, submitted at step)`; returns every
+/// request's tokens per choice, and for each step the requests that got a token in it.
+fn interleaved(
+    e: &mut Engine,
+    requests: &[(Vec<u32>, Sampling, u64, usize, u32)],
+) -> (Vec<Vec<Vec<u32>>>, Vec<Vec<usize>>) {
+    let mut ids = vec![None; requests.len()];
+    let mut tokens: Vec<Vec<Vec<u32>>> = requests
+        .iter()
+        .map(|r| vec![Vec::new(); r.4 as usize])
+        .collect();
+    let mut done = vec![0u32; requests.len()];
+    let mut steps = Vec::new();
+    for step in 0..10_000 {
+        for (i, (prompt, s, seed, at, n)) in requests.iter().enumerate() {
+            if *at == step {
+                let mut r = req(prompt, *s, *seed, 12, Mode::Generate);
+                r.choices = tl_engine_core::engine::Choices { n: *n, ..r.choices };
+                ids[i] = Some(e.submit(r).unwrap());
+            }
+        }
+        let (events, _) = e.step();
+        let mut got = Vec::new();
+        for ev in events {
+            let of = |seq| ids.iter().position(|&id| id == Some(seq)).unwrap();
+            match ev {
+                Event::Token {
+                    seq, choice, token, ..
+                } => {
+                    let i = of(seq);
+                    tokens[i][choice as usize].push(token);
+                    got.push(i);
+                }
+                Event::Finished { seq, .. } => done[of(seq)] += 1,
+                other => panic!("{other:?}"),
+            }
+        }
+        steps.push(got);
+        if requests.iter().zip(&done).all(|(r, &d)| d == r.4) && e.is_idle() {
+            return (tokens, steps);
+        }
+    }
+    panic!("the requests never ended");
+}
+
+#[test]
+fn chunked_prefill_equals_whole_prefill() {
+    use tl_engine_core::scheduler::Scheduler;
+    // A long prompt (61 tokens: 15 full blocks and a tail) arriving while two short ones
+    // decode, one of them with two choices.
+    let long: Vec<u32> = (0..61).map(|i| (i * 7 + 3) % 250).collect();
+    let short: Vec<u32> = (0..6).map(|i| 100 + i).collect();
+    let other: Vec<u32> = (0..9).map(|i| 30 + i).collect();
+    for (t, seed) in [(0.0, 0), (0.9, 42)] {
+        let s = sampling(t, 1.0, 0);
+        let reqs = [
+            (short.clone(), s, seed, 0, 1),
+            (other.clone(), s, seed + 1, 0, 2),
+            (long.clone(), s, seed + 2, 2, 1),
+        ];
+        let mut whole = engine(128);
+        let (want, _) = interleaved(&mut whole, &reqs);
+        let mut chunked = engine(128);
+        chunked.set_scheduler(Scheduler {
+            max_step_tokens: Some(8),
+            ..Scheduler::default()
+        });
+        let (got, steps) = interleaved(&mut chunked, &reqs);
+        assert_eq!(got, want, "temperature {t}");
+        // The long prompt took several steps, and the short requests got a token in each.
+        let first_long = steps.iter().position(|g| g.contains(&2)).unwrap();
+        assert!(
+            first_long >= 2 + 61 / 8 - 2,
+            "prefilled in {first_long} steps"
+        );
+        // Until it has its 12 tokens, the short request gets one every step: the long
+        // prompt's chunks never stall it.
+        let mut short_tokens = 0;
+        for (k, g) in steps.iter().enumerate().take(first_long) {
+            if short_tokens < 12 {
+                assert!(g.contains(&0), "step {k}: the short request stalled");
+            }
+            short_tokens += g.iter().filter(|&&i| i == 0).count();
+        }
+        for e in [&whole, &chunked] {
+            e.pool().lock().check().unwrap();
+            assert_eq!(e.pool().lock().counts().used, 0);
+        }
+    }
+    // Prefill only: the same blocks and first token, whole or chunked.
+    let mut whole = engine(64);
+    let a = prefill(&mut whole, &long, sampling(0.9, 1.0, 0), 5);
+    let mut chunked = engine(64);
+    chunked.set_scheduler(Scheduler {
+        max_step_tokens: Some(8),
+        ..Scheduler::default()
+    });
+    chunked
+        .submit(req(&long, sampling(0.9, 1.0, 0), 5, 1, Mode::PrefillOnly))
+        .unwrap();
+    let mut out = None;
+    for _ in 0..100 {
+        for ev in chunked.step().0 {
+            if let Event::Prefilled { output, .. } = ev {
+                out = Some(output);
+            }
+        }
+        if out.is_some() {
+            break;
+        }
+        assert_eq!(
+            chunked.queue_depth(),
+            1,
+            "a half-prefilled prompt is still queued"
+        );
+    }
+    let b = out.unwrap();
+    assert_eq!(
+        (b.first_token, &b.hashes, b.draws),
+        (a.first_token, &a.hashes, a.draws)
+    );
+    for (x, y) in a.blocks.ids().iter().zip(b.blocks.ids()) {
+        assert_eq!(
+            *whole.pool().read(*x).unwrap(),
+            *chunked.pool().read(*y).unwrap()
+        );
+    }
+}
+
+#[test]
+fn cancelling_a_half_prefilled_prompt_gives_its_blocks_back() {
+    use tl_engine_core::scheduler::Scheduler;
+    let mut e = engine(64);
+    e.set_scheduler(Scheduler {
+        max_step_tokens: Some(8),
+        ..Scheduler::default()
+    });
+    let long: Vec<u32> = (0..61).map(|i| (i * 5 + 1) % 250).collect();
+    let id = e
+        .submit(req(&long, Sampling::GREEDY, 0, 4, Mode::Generate))
+        .unwrap();
+    e.step();
+    e.step();
+    assert!(e.pool().lock().counts().used > 0, "nothing was taken yet");
+    assert!(e.cancel(id));
+    assert!(e.is_idle());
+    let c = e.pool().lock().counts();
+    assert_eq!(c.used, 0);
+    e.pool().lock().check().unwrap();
+}

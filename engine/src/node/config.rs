@@ -15,6 +15,9 @@
 //! metrics_listen = "127.0.0.1:0" # GET /metrics (Prometheus text), plaintext, any address
 //! max_prefill_tokens = 0        # prompt tokens one step prefills (the first waiting request is
 //!                               # always admitted); 0: every waiting request
+//! max_step_tokens = 0           # tokens one step computes, decodes and prefill chunks together:
+//!                               # a longer prompt is prefilled in whole blocks over several
+//!                               # steps (chunked prefill); 0: every prompt whole in its step
 //!
 //! [model]
 //! kind = "fake"                 # "fake": the deterministic fake model, named "fake";
@@ -127,6 +130,8 @@ pub struct EngineSection {
     /// Prompt tokens one engine step may prefill (the first waiting request is always
     /// admitted, however long); 0: every waiting request.
     pub max_prefill_tokens: usize,
+    /// Tokens one step computes, decodes and prefill chunks together (chunked prefill); 0: off.
+    pub max_step_tokens: usize,
 }
 
 impl Default for EngineSection {
@@ -143,6 +148,7 @@ impl Default for EngineSection {
             push_while_prefilling: true,
             metrics_listen: "127.0.0.1:0".into(),
             max_prefill_tokens: 0,
+            max_step_tokens: 0,
         }
     }
 }

@@ -110,6 +110,7 @@ impl EngineNode {
         engine.set_scheduler(tl_engine_core::scheduler::Scheduler {
             max_prefill_tokens: (cfg.engine.max_prefill_tokens > 0)
                 .then_some(cfg.engine.max_prefill_tokens),
+            max_step_tokens: (cfg.engine.max_step_tokens > 0).then_some(cfg.engine.max_step_tokens),
         });
         let (runner, thread) = Runner::start(engine)?;
         let role = cfg.engine.role;
