@@ -159,6 +159,8 @@ impl Gateway {
     fn policy(&self) -> Policy {
         Policy {
             load_penalty_tokens: self.cfg.load_penalty_tokens,
+            // What a Prefill tries, and one more (the failover's pick comes from a new plan).
+            ranked: self.cfg.prefill_decode_attempts as usize + 1,
         }
     }
 

@@ -100,6 +100,9 @@ pub fn reason_label(plan: &Plan) -> &'static str {
 pub struct Policy {
     /// Cached prefix tokens one sequence of load is worth.
     pub load_penalty_tokens: f64,
+    /// Decode engines the plan ranks, best first (the ones a Prefill may try): the others
+    /// are scored but not copied into the plan.
+    pub ranked: usize,
 }
 
 /// The routing score of a decode engine: cached prefix tokens minus `load_penalty_tokens` per
@@ -114,9 +117,18 @@ pub fn score(cached_prefix_tokens: usize, load: u32, load_penalty_tokens: f64) -
 }
 
 fn least_loaded(workers: &[WorkerView], role: Role) -> Option<&WorkerView> {
+    least_loaded_except(workers, role, None)
+}
+
+/// [`least_loaded`] among the workers other than `except`.
+fn least_loaded_except<'a>(
+    workers: &'a [WorkerView],
+    role: Role,
+    except: Option<&str>,
+) -> Option<&'a WorkerView> {
     workers
         .iter()
-        .filter(|w| w.is(role) && w.usable())
+        .filter(|w| w.is(role) && w.usable() && Some(w.status.worker_id.as_str()) != except)
         .min_by(|a, b| {
             a.load()
                 .cmp(&b.load())
@@ -157,34 +169,23 @@ pub fn plan(
 ) -> Plan {
     let prefill = least_loaded(workers, Role::Prefill).map(|w| w.status.clone());
     let prefill_spare = prefill.as_ref().and_then(|p| {
-        let others: Vec<WorkerView> = workers
-            .iter()
-            .filter(|w| w.status.worker_id != p.worker_id)
-            .cloned()
-            .collect();
-        least_loaded(&others, Role::Prefill).map(|w| w.status.clone())
+        least_loaded_except(workers, Role::Prefill, Some(&p.worker_id)).map(|w| w.status.clone())
     });
-    let mut decode: Vec<Ranked> = if prefill.is_some() {
+    // Every candidate is scored; only the best `ranked` are copied into the plan, so the
+    // work per request is a score per engine, not a copy of each.
+    let mut scored: Vec<(&WorkerStatus, usize, f64)> = if prefill.is_some() {
         decode_candidates(workers)
             .into_iter()
             .filter_map(|w| {
                 let k = *cached.get(&w.worker_id)?;
                 let load =
                     w.running + w.queue_depth + in_flight.get(&w.worker_id).copied().unwrap_or(0);
-                Some(Ranked {
-                    worker: w.clone(),
-                    cached_blocks: k,
-                    score: score(
-                        k * w.block_tokens as usize,
-                        load,
-                        policy.load_penalty_tokens,
-                    ),
-                    reason: if k > 0 {
-                        Reason::PrefixHit { blocks: k }
-                    } else {
-                        Reason::ByLoad
-                    },
-                })
+                let score = score(
+                    k * w.block_tokens as usize,
+                    load,
+                    policy.load_penalty_tokens,
+                );
+                Some((w, k, score))
             })
             .collect()
     } else {
@@ -192,12 +193,30 @@ pub fn plan(
     };
     // Best score first; on a tie the engine with more free blocks (which spreads new prefixes
     // over the pools), then the lower id.
-    decode.sort_by(|a, b| {
-        b.score
-            .total_cmp(&a.score)
-            .then(b.worker.free_blocks.cmp(&a.worker.free_blocks))
-            .then_with(|| a.worker.worker_id.cmp(&b.worker.worker_id))
-    });
+    let order = |a: &(&WorkerStatus, usize, f64), b: &(&WorkerStatus, usize, f64)| {
+        b.2.total_cmp(&a.2)
+            .then(b.0.free_blocks.cmp(&a.0.free_blocks))
+            .then_with(|| a.0.worker_id.cmp(&b.0.worker_id))
+    };
+    let keep = policy.ranked.max(1);
+    if scored.len() > keep {
+        scored.select_nth_unstable_by(keep - 1, order);
+        scored.truncate(keep);
+    }
+    scored.sort_by(order);
+    let decode: Vec<Ranked> = scored
+        .into_iter()
+        .map(|(w, k, score)| Ranked {
+            worker: w.clone(),
+            cached_blocks: k,
+            score,
+            reason: if k > 0 {
+                Reason::PrefixHit { blocks: k }
+            } else {
+                Reason::ByLoad
+            },
+        })
+        .collect();
     let fallback = least_loaded(workers, Role::Both)
         .filter(|w| w.front().is_some())
         .map(|w| w.status.clone());
@@ -219,6 +238,7 @@ mod tests {
 
     const POLICY: Policy = Policy {
         load_penalty_tokens: 64.0,
+        ranked: usize::MAX,
     };
 
     /// A worker: id, role, running sequences, free blocks; beating every 100 ms, 10 ms ago.

@@ -65,13 +65,47 @@ pub struct RegistryState {
     conflicts: std::sync::atomic::AtomicU64,
     /// Set when the workers come from etcd ([`crate::etcd::registry::mirror`]).
     mirror: Mutex<Option<Mirror>>,
+    /// The last snapshot routing took, and when: shared by the requests that route within
+    /// [`SHARED_SNAPSHOT_FOR`] of it, dropped by any change to the workers.
+    shared: Mutex<Option<(Instant, Arc<[WorkerView]>)>>,
 }
 
+/// How long requests route on one shared snapshot (its workers' ages are that much younger
+/// than they are; a worker is forgotten only after three of its beats, 300 ms at least).
+pub const SHARED_SNAPSHOT_FOR: std::time::Duration = std::time::Duration::from_millis(50);
+
 impl RegistryState {
+    /// The workers, for a change: the shared snapshot is dropped.
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        *self.shared_lock() = None;
+        self.lock_read()
+    }
+
+    fn lock_read(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
         self.workers
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn shared_lock(&self) -> std::sync::MutexGuard<'_, Option<(Instant, Arc<[WorkerView]>)>> {
+        self.shared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// [`snapshot`](Self::snapshot), shared: requests routing within
+    /// [`SHARED_SNAPSHOT_FOR`] of each other, with no change to the workers between, take the
+    /// same one, so routing does not copy every worker's status for every request.
+    #[must_use]
+    pub fn snapshot_shared(&self, now: Instant) -> Arc<[WorkerView]> {
+        if let Some((at, v)) = &*self.shared_lock()
+            && now.saturating_duration_since(*at) < SHARED_SNAPSHOT_FOR
+        {
+            return Arc::clone(v);
+        }
+        let v: Arc<[WorkerView]> = self.snapshot(now).into();
+        *self.shared_lock() = Some((now, Arc::clone(&v)));
+        v
     }
 
     /// Records a beat received at `now`; the ack carries the drain request.
@@ -199,7 +233,7 @@ impl RegistryState {
     /// Forgets workers silent for more than three of their intervals; returns how many.
     pub fn evict_stale(&self, now: Instant) -> usize {
         let fresh = self.mirror_fresh(now);
-        let mut w = self.lock();
+        let mut w = self.lock_read();
         let before = w.len();
         w.retain(|_, e| {
             if e.leased {
@@ -208,7 +242,12 @@ impl RegistryState {
                 !is_stale(&e.status, now.saturating_duration_since(e.last))
             }
         });
-        before - w.len()
+        let evicted = before - w.len();
+        drop(w);
+        if evicted > 0 {
+            *self.shared_lock() = None;
+        }
+        evicted
     }
 
     /// Live workers as of `now`, sorted by id.
@@ -223,7 +262,7 @@ impl RegistryState {
     pub fn snapshot(&self, now: Instant) -> Vec<WorkerView> {
         self.evict_stale(now);
         let mut v: Vec<WorkerView> = self
-            .lock()
+            .lock_read()
             .values()
             .map(|e| WorkerView {
                 status: e.status.clone(),

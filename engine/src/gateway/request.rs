@@ -124,18 +124,21 @@ impl Gateway {
 
     /// The live workers, less `exclude`. With `first`, while the gateway is young
     /// (`startup_grace_ms`) and they cannot serve a request yet, waits for registrations.
-    async fn workers_for(&self, exclude: &[String], first: bool) -> Vec<WorkerView> {
+    async fn workers_for(&self, exclude: &[String], first: bool) -> Arc<[WorkerView]> {
         let grace_end = self.started + Duration::from_millis(self.cfg.startup_grace_ms);
         loop {
             let beat = self.registry.next_beat();
             tokio::pin!(beat);
             beat.as_mut().enable();
-            let workers: Vec<WorkerView> = self
-                .registry
-                .snapshot(Instant::now())
-                .into_iter()
-                .filter(|w| !exclude.contains(&w.status.worker_id))
-                .collect();
+            let all = self.registry.snapshot_shared(Instant::now());
+            let workers: Arc<[WorkerView]> = if exclude.is_empty() {
+                all
+            } else {
+                all.iter()
+                    .filter(|w| !exclude.contains(&w.status.worker_id))
+                    .cloned()
+                    .collect()
+            };
             let now = Instant::now();
             if !first || now >= grace_end || servable(&workers, self) {
                 return workers;
@@ -471,7 +474,7 @@ impl Gateway {
         scope: u64,
         from_index: bool,
     ) -> (super::plan::Plan, usize) {
-        let workers = self.registry.snapshot(Instant::now());
+        let workers = self.registry.snapshot_shared(Instant::now());
         let targets = has_blocks_targets(&workers);
         let (holds, cached) = self
             .cached_prefixes(prompt, scope, &targets, from_index)
