@@ -43,6 +43,9 @@ struct Engine {
 
 #[derive(Debug, Default)]
 struct Inner {
+    /// Counts every change of an engine's synced state (a route planner that checked every
+    /// engine synced at one generation need not check again until the next).
+    generation: u64,
     engines: HashMap<String, Engine>,
     /// Engines holding each key, by worker id.
     holders: HashMap<Key, Vec<Arc<str>>>,
@@ -53,6 +56,7 @@ impl Inner {
         let Some(e) = self.engines.get_mut(worker) else {
             return;
         };
+        self.generation += 1;
         for k in e.keys.drain() {
             if let Some(h) = self.holders.get_mut(&k) {
                 h.retain(|w| &**w != worker);
@@ -146,6 +150,7 @@ impl BlockIndex {
             e.next = m.seq + 1;
             e.loading = m.more;
             e.synced = !m.more;
+            inner.generation += 1;
         } else {
             e.next = m.seq + m.changes.len() as u64;
         }
@@ -162,6 +167,49 @@ impl BlockIndex {
         let mut g = self.lock();
         g.clear(worker);
         g.engines.remove(worker);
+    }
+
+    /// The generation of the engines' synced states (see [`BlockIndex::all_synced`]).
+    #[must_use]
+    pub fn generation(&self) -> u64 {
+        self.lock().generation
+    }
+
+    /// Whether every engine of `workers` is synced, and the generation that holds for.
+    #[must_use]
+    pub fn all_synced<'a>(&self, mut workers: impl Iterator<Item = &'a str>) -> (bool, u64) {
+        let g = self.lock();
+        let all = workers.all(|w| g.engines.get(w).is_some_and(|e| e.synced));
+        (all, g.generation)
+    }
+
+    /// The synced engines holding the leading blocks of a prompt of chained hashes `hashes` in
+    /// `scope`, each with how many (at least one). The work is in the blocks held.
+    #[must_use]
+    pub fn hits(&self, scope: u64, hashes: &[u64]) -> Vec<(Arc<str>, usize)> {
+        let g = self.lock();
+        let mut out: Vec<(Arc<str>, usize)> = Vec::new();
+        let Some(first) = hashes.first().and_then(|h| g.holders.get(&(scope, *h))) else {
+            return out;
+        };
+        let mut live: Vec<Arc<str>> = first
+            .iter()
+            .filter(|w| g.engines.get(&***w).is_some_and(|e| e.synced))
+            .cloned()
+            .collect();
+        for (i, h) in hashes.iter().enumerate().skip(1) {
+            let holders = g.holders.get(&(scope, *h));
+            let (stay, gone): (Vec<Arc<str>>, Vec<Arc<str>>) = live
+                .into_iter()
+                .partition(|w| holders.is_some_and(|hs| hs.iter().any(|x| x == w)));
+            out.extend(gone.into_iter().map(|w| (w, i)));
+            live = stay;
+            if live.is_empty() {
+                break;
+            }
+        }
+        out.extend(live.into_iter().map(|w| (w, hashes.len())));
+        out
     }
 
     /// Whether `worker`'s stream is followed now.
@@ -401,6 +449,25 @@ mod tests {
         assert_eq!(ix.keys_of("D"), [(0, 1), (0, 2)]);
         assert_eq!(ix.apply("D", &msg(1, false, 11, &[(3, true)])), Applied::Ok);
         assert_eq!(ix.keys_of("D").len(), 3);
+    }
+
+    #[test]
+    fn hits_list_the_synced_holders_with_their_prefix() {
+        let ix = BlockIndex::default();
+        ix.apply("A", &msg(1, true, 0, &[(1, true), (2, true), (3, true)]));
+        ix.apply("B", &msg(1, true, 0, &[(1, true), (3, true)]));
+        let mut loading = msg(1, true, 0, &[(1, true)]);
+        loading.more = true;
+        ix.apply("C", &loading);
+        let mut h = ix.hits(0, &[1, 2, 3]);
+        h.sort();
+        assert_eq!(h, [(Arc::from("A"), 3), (Arc::from("B"), 1)]);
+        assert!(ix.hits(0, &[9]).is_empty() && ix.hits(5, &[1]).is_empty());
+        let (all, g) = ix.all_synced(["A", "B"].into_iter());
+        assert!(all);
+        assert!(!ix.all_synced(["A", "C"].into_iter()).0);
+        ix.unsync("B");
+        assert!(ix.generation() > g);
     }
 
     #[test]

@@ -57,6 +57,9 @@ pub struct Gateway {
     routed: Arc<RoutedLoad>,
     /// The decode engines' blocks, from their streams (`route_from_index`).
     index: Arc<index::BlockIndex>,
+    /// The last snapshot arranged for routing from the index, and the index generation at
+    /// which all its decode candidates were seen synced.
+    fleet: std::sync::Mutex<Option<(Arc<plan::Fleet>, Option<u64>)>>,
     api_keys: keys::ApiKeys,
     scopes: tenant::Scopes,
     quotas: Arc<tenant::Quotas>,
@@ -107,6 +110,7 @@ impl Gateway {
             cfg,
             routed: Arc::new(RoutedLoad::default()),
             index: Arc::default(),
+            fleet: std::sync::Mutex::default(),
             api_keys,
             scopes,
             quotas,

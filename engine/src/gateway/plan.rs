@@ -228,6 +228,168 @@ pub fn plan(
     }
 }
 
+/// A snapshot's workers arranged for routing many requests: the prefill engine, its spare and
+/// the colocated fallback chosen once, and the decode candidates in the order
+/// [`plan_walk`] walks them (by the load they beat, then free blocks, then id). Built once per
+/// snapshot, so a request's plan costs its prefix hits and a few engines, not the fleet.
+#[derive(Debug)]
+pub struct Fleet {
+    /// The snapshot it was built from.
+    pub snap: std::sync::Arc<[WorkerView]>,
+    prefill: Option<WorkerStatus>,
+    prefill_spare: Option<WorkerStatus>,
+    fallback: Option<WorkerStatus>,
+    /// Decode candidates (indices into `snap`), in walking order.
+    by_load: Vec<usize>,
+    /// The candidates' block sizes, each once.
+    pub block_sizes: Vec<u32>,
+    /// The load penalty the walking order is for.
+    penalty: f64,
+}
+
+impl Fleet {
+    /// Arranges `snap` for plans with `load_penalty_tokens` = `penalty`.
+    #[must_use]
+    pub fn new(snap: std::sync::Arc<[WorkerView]>, penalty: f64) -> Self {
+        let prefill = least_loaded(&snap, Role::Prefill).map(|w| w.status.clone());
+        let prefill_spare = prefill.as_ref().and_then(|p| {
+            least_loaded_except(&snap, Role::Prefill, Some(&p.worker_id)).map(|w| w.status.clone())
+        });
+        let fallback = least_loaded(&snap, Role::Both)
+            .filter(|w| w.front().is_some())
+            .map(|w| w.status.clone());
+        let mut by_load: Vec<usize> = (0..snap.len())
+            .filter(|&i| {
+                let w = &snap[i];
+                w.is(Role::Decode) && w.usable() && w.kv_target().is_some()
+            })
+            .collect();
+        // The order of the best score each can reach (its beat load's; without a penalty,
+        // load does not count), then the plan's tie-breaks.
+        let weigh = penalty > 0.0;
+        by_load.sort_by(|&a, &b| {
+            let (a, b) = (&snap[a].status, &snap[b].status);
+            let load = |w: &WorkerStatus| if weigh { w.running + w.queue_depth } else { 0 };
+            load(a)
+                .cmp(&load(b))
+                .then(b.free_blocks.cmp(&a.free_blocks))
+                .then_with(|| a.worker_id.cmp(&b.worker_id))
+        });
+        let mut block_sizes: Vec<u32> = by_load
+            .iter()
+            .map(|&i| snap[i].status.block_tokens.max(1))
+            .collect();
+        block_sizes.sort_unstable();
+        block_sizes.dedup();
+        Self {
+            snap,
+            prefill,
+            prefill_spare,
+            fallback,
+            by_load,
+            block_sizes,
+            penalty,
+        }
+    }
+
+    /// The decode candidates, in walking order.
+    pub fn candidates(&self) -> impl Iterator<Item = &WorkerStatus> {
+        self.by_load.iter().map(|&i| &self.snap[i].status)
+    }
+}
+
+/// [`plan`] over a [`Fleet`] whose every decode candidate's prefix is known without asking:
+/// `hits` lists the engines holding at least one leading block (and how many); every other
+/// candidate holds none. Gives the same plan as [`plan`] with `cached` holding every
+/// candidate (0 for those not in `hits`), but scores only the hits and walks the others in
+/// load order until none left can beat the ranked ones, so its work does not grow with the
+/// fleet.
+#[must_use]
+pub fn plan_walk(
+    fleet: &Fleet,
+    hits: &HashMap<&str, usize>,
+    in_flight: &HashMap<String, u32>,
+    policy: Policy,
+) -> Plan {
+    type Scored<'a> = (&'a WorkerStatus, usize, f64);
+    let order = |a: &Scored<'_>, b: &Scored<'_>| {
+        b.2.total_cmp(&a.2)
+            .then(b.0.free_blocks.cmp(&a.0.free_blocks))
+            .then_with(|| a.0.worker_id.cmp(&b.0.worker_id))
+    };
+    let keep = policy.ranked.max(1);
+    if policy.load_penalty_tokens != fleet.penalty || fleet.penalty < 0.0 {
+        // Not the order the fleet was arranged in: the full scan.
+        let cached: HashMap<String, usize> = fleet
+            .candidates()
+            .map(|c| {
+                let k = hits.get(c.worker_id.as_str()).copied().unwrap_or(0);
+                (c.worker_id.clone(), k)
+            })
+            .collect();
+        return plan(&fleet.snap, &cached, in_flight, policy);
+    }
+    let mut best: Vec<Scored<'_>> = Vec::new();
+    if fleet.prefill.is_some() {
+        let scored = |w: &'_ WorkerStatus, k: usize| -> f64 {
+            let load =
+                w.running + w.queue_depth + in_flight.get(&w.worker_id).copied().unwrap_or(0);
+            score(
+                k * w.block_tokens as usize,
+                load,
+                policy.load_penalty_tokens,
+            )
+        };
+        for &i in &fleet.by_load {
+            let w = &fleet.snap[i].status;
+            if let Some(&k) = hits.get(w.worker_id.as_str())
+                && k > 0
+            {
+                best.push((w, k, scored(w, k)));
+            }
+        }
+        best.sort_by(order);
+        best.truncate(keep);
+        // The others, by the load they beat: none can score above its beat load's score, and
+        // the walk's order is that bound's order, so it stops at the first that cannot rank.
+        for &i in &fleet.by_load {
+            let w = &fleet.snap[i].status;
+            if hits.get(w.worker_id.as_str()).is_some_and(|&k| k > 0) {
+                continue;
+            }
+            if best.len() >= keep {
+                let bound = score(0, w.running + w.queue_depth, policy.load_penalty_tokens);
+                let last = best[best.len() - 1];
+                if order(&(w, 0, bound), &last) != std::cmp::Ordering::Less {
+                    break;
+                }
+            }
+            let candidate = (w, 0, scored(w, 0));
+            let at = best.partition_point(|x| order(x, &candidate) == std::cmp::Ordering::Less);
+            best.insert(at, candidate);
+            best.truncate(keep);
+        }
+    }
+    Plan {
+        prefill: fleet.prefill.clone(),
+        prefill_spare: fleet.prefill_spare.clone(),
+        decode: best
+            .into_iter()
+            .map(|(w, k, score)| Ranked {
+                worker: w.clone(),
+                cached_blocks: k,
+                score,
+                reason: if k > 0 {
+                    Reason::PrefixHit { blocks: k }
+                } else {
+                    Reason::ByLoad
+                },
+            })
+            .collect(),
+        fallback: fleet.fallback.clone(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -428,5 +590,61 @@ mod tests {
             Reason::PrefixHit { blocks: 3 }.to_string(),
             "prefix hit: 3 blocks cached"
         );
+    }
+
+    /// The walk over a [`Fleet`] plans as [`plan`] does with every candidate's prefix known,
+    /// over random fleets: loads, free blocks, this gateway's in-flight counts and prefix hits,
+    /// with many ties (small ranges), and every ranking depth.
+    #[test]
+    fn the_walk_plans_as_the_full_scan_does() {
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        for case in 0..2_000 {
+            let n = 1 + next(12) as usize;
+            let mut workers = vec![w("P", PbRole::Prefill, next(3) as u32, 10)];
+            if next(2) == 0 {
+                workers.push(w("B", PbRole::Both, 0, 10));
+            }
+            let mut hits_owned: Vec<(String, usize)> = Vec::new();
+            let mut in_flight = HashMap::new();
+            for i in 0..n {
+                let id = format!("D{i:02}");
+                let mut v = w(&id, PbRole::Decode, next(4) as u32, next(3) as u32);
+                v.status.queue_depth = next(2) as u32;
+                if next(5) == 0 {
+                    v = draining(v);
+                }
+                if next(3) == 0 {
+                    hits_owned.push((id.clone(), 1 + next(40) as usize));
+                }
+                if next(3) == 0 {
+                    in_flight.insert(id.clone(), next(3) as u32);
+                }
+                workers.push(v);
+            }
+            workers.sort_by(|a, b| a.status.worker_id.cmp(&b.status.worker_id));
+            let hits: HashMap<&str, usize> =
+                hits_owned.iter().map(|(id, k)| (id.as_str(), *k)).collect();
+            let policy = Policy {
+                load_penalty_tokens: [0.0, 4.0, 64.0][next(3) as usize],
+                ranked: 1 + next(5) as usize,
+            };
+            let fleet = Fleet::new(workers.clone().into(), policy.load_penalty_tokens);
+            let cached: HashMap<String, usize> = fleet
+                .candidates()
+                .map(|c| {
+                    let k = hits.get(c.worker_id.as_str()).copied().unwrap_or(0);
+                    (c.worker_id.clone(), k)
+                })
+                .collect();
+            let full = plan(&workers, &cached, &in_flight, policy);
+            let walked = plan_walk(&fleet, &hits, &in_flight, policy);
+            assert_eq!(walked, full, "case {case}");
+        }
     }
 }

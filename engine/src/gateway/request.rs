@@ -401,6 +401,13 @@ impl Gateway {
             return Err(Unservable::UnknownModel(m.to_owned()));
         }
         let route_span = tracing::info_span!("route", otel.kind = "internal", reason = Empty);
+        if self.cfg.route_from_index
+            && exclude.is_empty()
+            && let Some(p) = self.plan_from_index(prompt, scope, &workers)
+        {
+            route_span.record("reason", super::plan::reason_label(&p));
+            return Ok((p, HashMap::new()));
+        }
         let (holds, cached) = self
             .cached_prefixes(
                 prompt,
@@ -417,6 +424,68 @@ impl Gateway {
 }
 
 impl Gateway {
+    /// The plan of `prompt` over `workers` from the prefix index alone, when every decode
+    /// candidate's stream is followed (and they share one block size): the engines holding a
+    /// prefix are scored, the others walked in load order ([`super::plan::plan_walk`]), so
+    /// the work does not grow with the fleet. `None`: route the other way.
+    fn plan_from_index(
+        &self,
+        prompt: &[u32],
+        scope: u64,
+        workers: &Arc<[WorkerView]>,
+    ) -> Option<super::plan::Plan> {
+        let policy = self.policy();
+        let (fleet, verified) = {
+            let mut g = self
+                .fleet
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match &*g {
+                Some((f, v)) if Arc::ptr_eq(&f.snap, workers) => (Arc::clone(f), *v),
+                _ => {
+                    let f = Arc::new(super::plan::Fleet::new(
+                        Arc::clone(workers),
+                        policy.load_penalty_tokens,
+                    ));
+                    *g = Some((Arc::clone(&f), None));
+                    (f, None)
+                }
+            }
+        };
+        if fleet.block_sizes.len() > 1 {
+            return None;
+        }
+        if verified != Some(self.index.generation()) {
+            let (all, generation) = self
+                .index
+                .all_synced(fleet.candidates().map(|w| w.worker_id.as_str()));
+            if !all {
+                return None;
+            }
+            if let Some((f, v)) = &mut *self
+                .fleet
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                && Arc::ptr_eq(f, &fleet)
+            {
+                *v = Some(generation);
+            }
+        }
+        let hits = match fleet.block_sizes.first() {
+            Some(&b) => self
+                .index
+                .hits(scope, &kvwire::prompt_hashes(prompt, b as usize)),
+            None => Vec::new(),
+        };
+        let hits: HashMap<&str, usize> = hits.iter().map(|(w, k)| (&**w, *k)).collect();
+        Some(super::plan::plan_walk(
+            &fleet,
+            &hits,
+            &self.routed.snapshot(),
+            policy,
+        ))
+    }
+
     /// The leading full blocks of `prompt` each decode engine of `targets` holds: from the
     /// prefix index for engines whose stream it follows, from HasBlocks for the others (whose
     /// answers are also returned, handed on to the Prefill that pushes there).
@@ -475,6 +544,9 @@ impl Gateway {
         from_index: bool,
     ) -> (super::plan::Plan, usize) {
         let workers = self.registry.snapshot_shared(Instant::now());
+        if from_index && let Some(p) = self.plan_from_index(prompt, scope, &workers) {
+            return (p, 0);
+        }
         let targets = has_blocks_targets(&workers);
         let (holds, cached) = self
             .cached_prefixes(prompt, scope, &targets, from_index)
