@@ -60,6 +60,8 @@ pub struct Gateway {
     /// The last snapshot arranged for routing from the index, and the index generation at
     /// which all its decode candidates were seen synced.
     fleet: std::sync::Mutex<Option<(Arc<plan::Fleet>, Option<u64>)>>,
+    /// Counts plans: spreads colocated requests over equal `both` engines.
+    spread: std::sync::atomic::AtomicU64,
     api_keys: keys::ApiKeys,
     scopes: tenant::Scopes,
     quotas: Arc<tenant::Quotas>,
@@ -111,6 +113,7 @@ impl Gateway {
             routed: Arc::new(RoutedLoad::default()),
             index: Arc::default(),
             fleet: std::sync::Mutex::default(),
+            spread: std::sync::atomic::AtomicU64::new(0),
             api_keys,
             scopes,
             quotas,
@@ -165,6 +168,9 @@ impl Gateway {
             load_penalty_tokens: self.cfg.load_penalty_tokens,
             // What a Prefill tries, and one more (the failover's pick comes from a new plan).
             ranked: self.cfg.prefill_decode_attempts as usize + 1,
+            spread: self
+                .spread
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
     }
 

@@ -103,6 +103,51 @@ pub struct Policy {
     /// Decode engines the plan ranks, best first (the ones a Prefill may try): the others
     /// are scored but not copied into the plan.
     pub ranked: usize,
+    /// Which of the `both` engines still tied after score and this gateway's load takes a
+    /// colocated request (a different value per request spreads them).
+    pub spread: u64,
+}
+
+/// The `both` engine a colocated request goes to: the best score of its cached prefix against
+/// its load (running and queued as it beat, plus what this gateway sent it since), then the
+/// fewest sent by this gateway, then, among the engines still tied, the `spread`-th, so equal
+/// engines share the requests instead of the lowest id taking them all.
+fn pick_colocated<'a>(
+    candidates: impl Iterator<Item = &'a WorkerStatus>,
+    cached: impl Fn(&str) -> usize,
+    in_flight: &HashMap<String, u32>,
+    policy: Policy,
+) -> Option<WorkerStatus> {
+    let mut best: Vec<(&WorkerStatus, f64, u32)> = Vec::new();
+    for w in candidates {
+        let mine = in_flight.get(&w.worker_id).copied().unwrap_or(0);
+        let s = score(
+            cached(&w.worker_id) * w.block_tokens as usize,
+            w.running + w.queue_depth + mine,
+            policy.load_penalty_tokens,
+        );
+        let against = best
+            .first()
+            .map(|&(_, bs, bm)| s.total_cmp(&bs).then(bm.cmp(&mine)));
+        match against {
+            None | Some(std::cmp::Ordering::Greater) => {
+                best.clear();
+                best.push((w, s, mine));
+            }
+            Some(std::cmp::Ordering::Equal) => best.push((w, s, mine)),
+            Some(std::cmp::Ordering::Less) => {}
+        }
+    }
+    let n = best.len() as u64;
+    (n > 0).then(|| best[(policy.spread % n) as usize].0.clone())
+}
+
+/// The `both` engines that can serve a request colocated.
+fn colocated_candidates(workers: &[WorkerView]) -> impl Iterator<Item = &WorkerStatus> {
+    workers
+        .iter()
+        .filter(|w| w.is(Role::Both) && w.usable() && w.front().is_some())
+        .map(|w| &w.status)
 }
 
 /// The routing score of a decode engine: cached prefix tokens minus `load_penalty_tokens` per
@@ -217,9 +262,12 @@ pub fn plan(
             },
         })
         .collect();
-    let fallback = least_loaded(workers, Role::Both)
-        .filter(|w| w.front().is_some())
-        .map(|w| w.status.clone());
+    let fallback = pick_colocated(
+        colocated_candidates(workers),
+        |id| cached.get(id).copied().unwrap_or(0),
+        in_flight,
+        policy,
+    );
     Plan {
         prefill,
         prefill_spare,
@@ -238,7 +286,6 @@ pub struct Fleet {
     pub snap: std::sync::Arc<[WorkerView]>,
     prefill: Option<WorkerStatus>,
     prefill_spare: Option<WorkerStatus>,
-    fallback: Option<WorkerStatus>,
     /// Decode candidates (indices into `snap`), in walking order.
     by_load: Vec<usize>,
     /// The candidates' block sizes, each once.
@@ -255,9 +302,6 @@ impl Fleet {
         let prefill_spare = prefill.as_ref().and_then(|p| {
             least_loaded_except(&snap, Role::Prefill, Some(&p.worker_id)).map(|w| w.status.clone())
         });
-        let fallback = least_loaded(&snap, Role::Both)
-            .filter(|w| w.front().is_some())
-            .map(|w| w.status.clone());
         let mut by_load: Vec<usize> = (0..snap.len())
             .filter(|&i| {
                 let w = &snap[i];
@@ -285,7 +329,6 @@ impl Fleet {
             snap,
             prefill,
             prefill_spare,
-            fallback,
             by_load,
             block_sizes,
             penalty,
@@ -386,7 +429,12 @@ pub fn plan_walk(
                 },
             })
             .collect(),
-        fallback: fleet.fallback.clone(),
+        fallback: pick_colocated(
+            colocated_candidates(&fleet.snap),
+            |id| hits.get(id).copied().unwrap_or(0),
+            in_flight,
+            policy,
+        ),
     }
 }
 
@@ -401,6 +449,7 @@ mod tests {
     const POLICY: Policy = Policy {
         load_penalty_tokens: 64.0,
         ranked: usize::MAX,
+        spread: 0,
     };
 
     /// A worker: id, role, running sequences, free blocks; beating every 100 ms, 10 ms ago.
@@ -633,6 +682,7 @@ mod tests {
             let policy = Policy {
                 load_penalty_tokens: [0.0, 4.0, 64.0][next(3) as usize],
                 ranked: 1 + next(5) as usize,
+                spread: next(7),
             };
             let fleet = Fleet::new(workers.clone().into(), policy.load_penalty_tokens);
             let cached: HashMap<String, usize> = fleet
@@ -646,5 +696,39 @@ mod tests {
             let walked = plan_walk(&fleet, &hits, &in_flight, policy);
             assert_eq!(walked, full, "case {case}");
         }
+    }
+
+    /// Colocated requests over equal `both` engines spread over them; one this gateway already
+    /// sent a request to, or that holds less of the prompt, is passed over.
+    #[test]
+    fn colocated_requests_spread_over_equal_both_engines() {
+        let workers = vec![
+            w("B1", PbRole::Both, 0, 10),
+            w("B2", PbRole::Both, 0, 10),
+            w("B3", PbRole::Both, 0, 10),
+        ];
+        let mut got: HashMap<String, u32> = HashMap::new();
+        for spread in 0..30 {
+            let policy = Policy { spread, ..POLICY };
+            let p = plan(&workers, &HashMap::new(), &HashMap::new(), policy);
+            *got.entry(p.fallback.unwrap().worker_id).or_default() += 1;
+        }
+        assert_eq!(
+            got.values().copied().collect::<Vec<_>>(),
+            [10, 10, 10],
+            "{got:?}"
+        );
+        // B1 has a request of this gateway in flight: the others take the next ones.
+        let in_flight = HashMap::from([("B1".to_owned(), 1)]);
+        for spread in 0..6 {
+            let policy = Policy { spread, ..POLICY };
+            let p = plan(&workers, &HashMap::new(), &in_flight, policy);
+            assert_ne!(p.fallback.unwrap().worker_id, "B1");
+        }
+        // B3 holds 40 blocks of the prompt (160 tokens): worth more than 2 sequences of load.
+        let cached = HashMap::from([("B3".to_owned(), 40)]);
+        let in_flight = HashMap::from([("B3".to_owned(), 2)]);
+        let p = plan(&workers, &cached, &in_flight, POLICY);
+        assert_eq!(p.fallback.unwrap().worker_id, "B3");
     }
 }

@@ -312,6 +312,10 @@ impl Driver<'_> {
                 request,
                 quiet,
             } => {
+                // Counted on its engine until the lane closes, as a disaggregated one is on
+                // its decode engine: the next plans see it before the engine's next beat.
+                self.counted
+                    .insert(lane, self.g.routed.enter(&target.worker_id));
                 let scope = self.scope;
                 self.lane_task(lane, async move |g, tx| {
                     colocated(&g, &target, scope, &request, &tx, lane, quiet).await;
