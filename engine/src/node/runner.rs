@@ -57,6 +57,8 @@ pub struct Load {
     queue: AtomicU32,
     running: AtomicU32,
     preemptions: AtomicU64,
+    submitted: AtomicU64,
+    resumed: AtomicU64,
     changed: Notify,
 }
 
@@ -65,6 +67,18 @@ impl Load {
     #[must_use]
     pub fn preemptions(&self) -> u64 {
         self.preemptions.load(Ordering::Relaxed)
+    }
+
+    /// Requests submitted so far (prefills, and requests run here whole).
+    #[must_use]
+    pub fn submitted(&self) -> u64 {
+        self.submitted.load(Ordering::Relaxed)
+    }
+
+    /// Sequences started from transferred blocks so far (decodes handed over).
+    #[must_use]
+    pub fn resumed(&self) -> u64 {
+        self.resumed.load(Ordering::Relaxed)
     }
 
     /// Resolves at the next change of the published figures.
@@ -217,12 +231,14 @@ impl Runner {
         req: Request,
         progress: Option<Arc<dyn PrefillProgress>>,
     ) -> (Key, tmpsc::UnboundedReceiver<SeqEvent>) {
+        self.load.submitted.fetch_add(1, Ordering::Relaxed);
         self.start_seq(|key, tx| Cmd::Submit(key, Box::new((req, progress)), tx))
     }
 
     /// Starts a sequence from transferred blocks; as [`submit`](Self::submit).
     #[must_use]
     pub fn resume(&self, r: Resume) -> (Key, tmpsc::UnboundedReceiver<SeqEvent>) {
+        self.load.resumed.fetch_add(1, Ordering::Relaxed);
         self.start_seq(|key, tx| Cmd::Resume(key, Box::new(r), tx))
     }
 

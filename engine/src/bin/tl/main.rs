@@ -100,6 +100,9 @@ enum BenchCmd {
     /// Routing per request at 4, 16 and 64 decode engines, fan-out against the prefix index,
     /// and the prefix-hit rate through 1 gateway against 2.
     Route(bench::route::RouteArgs),
+    /// DistServe's goodput on the same engines: the highest request rate at which 90% of
+    /// requests meet a TTFT and a TPOT SLO, disaggregated against colocated, over a sweep.
+    Goodput(bench::goodput::GoodputArgs),
 }
 
 /// Keeps glibc from handing multi-MiB buffers back to the kernel on every free.
@@ -161,6 +164,7 @@ fn main() -> ExitCode {
             BenchCmd::Tenants(args) => bench::tenants::tenants(&args),
             BenchCmd::Model(args) => bench::model::model(&args),
             BenchCmd::Route(args) => bench::route::route(&args),
+            BenchCmd::Goodput(args) => bench::goodput::goodput(&args),
         },
     }
 }

@@ -2,6 +2,7 @@
 //! measured in the same run, interleaved, because absolute speeds on a shared machine drift.
 
 pub(crate) mod control;
+pub(crate) mod goodput;
 pub(crate) mod model;
 pub(crate) mod route;
 pub(crate) mod serve;
