@@ -38,16 +38,20 @@ fn check(v: &Value) {
     assert!((1.9..=4.5).contains(&beats), "{v}");
 }
 
-/// A drill whose fault found no stream in flight on the victim proves nothing about failover
-/// (the victim is picked with streams in flight, but on a loaded machine they can end before the
-/// fault lands): it is run again, up to 3 times. Every other outcome is checked as it is.
+/// A drill whose fault moved no stream proves nothing about failover: the victim is picked with
+/// streams in flight, but on a loaded machine they can end before the fault lands, even after
+/// they were counted (seen: 2 in flight at the fault, 0 failovers, 0 lost, every request equal).
+/// Such a run is checked for loss and run again, up to 3 times; every other outcome is checked
+/// as it is.
 fn drill_with_streams_at_fault(fault: &str) -> Value {
     let mut v = drill(fault);
     for _ in 0..2 {
-        if v["in_flight_at_fault_on_victim"].as_u64() != Some(0) {
+        if v["in_flight_at_fault_on_victim"].as_u64() != Some(0)
+            && v["failovers"].as_u64() != Some(0)
+        {
             break;
         }
-        eprintln!("no stream in flight on the victim at the fault, run again: {v}");
+        eprintln!("no stream failed over at the fault, run again: {v}");
         assert_eq!(v["lost"], 0, "{v}");
         assert_eq!(v["failed"], 0, "{v}");
         v = drill(fault);
