@@ -423,6 +423,9 @@ fn cpu_seconds() -> f64 {
     (tick(11) + tick(12)) / 100.0
 }
 
+/// The longest one request of a run may take.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(120);
+
 /// One topology serving one trace.
 struct Run {
     outcomes: Vec<Outcome>,
@@ -459,7 +462,18 @@ async fn run_trace(
         let body = serde_json::to_vec(&req)?;
         let addr = targets[i % targets.len()].clone();
         tokio::time::sleep_until(start + Duration::from_secs_f64(r.at)).await;
-        tasks.push(tokio::spawn(one(http.clone(), addr, body, r.long)));
+        let (http, long) = (http.clone(), r.long);
+        // Every wait has a deadline: a request that never ends counts as failed, not as a
+        // bench that never ends.
+        tasks.push(tokio::spawn(async move {
+            tokio::time::timeout(REQUEST_DEADLINE, one(http, addr, body, long))
+                .await
+                .unwrap_or_else(|_| Outcome {
+                    error: Some(format!("no end within {} s", REQUEST_DEADLINE.as_secs())),
+                    long,
+                    ..Outcome::default()
+                })
+        }));
     }
     let mut outcomes = Vec::with_capacity(tasks.len());
     for task in tasks {
