@@ -201,6 +201,8 @@ pub mod engine {
         pub used_blocks: u32,
         #[prost(uint32, tag = "16")]
         pub cached_blocks: u32,
+        #[prost(string, repeated, tag = "17")]
+        pub serving: Vec<String>,
     }
 
     #[derive(Clone, PartialEq, prost::Message)]
@@ -224,6 +226,22 @@ pub mod engine {
     #[derive(Clone, Copy, PartialEq, prost::Message)]
     pub struct DrainResponse {
         #[prost(int32, tag = "1")]
+        pub remaining: i32,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct SetRoleRequest {
+        #[prost(string, tag = "1")]
+        pub role: String,
+        #[prost(int64, tag = "2")]
+        pub deadline_ms: i64,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct SetRoleResponse {
+        #[prost(string, repeated, tag = "1")]
+        pub serving: Vec<String>,
+        #[prost(int32, tag = "2")]
         pub remaining: i32,
     }
 
@@ -271,6 +289,7 @@ pub mod engine {
         pub const CANCEL: &str = "/tl.engine.v1.EngineControl/Cancel";
         pub const DRAIN: &str = "/tl.engine.v1.EngineControl/Drain";
         pub const WATCH_BLOCKS: &str = "/tl.engine.v1.EngineControl/WatchBlocks";
+        pub const SET_ROLE: &str = "/tl.engine.v1.EngineControl/SetRole";
     }
 }
 
@@ -318,6 +337,8 @@ pub mod control {
         /// The longest sequence this worker can ever hold (0: not reported).
         #[prost(uint32, tag = "15")]
         pub usable_context: u32,
+        #[prost(enumeration = "Role", tag = "16")]
+        pub serving: i32,
     }
 
     #[derive(Clone, Copy, PartialEq, prost::Message)]

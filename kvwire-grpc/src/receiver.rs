@@ -86,6 +86,10 @@ pub enum RecvError {
     /// The receiver is draining: it takes no new push (UNAVAILABLE).
     #[error("this receiver is draining and takes no new push")]
     Draining,
+    /// The engine does not decode now (its role was changed): it takes no new push
+    /// (FAILED_PRECONDITION; the sender tries another decode engine).
+    #[error("this engine does not serve as a decode engine now and takes no new push")]
+    NotDecoding,
 }
 
 impl RecvError {
@@ -104,6 +108,7 @@ impl RecvError {
             RecvError::Exhausted { .. } | RecvError::Busy(_) => Code::ResourceExhausted,
             RecvError::Store { .. } => Code::Internal,
             RecvError::Draining => Code::Unavailable,
+            RecvError::NotDecoding => Code::FailedPrecondition,
         }
     }
 }
@@ -275,6 +280,7 @@ pub struct KvReceiver {
     lease: Duration,
     limits: ReceiverLimits,
     draining: std::sync::atomic::AtomicBool,
+    paused: std::sync::atomic::AtomicBool,
     changed: tokio::sync::Notify,
     state: Mutex<State>,
     has_blocks_answered: std::sync::atomic::AtomicU64,
@@ -310,6 +316,7 @@ impl KvReceiver {
             lease: Self::DEFAULT_LEASE,
             limits: ReceiverLimits::default(),
             draining: std::sync::atomic::AtomicBool::new(false),
+            paused: std::sync::atomic::AtomicBool::new(false),
             changed: tokio::sync::Notify::new(),
             state: Mutex::new(State::default()),
             has_blocks_answered: std::sync::atomic::AtomicU64::new(0),
@@ -334,6 +341,20 @@ impl KvReceiver {
     pub fn start_drain(&self) {
         self.draining
             .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Stops (`true`) or resumes (`false`) taking new pushes, refused meanwhile with
+    /// [`RecvError::NotDecoding`]; handles already held can still be claimed and released.
+    /// Unlike a drain it can be undone: an engine whose role changes pauses its receiver.
+    pub fn set_paused(&self, paused: bool) {
+        self.paused
+            .store(paused, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// True while new pushes are refused by [`set_paused`](Self::set_paused).
+    #[must_use]
+    pub fn is_paused(&self) -> bool {
+        self.paused.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Resolves at the next change of what the receiver holds (a push ending, a handle claimed,
@@ -443,6 +464,9 @@ impl KvReceiver {
     pub fn begin_push_from(self: &Arc<Self>, owner: Vec<u8>) -> Result<PushState, RecvError> {
         if self.draining.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(RecvError::Draining);
+        }
+        if self.is_paused() {
+            return Err(RecvError::NotDecoding);
         }
         {
             let mut s = self.state();

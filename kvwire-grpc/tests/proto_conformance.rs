@@ -276,6 +276,7 @@ fn proto_matches_hand_written_messages() {
             pending_handles: 10,
             used_blocks: 11,
             cached_blocks: 12,
+            serving: vec!["decode".into()],
         },
         &[
             ("worker_id", String("w".into())),
@@ -297,6 +298,7 @@ fn proto_matches_hand_written_messages() {
             ("pending_handles", U32(10)),
             ("used_blocks", U32(11)),
             ("cached_blocks", U32(12)),
+            ("serving", List(vec![String("decode".into())])),
         ],
     );
     conform(
@@ -324,6 +326,30 @@ fn proto_matches_hand_written_messages() {
         "tl.engine.v1.DrainResponse",
         &engine::DrainResponse { remaining: -3 },
         &[("remaining", I32(-3))],
+    );
+    conform(
+        &p,
+        "tl.engine.v1.SetRoleRequest",
+        &engine::SetRoleRequest {
+            role: "prefill".into(),
+            deadline_ms: -6,
+        },
+        &[("role", String("prefill".into())), ("deadline_ms", I64(-6))],
+    );
+    conform(
+        &p,
+        "tl.engine.v1.SetRoleResponse",
+        &engine::SetRoleResponse {
+            serving: vec!["prefill".into(), "decode".into()],
+            remaining: -4,
+        },
+        &[
+            (
+                "serving",
+                List(vec![String("prefill".into()), String("decode".into())]),
+            ),
+            ("remaining", I32(-4)),
+        ],
     );
 
     conform(
@@ -412,6 +438,7 @@ fn proto_matches_hand_written_messages() {
         draining: true,
         block_tokens: 6,
         heartbeat_ms: 7,
+        serving: control::Role::Decode as i32,
     };
     let ws_fields = [
         ("worker_id", String("w".into())),
@@ -429,6 +456,7 @@ fn proto_matches_hand_written_messages() {
         ("block_tokens", U32(6)),
         ("heartbeat_ms", U32(7)),
         ("usable_context", U32(8)),
+        ("serving", EnumNumber(2)),
     ];
     conform(&p, "tl.control.v1.WorkerStatus", &ws, &ws_fields);
     conform(
@@ -473,7 +501,7 @@ fn proto_matches_hand_written_messages() {
     );
 
     // Every message of the three packages was checked above.
-    let checked = 6 + 13 + 6;
+    let checked = 6 + 15 + 6;
     assert_eq!(
         p.all_messages().count(),
         checked,
@@ -549,6 +577,14 @@ fn method_paths_match_the_services() {
             "tl.engine.v1.BlockEvents",
             false,
             true,
+        ),
+        (
+            engine::path::SERVICE,
+            engine::path::SET_ROLE,
+            "tl.engine.v1.SetRoleRequest",
+            "tl.engine.v1.SetRoleResponse",
+            false,
+            false,
         ),
         (
             control::path::SERVICE,

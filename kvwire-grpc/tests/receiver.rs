@@ -569,6 +569,18 @@ fn push_limits_refuse_before_taking_blocks() {
     let err = push(&rx, vec![chunk("h3", 0, 1, 0, envelope(TEST, 0, 1, 3))]).unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
     assert_eq!(store.snapshot(), held, "the refused push took a block");
+    // Paused (the engine stopped decoding): no new push, FAILED_PRECONDITION so the sender
+    // tries another decode engine, and nothing taken; resumed, pushes are taken again.
+    rx.set_paused(true);
+    assert!(rx.is_paused());
+    let err = Status::from(rx.begin_push().unwrap_err());
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert_eq!(rx.stats().inflight, 0);
+    assert_eq!(store.snapshot(), held, "the refused push took a block");
+    rx.set_paused(false);
+    assert!(!rx.is_paused());
+    drop(rx.begin_push().unwrap());
+    assert_eq!(rx.stats().inflight, 0);
     // Draining: no new push, but the held handles can still be claimed and released.
     rx.start_drain();
     let err = Status::from(rx.begin_push().unwrap_err());

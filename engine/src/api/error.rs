@@ -116,6 +116,12 @@ impl ApiError {
         Self::new(StatusCode::CONFLICT, "conflict", message)
     }
 
+    /// 421 `wrong_role`: this engine does not take this kind of request in its role now (its
+    /// role was changed since the sender last heard): the sender tries another engine.
+    pub fn wrong_role(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::MISDIRECTED_REQUEST, "wrong_role", message)
+    }
+
     /// 429 `rate_limit`: too many requests in flight here.
     pub fn rate_limited(message: impl Into<String>) -> Self {
         Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit", message)

@@ -253,13 +253,14 @@ fn scope_secret(file: &str) -> Result<Vec<u8>, TlsError> {
     }
 }
 
-/// Sets `tl_workers{role}` from the live workers, every role reported (0 when none is live).
+/// Sets `tl_workers{role}` from the live workers by the role each serves in now, every role
+/// reported (0 when none is live).
 pub fn workers_by_role(m: &Metrics, live: &[WorkerStatus]) {
     use crate::net::role::Role;
     for role in Role::ALL {
         let n = live
             .iter()
-            .filter(|w| Role::from_wire(w.role) == Some(role))
+            .filter(|w| worker::serving_role(w) == Some(role))
             .count();
         m.workers
             .get_or_create(&crate::telemetry::metrics::Role {

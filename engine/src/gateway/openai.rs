@@ -620,9 +620,11 @@ async fn workers(State(g): State<Arc<Gateway>>, caller: CallerExt) -> Response {
         .into_iter()
         .map(|v| {
             let w = v.status;
-            let role = crate::net::role::Role::from_wire(w.role).map_or("unspecified", |r| r.name());
+            let name = |r: Option<crate::net::role::Role>| r.map_or("unspecified", |r| r.name());
+            let role = name(crate::net::role::Role::from_wire(w.role));
+            let serving = name(super::worker::serving_role(&w));
             json!({
-                "worker_id": w.worker_id, "role": role, "model": w.model, "http_address": w.http_address,
+                "worker_id": w.worker_id, "role": role, "serving": serving, "model": w.model, "http_address": w.http_address,
                 "grpc_address": w.grpc_address, "kv_address": w.kv_address, "kv_format": w.kv_format,
                 "queue_depth": w.queue_depth, "running": w.running, "free_blocks": w.free_blocks,
                 "total_blocks": w.total_blocks, "draining": w.draining, "block_tokens": w.block_tokens,

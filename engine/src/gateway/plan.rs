@@ -4,7 +4,9 @@
 //! and no clock: the same inputs give the same [`Plan`], so every case is a table row.
 //!
 //! The policy:
-//! - prefill: the live, non-draining prefill engine with the shortest queue (then the lower id);
+//! - prefill: the live, non-draining prefill engine with the least load, as it beat plus what
+//!   this gateway sent it since; ties spread per request (`Policy::spread`), never to the
+//!   lowest id;
 //! - decode: every live, non-draining decode engine that answered HasBlocks, scored
 //!   `cached prefix tokens - load_penalty_tokens x (running + queued + routed by this gateway)`,
 //!   best first; ties go to more free blocks, then the lower id;
@@ -161,6 +163,40 @@ pub fn score(cached_prefix_tokens: usize, load: u32, load_penalty_tokens: f64) -
     cached_prefix_tokens as f64 - load_penalty_tokens * f64::from(load)
 }
 
+/// The prefill engine of a request and its spare: the usable prefill engines by the load they
+/// beat plus the requests this gateway sent each since (Prefill calls in flight and, on a
+/// `both` engine, its streams), so a burst between beats spreads; among the least loaded, the
+/// `spread`-th (by id), never always the lowest id. The spare is the best of the others.
+fn pick_prefill<'a>(
+    candidates: impl Iterator<Item = &'a WorkerView>,
+    in_flight: &HashMap<String, u32>,
+    spread: u64,
+) -> (Option<WorkerStatus>, Option<WorkerStatus>) {
+    let mut c: Vec<(u32, &WorkerStatus)> = candidates
+        .filter(|w| w.is(Role::Prefill) && w.usable())
+        .map(|w| {
+            let mine = in_flight.get(&w.status.worker_id).copied().unwrap_or(0);
+            (w.load().saturating_add(mine), &w.status)
+        })
+        .collect();
+    c.sort_by(|a, b| {
+        a.0.cmp(&b.0)
+            .then_with(|| a.1.worker_id.cmp(&b.1.worker_id))
+    });
+    let Some(&(least, _)) = c.first() else {
+        return (None, None);
+    };
+    let ties = c.iter().take_while(|x| x.0 == least).count() as u64;
+    // Mixed, so that a caller stepping `spread` by more than one per request still spreads.
+    let pick = ((spread.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % ties) as usize;
+    let spare = c
+        .iter()
+        .enumerate()
+        .find(|&(i, _)| i != pick)
+        .map(|(_, x)| x.1.clone());
+    (Some(c[pick].1.clone()), spare)
+}
+
 fn least_loaded(workers: &[WorkerView], role: Role) -> Option<&WorkerView> {
     least_loaded_except(workers, role, None)
 }
@@ -212,10 +248,7 @@ pub fn plan(
     in_flight: &HashMap<String, u32>,
     policy: Policy,
 ) -> Plan {
-    let prefill = least_loaded(workers, Role::Prefill).map(|w| w.status.clone());
-    let prefill_spare = prefill.as_ref().and_then(|p| {
-        least_loaded_except(workers, Role::Prefill, Some(&p.worker_id)).map(|w| w.status.clone())
-    });
+    let (prefill, prefill_spare) = pick_prefill(workers.iter(), in_flight, policy.spread);
     // Every candidate is scored; only the best `ranked` are copied into the plan, so the
     // work per request is a score per engine, not a copy of each.
     let mut scored: Vec<(&WorkerStatus, usize, f64)> = if prefill.is_some() {
@@ -276,16 +309,15 @@ pub fn plan(
     }
 }
 
-/// A snapshot's workers arranged for routing many requests: the prefill engine, its spare and
-/// the colocated fallback chosen once, and the decode candidates in the order
+/// A snapshot's workers arranged for routing many requests: the decode candidates in the order
 /// [`plan_walk`] walks them (by the load they beat, then free blocks, then id). Built once per
 /// snapshot, so a request's plan costs its prefix hits and a few engines, not the fleet.
 #[derive(Debug)]
 pub struct Fleet {
     /// The snapshot it was built from.
     pub snap: std::sync::Arc<[WorkerView]>,
-    prefill: Option<WorkerStatus>,
-    prefill_spare: Option<WorkerStatus>,
+    /// True when a usable prefill engine exists.
+    prefills: bool,
     /// Decode candidates (indices into `snap`), in walking order.
     by_load: Vec<usize>,
     /// The candidates' block sizes, each once.
@@ -298,10 +330,7 @@ impl Fleet {
     /// Arranges `snap` for plans with `load_penalty_tokens` = `penalty`.
     #[must_use]
     pub fn new(snap: std::sync::Arc<[WorkerView]>, penalty: f64) -> Self {
-        let prefill = least_loaded(&snap, Role::Prefill).map(|w| w.status.clone());
-        let prefill_spare = prefill.as_ref().and_then(|p| {
-            least_loaded_except(&snap, Role::Prefill, Some(&p.worker_id)).map(|w| w.status.clone())
-        });
+        let prefills = least_loaded(&snap, Role::Prefill).is_some();
         let mut by_load: Vec<usize> = (0..snap.len())
             .filter(|&i| {
                 let w = &snap[i];
@@ -327,8 +356,7 @@ impl Fleet {
         block_sizes.dedup();
         Self {
             snap,
-            prefill,
-            prefill_spare,
+            prefills,
             by_load,
             block_sizes,
             penalty,
@@ -373,7 +401,7 @@ pub fn plan_walk(
         return plan(&fleet.snap, &cached, in_flight, policy);
     }
     let mut best: Vec<Scored<'_>> = Vec::new();
-    if fleet.prefill.is_some() {
+    if fleet.prefills {
         let scored = |w: &'_ WorkerStatus, k: usize| -> f64 {
             let load =
                 w.running + w.queue_depth + in_flight.get(&w.worker_id).copied().unwrap_or(0);
@@ -413,9 +441,10 @@ pub fn plan_walk(
             best.truncate(keep);
         }
     }
+    let (prefill, prefill_spare) = pick_prefill(fleet.snap.iter(), in_flight, policy.spread);
     Plan {
-        prefill: fleet.prefill.clone(),
-        prefill_spare: fleet.prefill_spare.clone(),
+        prefill,
+        prefill_spare,
         decode: best
             .into_iter()
             .map(|(w, k, score)| Ranked {
@@ -730,5 +759,66 @@ mod tests {
         let in_flight = HashMap::from([("B3".to_owned(), 2)]);
         let p = plan(&workers, &cached, &in_flight, POLICY);
         assert_eq!(p.fallback.unwrap().worker_id, "B3");
+    }
+
+    /// Prefill engines tied on load share the requests, stepped by `spread` one or two at a
+    /// time; one with a Prefill of this gateway in flight, or a longer queue at its beat, is
+    /// passed over; the spare is another engine; an engine serving as decode now (its role
+    /// changed) is neither.
+    #[test]
+    fn prefill_engines_share_a_burst_and_follow_role_changes() {
+        let mut workers = vec![
+            w("P1", PbRole::Prefill, 0, 10),
+            w("P2", PbRole::Prefill, 0, 10),
+            w("D1", PbRole::Decode, 0, 10),
+        ];
+        let cached = HashMap::from([("D1".to_owned(), 0)]);
+        for step in [1, 2] {
+            let mut got: HashMap<String, u32> = HashMap::new();
+            for spread in (0..400).step_by(step) {
+                let policy = Policy { spread, ..POLICY };
+                let p = plan(&workers, &cached, &HashMap::new(), policy);
+                let (a, b) = (p.prefill.unwrap(), p.prefill_spare.unwrap());
+                assert_ne!(a.worker_id, b.worker_id);
+                *got.entry(a.worker_id).or_default() += 1;
+            }
+            let n = 400 / step as u32;
+            for id in ["P1", "P2"] {
+                let k = got.get(id).copied().unwrap_or(0);
+                assert!(k > n / 4 && k < 3 * n / 4, "step {step}: {got:?}");
+            }
+        }
+        let busy = HashMap::from([("P1".to_owned(), 1)]);
+        for spread in 0..8 {
+            let p = plan(&workers, &cached, &busy, Policy { spread, ..POLICY });
+            assert_eq!(p.prefill.unwrap().worker_id, "P2");
+            assert_eq!(p.prefill_spare.unwrap().worker_id, "P1");
+        }
+        workers[1].status.queue_depth = 2;
+        for spread in 0..8 {
+            let p = plan(
+                &workers,
+                &cached,
+                &HashMap::new(),
+                Policy { spread, ..POLICY },
+            );
+            assert_eq!(p.prefill.unwrap().worker_id, "P1");
+        }
+        // P1 is a both engine serving as decode now: P2 prefills, with no spare, and P1 is a
+        // decode candidate.
+        workers[0].status.role = PbRole::Both as i32;
+        workers[0].status.serving = PbRole::Decode as i32;
+        let p = plan(&workers, &cached, &HashMap::new(), POLICY);
+        assert_eq!(p.prefill.unwrap().worker_id, "P2");
+        assert!(p.prefill_spare.is_none());
+        assert!(
+            decode_candidates(&workers)
+                .iter()
+                .any(|c| c.worker_id == "P1")
+        );
+        assert!(
+            p.fallback.is_none(),
+            "a both engine serving as decode is no fallback"
+        );
     }
 }

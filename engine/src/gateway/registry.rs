@@ -175,6 +175,17 @@ impl RegistryState {
                 )));
             }
         }
+        // The role it serves in now is its own, or any for an engine of role both.
+        let within = status.serving == PbRole::Unspecified as i32
+            || status.serving == status.role
+            || (status.role == PbRole::Both as i32
+                && (PbRole::Prefill as i32..=PbRole::Both as i32).contains(&status.serving));
+        if !within {
+            return Err(Status::invalid_argument(format!(
+                "serving role {} is not within role {}",
+                status.serving, status.role
+            )));
+        }
         Ok(())
     }
 

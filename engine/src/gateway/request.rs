@@ -47,6 +47,8 @@ struct Driver<'g> {
     streams: HashMap<LaneId, AbortHandle>,
     /// Each lane's count on its decode engine.
     counted: HashMap<LaneId, RoutedGuard>,
+    /// Each lane's count on its prefill engine while its Prefill call is out.
+    prefilling: HashMap<LaneId, RoutedGuard>,
     /// The decode engine of each lane's last Prefill: where its handle lives.
     pushed_to: HashMap<LaneId, WorkerStatus>,
     /// Handles not yet claimed.
@@ -81,6 +83,7 @@ impl Gateway {
             tasks: JoinSet::new(),
             streams: HashMap::new(),
             counted: HashMap::new(),
+            prefilling: HashMap::new(),
             pushed_to: HashMap::new(),
             unclaimed: HashMap::new(),
             scope,
@@ -182,6 +185,7 @@ impl Driver<'_> {
     async fn observe(&mut self, event: &Event) {
         match event {
             Event::Prefilled { lane, handle } => {
+                self.prefilling.remove(lane);
                 if let Some(d) = self.pushed_to.get(lane) {
                     self.unclaimed.insert(
                         *lane,
@@ -195,6 +199,7 @@ impl Driver<'_> {
             }
             Event::PrefillFailed { lane, .. } => {
                 self.counted.remove(lane);
+                self.prefilling.remove(lane);
             }
             Event::Opened { lane } => {
                 // A 200 means the decode engine claimed the handle; from here, dropping the
@@ -253,6 +258,10 @@ impl Driver<'_> {
                 // heartbeats sees every stream this gateway runs.
                 self.counted
                     .insert(lane, self.g.routed.enter(&decode.worker_id));
+                // And on its prefill engine until the Prefill answers, so the next plans spread
+                // a burst over the prefill engines before their next beat.
+                self.prefilling
+                    .insert(lane, self.g.routed.enter(&prefill.worker_id));
                 self.pushed_to.insert(lane, decode);
                 let tx = self.events.clone();
                 let deadline = Duration::from_millis(self.g.cfg.prefill_timeout_ms.max(1));

@@ -805,6 +805,21 @@ impl Session {
                 return;
             }
             PrefillFailure::Unreachable | PrefillFailure::TimedOut => None,
+            // FAILED_PRECONDITION: the prefill engine no longer prefills (its role changed
+            // since the plan's snapshot), or the decode engine no longer decodes. The spare
+            // prefill engine first, with the same decode engine; a decode engine that refused
+            // refuses again, and the next one is tried then.
+            PrefillFailure::Status {
+                code: Code::FailedPrecondition,
+                ..
+            } if p.spare.is_some() => {
+                if let Some(next) = p.spare.take() {
+                    p.prefill = next;
+                    p.retries += 1;
+                }
+                self.send_prefill(lane, a);
+                return;
+            }
             PrefillFailure::Status { code, message } if !retryable(code) => Some((code, message)),
             PrefillFailure::Status { .. } => {
                 p.retries += 1;
@@ -1071,6 +1086,23 @@ impl Session {
         );
         if !colocated {
             self.stream_lost(lane, LossCause::Reset, a);
+            return;
+        }
+        // 421: the engine stopped decoding since the plan's snapshot (its role changed) and
+        // took nothing: planned again without it, a bounded number of times.
+        let l = &mut self.lanes[lane];
+        if status == Some(421)
+            && let Phase::Streaming { worker, .. } = &l.phase
+            && l.lost.len() < self.policy.max_failovers.max(1) as usize
+        {
+            l.lost.push(worker.clone());
+            l.phase = Phase::Planning;
+            a.push(Action::Plan {
+                lane,
+                prompt: self.lane_prompt(lane),
+                exclude: self.lanes[lane].lost.clone(),
+                model: Some(self.job.params.model().unwrap_or_default().to_owned()),
+            });
             return;
         }
         self.lanes[lane].phase = Phase::Over;
@@ -1552,6 +1584,54 @@ mod tests {
     fn cases() -> Vec<Case> {
         let policy = RetryPolicy::default();
         vec![
+            Case {
+                name: "a role changed since the plan (FAILED_PRECONDITION): the spare prefill \
+                       engine with the same decode engine, then the next decode engine",
+                job: job(1, 0.0, false, &[]),
+                policy,
+                steps: vec![
+                    (
+                        plan_with_spare(&["D1", "D2"], Some("B")),
+                        &[
+                            "routed by_load",
+                            "prefill 0 r-0 to D1 len=10 seed=Some(7) max=8 offset=0",
+                        ],
+                    ),
+                    (
+                        failed(0, Code::FailedPrecondition),
+                        &["prefill 0 r-1 to D1 len=10 seed=Some(7) max=8 offset=0 via P2"],
+                    ),
+                    (
+                        failed(0, Code::FailedPrecondition),
+                        &["prefill 0 r-2 to D2 len=10 seed=Some(7) max=8 offset=0 via P2"],
+                    ),
+                ],
+                over: false,
+            },
+            Case {
+                name: "a colocated engine that stopped decoding (421): planned again without it",
+                job: job(1, 0.0, false, &[]),
+                policy,
+                steps: vec![
+                    (
+                        plan_for(0, &[], Some("B")),
+                        &["routed colocated", "colocated 0 on B"],
+                    ),
+                    (
+                        Event::OpenFailed {
+                            lane: 0,
+                            status: Some(421),
+                            message: "wrong role".into(),
+                        },
+                        &["plan 0 len=10 excl=[\"B\"] first"],
+                    ),
+                    (
+                        plan_for(0, &[], Some("B2")),
+                        &["routed colocated", "colocated 0 on B2"],
+                    ),
+                ],
+                over: false,
+            },
             Case {
                 name: "a prefill engine past its deadline: once more on the spare, then colocated",
                 job: job(1, 0.0, false, &[]),

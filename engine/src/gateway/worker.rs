@@ -25,6 +25,16 @@ pub fn is_stale(status: &WorkerStatus, age: Duration) -> bool {
     age > Duration::from_millis(u64::from(ms) * u64::from(MISSED_BEATS))
 }
 
+/// The role `status` takes new work in: its `serving` role when it names one, else its role.
+#[must_use]
+pub fn serving_role(status: &WorkerStatus) -> Option<Role> {
+    if status.serving == 0 {
+        Role::from_wire(status.role)
+    } else {
+        Role::from_wire(status.serving)
+    }
+}
+
 /// A worker as the registry last heard from it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct WorkerView {
@@ -35,10 +45,11 @@ pub struct WorkerView {
 }
 
 impl WorkerView {
-    /// Its role; `None` for a role this gateway does not know (never routed to).
+    /// The role it takes new work in now (its `serving` role, else its role); `None` for a
+    /// role this gateway does not know (never routed to).
     #[must_use]
     pub fn role(&self) -> Option<Role> {
-        Role::from_wire(self.status.role)
+        serving_role(&self.status)
     }
 
     pub(super) fn is(&self, role: Role) -> bool {

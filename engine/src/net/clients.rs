@@ -16,7 +16,8 @@ use kvwire_grpc::pb::control::{
 };
 use kvwire_grpc::pb::engine::{
     BlockEvents, CancelRequest, CancelResponse, DrainRequest, DrainResponse, InfoRequest,
-    InfoResponse, KvHandle, PrefillRequest, WatchBlocksRequest, path,
+    InfoResponse, KvHandle, PrefillRequest, SetRoleRequest, SetRoleResponse, WatchBlocksRequest,
+    path,
 };
 use tonic::transport::Channel;
 use tonic::{Request, Status};
@@ -114,6 +115,28 @@ impl ControlClient {
         )
         .await?;
         Ok(r.remaining)
+    }
+
+    /// SetRole: the engine takes new work in `role` from now on; waits up to `deadline_ms` for
+    /// the work of the role it left to end.
+    ///
+    /// # Errors
+    /// The engine's status (FAILED_PRECONDITION for a role it is not configured for).
+    pub async fn set_role(
+        &self,
+        role: crate::net::role::Role,
+        deadline_ms: i64,
+    ) -> Result<SetRoleResponse, Status> {
+        glue::unary(
+            self.channel.clone(),
+            path::SET_ROLE,
+            MessageLimits::default(),
+            Request::new(SetRoleRequest {
+                role: role.name().to_owned(),
+                deadline_ms,
+            }),
+        )
+        .await
     }
 
     /// WatchBlocks: the engine's prefix index, a snapshot then its changes. Each message is

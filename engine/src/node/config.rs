@@ -5,6 +5,9 @@
 //! [engine]
 //! id = "engine"                 # worker id, unique per registry; part of every handle id
 //! role = "both"                 # prefill | decode | both
+//! serving = ""                  # the role it takes new work in at start, within `role` (an
+//!                               # engine of role both may start as prefill or decode, and be
+//!                               # moved at run time by EngineControl.SetRole); "": `role`
 //! grpc_listen = "127.0.0.1:0"   # EngineControl (tl.engine.v1); port 0 picks a free port
 //! kv_listen = "127.0.0.1:0"     # KvTransfer (tl.kv.v1), served by decode engines
 //! http_listen = "127.0.0.1:0"   # POST /v1/completions, served by decode engines
@@ -108,6 +111,8 @@ pub struct EngineSection {
     pub id: String,
     /// Role.
     pub role: Role,
+    /// The role it takes new work in at start (within `role`); `None`: `role`.
+    pub serving: Option<Role>,
     /// EngineControl listen address.
     pub grpc_listen: String,
     /// KvTransfer listen address.
@@ -139,6 +144,7 @@ impl Default for EngineSection {
         Self {
             id: "engine".into(),
             role: Role::Both,
+            serving: None,
             grpc_listen: "127.0.0.1:0".into(),
             kv_listen: "127.0.0.1:0".into(),
             http_listen: "127.0.0.1:0".into(),
@@ -301,6 +307,17 @@ impl Config {
     /// # Errors
     /// The first value out of range.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(s) = self.engine.serving
+            && self.engine.role != Role::Both
+            && s != self.engine.role
+        {
+            return Err(ConfigError::Invalid(format!(
+                "engine.serving {:?} is not within engine.role {:?}: only an engine of role both \
+                 can serve as another",
+                s.name(),
+                self.engine.role.name()
+            )));
+        }
         let m = &self.model;
         if !matches!(m.cost_preset.as_str(), "" | "llama-3-8b-h100") {
             return Err(ConfigError::Invalid(format!(

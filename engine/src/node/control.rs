@@ -8,13 +8,14 @@ use std::time::Duration;
 use kvwire_grpc::glue::{self, Handler, MessageLimits, ResponseFuture, Routes};
 use kvwire_grpc::pb::engine::{
     CancelRequest, CancelResponse, DrainRequest, DrainResponse, InfoRequest, InfoResponse,
-    PrefillRequest, WatchBlocksRequest, path,
+    PrefillRequest, SetRoleRequest, SetRoleResponse, WatchBlocksRequest, path,
 };
 use kvwire_grpc::{KV_FORMAT_V1, KvReceiver};
 use tonic::Status;
 use tonic::body::Body;
 
 use super::blocks::BlockFeed;
+use super::config::Role;
 use super::prefill::PrefillService;
 use super::state::NodeState;
 use crate::net::authz::{ANY, Table};
@@ -26,6 +27,7 @@ pub const POLICY: Table = &[
     (path::CANCEL, &[PeerRole::Gateway, PeerRole::Admin]),
     (path::DRAIN, &[PeerRole::Gateway, PeerRole::Admin]),
     (path::WATCH_BLOCKS, &[PeerRole::Gateway, PeerRole::Admin]),
+    (path::SET_ROLE, &[PeerRole::Gateway, PeerRole::Admin]),
     (path::INFO, ANY),
 ];
 
@@ -53,6 +55,7 @@ impl Routes for EngineControl {
         (path::CANCEL, Self::cancel),
         (path::DRAIN, Self::drain),
         (path::WATCH_BLOCKS, Self::watch_blocks),
+        (path::SET_ROLE, Self::set_role),
     ];
 }
 
@@ -100,7 +103,10 @@ impl EngineControl {
             MessageLimits::default(),
             move |m: PrefillRequest| async move {
                 match &me.prefill {
-                    Some(p) => p.prefill(m).await,
+                    Some(p) => {
+                        me.state.serves_prefill()?;
+                        p.prefill(m).await
+                    }
                     None => Err(Status::failed_precondition(format!(
                         "worker {} has no prefill role",
                         me.state.id()
@@ -136,6 +142,34 @@ impl EngineControl {
         })
     }
 
+    fn set_role(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
+        let me = Arc::clone(self);
+        glue::serve_unary(req, SMALL, move |m: SetRoleRequest| async move {
+            let to: Role = m.role.parse().map_err(|e: crate::net::role::UnknownRole| {
+                Status::invalid_argument(e.to_string())
+            })?;
+            let before = me
+                .state
+                .set_serving(to)
+                .map_err(|e| Status::failed_precondition(e.to_string()))?;
+            tracing::info!(
+                worker = me.state.id(),
+                from = before.name(),
+                to = to.name(),
+                "role changed"
+            );
+            let wait = Duration::from_millis(m.deadline_ms.max(0) as u64);
+            let state = &me.state;
+            let remaining = state
+                .wait_for(wait, || state.remaining_of(before, state.serving()))
+                .await;
+            Ok::<_, Status>(SetRoleResponse {
+                serving: me.state.serving().names(),
+                remaining: i32::try_from(remaining).unwrap_or(i32::MAX),
+            })
+        })
+    }
+
     /// Live figures.
     #[must_use]
     pub fn info_now(&self) -> InfoResponse {
@@ -161,6 +195,7 @@ impl EngineControl {
             pending_handles: self.receiver.as_ref().map_or(0, |r| r.pending() as u32),
             used_blocks: counts.used as u32,
             cached_blocks: counts.cached as u32,
+            serving: self.state.serving().names(),
         }
     }
 }

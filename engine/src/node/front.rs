@@ -153,6 +153,14 @@ impl DecodeFront {
         if self.state.is_draining() && handle.is_none() {
             return Err(ApiError::unavailable("this engine is draining"));
         }
+        // Nor one that stopped decoding (its role changed): the gateway tries another.
+        if handle.is_none() && !self.state.serving().decodes() {
+            return Err(ApiError::wrong_role(format!(
+                "worker {} serves as {} now and takes no new request here",
+                self.state.id(),
+                self.state.serving().name()
+            )));
+        }
         let Ok(permit) = Arc::clone(&self.inflight).try_acquire_owned() else {
             return Err(ApiError::rate_limited(
                 "too many requests in flight on this engine",

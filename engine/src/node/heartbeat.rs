@@ -88,6 +88,7 @@ pub fn worker_status(node: &NodeState, addrs: &Addresses, heartbeat_ms: u32) -> 
         heartbeat_ms,
         // Set by the node, which knows its pool's reserve.
         usable_context: 0,
+        serving: PbRole::from(node.serving()) as i32,
     }
 }
 

@@ -146,6 +146,9 @@ impl EngineNode {
             runner,
             receiver.clone(),
         ));
+        if let Some(r) = cfg.engine.serving {
+            state.set_serving(r).map_err(invalid)?;
+        }
         let life = Lifecycle::new();
         let stop_on_drop = life.guard();
         let metrics: SharedMetrics = Arc::new(Metrics::new());

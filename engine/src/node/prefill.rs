@@ -201,6 +201,9 @@ impl PrefillService {
             request_id: req.request_id.clone(),
         };
         let _counted = self.state.prefill_started();
+        // Counted first, then checked: a role change that waits for the Prefill calls to end
+        // either sees this one or this one sees the change.
+        self.state.serves_prefill()?;
         let seed = req
             .sampling
             .and_then(|s| s.seed)

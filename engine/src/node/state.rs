@@ -3,7 +3,7 @@
 //! prefill service, the decode front, the KV receiver) hold an `Arc` of it.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvwire_grpc::KvReceiver;
@@ -17,9 +17,12 @@ use super::runner::Runner;
 pub struct NodeState {
     id: String,
     role: Role,
+    /// The role it takes new work in now (within `role`; see [`NodeState::set_serving`]).
+    serving: AtomicU8,
     runner: Runner,
     receiver: Option<Arc<KvReceiver>>,
     draining: AtomicBool,
+    /// Wakes the heartbeat: a drain started, or the serving role changed.
     drain_started: Arc<Notify>,
     prefills: AtomicUsize,
     prefills_changed: Notify,
@@ -41,6 +44,7 @@ impl NodeState {
         Self {
             id: id.into(),
             role,
+            serving: AtomicU8::new(role_code(role)),
             runner,
             receiver,
             draining: AtomicBool::new(false),
@@ -73,6 +77,82 @@ impl NodeState {
     #[must_use]
     pub fn role(&self) -> Role {
         self.role
+    }
+
+    /// The role it takes new work in now: its configured role, unless
+    /// [`set_serving`](Self::set_serving) changed it.
+    #[must_use]
+    pub fn serving(&self) -> Role {
+        match self.serving.load(Ordering::SeqCst) {
+            0 => Role::Prefill,
+            1 => Role::Decode,
+            _ => Role::Both,
+        }
+    }
+
+    /// Takes new work in `to` from now on, and returns the role it served before. Only an
+    /// engine configured `both` has the parts of every role, so only it can change; any engine
+    /// can be set to its own role. Leaving decode pauses the KV receiver (new pushes are
+    /// refused with FAILED_PRECONDITION, held handles can still be claimed); the heartbeat
+    /// beats at once, so every registry hears of it.
+    ///
+    /// # Errors
+    /// [`RoleChangeRefused`] when `to` is not within the configured role; nothing changed.
+    pub fn set_serving(&self, to: Role) -> Result<Role, RoleChangeRefused> {
+        if self.role != Role::Both && to != self.role {
+            return Err(RoleChangeRefused {
+                worker: self.id.clone(),
+                configured: self.role,
+                asked: to,
+            });
+        }
+        let before = self.serving.swap(role_code(to), Ordering::SeqCst);
+        if let Some(rx) = &self.receiver {
+            rx.set_paused(!to.decodes());
+        }
+        if before != role_code(to) {
+            self.drain_started.notify_one();
+        }
+        Ok(match before {
+            0 => Role::Prefill,
+            1 => Role::Decode,
+            _ => Role::Both,
+        })
+    }
+
+    /// Ok while it takes new Prefill calls.
+    ///
+    /// # Errors
+    /// FAILED_PRECONDITION naming the role it serves in now: the gateway tries another
+    /// prefill engine.
+    pub fn serves_prefill(&self) -> Result<(), tonic::Status> {
+        let now = self.serving();
+        if now.prefills() {
+            Ok(())
+        } else {
+            Err(tonic::Status::failed_precondition(format!(
+                "worker {} serves as {} now, not prefill",
+                self.id,
+                now.name()
+            )))
+        }
+    }
+
+    /// Work of the roles `left` still in flight: leaving decode, running and queued sequences
+    /// (less one per Prefill call, which runs one there), pushes in progress and handles waiting
+    /// for a claim; leaving prefill, Prefill calls.
+    #[must_use]
+    pub fn remaining_of(&self, left: Role, now: Role) -> usize {
+        let mut n = 0;
+        if left.decodes() && !now.decodes() {
+            // The engine thread's sequences less the one each Prefill call runs there.
+            n += (self.remaining_work() - self.inflight_prefills())
+                .saturating_sub(self.inflight_prefills());
+        }
+        if left.prefills() && !now.prefills() {
+            n += self.inflight_prefills();
+        }
+        n
     }
 
     /// The engine thread's handle.
@@ -149,6 +229,12 @@ impl NodeState {
     /// returns what remains. Woken by every change of the work in flight, never polling.
     pub async fn drain(&self, deadline: Duration) -> usize {
         self.start_drain();
+        self.wait_for(deadline, || self.remaining_work()).await
+    }
+
+    /// Waits up to `deadline` until `left()` (a count of work in flight) is 0, and returns its
+    /// last value. Woken by every change of the work in flight, never polling.
+    pub async fn wait_for(&self, deadline: Duration, left: impl Fn() -> usize) -> usize {
         let end = tokio::time::Instant::now() + deadline;
         loop {
             // Register for both notifications before looking, so a change in between is seen.
@@ -161,8 +247,8 @@ impl NodeState {
             if let Some(k) = kv.as_mut() {
                 k.as_mut().enable();
             }
-            let left = self.remaining_work();
-            if left == 0 {
+            let n = left();
+            if n == 0 {
                 return 0;
             }
             tokio::select! {
@@ -174,10 +260,30 @@ impl NodeState {
                         None => std::future::pending().await,
                     }
                 } => {}
-                () = tokio::time::sleep_until(end) => return self.remaining_work(),
+                () = tokio::time::sleep_until(end) => return left(),
             }
         }
     }
+}
+
+fn role_code(r: Role) -> u8 {
+    match r {
+        Role::Prefill => 0,
+        Role::Decode => 1,
+        Role::Both => 2,
+    }
+}
+
+/// A role change an engine cannot make: it lacks the parts of the role asked for.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("worker {worker} is configured {} and cannot serve as {}", configured.name(), asked.name())]
+pub struct RoleChangeRefused {
+    /// The engine.
+    pub worker: String,
+    /// Its configured role.
+    pub configured: Role,
+    /// The role asked for.
+    pub asked: Role,
 }
 
 /// One Prefill call in flight; dropping it ends the count and wakes a drain.

@@ -1,0 +1,249 @@
+//! Engines that change role at run time (EngineControl.SetRole): an engine of role both moves
+//! between decode and prefill under streaming load, and nothing is lost. Every request equals
+//! its colocated run, the pools end where they began, and a stale call against the old role is
+//! refused with the contract's code, touching nothing.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{colocated, eventually, wait_workers};
+use serde_json::json;
+use tl_engine::api::sse::StreamEvent;
+use tl_engine::gateway::GatewayNode;
+use tl_engine::gateway::config::GatewayConfig;
+use tl_engine::net::clients::{ControlClient, EventStream, HttpClient};
+use tl_engine::node::EngineNode;
+use tl_engine::node::config::{Config, Role};
+use tokio::sync::Mutex;
+use tonic::Code;
+
+const MAX_TOKENS: u32 = 12;
+
+/// An engine of `role` serving as `serving` at start; 4 ms a decode step per sequence, so a
+/// stream lasts about 50 ms and the moves land while streams run.
+fn cfg(id: &str, role: Role, serving: Option<Role>, registry: &str) -> Config {
+    let mut c = common::engine_cfg(id, role, registry);
+    c.engine.serving = serving;
+    c.model.decode_us_per_seq = 4_000;
+    c.model.prefill_us_per_token = 200;
+    c
+}
+
+/// What one request got: its tokens, the engines that prefilled and decoded it, any error.
+#[derive(Debug, Default)]
+struct Got {
+    tokens: Vec<u32>,
+    prefill: String,
+    decode: String,
+    error: Option<String>,
+    done: bool,
+}
+
+async fn complete(gw: &str, prompt: &[u32], t: f32, seed: u64) -> Got {
+    let body = json!({
+        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": t, "seed": seed, "stream": true,
+    })
+    .to_string();
+    let (status, b) = HttpClient::default()
+        .post_streaming(gw, "/v1/completions", &[], body)
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    let mut events = EventStream::new(b);
+    let mut got = Got::default();
+    while let Some(e) = tokio::time::timeout(Duration::from_secs(20), events.next())
+        .await
+        .expect("the stream went silent")
+    {
+        match e.unwrap() {
+            StreamEvent::Chunk(c) => {
+                if let Some(r) = &c.tl_route {
+                    got.prefill.clone_from(&r.prefill);
+                    got.decode.clone_from(&r.decode);
+                }
+                for ch in &c.choices {
+                    got.tokens.extend(&ch.tokens);
+                }
+            }
+            StreamEvent::Error(e) => got.error = Some(e.message),
+            StreamEvent::Done => {
+                got.done = true;
+                break;
+            }
+        }
+    }
+    got
+}
+
+/// Request `i`'s prompt: its own first token, so no two share a block.
+fn prompt_of(i: usize) -> Vec<u32> {
+    let first = 1 + i as u32;
+    std::iter::once(first)
+        .chain((0..8 + (i % 7) as u32).map(|k| 60 + k))
+        .collect()
+}
+
+/// Polls until the gateway's view has `id` serving as `role`.
+async fn seen_as(gw: &GatewayNode, id: &str, role: Role) -> bool {
+    eventually(Duration::from_secs(5), || {
+        gw.registry()
+            .list(Instant::now())
+            .iter()
+            .any(|w| w.worker_id == id && tl_engine::gateway::worker::serving_role(w) == Some(role))
+    })
+    .await
+}
+
+/// Every engine runs nothing and holds no block in use and no pending handle.
+async fn at_baseline(nodes: &[&EngineNode]) -> bool {
+    eventually(Duration::from_secs(5), || {
+        nodes.iter().all(|n| {
+            n.runner().running() == 0
+                && n.runner().pool().lock().counts().used == 0
+                && n.receiver()
+                    .is_none_or(|r| r.pending() == 0 && r.stats().inflight == 0)
+        })
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn role_change_loses_nothing() {
+    let gw = GatewayNode::start(&GatewayConfig::local()).await.unwrap();
+    let reg = gw.registry_addr().to_string();
+    let p = EngineNode::start(&cfg("P", Role::Prefill, None, &reg))
+        .await
+        .unwrap();
+    let x = EngineNode::start(&cfg("X", Role::Both, Some(Role::Decode), &reg))
+        .await
+        .unwrap();
+    let d = EngineNode::start(&cfg("D", Role::Decode, None, &reg))
+        .await
+        .unwrap();
+    wait_workers(&gw, 3).await;
+    assert!(seen_as(&gw, "X", Role::Decode).await);
+    let x_ctl = ControlClient::new(&x.addresses().grpc).unwrap();
+    let front = gw.http_addr().to_string();
+
+    // Streaming load: a request every 20 ms, each its own prompt (no prefix is shared, so
+    // routing goes by load), greedy and seeded alternately.
+    let n = 60usize;
+    let got: Arc<Mutex<Vec<(usize, Got)>>> = Arc::default();
+    let load = {
+        let (got, front) = (Arc::clone(&got), front.clone());
+        tokio::spawn(async move {
+            let mut tasks = Vec::new();
+            for i in 0..n {
+                let (got, front) = (Arc::clone(&got), front.clone());
+                tasks.push(tokio::spawn(async move {
+                    let prompt = prompt_of(i);
+                    let (t, seed) = if i % 2 == 0 {
+                        (0.0, 0)
+                    } else {
+                        (0.9, 100 + i as u64)
+                    };
+                    let r = complete(&front, &prompt, t, seed).await;
+                    got.lock().await.push((i, r));
+                }));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            for t in tasks {
+                t.await.unwrap();
+            }
+        })
+    };
+
+    // decode -> prefill while streams run on X: they finish there, and the move waits for them
+    // and for X's pending handles.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let moved = x_ctl.set_role(Role::Prefill, 10_000).await.unwrap();
+    assert_eq!(moved.serving, vec!["prefill".to_owned()]);
+    assert_eq!(moved.remaining, 0, "X's decode work did not end");
+    assert!(
+        seen_as(&gw, "X", Role::Prefill).await,
+        "the registry never heard"
+    );
+    // prefill -> decode, while Prefill calls run on X.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let back = x_ctl.set_role(Role::Decode, 10_000).await.unwrap();
+    assert_eq!(back.serving, vec!["decode".to_owned()]);
+    assert_eq!(back.remaining, 0, "X's Prefill calls did not end");
+    assert!(seen_as(&gw, "X", Role::Decode).await);
+    load.await.unwrap();
+
+    let got = std::mem::take(&mut *got.lock().await);
+    assert_eq!(got.len(), n);
+    let (mut x_prefilled, mut x_decoded) = (0, 0);
+    for (i, r) in &got {
+        let prompt = prompt_of(*i);
+        let (t, seed) = if i % 2 == 0 {
+            (0.0, 0)
+        } else {
+            (0.9, 100 + *i as u64)
+        };
+        assert!(r.error.is_none() && r.done, "request {i}: {r:?}");
+        assert_eq!(
+            r.tokens,
+            colocated(&prompt, t, seed, MAX_TOKENS),
+            "request {i} ({} -> {})",
+            r.prefill,
+            r.decode
+        );
+        x_prefilled += usize::from(r.prefill == "X");
+        x_decoded += usize::from(r.decode == "X");
+    }
+    eprintln!("X prefilled {x_prefilled} and decoded {x_decoded} of {n}");
+    // X really served in both roles: the moves were not no-ops.
+    assert!(x_prefilled > 0, "X never prefilled: {got:?}");
+    assert!(x_decoded > 0, "X never decoded: {got:?}");
+
+    // Stale calls against the old role are refused and take nothing.
+    let before = x.runner().pool().lock().counts();
+    let stale = x_ctl
+        .prefill(kvwire_grpc::pb::engine::PrefillRequest {
+            request_id: "stale".into(),
+            prompt_tokens: vec![1, 2, 3, 4, 5],
+            decode_target: d.addresses().kv.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(stale.code(), Code::FailedPrecondition, "{stale}");
+    // A stale colocated request at X's front while X prefills: 421, nothing taken.
+    assert_eq!(
+        x_ctl
+            .set_role(Role::Prefill, 1_000)
+            .await
+            .unwrap()
+            .remaining,
+        0
+    );
+    let r = HttpClient::default()
+        .post(
+            &x.addresses().http,
+            "/v1/completions",
+            &[],
+            json!({"prompt": [1, 2, 3], "max_tokens": 2}).to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 421, "{:?}", r.body);
+    assert_eq!(x.runner().pool().lock().counts(), before);
+    x_ctl.set_role(Role::Decode, 0).await.unwrap();
+    // An engine configured prefill cannot decode.
+    let p_ctl = ControlClient::new(&p.addresses().grpc).unwrap();
+    let refused = p_ctl.set_role(Role::Decode, 0).await.unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused}");
+    assert_eq!(p.state().serving(), Role::Prefill);
+    assert_eq!(x.runner().pool().lock().counts(), before);
+
+    assert!(
+        at_baseline(&[&p, &x, &d]).await,
+        "the pools did not go back"
+    );
+    for id in ["P", "X", "D"] {
+        assert_eq!(gw.gateway().routed_on(id), 0, "{id} still counted");
+    }
+}
