@@ -247,3 +247,85 @@ async fn role_change_loses_nothing() {
         assert_eq!(gw.gateway().routed_on(id), 0, "{id} still counted");
     }
 }
+
+/// The planner (`[planner]`) sees the prefill engine's queue grow while two engines of role
+/// both decode, and moves one of them to prefill; every request still equals its colocated
+/// run, the move is counted, and the pools go back to baseline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_planner_moves_a_decode_engine_to_a_queueing_prefill() {
+    let mut gcfg = GatewayConfig::local();
+    gcfg.planner = tl_engine::gateway::planner::PlannerSection {
+        enabled: true,
+        interval_ms: 50,
+        cooldown_ms: 60_000,
+        prefill_queue_high: 2.0,
+        prefill_queue_low: 0.5,
+        decode_running_high: 1_000.0,
+        smoothing: 0.5,
+    };
+    let gw = GatewayNode::start(&gcfg).await.unwrap();
+    let reg = gw.registry_addr().to_string();
+    // Prefill at 2 ms a token: a 40-token prompt takes 80 ms, so a burst queues on P.
+    let slow = |mut c: Config| {
+        c.model.prefill_us_per_token = 2_000;
+        c
+    };
+    let p = EngineNode::start(&slow(cfg("P", Role::Prefill, None, &reg)))
+        .await
+        .unwrap();
+    let x1 = EngineNode::start(&slow(cfg("X1", Role::Both, Some(Role::Decode), &reg)))
+        .await
+        .unwrap();
+    let x2 = EngineNode::start(&slow(cfg("X2", Role::Both, Some(Role::Decode), &reg)))
+        .await
+        .unwrap();
+    wait_workers(&gw, 3).await;
+    let front = gw.http_addr().to_string();
+    let prompt_of = |i: usize| -> Vec<u32> {
+        std::iter::once(1 + i as u32)
+            .chain((0..39).map(|k| 70 + k))
+            .collect()
+    };
+    let mut tasks = Vec::new();
+    for i in 0..24 {
+        let (front, prompt) = (front.clone(), prompt_of(i));
+        tasks.push(tokio::spawn(async move {
+            complete(&front, &prompt, 0.7, 500 + i as u64).await
+        }));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let moved = eventually(Duration::from_secs(10), || {
+        gw.registry().list(Instant::now()).iter().any(|w| {
+            w.worker_id.starts_with('X')
+                && tl_engine::gateway::worker::serving_role(w) == Some(Role::Prefill)
+        })
+    })
+    .await;
+    assert!(moved, "the planner moved no engine");
+    for (i, t) in tasks.into_iter().enumerate() {
+        let r = t.await.unwrap();
+        assert!(r.error.is_none() && r.done, "request {i}: {r:?}");
+        assert_eq!(
+            r.tokens,
+            colocated(&prompt_of(i), 0.7, 500 + i as u64, MAX_TOKENS)
+        );
+    }
+    let text = gw.gateway().metrics().encode();
+    assert!(
+        text.lines().any(|l| l
+            .starts_with("tl_role_changes_total{from=\"decode\",to=\"prefill\",outcome=\"ok\"} 1")),
+        "{text}"
+    );
+    // One engine still decodes: the planner never empties a role.
+    let decoding = gw
+        .registry()
+        .list(Instant::now())
+        .iter()
+        .filter(|w| tl_engine::gateway::worker::serving_role(w) == Some(Role::Decode))
+        .count();
+    assert_eq!(decoding, 1);
+    assert!(
+        at_baseline(&[&p, &x1, &x2]).await,
+        "the pools did not go back"
+    );
+}

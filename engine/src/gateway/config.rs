@@ -53,6 +53,17 @@
 //! etcd_endpoints = []              # etcd client URLs (https:// with [tls]); empty: none
 //! prefix = "/tl"                   # <prefix>/workers/<id>, <prefix>/drain/<id>
 //! stale_ms = 15000                 # route on the last snapshot this long without etcd
+//!
+//! [planner]                        # moves engines of role both between prefill and decode
+//! enabled = false                  #   (see gateway::planner; enable on one gateway only)
+//! interval_ms = 250                # how often it looks
+//! cooldown_ms = 3000               # at least this long between two moves
+//! prefill_queue_high = 3.0         # Prefill calls per prefill engine: a decode engine moves
+//! prefill_queue_low = 1.0          # at most this over one engine fewer: a prefill engine may
+//!                                  #   move to decode
+//! decode_running_high = 32.0       # sequences per decode engine: a prefill engine moves (and
+//!                                  #   a decode engine moves only if the rest stay below)
+//! smoothing = 0.3                  # weight of the newest sample in the smoothed signals
 //! ```
 //!
 //! `allow_insecure = true` (top level) allows non-loopback listen addresses without `[tls]`.
@@ -185,6 +196,8 @@ pub struct GatewayConfig {
     /// `[registry]`: the workers from etcd (`etcd_endpoints`, `prefix`, `stale_ms`); none:
     /// only the engines that beat to this gateway's own registry.
     pub registry: crate::etcd::RegistrySection,
+    /// `[planner]`: moving engines of role both between prefill and decode (off by default).
+    pub planner: super::planner::PlannerSection,
 }
 
 impl GatewaySection {
@@ -306,6 +319,9 @@ impl GatewayConfig {
             self.limits.validate()
         };
         ranges().map_err(GatewayConfigError::Invalid)?;
+        self.planner
+            .validate()
+            .map_err(GatewayConfigError::Invalid)?;
         if g.id.is_empty() {
             return Err(GatewayConfigError::Invalid(
                 "gateway.id must not be empty".into(),

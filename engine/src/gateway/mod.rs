@@ -20,6 +20,7 @@ pub mod index;
 pub mod keys;
 pub mod openai;
 pub mod plan;
+pub mod planner;
 pub mod registry;
 pub mod request;
 pub mod routed;
@@ -381,6 +382,13 @@ impl GatewayNode {
                 Arc::clone(&gateway.upstream),
                 move || registry.list(Instant::now()),
                 Duration::from_millis(250),
+                life.token().clone(),
+            ));
+        }
+        if cfg.planner.enabled {
+            life.spawn(planner::run(
+                Arc::clone(&gateway),
+                cfg.planner.clone(),
                 life.token().clone(),
             ));
         }

@@ -74,6 +74,18 @@ pub struct Role {
     pub role: String,
 }
 
+/// `{from, to, outcome}` of a role change the planner made: the roles (`prefill`, `decode`,
+/// `both`) and whether the engine took it (`ok`) or not (`failed`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RoleChange {
+    /// The role it served in.
+    pub from: String,
+    /// The role asked for.
+    pub to: String,
+    /// `ok` or `failed`.
+    pub outcome: String,
+}
+
 /// `{reason}` of a routing decision.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Reason {
@@ -116,6 +128,8 @@ pub struct Metrics {
     pub workers: Family<Role, Gauge>,
     /// Routing decisions, by reason.
     pub route_decisions: Family<Reason, Counter>,
+    /// Role changes the planner made, by roles and outcome.
+    pub role_changes: Family<RoleChange, Counter>,
     /// Spans the OTLP exporter dropped (failed or timed-out exports).
     pub trace_spans_dropped: Counter,
     /// Decode streams lost mid-request, by cause and outcome.
@@ -159,6 +173,7 @@ impl Metrics {
             heartbeat_failures: Counter::default(),
             workers: Family::default(),
             route_decisions: Family::default(),
+            role_changes: Family::default(),
             trace_spans_dropped: Counter::default(),
             failovers: Family::default(),
             preemptions: Counter::default(),
@@ -230,6 +245,11 @@ impl Metrics {
             "tl_route_decisions",
             "Routing decisions by reason",
             m.route_decisions.clone(),
+        );
+        r.register(
+            "tl_role_changes",
+            "Role changes the planner made, by roles and outcome",
+            m.role_changes.clone(),
         );
         r.register(
             "tl_trace_spans_dropped",
