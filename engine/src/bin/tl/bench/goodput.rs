@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use tl_engine::api::sse::StreamEvent;
 use tl_engine::api::{CompletionRequest, GenerationParams, Prompt};
 use tl_engine::gateway::GatewayNode;
+use tl_engine::gateway::planner::PlannerSection;
 use tl_engine::net::clients::{EventStream, HttpClient};
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, Role};
@@ -30,13 +31,15 @@ pub(crate) struct GoodputArgs {
     /// Print the result as one JSON line (the only output format).
     #[arg(long)]
     json: bool,
-    /// Topologies, `NAME=SPEC` (comma-separated): SPEC is `gw:` (the gateway routes) or `rr:`
-    /// (the client spreads requests round-robin over the engines' fronts; `both` engines
-    /// only), then engine counts such as `1p2d`, `3b`, `1p1d1b`.
+    /// Topologies, `NAME=SPEC` (comma-separated): SPEC is `gw:` (the gateway routes), `gwp:`
+    /// (the gateway routes and its planner moves engines between roles: its prefill and decode
+    /// engines are engines of role both that start serving as such) or `rr:` (the client
+    /// spreads requests round-robin over the engines' fronts; `both` engines only), then
+    /// engine counts such as `1p2d`, `3b`, `1p1d1b`.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "A=gw:1p2d,B=gw:3b,Bd=rr:3b"
+        default_value = "A=gw:1p2d,Ap=gwp:1p2d,B=gw:3b,Bd=rr:3b"
     )]
     topology: Vec<String>,
     /// Fractions of requests with a long prompt, each a sweep of its own.
@@ -101,6 +104,8 @@ struct Topology {
     name: String,
     /// The gateway routes (else the client round-robins over the fronts).
     gateway: bool,
+    /// The gateway's planner moves engines between roles.
+    planner: bool,
     prefill: usize,
     decode: usize,
     both: usize,
@@ -114,18 +119,23 @@ impl Topology {
 
 /// Parses `NAME=gw:1p2d` and the like.
 fn parse_topology(s: &str) -> Result<Topology, String> {
-    let bad =
-        || format!("topology {s:?}: expected NAME=gw:COUNTS or NAME=rr:COUNTS (e.g. A=gw:1p2d)");
+    let bad = || {
+        format!(
+            "topology {s:?}: expected NAME=gw:COUNTS, NAME=gwp:COUNTS or NAME=rr:COUNTS (e.g. A=gw:1p2d)"
+        )
+    };
     let (name, spec) = s.split_once('=').ok_or_else(bad)?;
     let (how, counts) = spec.split_once(':').ok_or_else(bad)?;
-    let gateway = match how {
-        "gw" => true,
-        "rr" => false,
+    let (gateway, planner) = match how {
+        "gw" => (true, false),
+        "gwp" => (true, true),
+        "rr" => (false, false),
         _ => return Err(bad()),
     };
     let mut t = Topology {
         name: name.trim().to_owned(),
         gateway,
+        planner,
         prefill: 0,
         decode: 0,
         both: 0,
@@ -326,7 +336,12 @@ struct Running {
 }
 
 impl Running {
-    async fn start(t: &Topology, c: Costs, a: &GoodputArgs) -> Result<Self, BenchError> {
+    async fn start(
+        t: &Topology,
+        c: Costs,
+        a: &GoodputArgs,
+        marks: &PlannerSection,
+    ) -> Result<Self, BenchError> {
         use tl_engine::gateway::config::{GatewayConfig, GatewaySection};
         let gateway = if t.gateway {
             let mut cfg = GatewayConfig {
@@ -336,6 +351,9 @@ impl Running {
                 },
                 ..GatewayConfig::local()
             };
+            if t.planner {
+                cfg.planner = marks.clone();
+            }
             cfg.limits.http_max_conns_per_ip = 4096;
             cfg.limits.http_max_inflight = 4096;
             Some(GatewayNode::start(&cfg).await?)
@@ -352,7 +370,14 @@ impl Running {
             .chain(std::iter::repeat_n((Role::Both, "B"), t.both));
         for (i, (role, tag)) in roles.enumerate() {
             let id = format!("{tag}{i}");
-            let mut cfg = Config::for_worker(&id, role, &reg);
+            // Under the planner, every engine can take either role.
+            let mut cfg = if t.planner {
+                let mut c = Config::for_worker(&id, Role::Both, &reg);
+                c.engine.serving = Some(role);
+                c
+            } else {
+                Config::for_worker(&id, role, &reg)
+            };
             cfg.engine.heartbeat_ms = 100;
             cfg.engine.max_step_tokens = a.max_step_tokens;
             cfg.model.prefill_us_per_token = c.prefill_us_per_token;
@@ -396,7 +421,11 @@ impl Running {
             let load = e.runner().load();
             m.insert(
                 id.clone(),
-                serde_json::json!({ "submitted": load.submitted(), "resumed": load.resumed() }),
+                serde_json::json!({
+                    "submitted": load.submitted(),
+                    "resumed": load.resumed(),
+                    "serving_at_end": e.state().serving().name(),
+                }),
             );
         }
         m.into()
@@ -432,15 +461,18 @@ struct Run {
     wall: f64,
     cpu: f64,
     split: serde_json::Value,
+    /// Role changes the planner made (0 without one).
+    role_changes: u64,
 }
 
 async fn run_trace(
     t: &Topology,
     c: Costs,
     a: &GoodputArgs,
+    marks: &PlannerSection,
     arrivals: &[Arrival],
 ) -> Result<Run, BenchError> {
-    let fleet = Running::start(t, c, a).await?;
+    let fleet = Running::start(t, c, a, marks).await?;
     let targets = fleet.targets();
     let http = HttpClient::default();
     let cpu0 = cpu_seconds();
@@ -482,17 +514,42 @@ async fn run_trace(
     let wall = start.elapsed().as_secs_f64();
     let cpu = cpu_seconds() - cpu0;
     let split = fleet.split();
+    let role_changes = fleet.gateway.as_ref().map_or(0, |g| {
+        g.gateway()
+            .metrics()
+            .encode()
+            .lines()
+            .filter(|l| l.starts_with("tl_role_changes_total{") && l.contains("outcome=\"ok\""))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    });
     fleet.stop().await;
     Ok(Run {
         outcomes,
         wall,
         cpu,
         split,
+        role_changes,
     })
 }
 
 fn pct(v: &[f64], p: f64) -> f64 {
     super::serve::pct(&mut v.to_vec(), p)
+}
+
+/// The planner's marks for topologies with one: its defaults, but a decode engine counts as
+/// loaded at 80% of the batch whose simulated step takes the tightest TPOT SLO, so it moves
+/// engines to decode before the SLO is missed.
+fn planner_marks(c: Costs, slos: &Slos) -> PlannerSection {
+    let tight = slos.tpot_ms.iter().copied().fold(f64::MAX, f64::min);
+    let per_seq = (c.decode_us_per_seq as f64 / 1e3).max(1e-3);
+    let batch = ((tight - c.step_ms(0)) / per_seq).max(5.0);
+    PlannerSection {
+        enabled: true,
+        cooldown_ms: 2_000,
+        decode_running_high: 0.8 * batch,
+        ..PlannerSection::default()
+    }
 }
 
 /// The SLOs every request is held to.
@@ -563,6 +620,7 @@ fn summary(run: &Run, slos: &Slos, rate: f64) -> serde_json::Value {
         "duration_s": round3(run.wall),
         "cpu_cores_used": round3(run.cpu / run.wall),
         "engine_split": run.split,
+        "role_changes": run.role_changes,
     })
 }
 
@@ -597,6 +655,7 @@ async fn bench(a: &GoodputArgs) -> Result<serde_json::Value, BenchError> {
         },
     };
     let loosest = slos.tpot_ms.iter().copied().fold(f64::MIN, f64::max);
+    let marks = planner_marks(c, &slos);
     let engines = topologies.iter().map(Topology::engines).max().unwrap_or(1);
 
     // Calibration: requests one at a time, measured against what the costs say a request alone
@@ -610,7 +669,7 @@ async fn bench(a: &GoodputArgs) -> Result<serde_json::Value, BenchError> {
                     + 0.1
                     + f64::from(a.max_tokens) * c.step_ms(1) / 1e3);
         }
-        let run = run_trace(t, c, a, &one_by_one).await?;
+        let run = run_trace(t, c, a, &marks, &one_by_one).await?;
         let (mut ttft, mut tpot) = (Vec::new(), Vec::new());
         for (o, r) in run.outcomes.iter().zip(&one_by_one) {
             if o.error.is_none() {
@@ -663,7 +722,7 @@ async fn bench(a: &GoodputArgs) -> Result<serde_json::Value, BenchError> {
                 if !live[ti] {
                     continue;
                 }
-                let run = run_trace(t, c, a, &arrivals).await?;
+                let run = run_trace(t, c, a, &marks, &arrivals).await?;
                 let atts: Vec<f64> = slos
                     .tpot_ms
                     .iter()
@@ -731,6 +790,7 @@ async fn bench(a: &GoodputArgs) -> Result<serde_json::Value, BenchError> {
         "settings": {
             "topologies": topologies.iter().map(|t| serde_json::json!({
                 "name": t.name, "routing": if t.gateway { "gateway" } else { "client round-robin over fronts" },
+                "planner": t.planner,
                 "prefill": t.prefill, "decode": t.decode, "both": t.both,
             })).collect::<Vec<_>>(),
             "cost_model": format!("llama-3-8b-h100 x {}", a.time_scale),
@@ -752,6 +812,15 @@ async fn bench(a: &GoodputArgs) -> Result<serde_json::Value, BenchError> {
                 "attainment_goal": 0.9,
             },
             "plot": a.plot.as_ref().map(|p| p.display().to_string()),
+            "planner": {
+                "interval_ms": marks.interval_ms,
+                "cooldown_ms": marks.cooldown_ms,
+                "prefill_queue_high": marks.prefill_queue_high,
+                "prefill_queue_low": marks.prefill_queue_low,
+                "decode_running_high": round3(marks.decode_running_high),
+                "decode_running_high_derivation": "0.8 x the batch whose simulated decode step takes the tightest TPOT SLO",
+                "smoothing": marks.smoothing,
+            },
         },
         "calibration": calibration,
         "sweeps": sweeps,
@@ -886,7 +955,14 @@ mod tests {
         assert_eq!((t.prefill, t.decode, t.both, t.gateway), (1, 2, 0, true));
         let t = parse_topology("M=gw:1p1d1b").unwrap();
         assert_eq!((t.prefill, t.decode, t.both), (1, 1, 1));
-        assert!(!parse_topology("Bd=rr:3b").unwrap().gateway);
+        let t = parse_topology("Bd=rr:3b").unwrap();
+        assert!(!t.gateway && !t.planner);
+        let t = parse_topology("Ap=gwp:1p2d").unwrap();
+        assert_eq!(
+            (t.prefill, t.decode, t.gateway, t.planner),
+            (1, 2, true, true)
+        );
+        assert!(!parse_topology("A=gw:1p2d").unwrap().planner);
         for bad in [
             "A",
             "A=gw",
@@ -894,12 +970,28 @@ mod tests {
             "A=gw:1q",
             "A=gw:p",
             "A=gw:1p",
+            "A=gwp:1p",
             "A=rr:1p1d",
             "=gw:3b",
             "A=gw:3",
         ] {
             assert!(parse_topology(bad).is_err(), "{bad}");
         }
+    }
+
+    /// The planner's decode mark is 80% of the batch whose simulated step takes the tightest
+    /// TPOT SLO: (28.98 - 19.16) / 0.16 = 61.4 sequences at 4 x Llama-3-8B/H100, so 49.1.
+    #[test]
+    fn the_planner_decode_mark_follows_the_tightest_tpot_slo() {
+        let c = Costs::scaled(4.0);
+        let slos = Slos {
+            ttft_ms: 1_000.0,
+            tpot_ms: vec![57.96, 28.98],
+        };
+        let m = planner_marks(c, &slos);
+        assert!(m.enabled);
+        assert!((m.decode_running_high - 49.1).abs() < 0.1, "{m:?}");
+        assert!(m.validate().is_ok());
     }
 
     #[test]
