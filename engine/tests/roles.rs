@@ -329,3 +329,49 @@ async fn the_planner_moves_a_decode_engine_to_a_queueing_prefill() {
         "the pools did not go back"
     );
 }
+
+/// `tl role` moves an engine of role both and prints what it serves in; an engine configured
+/// prefill refuses (exit 1, nothing changed), and an unknown role is a usage error (exit 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tl_role_moves_an_engine_and_reports_refusals() {
+    let x = EngineNode::start(&cfg("X", Role::Both, None, ""))
+        .await
+        .unwrap();
+    let p = EngineNode::start(&cfg("P", Role::Prefill, None, ""))
+        .await
+        .unwrap();
+    let tl = |engine: String, role: &'static str| {
+        tokio::task::spawn_blocking(move || {
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_tl"))
+                .args([
+                    "role",
+                    "--engine",
+                    &engine,
+                    "--role",
+                    role,
+                    "--wait-ms",
+                    "1000",
+                ])
+                .output()
+                .unwrap();
+            (
+                out.status.code().unwrap(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        })
+    };
+    let (code, out, err) = tl(x.addresses().grpc, "prefill").await.unwrap();
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["serving"], json!(["prefill"]), "{v}");
+    assert_eq!(v["remaining"], 0, "{v}");
+    assert_eq!(x.state().serving(), Role::Prefill);
+    let (code, _, err) = tl(p.addresses().grpc, "decode").await.unwrap();
+    assert_eq!(code, 1);
+    assert!(err.contains("FailedPrecondition"), "{err}");
+    assert_eq!(p.state().serving(), Role::Prefill);
+    let (code, _, err) = tl(x.addresses().grpc, "sideways").await.unwrap();
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(x.state().serving(), Role::Prefill);
+}

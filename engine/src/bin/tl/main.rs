@@ -14,6 +14,7 @@ mod model;
 mod netns;
 mod probe;
 mod registry;
+mod role;
 mod run;
 
 use std::process::ExitCode;
@@ -61,6 +62,9 @@ enum Cmd {
     Probe(probe::ProbeArgs),
     /// Run a worker registry until SIGTERM.
     Registry(registry::RegistryArgs),
+    /// Move an engine of role both to another role (EngineControl.SetRole); prints one JSON
+    /// line with the roles it serves in and the work of the old role still in flight.
+    Role(role::RoleArgs),
     /// The registry on etcd: `init` turns auth on, `grant` lets an identity in, `drain` asks a
     /// worker to drain.
     Etcd {
@@ -152,6 +156,7 @@ fn main() -> ExitCode {
         Cmd::Probe(args) => probe::probe(&args),
         Cmd::Engine(args) => engine::engine(&args, cli.log_format),
         Cmd::Registry(args) => registry::registry(&args, cli.log_format),
+        Cmd::Role(args) => role::role(&args),
         Cmd::Model { which } => model::model(&which),
         Cmd::Etcd { which } => etcd::etcd(&which),
         Cmd::Gateway(args) => gateway::gateway(&args, cli.log_format),
