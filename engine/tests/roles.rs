@@ -257,7 +257,9 @@ async fn the_planner_moves_a_decode_engine_to_a_queueing_prefill() {
     gcfg.planner = tl_engine::gateway::planner::PlannerSection {
         enabled: true,
         interval_ms: 50,
-        cooldown_ms: 60_000,
+        // The first move waits one cooldown of watching; no second is possible (one decode
+        // engine would be left, and decode never reaches its mark).
+        cooldown_ms: 300,
         prefill_queue_high: 2.0,
         prefill_queue_low: 0.5,
         decode_running_high: 1_000.0,

@@ -120,6 +120,9 @@ pub struct Planner {
     cfg: PlannerSection,
     prefill_queue: Option<f64>,
     decode_running: Option<f64>,
+    /// The last move, or the first tick: signals are watched for a cooldown before the first
+    /// move too, so a start's transient (decode engines still empty, a burst queued on
+    /// prefill) moves nothing.
     last_move: Option<Instant>,
 }
 
@@ -169,9 +172,8 @@ impl Planner {
         );
         self.prefill_queue = Some(q);
         self.decode_running = Some(r);
-        let cooled = self
-            .last_move
-            .is_none_or(|t| now.duration_since(t) >= Duration::from_millis(self.cfg.cooldown_ms));
+        let since = *self.last_move.get_or_insert(now);
+        let cooled = now.duration_since(since) >= Duration::from_millis(self.cfg.cooldown_ms);
         if !cooled {
             return None;
         }
@@ -287,6 +289,14 @@ mod tests {
         }
     }
 
+    /// A fresh planner's decision on `workers` once its first cooldown (3 s) has passed, having
+    /// seen them at the start too.
+    fn decide(workers: &[WorkerView], t0: Instant) -> Option<Move> {
+        let mut p = Planner::new(cfg());
+        assert!(p.tick(workers, t0).is_none(), "a move at the first tick");
+        p.tick(workers, t0 + Duration::from_secs(3))
+    }
+
     fn cfg() -> PlannerSection {
         PlannerSection {
             enabled: true,
@@ -305,6 +315,9 @@ mod tests {
             w("X1", PbRole::Both, PbRole::Decode, 0, 6),
             w("X2", PbRole::Both, PbRole::Decode, 0, 3),
         ];
+        // The first cooldown only watches: nothing moves at the start.
+        assert!(p.tick(&workers, t0).is_none());
+        let t0 = t0 + Duration::from_millis(3_000);
         let m = p.tick(&workers, t0).unwrap();
         // D1 has the fewest sequences but is configured decode: X2 moves.
         assert_eq!((m.worker.worker_id.as_str(), m.to), ("X2", Role::Prefill));
@@ -327,13 +340,13 @@ mod tests {
             w("X1", PbRole::Both, PbRole::Decode, 0, 20),
             w("X2", PbRole::Both, PbRole::Decode, 0, 20),
         ];
-        assert!(Planner::new(cfg()).tick(&busy, t0).is_none());
+        assert!(decide(&busy, t0).is_none());
         // One decode engine: never moved, however long the prefill queue.
         let one = [
             w("P", PbRole::Prefill, PbRole::Prefill, 9, 1),
             w("X1", PbRole::Both, PbRole::Decode, 0, 0),
         ];
-        assert!(Planner::new(cfg()).tick(&one, t0).is_none());
+        assert!(decide(&one, t0).is_none());
         // Draining and stale engines count for nothing.
         let mut gone = w("X2", PbRole::Both, PbRole::Decode, 0, 0);
         gone.status.draining = true;
@@ -350,7 +363,7 @@ mod tests {
             w("D1", PbRole::Decode, PbRole::Decode, 0, 0),
             w("D2", PbRole::Decode, PbRole::Decode, 0, 0),
         ];
-        assert!(Planner::new(cfg()).tick(&fixed, t0).is_none());
+        assert!(decide(&fixed, t0).is_none());
     }
 
     #[test]
@@ -361,7 +374,7 @@ mod tests {
             w("X1", PbRole::Both, PbRole::Prefill, 1, 0),
             w("D1", PbRole::Decode, PbRole::Decode, 0, 40),
         ];
-        let m = Planner::new(cfg()).tick(&loaded, t0).unwrap();
+        let m = decide(&loaded, t0).unwrap();
         // P is configured prefill; X1 moves although its queue is longer.
         assert_eq!((m.worker.worker_id.as_str(), m.to), ("X1", Role::Decode));
         // Prefill over one engine fewer would be 2 x 1 = 2 > 1 (the low mark): it stays.
@@ -370,14 +383,14 @@ mod tests {
             w("X1", PbRole::Both, PbRole::Prefill, 1, 0),
             w("D1", PbRole::Decode, PbRole::Decode, 0, 40),
         ];
-        assert!(Planner::new(cfg()).tick(&queued, t0).is_none());
+        assert!(decide(&queued, t0).is_none());
         // Between the marks on both sides: nothing.
         let calm = [
             w("P", PbRole::Prefill, PbRole::Prefill, 2, 0),
             w("X1", PbRole::Both, PbRole::Decode, 0, 10),
             w("D1", PbRole::Decode, PbRole::Decode, 0, 10),
         ];
-        assert!(Planner::new(cfg()).tick(&calm, t0).is_none());
+        assert!(decide(&calm, t0).is_none());
     }
 
     #[test]
@@ -394,6 +407,8 @@ mod tests {
         ];
         let mut spike = quiet.clone();
         spike[0].status.queue_depth = 6;
+        assert!(p.tick(&quiet, t0).is_none());
+        let t0 = t0 + Duration::from_secs(3);
         assert!(p.tick(&quiet, t0).is_none());
         // 0 + 0.3 x 6 = 1.8 < 3: one spike moves nothing; a sustained queue does.
         assert!(p.tick(&spike, t0).is_none());

@@ -81,13 +81,7 @@ pub(crate) enum EtcdCmd {
 }
 
 fn client(t: &EtcdTarget) -> Result<(Etcd, Keys, Option<Tls>), String> {
-    let (mut section, mut allow) = (None, false);
-    t.tls.apply(&mut section, &mut allow);
-    let tls = section
-        .as_ref()
-        .map(Tls::load)
-        .transpose()
-        .map_err(|e| e.to_string())?;
+    let tls = t.tls.load()?;
     let mut r = tl_engine::etcd::RegistrySection::default();
     r.set_endpoints(&t.etcd_endpoints);
     let etcd = Etcd::new(&r.etcd_endpoints, tls.as_ref(), Duration::from_secs(5))

@@ -35,13 +35,7 @@ pub(crate) fn role(args: &RoleArgs) -> ExitCode {
     block_on(async {
         print_json(
             async {
-                let (mut section, mut allow) = (None, false);
-                args.tls.apply(&mut section, &mut allow);
-                let tls = section
-                    .as_ref()
-                    .map(Tls::load)
-                    .transpose()
-                    .map_err(|e| e.to_string())?;
+                let tls = args.tls.load()?;
                 let client_tls = tls.as_ref().map(Tls::tonic_client);
                 let ctl = ControlClient::with_tls(&args.engine, client_tls.as_ref())
                     .map_err(|e| e.to_string())?;

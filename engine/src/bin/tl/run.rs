@@ -119,6 +119,21 @@ pub(crate) struct TlsArgs {
 }
 
 impl TlsArgs {
+    /// The flags' certificates loaded, for a client command (no configuration file): `None`
+    /// without `--tls-*`.
+    ///
+    /// # Errors
+    /// A file that cannot be read or parsed, named.
+    pub(crate) fn load(&self) -> Result<Option<tl_engine::net::tls::Tls>, String> {
+        let (mut section, mut allow) = (None, false);
+        self.apply(&mut section, &mut allow);
+        section
+            .as_ref()
+            .map(tl_engine::net::tls::Tls::load)
+            .transpose()
+            .map_err(|e| e.to_string())
+    }
+
     /// Applies the flags over a configuration's `[tls]` and `allow_insecure`.
     pub(crate) fn apply(
         &self,

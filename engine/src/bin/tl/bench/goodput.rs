@@ -455,6 +455,45 @@ fn cpu_seconds() -> f64 {
 /// Rates below the sweep's first tried for a topology that missed an SLO there.
 const DOWN_STEPS: usize = 3;
 
+/// One rate of a sweep: one seeded trace of `rate` with `lf` long prompts, run by every
+/// topology `run_here` selects, each on freshly started engines. The point's JSON, and each
+/// topology's attainment per TPOT SLO (`None`: not run).
+#[allow(clippy::too_many_arguments)]
+async fn point(
+    topologies: &[Topology],
+    run_here: &[bool],
+    c: Costs,
+    a: &GoodputArgs,
+    marks: &PlannerSection,
+    slos: &Slos,
+    rate: f64,
+    lf: f64,
+    seed: u64,
+) -> Result<(serde_json::Value, Vec<Option<Vec<f64>>>), BenchError> {
+    let n = match a.seconds {
+        Some(s) => ((rate * s).ceil() as usize).max(1),
+        None => a.requests.max(1),
+    };
+    let arrivals = trace(a, n, rate, lf, seed);
+    let mut row = serde_json::Map::new();
+    let mut atts = vec![None; topologies.len()];
+    for (ti, t) in topologies.iter().enumerate() {
+        if !run_here[ti] {
+            continue;
+        }
+        let run = run_trace(t, c, a, marks, &arrivals).await?;
+        atts[ti] = Some(
+            slos.tpot_ms
+                .iter()
+                .map(|&tp| attainment(&run.outcomes, slos.ttft_ms, tp))
+                .collect(),
+        );
+        row.insert(t.name.clone(), summary(&run, slos, rate));
+    }
+    let p = serde_json::json!({ "request_rate": round3(rate), "requests": n, "topologies": row });
+    Ok((p, atts))
+}
+
 /// The longest one request of a run may take.
 const REQUEST_DEADLINE: Duration = Duration::from_secs(120);
 
@@ -657,7 +696,10 @@ async fn bench(a: &GoodputArgs) -> Result<serde_json::Value, BenchError> {
             a.tpot_slo_ms.clone()
         },
     };
-    let loosest = slos.tpot_ms.iter().copied().fold(f64::MIN, f64::max);
+    // The loosest TPOT SLO's column: a sweep goes on while a topology meets it.
+    let loosest = (0..slos.tpot_ms.len())
+        .max_by(|&x, &y| slos.tpot_ms[x].total_cmp(&slos.tpot_ms[y]))
+        .unwrap_or(0);
     let marks = planner_marks(c, &slos);
     let engines = topologies.iter().map(Topology::engines).max().unwrap_or(1);
 
@@ -715,68 +757,41 @@ async fn bench(a: &GoodputArgs) -> Result<serde_json::Value, BenchError> {
             if a.rates.is_empty() && !live.iter().any(|&l| l) {
                 break;
             }
-            let n = match a.seconds {
-                Some(s) => ((rate * s).ceil() as usize).max(1),
-                None => a.requests.max(1),
-            };
-            let arrivals = trace(a, n, rate, lf, a.seed.wrapping_add(k as u64));
-            let mut row = serde_json::Map::new();
-            for (ti, t) in topologies.iter().enumerate() {
-                if !live[ti] {
-                    continue;
+            let seed = a.seed.wrapping_add(k as u64);
+            let (p, atts) = point(&topologies, &live, c, a, &marks, &slos, rate, lf, seed).await?;
+            for (ti, att) in atts.into_iter().enumerate() {
+                if let Some(att) = att {
+                    live[ti] = att[loosest] >= 0.9;
+                    curve[ti].push((rate, att));
                 }
-                let run = run_trace(t, c, a, &marks, &arrivals).await?;
-                let atts: Vec<f64> = slos
-                    .tpot_ms
-                    .iter()
-                    .map(|&tp| attainment(&run.outcomes, slos.ttft_ms, tp))
-                    .collect();
-                if attainment(&run.outcomes, slos.ttft_ms, loosest) < 0.9 {
-                    live[ti] = false;
-                }
-                curve[ti].push((rate, atts));
-                row.insert(t.name.clone(), summary(&run, &slos, rate));
             }
-            points.push(serde_json::json!({ "request_rate": round3(rate), "requests": n, "topologies": row }));
+            points.push(p);
         }
         // A topology that missed an SLO at the sweep's first rate: lower rates (by the same
         // step, at most DOWN_STEPS), each its own trace shared by the topologies run at it,
         // until it meets every SLO, so its goodput is a figure rather than "below the first".
         if a.rates.is_empty() {
             let r0 = rates.first().copied().unwrap_or(1.0);
-            let meets_all = |c: &Curve| {
-                c.first()
-                    .is_some_and(|(_, att)| att.iter().all(|&x| x >= 0.9))
-            };
-            let mut low: Vec<bool> = curve.iter().map(|c| !meets_all(c)).collect();
+            let meets_all = |att: &[f64]| att.iter().all(|&x| x >= 0.9);
+            let mut low: Vec<bool> = curve
+                .iter()
+                .map(|c| !c.first().is_some_and(|(_, att)| meets_all(att)))
+                .collect();
             for j in 1..=DOWN_STEPS {
                 if !low.iter().any(|&l| l) {
                     break;
                 }
                 let rate = r0 / a.rate_step.powi(j as i32);
-                let n = match a.seconds {
-                    Some(s) => ((rate * s).ceil() as usize).max(1),
-                    None => a.requests.max(1),
-                };
-                let arrivals = trace(a, n, rate, lf, a.seed.wrapping_add(1_000 + j as u64));
-                let mut row = serde_json::Map::new();
-                for (ti, t) in topologies.iter().enumerate() {
-                    if !low[ti] {
-                        continue;
+                let seed = a.seed.wrapping_add(1_000 + j as u64);
+                let (p, atts) =
+                    point(&topologies, &low, c, a, &marks, &slos, rate, lf, seed).await?;
+                for (ti, att) in atts.into_iter().enumerate() {
+                    if let Some(att) = att {
+                        low[ti] = !meets_all(&att);
+                        curve[ti].push((rate, att));
                     }
-                    let run = run_trace(t, c, a, &marks, &arrivals).await?;
-                    let atts: Vec<f64> = slos
-                        .tpot_ms
-                        .iter()
-                        .map(|&tp| attainment(&run.outcomes, slos.ttft_ms, tp))
-                        .collect();
-                    if atts.iter().all(|&x| x >= 0.9) {
-                        low[ti] = false;
-                    }
-                    curve[ti].push((rate, atts));
-                    row.insert(t.name.clone(), summary(&run, &slos, rate));
                 }
-                points.insert(0, serde_json::json!({ "request_rate": round3(rate), "requests": n, "topologies": row }));
+                points.insert(0, p);
             }
             for c in &mut curve {
                 c.sort_by(|x, y| x.0.total_cmp(&y.0));
