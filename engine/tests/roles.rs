@@ -232,6 +232,10 @@ async fn role_change_loses_nothing() {
     assert_eq!(r.status, 421, "{:?}", r.body);
     assert_eq!(x.runner().pool().lock().counts(), before);
     x_ctl.set_role(Role::Decode, 0).await.unwrap();
+    // The longest deadline a caller can write is taken (the engine bounds its wait at 600 s).
+    let far = x_ctl.set_role(Role::Decode, i64::MAX).await.unwrap();
+    assert_eq!(far.remaining, 0);
+    assert!(x_ctl.drain(i64::MAX).await.is_ok());
     // An engine configured prefill cannot decode.
     let p_ctl = ControlClient::new(&p.addresses().grpc).unwrap();
     let refused = p_ctl.set_role(Role::Decode, 0).await.unwrap_err();

@@ -38,6 +38,15 @@ const SMALL: MessageLimits = MessageLimits {
     max_encode: 1 << 20,
 };
 
+/// The longest a Drain or SetRole call waits for work to end: a caller's deadline beyond it
+/// (up to `i64::MAX` ms) is cut to it, so no call holds its stream for years.
+const MAX_WAIT: Duration = Duration::from_secs(600);
+
+/// A call's relative `deadline_ms` as a wait: not negative, at most [`MAX_WAIT`].
+fn wait_of(deadline_ms: i64) -> Duration {
+    Duration::from_millis(deadline_ms.max(0) as u64).min(MAX_WAIT)
+}
+
 /// The EngineControl service of one node.
 #[derive(Debug)]
 pub struct EngineControl {
@@ -134,7 +143,7 @@ impl EngineControl {
     fn drain(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
         let me = Arc::clone(self);
         glue::serve_unary(req, SMALL, move |m: DrainRequest| async move {
-            let wait = Duration::from_millis(m.deadline_ms.max(0) as u64);
+            let wait = wait_of(m.deadline_ms);
             let remaining = me.state.drain(wait).await;
             Ok::<_, Status>(DrainResponse {
                 remaining: i32::try_from(remaining).unwrap_or(i32::MAX),
@@ -158,7 +167,7 @@ impl EngineControl {
                 to = to.name(),
                 "role changed"
             );
-            let wait = Duration::from_millis(m.deadline_ms.max(0) as u64);
+            let wait = wait_of(m.deadline_ms);
             let state = &me.state;
             let remaining = state
                 .wait_for(wait, || state.remaining_of(before, state.serving()))
