@@ -2,7 +2,7 @@
 //!
 //! - A server is a [`Routes`] implementation: its service name and one table of
 //!   (method path, handler). [`Dispatch`] turns it into the tower service tonic serves; each
-//!   handler answers with [`serve_unary`], [`serve_client_streaming`] or
+//!   handler answers with [`serve_unary`], [`crate::frames::serve_client_streaming`] or
 //!   [`serve_server_streaming`] and a closure.
 //! - A client builds its channel from [`endpoint`] and calls [`unary`], [`client_streaming`] or
 //!   [`server_streaming`] with the method path, bounded by [`bounded`].
@@ -17,9 +17,7 @@ use std::time::Duration;
 use http::uri::PathAndQuery;
 use tokio_stream::Stream;
 use tonic::body::Body;
-use tonic::server::{
-    ClientStreamingService, Grpc, NamedService, ServerStreamingService, UnaryService,
-};
+use tonic::server::{Grpc, NamedService, ServerStreamingService, UnaryService};
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::{Request, Response, Status, Streaming};
 use tonic_prost::ProstCodec;
@@ -220,21 +218,6 @@ where
     }
 }
 
-struct ClientStreamingFn<F>(F);
-
-impl<Req, Resp, F, Fut> ClientStreamingService<Req> for ClientStreamingFn<F>
-where
-    F: FnMut(Request<Streaming<Req>>) -> Fut,
-    Fut: Future<Output = Result<Response<Resp>, Status>>,
-{
-    type Response = Resp;
-    type Future = Fut;
-
-    fn call(&mut self, request: Request<Streaming<Req>>) -> Fut {
-        (self.0)(request)
-    }
-}
-
 struct ServerStreamingFn<F>(F);
 
 impl<Req, Resp, S, F, Fut> ServerStreamingService<Req> for ServerStreamingFn<F>
@@ -301,24 +284,6 @@ where
     Box::pin(async move {
         let svc = UnaryFn(once(handler));
         Ok(server::<Req, Resp>(limits).unary(svc, req).await)
-    })
-}
-
-/// Answers one client-streaming call with `handler`, which reads the request stream.
-pub fn serve_client_streaming<Req, Resp, F, Fut>(
-    req: http::Request<Body>,
-    limits: MessageLimits,
-    handler: F,
-) -> ResponseFuture
-where
-    Req: prost::Message + Default + Send + 'static,
-    Resp: prost::Message + Send + 'static,
-    F: FnOnce(Streaming<Req>) -> Fut + Send + 'static,
-    Fut: Future<Output = Result<Resp, Status>> + Send + 'static,
-{
-    Box::pin(async move {
-        let svc = ClientStreamingFn(once(handler));
-        Ok(server::<Req, Resp>(limits).client_streaming(svc, req).await)
     })
 }
 

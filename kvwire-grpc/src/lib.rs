@@ -14,6 +14,7 @@
 #![deny(missing_docs)]
 
 pub mod etcd;
+pub mod frames;
 pub mod glue;
 pub mod memory;
 pub mod pb;

@@ -7,11 +7,12 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tonic::Status;
 use tonic::body::Body;
 use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
-use tonic::{Status, Streaming};
 
+use crate::frames::{self, RequestStream};
 use crate::glue::{self, Dispatch, Handler, MessageLimits, ResponseFuture, Routes};
 use crate::pb::kv::{
     HasBlocksRequest, HasBlocksResponse, KvAck, KvChunk, ReleaseRequest, ReleaseResponse, path,
@@ -140,24 +141,28 @@ impl KvTransferService {
         let t = self.timeouts;
         let observer = self.observer.clone();
         let owner = push_owner(&req);
-        glue::serve_client_streaming(req, self.push, move |s: Streaming<KvChunk>| async move {
-            let started = Instant::now();
-            let r = Self::receive(rx, t, s, owner).await;
-            if let Some(o) = &observer {
-                match &r {
-                    Ok(ack) => o.accepted(ack, started.elapsed()),
-                    Err(status) => o.refused(status.code()),
+        frames::serve_client_streaming(
+            req,
+            self.push,
+            move |s: RequestStream<KvChunk>| async move {
+                let started = Instant::now();
+                let r = Self::receive(rx, t, s, owner).await;
+                if let Some(o) = &observer {
+                    match &r {
+                        Ok(ack) => o.accepted(ack, started.elapsed()),
+                        Err(status) => o.refused(status.code()),
+                    }
                 }
-            }
-            r
-        })
+                r
+            },
+        )
     }
 
     /// One push, from its first chunk to its ack.
     async fn receive(
         rx: Arc<KvReceiver>,
         t: ServiceLimits,
-        mut s: Streaming<KvChunk>,
+        mut s: RequestStream<KvChunk>,
         owner: Vec<u8>,
     ) -> Result<KvAck, Status> {
         // Counted (and refused when too many) before a byte of it is read. Dropping

@@ -1,0 +1,367 @@
+//! A client-streaming call read without tonic's copy.
+//!
+//! tonic's `Streaming` appends every HTTP/2 DATA frame to a buffer of its own before it decodes a
+//! message: for a 2 MiB push chunk that is a 2 MiB copy on the receiving side, before the import
+//! copies the same bytes into the pool. A sender over HTTP/2 with a large `max_frame_size` (the
+//! server advertises 16 MiB) sends each chunk as one DATA frame, which h2 hands up as one
+//! `Bytes`. [`RequestStream`] keeps the frames as they came and cuts each message out of its
+//! frame by reference; only a message that spans frames is gathered, into one buffer (as tonic
+//! would). prost then decodes `bytes` fields from that `Bytes` by reference too.
+//!
+//! The framing and its refusals are tonic's: a 5-byte prefix (a compression flag of 0 and a
+//! big-endian length); a message over the limit is OUT_OF_RANGE and a compressed one (no
+//! compression is offered) INTERNAL, with tonic's messages.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http_body::Frame;
+use tonic::Status;
+use tonic::body::Body;
+
+use crate::glue::{MessageLimits, ResponseFuture};
+
+/// The gRPC message prefix: the compression flag and the length.
+const PREFIX: usize = 5;
+
+/// The messages of a client-streaming call, decoded as `Req`.
+pub struct RequestStream<Req> {
+    body: Body,
+    frames: VecDeque<Bytes>,
+    buffered: usize,
+    max: usize,
+    ended: bool,
+    _req: std::marker::PhantomData<fn() -> Req>,
+}
+
+impl<Req> std::fmt::Debug for RequestStream<Req> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestStream")
+            .field("buffered", &self.buffered)
+            .field("max", &self.max)
+            .field("ended", &self.ended)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<Req: prost::Message + Default> RequestStream<Req> {
+    /// Reads the messages of `body`, each at most `max` bytes.
+    #[must_use]
+    pub fn new(body: Body, max: usize) -> Self {
+        Self {
+            body,
+            frames: VecDeque::new(),
+            buffered: 0,
+            max,
+            ended: false,
+            _req: std::marker::PhantomData,
+        }
+    }
+
+    /// The next message, or `None` at the end of the stream.
+    ///
+    /// # Errors
+    /// The stream's own error (a reset, a cancelled call), a message over the limit
+    /// (OUT_OF_RANGE), a compressed or truncated one, or bytes that do not decode (INTERNAL).
+    pub async fn message(&mut self) -> Result<Option<Req>, Status> {
+        loop {
+            if let Some(bytes) = self.cut()? {
+                return Req::decode(bytes)
+                    .map(Some)
+                    .map_err(|e| Status::internal(e.to_string()));
+            }
+            if self.ended {
+                return if self.buffered == 0 {
+                    Ok(None)
+                } else {
+                    Err(Status::internal("Unexpected EOF decoding stream."))
+                };
+            }
+            let frame = std::future::poll_fn(|cx| self.poll_frame(cx)).await;
+            match frame {
+                None => self.ended = true,
+                Some(Err(status)) => return Err(status),
+                Some(Ok(frame)) => {
+                    // Trailers of a request carry nothing for us.
+                    if let Ok(data) = frame.into_data()
+                        && !data.is_empty()
+                    {
+                        self.buffered += data.len();
+                        self.frames.push_back(data);
+                    }
+                }
+            }
+        }
+    }
+
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        http_body::Body::poll_frame(Pin::new(&mut self.body), cx)
+    }
+
+    /// The next whole message's bytes, when they have all arrived.
+    fn cut(&mut self) -> Result<Option<Bytes>, Status> {
+        if self.buffered < PREFIX {
+            return Ok(None);
+        }
+        let mut head = [0u8; PREFIX];
+        self.peek(&mut head);
+        match head[0] {
+            0 => {}
+            1 => {
+                return Err(Status::internal(
+                    "protocol error: received message with compressed-flag but no grpc-encoding was specified",
+                ));
+            }
+            f => {
+                return Err(Status::internal(format!(
+                    "protocol error: received message with invalid compression flag: {f} (valid flags are 0 and 1), while sending request"
+                )));
+            }
+        }
+        let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+        if len > self.max {
+            return Err(Status::out_of_range(format!(
+                "Error, decoded message length too large: found {len} bytes, the limit is: {} bytes",
+                self.max
+            )));
+        }
+        if self.buffered < PREFIX + len {
+            return Ok(None);
+        }
+        self.take(PREFIX);
+        Ok(Some(self.take(len)))
+    }
+
+    /// Copies the first `out.len()` buffered bytes (the caller checked they are there).
+    fn peek(&self, out: &mut [u8]) {
+        let mut at = 0;
+        for f in &self.frames {
+            let n = (out.len() - at).min(f.len());
+            out[at..at + n].copy_from_slice(&f[..n]);
+            at += n;
+            if at == out.len() {
+                return;
+            }
+        }
+    }
+
+    /// The first `n` buffered bytes: a slice of the first frame when it holds them all, else
+    /// gathered into one buffer.
+    fn take(&mut self, n: usize) -> Bytes {
+        self.buffered -= n;
+        if let Some(first) = self.frames.front_mut()
+            && first.len() >= n
+        {
+            let out = first.split_to(n);
+            if first.is_empty() {
+                self.frames.pop_front();
+            }
+            return out;
+        }
+        let mut out = BytesMut::with_capacity(n);
+        while out.len() < n {
+            let Some(first) = self.frames.front_mut() else {
+                break;
+            };
+            let k = (n - out.len()).min(first.len());
+            out.extend_from_slice(&first[..k]);
+            first.advance(k);
+            if first.is_empty() {
+                self.frames.pop_front();
+            }
+        }
+        out.freeze()
+    }
+}
+
+/// A gRPC response of one message and `grpc-status: 0`.
+struct OneMessage {
+    data: Option<Bytes>,
+    trailers: Option<http::HeaderMap>,
+}
+
+impl http_body::Body for OneMessage {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        if let Some(d) = self.data.take() {
+            return Poll::Ready(Some(Ok(Frame::data(d))));
+        }
+        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.data.is_none() && self.trailers.is_none()
+    }
+}
+
+/// The HTTP response for a handler's answer: the message then `grpc-status: 0`, or the status
+/// alone (trailers-only). A message over `max_encode` is OUT_OF_RANGE instead.
+fn answer<Resp: prost::Message>(
+    r: Result<Resp, Status>,
+    max_encode: usize,
+) -> http::Response<Body> {
+    let msg = match r {
+        Ok(m) if m.encoded_len() <= max_encode => m,
+        Ok(m) => {
+            return Status::out_of_range(format!(
+                "Error, encoded message length too large: found {} bytes, the limit is: {max_encode} bytes",
+                m.encoded_len()
+            ))
+            .into_http();
+        }
+        Err(status) => return status.into_http(),
+    };
+    let len = msg.encoded_len();
+    let mut buf = BytesMut::with_capacity(PREFIX + len);
+    buf.extend_from_slice(&[0]);
+    buf.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
+    // Encoding into a buffer reserved for the whole message cannot fail.
+    let _ = msg.encode(&mut buf);
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert(Status::GRPC_STATUS, http::HeaderValue::from_static("0"));
+    let mut resp = http::Response::new(Body::new(OneMessage {
+        data: Some(buf.freeze()),
+        trailers: Some(trailers),
+    }));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    resp
+}
+
+/// Answers one client-streaming call with `handler`, which reads the request stream as a
+/// [`RequestStream`] (messages cut out of their DATA frames by reference) within `limits`.
+pub fn serve_client_streaming<Req, Resp, F, Fut>(
+    req: http::Request<Body>,
+    limits: MessageLimits,
+    handler: F,
+) -> ResponseFuture
+where
+    Req: prost::Message + Default + Send + 'static,
+    Resp: prost::Message + Send + 'static,
+    F: FnOnce(RequestStream<Req>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<Resp, Status>> + Send + 'static,
+{
+    Box::pin(async move {
+        // No compression is offered: a request that says it uses one is refused, as tonic
+        // refuses an encoding it does not accept.
+        if let Some(enc) = req.headers().get("grpc-encoding")
+            && enc.as_bytes() != b"identity"
+        {
+            let msg = format!(
+                "Content is compressed with `{}` which isn't supported",
+                String::from_utf8_lossy(enc.as_bytes())
+            );
+            return Ok(Status::unimplemented(msg).into_http());
+        }
+        let stream = RequestStream::new(req.into_body(), limits.max_decode);
+        Ok(answer(handler(stream).await, limits.max_encode))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pb::kv::KvChunk;
+    use prost::Message;
+
+    /// A body of the given DATA frames.
+    struct Frames(VecDeque<Bytes>);
+
+    impl http_body::Body for Frames {
+        type Data = Bytes;
+        type Error = Status;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+            Poll::Ready(self.0.pop_front().map(|b| Ok(Frame::data(b))))
+        }
+    }
+
+    fn framed(m: &KvChunk) -> Vec<u8> {
+        let mut v = vec![0u8];
+        v.extend_from_slice(&(m.encoded_len() as u32).to_be_bytes());
+        v.extend_from_slice(&m.encode_to_vec());
+        v
+    }
+
+    fn stream(frames: Vec<Vec<u8>>, max: usize) -> RequestStream<KvChunk> {
+        let body = Body::new(Frames(frames.into_iter().map(Bytes::from).collect()));
+        RequestStream::new(body, max)
+    }
+
+    fn chunk(i: u32, n: usize) -> KvChunk {
+        KvChunk {
+            handle_id: "h".into(),
+            index: i,
+            payload: Bytes::from(vec![i as u8; n]),
+            ..KvChunk::default()
+        }
+    }
+
+    /// A message in one frame is cut from it by reference: its payload points into the frame.
+    #[tokio::test]
+    async fn a_message_in_one_frame_is_not_copied() {
+        let wire = Bytes::from(framed(&chunk(1, 4096)));
+        let range = wire.as_ptr() as usize..wire.as_ptr() as usize + wire.len();
+        let body = Body::new(Frames(VecDeque::from([wire])));
+        let mut s = RequestStream::<KvChunk>::new(body, 1 << 20);
+        let m = s.message().await.unwrap().unwrap();
+        assert_eq!(m.payload.len(), 4096);
+        assert!(range.contains(&(m.payload.as_ptr() as usize)));
+        assert!(s.message().await.unwrap().is_none());
+    }
+
+    /// Messages split across frames anywhere (inside the prefix too), and several in one
+    /// frame, all come out whole and in order.
+    #[tokio::test]
+    async fn messages_split_anywhere_come_out_whole() {
+        let msgs: Vec<KvChunk> = (0..5).map(|i| chunk(i, 100 + 37 * i as usize)).collect();
+        let wire: Vec<u8> = msgs.iter().flat_map(framed).collect();
+        for step in [1usize, 3, 5, 64, 1000, wire.len()] {
+            let frames = wire.chunks(step).map(<[u8]>::to_vec).collect();
+            let mut s = stream(frames, 1 << 20);
+            for want in &msgs {
+                assert_eq!(
+                    s.message().await.unwrap().as_ref(),
+                    Some(want),
+                    "step {step}"
+                );
+            }
+            assert!(s.message().await.unwrap().is_none());
+        }
+    }
+
+    /// The refusals and their codes: over the limit (before the body arrives), compressed,
+    /// a bad flag, a stream that ends inside a message, and bytes that are not a message.
+    #[tokio::test]
+    async fn refusals_have_tonics_codes() {
+        let big = framed(&chunk(0, 2000));
+        let mut s = stream(vec![big[..PREFIX].to_vec()], 1000);
+        assert_eq!(
+            s.message().await.unwrap_err().code(),
+            tonic::Code::OutOfRange
+        );
+        let mut compressed = framed(&chunk(0, 10));
+        compressed[0] = 1;
+        let mut s = stream(vec![compressed.clone()], 1000);
+        assert_eq!(s.message().await.unwrap_err().code(), tonic::Code::Internal);
+        compressed[0] = 7;
+        let mut s = stream(vec![compressed], 1000);
+        assert_eq!(s.message().await.unwrap_err().code(), tonic::Code::Internal);
+        let whole = framed(&chunk(0, 10));
+        let mut s = stream(vec![whole[..whole.len() - 1].to_vec()], 1000);
+        assert_eq!(s.message().await.unwrap_err().code(), tonic::Code::Internal);
+        let mut s = stream(vec![vec![0, 0, 0, 0, 2, 0xff, 0xff]], 1000);
+        assert_eq!(s.message().await.unwrap_err().code(), tonic::Code::Internal);
+    }
+}
