@@ -11,8 +11,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
-
-use super::readahead::ReadAhead;
 use kvwire_grpc::sender::Connect;
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -115,7 +113,7 @@ struct Dialer {
     connect_timeout: Duration,
 }
 
-type Dialed = TokioIo<TlsStream<ReadAhead<TcpStream>>>;
+type Dialed = TokioIo<TlsStream<TcpStream>>;
 
 impl tower_service::Service<http::Uri> for Dialer {
     type Response = Dialed;
@@ -148,7 +146,7 @@ impl tower_service::Service<http::Uri> for Dialer {
             let dial = async {
                 let tcp = TcpStream::connect((host.as_str(), port)).await?;
                 tcp.set_nodelay(true)?;
-                me.tls.connect(name, ReadAhead::new(tcp)).await
+                me.tls.connect(name, tcp).await
             };
             let io = tokio::time::timeout(me.connect_timeout, dial)
                 .await

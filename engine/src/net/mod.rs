@@ -6,7 +6,6 @@ pub mod clients;
 pub mod dial;
 pub mod limits;
 pub mod probes;
-pub mod readahead;
 pub mod role;
 pub mod server;
 pub mod tls;

@@ -24,7 +24,6 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 
-use super::readahead::ReadAhead;
 use super::unproven::{Entry, Unproven};
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
@@ -119,7 +118,7 @@ fn tls_incoming(
     life: &Lifecycle,
     listener: TcpListener,
     tls: Arc<ServerConfig>,
-) -> mpsc::Receiver<(TlsStream<ReadAhead<TcpStream>>, SocketAddr)> {
+) -> mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)> {
     let (tx, rx) = mpsc::channel(64);
     let acceptor = TlsAcceptor::from(tls);
     let stop = life.token().clone();
@@ -141,7 +140,7 @@ fn tls_incoming(
                     let (acceptor, tx) = (acceptor.clone(), tx.clone());
                     let handle = handshakes.spawn(async move {
                         if let Ok(Ok(tls)) =
-                            tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(ReadAhead::new(tcp))).await
+                            tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
                         {
                             let _ = tx.send((tls, peer)).await;
                         }

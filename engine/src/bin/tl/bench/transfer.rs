@@ -4,7 +4,6 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use kvwire_grpc::{H2Limits, KvTransferService};
-use tl_engine::net::readahead::ReadAhead;
 use tl_engine::net::server::{Lifecycle, serve_grpc};
 use tl_engine::net::tls::{PeerRole, Tls};
 use tl_engine::node::store::PoolStore;
@@ -116,13 +115,10 @@ type TlsPair = (
 
 /// Sends `bytes_total` bytes in `chunk`-sized writes over one loopback connection (raw TCP, or
 /// TLS over it) and waits for the receiver's one-byte ack; returns GB/s.
-/// With `ahead`, each end's socket sits under a [`ReadAhead`] buffer, as the engine's gRPC
-/// connections over TLS do; without it, rustls reads the bare socket (4 KiB a call).
 async fn stream_run(
     bytes_total: usize,
     chunk: &[u8],
     tls: Option<TlsPair>,
-    ahead: bool,
 ) -> std::io::Result<f64> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -134,7 +130,6 @@ async fn stream_run(
         let (s, _) = listener.accept().await?;
         s.set_nodelay(true)?;
         let mut s: Box<dyn Io> = match server_tls {
-            Some(a) if ahead => Box::new(a.accept(ReadAhead::new(s)).await?),
             Some(a) => Box::new(a.accept(s).await?),
             None => Box::new(s),
         };
@@ -159,12 +154,11 @@ async fn stream_run(
             let name = rustls::pki_types::ServerName::try_from("127.0.0.1")
                 .map_err(std::io::Error::other)?
                 .to_owned();
-            let connector = tokio_rustls::TlsConnector::from(client);
-            if ahead {
-                Box::new(connector.connect(name, ReadAhead::new(tcp)).await?)
-            } else {
-                Box::new(connector.connect(name, tcp).await?)
-            }
+            Box::new(
+                tokio_rustls::TlsConnector::from(client)
+                    .connect(name, tcp)
+                    .await?,
+            )
         }
         None => Box::new(tcp),
     };
@@ -323,7 +317,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     let (mut grpc, mut tls, mut tcp) = (Vec::new(), Vec::new(), Vec::new());
     let (mut ratios, mut tls_ratios) = (Vec::new(), Vec::new());
     let (mut raw, mut raw_ratios) = (Vec::new(), Vec::new());
-    let (mut ahead, mut ahead_ratios, mut tls_over_raw) = (Vec::new(), Vec::new(), Vec::new());
+    let mut tls_over_raw = Vec::new();
     let raw_tls = (
         d_tls.server_config(&[b"h2"])?,
         p_tls.client_config(&[b"h2"])?,
@@ -338,18 +332,15 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
             .await?;
         let s = st.payload_bytes as f64 / secs / 1e9;
         let bytes = st.payload_bytes as usize;
-        let t = stream_run(bytes, &tcp_chunk, None, false).await?;
-        let r = stream_run(bytes, &tcp_chunk, Some(raw_tls.clone()), false).await?;
-        let ra = stream_run(bytes, &tcp_chunk, Some(raw_tls.clone()), true).await?;
+        let t = stream_run(bytes, &tcp_chunk, None).await?;
+        let r = stream_run(bytes, &tcp_chunk, Some(raw_tls.clone())).await?;
         grpc.push(g);
         tls.push(s);
         tcp.push(t);
         raw.push(r);
-        ahead.push(ra);
         ratios.push(g / t);
         tls_ratios.push(s / t);
         raw_ratios.push(r / t);
-        ahead_ratios.push(ra / t);
         tls_over_raw.push(s / r);
     }
     // With span export on: the same pairs again, each push in a client span (the server's
@@ -363,7 +354,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
             let (st, secs) = bench
                 .push(&transport, &target, &format!("untraced-{run}"), n)
                 .await?;
-            let t = stream_run(st.payload_bytes as usize, &tcp_chunk, None, false).await?;
+            let t = stream_run(st.payload_bytes as usize, &tcp_chunk, None).await?;
             off_ratios.push(st.payload_bytes as f64 / secs / 1e9 / t);
             let span = tracing::info_span!("kv.transfer", otel.kind = "client");
             let (st, secs) = tracing
@@ -373,7 +364,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
                         .instrument(span),
                 )
                 .await?;
-            let t = stream_run(st.payload_bytes as usize, &tcp_chunk, None, false).await?;
+            let t = stream_run(st.payload_bytes as usize, &tcp_chunk, None).await?;
             on_ratios.push(st.payload_bytes as f64 / secs / 1e9 / t);
         }
         let on = median(&mut on_ratios.clone());
@@ -469,8 +460,6 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
         "tls": { "version": "TLS 1.3, mutual", "cipher_suite": suite, "provider": "rustls + ring" },
         "raw_tls_gbps": round3(median(&mut raw.clone())),
         "raw_tls_over_tcp": round3(median(&mut raw_ratios.clone())),
-        "raw_tls_readahead_gbps": round3(median(&mut ahead.clone())),
-        "raw_tls_readahead_over_tcp": round3(median(&mut ahead_ratios)),
         "grpc_tls_over_raw_tls": round3(median(&mut tls_over_raw)),
         "cpu": super::cpu_json(),
         "tcp_gbps_all": tcp.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
