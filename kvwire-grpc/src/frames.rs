@@ -176,13 +176,10 @@ impl<Req: prost::Message + Default> RequestStream<Req> {
     }
 }
 
-/// A gRPC response of one message and `grpc-status: 0`.
-struct OneMessage {
-    data: Option<Bytes>,
-    trailers: Option<http::HeaderMap>,
-}
+/// A body of given frames, sent in order: a response's message and its trailers.
+struct Frames(VecDeque<Frame<Bytes>>);
 
-impl http_body::Body for OneMessage {
+impl http_body::Body for Frames {
     type Data = Bytes;
     type Error = Status;
 
@@ -190,14 +187,11 @@ impl http_body::Body for OneMessage {
         mut self: Pin<&mut Self>,
         _cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-        if let Some(d) = self.data.take() {
-            return Poll::Ready(Some(Ok(Frame::data(d))));
-        }
-        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
+        Poll::Ready(self.0.pop_front().map(Ok))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.data.is_none() && self.trailers.is_none()
+        self.0.is_empty()
     }
 }
 
@@ -226,10 +220,10 @@ fn answer<Resp: prost::Message>(
     let _ = msg.encode(&mut buf);
     let mut trailers = http::HeaderMap::new();
     trailers.insert(Status::GRPC_STATUS, http::HeaderValue::from_static("0"));
-    let mut resp = http::Response::new(Body::new(OneMessage {
-        data: Some(buf.freeze()),
-        trailers: Some(trailers),
-    }));
+    let mut resp = http::Response::new(Body::new(Frames(VecDeque::from([
+        Frame::data(buf.freeze()),
+        Frame::trailers(trailers),
+    ]))));
     resp.headers_mut().insert(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/grpc"),
@@ -273,18 +267,9 @@ mod tests {
     use crate::pb::kv::KvChunk;
     use prost::Message;
 
-    /// A body of the given DATA frames.
-    struct Frames(VecDeque<Bytes>);
-
-    impl http_body::Body for Frames {
-        type Data = Bytes;
-        type Error = Status;
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            _cx: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-            Poll::Ready(self.0.pop_front().map(|b| Ok(Frame::data(b))))
-        }
+    /// A request body of these DATA frames.
+    fn data(frames: impl IntoIterator<Item = Bytes>) -> Body {
+        Body::new(Frames(frames.into_iter().map(Frame::data).collect()))
     }
 
     fn framed(m: &KvChunk) -> Vec<u8> {
@@ -295,8 +280,7 @@ mod tests {
     }
 
     fn stream(frames: Vec<Vec<u8>>, max: usize) -> RequestStream<KvChunk> {
-        let body = Body::new(Frames(frames.into_iter().map(Bytes::from).collect()));
-        RequestStream::new(body, max)
+        RequestStream::new(data(frames.into_iter().map(Bytes::from)), max)
     }
 
     fn chunk(i: u32, n: usize) -> KvChunk {
@@ -313,8 +297,7 @@ mod tests {
     async fn a_message_in_one_frame_is_not_copied() {
         let wire = Bytes::from(framed(&chunk(1, 4096)));
         let range = wire.as_ptr() as usize..wire.as_ptr() as usize + wire.len();
-        let body = Body::new(Frames(VecDeque::from([wire])));
-        let mut s = RequestStream::<KvChunk>::new(body, 1 << 20);
+        let mut s = RequestStream::<KvChunk>::new(data([wire]), 1 << 20);
         let m = s.message().await.unwrap().unwrap();
         assert_eq!(m.payload.len(), 4096);
         assert!(range.contains(&(m.payload.as_ptr() as usize)));
