@@ -26,11 +26,23 @@ use crate::glue::{MessageLimits, ResponseFuture};
 /// The gRPC message prefix: the compression flag and the length.
 const PREFIX: usize = 5;
 
+/// DATA frames shorter than this are appended to one buffer (copied, as tonic copies every
+/// frame) instead of kept by reference: a peer that sends a message in 1-byte frames then costs
+/// its bytes, not a list entry and a pinned read buffer per byte.
+const SMALL_FRAME: usize = 16 << 10;
+
 /// The messages of a client-streaming call, decoded as `Req`.
 pub struct RequestStream<Req> {
     body: Body,
     frames: VecDeque<Bytes>,
+    /// Small frames since the last large one, in order, after `frames`.
+    small: BytesMut,
+    /// Bytes in `frames` and `small`.
     buffered: usize,
+    /// Bytes needed before the next message can be cut: its prefix, then prefix and body.
+    want: usize,
+    /// The most entries `frames` has held (for the bound's test).
+    most_entries: usize,
     max: usize,
     ended: bool,
     _req: std::marker::PhantomData<fn() -> Req>,
@@ -53,7 +65,10 @@ impl<Req: prost::Message + Default> RequestStream<Req> {
         Self {
             body,
             frames: VecDeque::new(),
+            small: BytesMut::new(),
             buffered: 0,
+            want: PREFIX,
+            most_entries: 0,
             max,
             ended: false,
             _req: std::marker::PhantomData,
@@ -67,10 +82,15 @@ impl<Req: prost::Message + Default> RequestStream<Req> {
     /// (OUT_OF_RANGE), a compressed or truncated one, or bytes that do not decode (INTERNAL).
     pub async fn message(&mut self) -> Result<Option<Req>, Status> {
         loop {
-            if let Some(bytes) = self.cut()? {
-                return Req::decode(bytes)
-                    .map(Some)
-                    .map_err(|e| Status::internal(e.to_string()));
+            // The small frames are gathered only when a step can be taken, so the list holds
+            // at most the large frames and two gathered runs a message.
+            if self.buffered >= self.want {
+                self.flush_small();
+                if let Some(bytes) = self.cut()? {
+                    return Req::decode(bytes)
+                        .map(Some)
+                        .map_err(|e| Status::internal(e.to_string()));
+                }
             }
             if self.ended {
                 return if self.buffered == 0 {
@@ -89,11 +109,29 @@ impl<Req: prost::Message + Default> RequestStream<Req> {
                         && !data.is_empty()
                     {
                         self.buffered += data.len();
-                        self.frames.push_back(data);
+                        if data.len() < SMALL_FRAME {
+                            self.small.extend_from_slice(&data);
+                        } else {
+                            self.flush_small();
+                            self.push(data);
+                        }
                     }
                 }
             }
         }
+    }
+
+    /// Moves the gathered small frames to the end of the list, as one entry.
+    fn flush_small(&mut self) {
+        if !self.small.is_empty() {
+            let run = self.small.split().freeze();
+            self.push(run);
+        }
+    }
+
+    fn push(&mut self, bytes: Bytes) {
+        self.frames.push_back(bytes);
+        self.most_entries = self.most_entries.max(self.frames.len());
     }
 
     fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
@@ -128,8 +166,10 @@ impl<Req: prost::Message + Default> RequestStream<Req> {
             )));
         }
         if self.buffered < PREFIX + len {
+            self.want = PREFIX + len;
             return Ok(None);
         }
+        self.want = PREFIX;
         self.take(PREFIX);
         Ok(Some(self.take(len)))
     }
@@ -292,14 +332,15 @@ mod tests {
         }
     }
 
-    /// A message in one frame is cut from it by reference: its payload points into the frame.
+    /// A message in one large frame is cut from it by reference: its payload points into the
+    /// frame.
     #[tokio::test]
     async fn a_message_in_one_frame_is_not_copied() {
-        let wire = Bytes::from(framed(&chunk(1, 4096)));
+        let wire = Bytes::from(framed(&chunk(1, 64 << 10)));
         let range = wire.as_ptr() as usize..wire.as_ptr() as usize + wire.len();
         let mut s = RequestStream::<KvChunk>::new(data([wire]), 1 << 20);
         let m = s.message().await.unwrap().unwrap();
-        assert_eq!(m.payload.len(), 4096);
+        assert_eq!(m.payload.len(), 64 << 10);
         assert!(range.contains(&(m.payload.as_ptr() as usize)));
         assert!(s.message().await.unwrap().is_none());
     }
@@ -322,6 +363,25 @@ mod tests {
             }
             assert!(s.message().await.unwrap().is_none());
         }
+    }
+
+    /// A message sent in 1-byte frames comes out whole, and the frame list stays short: the
+    /// small frames were gathered, not kept one entry each.
+    #[tokio::test]
+    async fn tiny_frames_do_not_grow_the_frame_list() {
+        let m = chunk(3, 100_000);
+        let wire = framed(&m);
+        let mut s = stream(wire.chunks(1).map(<[u8]>::to_vec).collect(), 1 << 20);
+        assert_eq!(s.message().await.unwrap().as_ref(), Some(&m));
+        assert!(s.message().await.unwrap().is_none());
+        assert!(s.most_entries <= 2, "{} entries", s.most_entries);
+        // Large frames are kept by reference, one entry each.
+        let mut s = stream(
+            wire.chunks(SMALL_FRAME).map(<[u8]>::to_vec).collect(),
+            1 << 20,
+        );
+        assert_eq!(s.message().await.unwrap().as_ref(), Some(&m));
+        assert!(s.most_entries >= 2);
     }
 
     /// The refusals and their codes: over the limit (before the body arrives), compressed,
