@@ -16,6 +16,7 @@
 pub mod etcd;
 pub mod frames;
 pub mod glue;
+pub mod lane;
 pub mod memory;
 pub mod pb;
 pub mod receiver;
@@ -23,6 +24,7 @@ pub mod sender;
 pub mod server;
 pub mod store;
 
+pub use lane::ImportLane;
 pub use receiver::{Claimed, HandleView, KvReceiver, PushState, ReceiverLimits, RecvError};
 pub use sender::{
     BlockFeed, GrpcTransport, Holds, KvTransport, OutChunk, Push, TransferError, TransferStats,

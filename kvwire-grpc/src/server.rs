@@ -14,10 +14,11 @@ use tonic::transport::server::TcpIncoming;
 
 use crate::frames::{self, RequestStream};
 use crate::glue::{self, Dispatch, Handler, MessageLimits, ResponseFuture, Routes};
+use crate::lane::ImportLane;
 use crate::pb::kv::{
     HasBlocksRequest, HasBlocksResponse, KvAck, KvChunk, ReleaseRequest, ReleaseResponse, path,
 };
-use crate::receiver::{KvReceiver, PushState, RecvError};
+use crate::receiver::{KvReceiver, PushState};
 
 /// Deadlines and message limits of the `KvTransfer` service (CONTRACTS section 8).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,6 +64,7 @@ pub struct KvTransferService {
     small: MessageLimits,
     timeouts: ServiceLimits,
     observer: Option<Arc<dyn PushObserver>>,
+    lane: Option<ImportLane>,
 }
 
 impl KvTransferService {
@@ -93,6 +95,7 @@ impl KvTransferService {
             timeouts: limits,
             rx,
             observer: None,
+            lane: None,
         }
     }
 
@@ -106,6 +109,15 @@ impl KvTransferService {
     #[must_use]
     pub fn observed(mut self, observer: Arc<dyn PushObserver>) -> Self {
         self.observer = Some(observer);
+        self
+    }
+
+    /// Checks and copies large chunks into the store on `lane`'s threads instead of on the
+    /// async workers (see [`ImportLane`]); without a lane they run in place, with the worker's
+    /// other tasks handed to another thread first (`block_in_place`).
+    #[must_use]
+    pub fn with_import_lane(mut self, lane: ImportLane) -> Self {
+        self.lane = Some(lane);
         self
     }
 
@@ -140,13 +152,14 @@ impl KvTransferService {
         let rx = Arc::clone(&self.rx);
         let t = self.timeouts;
         let observer = self.observer.clone();
+        let lane = self.lane.clone();
         let owner = push_owner(&req);
         frames::serve_client_streaming(
             req,
             self.push,
             move |s: RequestStream<KvChunk>| async move {
                 let started = Instant::now();
-                let r = Self::receive(rx, t, s, owner).await;
+                let r = Self::receive(rx, t, s, owner, lane).await;
                 if let Some(o) = &observer {
                     match &r {
                         Ok(ack) => o.accepted(ack, started.elapsed()),
@@ -164,6 +177,7 @@ impl KvTransferService {
         t: ServiceLimits,
         mut s: RequestStream<KvChunk>,
         owner: Vec<u8>,
+        lane: Option<ImportLane>,
     ) -> Result<KvAck, Status> {
         // Counted (and refused when too many) before a byte of it is read. Dropping
         // `push` on any early return (refusal, broken stream, cancelled call, a
@@ -184,7 +198,7 @@ impl KvTransferService {
                         if !chunk.payload.is_empty() {
                             wait_for_room(&rx, chunk.cache_scope, t.import_wait).await;
                         }
-                        import(&mut push, chunk)?;
+                        push = import(lane.as_ref(), push, chunk).await?;
                     }
                     None => return Ok::<_, Status>(push),
                 }
@@ -245,18 +259,38 @@ async fn wait_for_room(rx: &KvReceiver, scope: u64, wait: Duration) {
 /// Chunks at least this large are checked and imported off the async scheduler.
 const OFFLOAD_BYTES: usize = 64 << 10;
 
-/// Accepts one chunk. A large chunk's checksum and copy into the pool (a few hundred
-/// microseconds for 2 MiB) run in place on this thread, but with the worker's other tasks
-/// handed to another thread first (`block_in_place`), so HasBlocks and control calls never
-/// queue behind an import. On a current-thread runtime (tests) it simply runs.
-fn import(push: &mut PushState, chunk: KvChunk) -> Result<(), RecvError> {
-    let multi = tokio::runtime::Handle::try_current()
-        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-    if multi && chunk.payload.len() >= OFFLOAD_BYTES {
-        tokio::task::block_in_place(|| push.accept(chunk))
-    } else {
-        push.accept(chunk)
+/// Accepts one chunk, giving the push back when it was accepted (dropping it on a refusal
+/// undoes the push). A large chunk's checksum and copy into the store (a few hundred
+/// microseconds for 2 MiB) run on the import lane when there is one; otherwise in place on
+/// this thread, with the worker's other tasks handed to another thread first
+/// (`block_in_place`), so HasBlocks and control calls never queue behind an import in tokio's
+/// run queue. On a current-thread runtime without a lane (tests) it simply runs.
+async fn import(
+    lane: Option<&ImportLane>,
+    mut push: PushState,
+    chunk: KvChunk,
+) -> Result<PushState, Status> {
+    if chunk.payload.len() >= OFFLOAD_BYTES {
+        if let Some(lane) = lane {
+            let (push, r) = lane
+                .run(move || {
+                    let r = push.accept(chunk);
+                    (push, r)
+                })
+                .await
+                .map_err(|e| Status::unavailable(e.to_string()))?;
+            r?;
+            return Ok(push);
+        }
+        let multi = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if multi {
+            tokio::task::block_in_place(|| push.accept(chunk))?;
+            return Ok(push);
+        }
     }
+    push.accept(chunk)?;
+    Ok(push)
 }
 
 /// HTTP/2 bounds of a server (CONTRACTS section 8).

@@ -21,6 +21,10 @@
 //! max_step_tokens = 0           # tokens one step computes, decodes and prefill chunks together:
 //!                               # a longer prompt is prefilled in whole blocks over several
 //!                               # steps (chunked prefill); 0: every prompt whole in its step
+//! import_threads = 2            # decode roles: threads that check and copy pushed blocks into
+//!                               # the pool, off the async workers; 0: on them (block_in_place)
+//! import_nice = 10              # the nice value those threads run at (0..=19): a control call
+//!                               # that wakes while an import holds a core runs first
 //!
 //! [model]
 //! kind = "fake"                 # "fake": the deterministic fake model, named "fake";
@@ -137,6 +141,12 @@ pub struct EngineSection {
     pub max_prefill_tokens: usize,
     /// Tokens one step computes, decodes and prefill chunks together (chunked prefill); 0: off.
     pub max_step_tokens: usize,
+    /// Decode roles: threads that check and copy pushed blocks into the pool (the import
+    /// lane); 0: no lane, the async workers import in place.
+    pub import_threads: usize,
+    /// The nice value of the import lane's threads (0..=19); raising a thread's nice value
+    /// needs no privilege.
+    pub import_nice: i32,
 }
 
 impl Default for EngineSection {
@@ -155,6 +165,8 @@ impl Default for EngineSection {
             metrics_listen: "127.0.0.1:0".into(),
             max_prefill_tokens: 0,
             max_step_tokens: 0,
+            import_threads: 2,
+            import_nice: 10,
         }
     }
 }
@@ -307,6 +319,11 @@ impl Config {
     /// # Errors
     /// The first value out of range.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        crate::net::limits::in_range("engine.import_threads", self.engine.import_threads, 0, 64)
+            .and_then(|()| {
+                crate::net::limits::in_range("engine.import_nice", self.engine.import_nice, 0, 19)
+            })
+            .map_err(ConfigError::Invalid)?;
         if let Some(s) = self.engine.serving
             && self.engine.role != Role::Both
             && s != self.engine.role
@@ -592,6 +609,23 @@ mod tests {
         let bad: Config = toml::from_str("[pool]\nblock_tokens = 0\n").unwrap();
         assert!(bad.validate().is_err());
         assert_eq!(Role::Both.names(), ["prefill", "decode"]);
+        // The import lane: two threads at nice 10 unless told; a nice value that would raise
+        // the threads' priority (which needs privilege) or one past 19 is refused at start.
+        assert_eq!((c.engine.import_threads, c.engine.import_nice), (2, 10));
+        for (key, ok) in [
+            ("import_nice = -1", false),
+            ("import_nice = 20", false),
+            ("import_threads = 65", false),
+            ("import_threads = 0", true),
+            ("import_nice = 0", true),
+        ] {
+            let c: Config = toml::from_str(&format!("[engine]\n{key}\n")).unwrap();
+            let r = c.validate();
+            assert_eq!(r.is_ok(), ok, "{key}: {r:?}");
+            if let Err(e) = r {
+                assert!(e.to_string().contains("engine.import_"), "{e}");
+            }
+        }
     }
 
     #[test]

@@ -224,11 +224,17 @@ impl EngineNode {
             ..Addresses::default()
         };
         if let Some(rx) = receiver.clone() {
-            let kv = KvTransferService::with_limits(Arc::clone(&rx), limits.service())
-                .observed(Arc::new(KvObserver(
-                    Arc::clone(&metrics),
-                    cfg.engine.id.clone(),
-                )))
+            let mut kv =
+                KvTransferService::with_limits(Arc::clone(&rx), limits.service()).observed(
+                    Arc::new(KvObserver(Arc::clone(&metrics), cfg.engine.id.clone())),
+                );
+            if cfg.engine.import_threads > 0 {
+                kv = kv.with_import_lane(import_lane(
+                    cfg.engine.import_threads,
+                    cfg.engine.import_nice,
+                )?);
+            }
+            let kv = kv
                 .into_service()
                 .with_auth(RolePolicy::for_service::<KvTransferService>(KV_POLICY).when(mtls));
             let kv = serve_grpc(
@@ -425,6 +431,22 @@ impl EngineNode {
         self.thread.join().await;
         remaining
     }
+}
+
+/// The import lane of a decode engine: `threads` threads at nice value `nice`, so that the
+/// bulk copy of pushed blocks yields its core to the async workers (control calls, HasBlocks,
+/// the HTTP front) whenever they have work. A thread that cannot lower its priority (a
+/// platform without per-thread nice values) imports at the normal one and says so.
+fn import_lane(threads: usize, nice: i32) -> std::io::Result<kvwire_grpc::ImportLane> {
+    kvwire_grpc::ImportLane::with_thread_start("kv-import", threads, move || {
+        if nice == 0 {
+            return;
+        }
+        // On Linux a nice value is a thread's own: this lowers only the lane thread.
+        if let Err(e) = rustix::process::setpriority_process(None, nice) {
+            tracing::warn!(nice, error = %e, "the import lane keeps the normal priority");
+        }
+    })
 }
 
 /// Beats to `hb`'s registry for the life of the node, with the node's live status; the

@@ -1,7 +1,8 @@
 //! `tl bench control`: how long the control plane waits behind compute. Info and HasBlocks
 //! latency on a decode engine at the realistic shape, idle, while it decodes a long sequence, and
-//! while it imports a 256-block push; `busy_over_idle_p99` is the worst busy p99 over the idle
-//! p99 across both calls and both loads.
+//! while it imports 256-block pushes; `busy_over_idle_p99` is the worst busy p99 over the idle
+//! p99 across both calls and both loads. Idle and importing windows alternate over several
+//! rounds and each condition's p99 is over all its rounds' calls.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -25,9 +26,17 @@ pub(crate) struct ControlArgs {
     /// Print the result as one JSON line (the only output format).
     #[arg(long)]
     json: bool,
-    /// Calls of each kind per condition.
-    #[arg(long, default_value_t = 100)]
+    /// Calls of each kind per condition (split over the rounds).
+    #[arg(long, default_value_t = 300)]
     calls: usize,
+    /// Rounds of idle then importing, interleaved so that both conditions see the same spells
+    /// of machine noise (a shared host's steal time moves a p99 more than the load does).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Threads of the decode engine's import lane (`engine.import_threads`; 0: imports run
+    /// in place on the async workers, as before the lane).
+    #[arg(long)]
+    import_threads: Option<usize>,
     /// Prompt tokens of the sequence decoded under load.
     #[arg(long, default_value_t = 4096)]
     decode_tokens: usize,
@@ -47,19 +56,38 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[(((p / 100.0) * (v.len() - 1) as f64).round() as usize).min(v.len() - 1)]
 }
 
-/// p50 and p99 of Info and of HasBlocks (256 hashes), in ms, over `n` calls each, alternating.
+/// Latencies of Info and of HasBlocks (256 hashes), in ms.
+#[derive(Default)]
+struct Samples {
+    info: Vec<f64>,
+    has_blocks: Vec<f64>,
+}
+
+impl Samples {
+    fn summary(&mut self) -> serde_json::Value {
+        serde_json::json!({
+            "calls": self.info.len(),
+            "info_ms_p50": round3(pct(&mut self.info, 50.0)),
+            "info_ms_p99": round3(pct(&mut self.info, 99.0)),
+            "has_blocks_ms_p50": round3(pct(&mut self.has_blocks, 50.0)),
+            "has_blocks_ms_p99": round3(pct(&mut self.has_blocks, 99.0)),
+        })
+    }
+}
+
+/// `n` calls of Info and of HasBlocks, alternating, into `into`.
 async fn probe(
     ctl: &ControlClient,
     t: &GrpcTransport,
     kv: &str,
     n: usize,
-) -> Result<serde_json::Value, BenchError> {
-    let (mut info, mut hb) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    into: &mut Samples,
+) -> Result<(), BenchError> {
     let hashes: Vec<u64> = (1..=256).collect();
     for _ in 0..n {
         let s = Instant::now();
         ctl.info().await?;
-        info.push(s.elapsed().as_secs_f64() * 1e3);
+        into.info.push(s.elapsed().as_secs_f64() * 1e3);
         let s = Instant::now();
         let req = HasBlocksRequest {
             hashes: hashes.clone(),
@@ -68,15 +96,22 @@ async fn probe(
             ..HasBlocksRequest::default()
         };
         t.has_blocks(kv, req).await?;
-        hb.push(s.elapsed().as_secs_f64() * 1e3);
+        into.has_blocks.push(s.elapsed().as_secs_f64() * 1e3);
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    Ok(serde_json::json!({
-        "info_ms_p50": round3(pct(&mut info, 50.0)),
-        "info_ms_p99": round3(pct(&mut info, 99.0)),
-        "has_blocks_ms_p50": round3(pct(&mut hb, 50.0)),
-        "has_blocks_ms_p99": round3(pct(&mut hb, 99.0)),
-    }))
+    Ok(())
+}
+
+/// Waits up to 10 s for `cond`.
+async fn until(cond: impl Fn() -> bool) -> Result<(), BenchError> {
+    let end = Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        if Instant::now() > end {
+            return Err("the pusher did not follow the bench within 10 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Ok(())
 }
 
 async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError> {
@@ -90,6 +125,9 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
     cfg.model.max_context = (blocks as u32) * 16;
     cfg.pool.n_blocks = (blocks + 256 + 16) as u32;
     cfg.limits.decode_reserve_blocks = 1;
+    if let Some(n) = a.import_threads {
+        cfg.engine.import_threads = n;
+    }
     cfg.validate()?;
     let shape = cfg.shape();
     let d = EngineNode::start(&cfg).await?;
@@ -99,34 +137,22 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
         shape.envelope_len(1).ok_or("overflow")?,
     ));
     // Warm the connections.
-    probe(&ctl, &t, &kv, 5).await?;
-    let idle = probe(&ctl, &t, &kv, a.calls).await?;
+    probe(&ctl, &t, &kv, 5, &mut Samples::default()).await?;
 
-    // Load 1: one long sequence decoding (its prefill first, then steps over its whole KV).
-    let prompt: Vec<u32> = (0..a.decode_tokens).map(|i| (i * 7 % 251) as u32).collect();
-    let body = serde_json::json!({ "prompt": prompt, "max_tokens": 64, "seed": 1 });
-    let decoding = tokio::spawn(async move {
-        HttpClient::default()
-            .post(&http, "/v1/completions", &[], body.to_string())
-            .await
-    });
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let while_decoding = probe(&ctl, &t, &kv, a.calls).await?;
-    let r = decoding.await??;
-    if r.status != 200 {
-        return Err(format!("the long sequence answered {}", r.status).into());
-    }
-
-    // Load 2: 256-block pushes into the same engine, one after another.
+    // The importing load: 256-block pushes into the engine, one after another while `active`.
     let src = SharedKv::new(KvPool::new(shape, 256));
     let ids = src.lock().allocate(256)?;
     for &id in &ids {
         src.lock().set_fill(id, 16)?;
     }
     let store: Arc<dyn KvStore> = Arc::new(PoolStore::new(src.clone()));
+    let active = Arc::new(AtomicBool::new(false));
+    let pushing = Arc::new(AtomicBool::new(false));
     let stop = Arc::new(AtomicBool::new(false));
     let pusher = {
-        let (stop, kv, rx) = (
+        let (active, pushing, stop, kv, rx) = (
+            Arc::clone(&active),
+            Arc::clone(&pushing),
             Arc::clone(&stop),
             kv.clone(),
             Arc::clone(d.receiver().ok_or("no receiver")?),
@@ -136,22 +162,26 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
         ));
         // The pusher runs on a thread and runtime of its own, as a prefill engine in another
         // process would: it shares the machine's cores with the engine, not its tokio workers.
-        std::thread::spawn(move || -> u64 {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+        std::thread::spawn(move || -> Result<u64, String> {
+            let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-            else {
-                return 0;
-            };
+                .map_err(|e| e.to_string())?;
             rt.block_on(async move {
                 let mut n = 0u64;
                 while !stop.load(Ordering::Relaxed) {
+                    if !active.load(Ordering::Relaxed) {
+                        pushing.store(false, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                        continue;
+                    }
+                    pushing.store(true, Ordering::Relaxed);
                     let h = format!("load-{n}");
                     // Fresh hashes every push, so nothing is deduplicated: every block is
                     // imported.
                     let hashes: Vec<u64> =
                         (0..ids.len() as u64).map(|i| (n << 20) + i + 1).collect();
-                    let r = kvwire_grpc::transfer(
+                    kvwire_grpc::transfer(
                         &t,
                         Arc::clone(&store),
                         kvwire_grpc::Push {
@@ -166,23 +196,64 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
                         },
                         &ids,
                     )
-                    .await;
-                    if r.is_err() {
-                        break;
-                    }
+                    .await
+                    .map_err(|e| e.to_string())?;
                     rx.release(&h);
                     n += 1;
                 }
-                n
+                pushing.store(false, Ordering::Relaxed);
+                Ok(n)
             })
         })
     };
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let while_importing = probe(&ctl, &t, &kv, a.calls).await?;
+
+    // Idle and importing windows, alternated.
+    let rounds = a.rounds.max(1);
+    let per_round = a.calls.div_ceil(rounds);
+    let (mut idle, mut importing) = (Samples::default(), Samples::default());
+    let mut result = Ok(());
+    for _ in 0..rounds {
+        result = async {
+            until(|| !pushing.load(Ordering::Relaxed)).await?;
+            // Past the last push's release and the engine's work after it.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            probe(&ctl, &t, &kv, per_round, &mut idle).await?;
+            active.store(true, Ordering::Relaxed);
+            until(|| pushing.load(Ordering::Relaxed)).await?;
+            // Into the push, past its negotiation.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            probe(&ctl, &t, &kv, per_round, &mut importing).await?;
+            active.store(false, Ordering::Relaxed);
+            Ok::<_, BenchError>(())
+        }
+        .await;
+        if result.is_err() || pusher.is_finished() {
+            break;
+        }
+    }
     stop.store(true, Ordering::Relaxed);
-    let pushes = pusher.join().map_err(|_| "the pusher panicked")?;
+    let pushes = pusher.join().map_err(|_| "the pusher panicked")??;
+    result?;
+
+    // The decoding load: one long sequence (its prefill first, then steps over its whole KV).
+    let prompt: Vec<u32> = (0..a.decode_tokens).map(|i| (i * 7 % 251) as u32).collect();
+    let body = serde_json::json!({ "prompt": prompt, "max_tokens": 64, "seed": 1 });
+    let decoding = tokio::spawn(async move {
+        HttpClient::default()
+            .post(&http, "/v1/completions", &[], body.to_string())
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut decode = Samples::default();
+    probe(&ctl, &t, &kv, a.calls.min(100), &mut decode).await?;
+    let r = decoding.await??;
+    if r.status != 200 {
+        return Err(format!("the long sequence answered {}", r.status).into());
+    }
     d.shutdown(Duration::from_secs(2)).await;
 
+    let (idle, while_importing, while_decoding) =
+        (idle.summary(), importing.summary(), decode.summary());
     let idle_p99 = |k: &str| idle[k].as_f64().unwrap_or(f64::NAN);
     let worst = ["info_ms_p99", "has_blocks_ms_p99"]
         .iter()
@@ -193,13 +264,16 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
         .fold(0.0f64, f64::max);
     Ok(serde_json::json!({
         "bench": "control",
+        "cpu": super::cpu_json(),
         "shape": "B=16 L=32 H=8 D=128 (2 MiB blocks), fake model",
-        "calls_per_condition": a.calls,
+        "import_threads": cfg.engine.import_threads,
+        "import_nice": cfg.engine.import_nice,
+        "rounds": rounds,
         "idle": idle,
         "while_decoding": while_decoding,
         "decode_prompt_tokens": a.decode_tokens,
         "while_importing": while_importing,
-        "pushes_of_256_blocks_during_probe": pushes,
+        "pushes_of_256_blocks": pushes,
         "busy_over_idle_p99": round3(worst),
     }))
 }
