@@ -15,7 +15,7 @@ type Job = Box<dyn FnOnce() + Send>;
 /// clone is dropped and the queue has drained.
 #[derive(Clone, Debug)]
 pub struct ImportLane {
-    tx: Arc<Mutex<mpsc::Sender<Job>>>,
+    tx: mpsc::Sender<Job>,
     threads: usize,
 }
 
@@ -61,10 +61,7 @@ impl ImportLane {
                     }
                 })?;
         }
-        Ok(Self {
-            tx: Arc::new(Mutex::new(tx)),
-            threads,
-        })
+        Ok(Self { tx, threads })
     }
 
     /// Threads of the lane.
@@ -87,11 +84,8 @@ impl ImportLane {
         let job: Job = Box::new(move || {
             let _ = done.send(f());
         });
-        self.tx
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .send(job)
-            .map_err(|_| LaneClosed)?;
+        // An unbounded queue's send never blocks the async worker.
+        self.tx.send(job).map_err(|_| LaneClosed)?;
         result.await.map_err(|_| LaneClosed)
     }
 }

@@ -69,6 +69,16 @@ async fn serve(rx: Arc<KvReceiver>, started: Arc<AtomicUsize>) -> (String, Cance
     (addr, stop)
 }
 
+/// A receiver over an empty store of `blocks` blocks.
+fn receiver(blocks: usize) -> (Arc<MemStore>, Arc<KvReceiver>) {
+    let store = Arc::new(MemStore::new(BIG, blocks));
+    let rx = Arc::new(KvReceiver::new(
+        Arc::clone(&store) as Arc<dyn KvStore>,
+        "fake",
+    ));
+    (store, rx)
+}
+
 fn push<'a>(target: &'a str, handle: &'a str, hashes: &'a [u64], tokens: &'a [u32]) -> Push<'a> {
     Push {
         target,
@@ -89,11 +99,7 @@ async fn a_push_through_the_lane_arrives_whole_and_a_refused_one_is_undone() {
     let transport = GrpcTransport::new(TransportConfig::for_envelope(BIG.envelope_len(1).unwrap()));
 
     // Room for every block: the push arrives byte for byte.
-    let store = Arc::new(MemStore::new(BIG, BLOCKS));
-    let rx = Arc::new(KvReceiver::new(
-        Arc::clone(&store) as Arc<dyn KvStore>,
-        "fake",
-    ));
+    let (store, rx) = receiver(BLOCKS);
     let started = Arc::new(AtomicUsize::new(0));
     let (addr, stop) = serve(Arc::clone(&rx), Arc::clone(&started)).await;
     let st = transfer(
@@ -128,11 +134,7 @@ async fn a_push_through_the_lane_arrives_whole_and_a_refused_one_is_undone() {
 
     // Room for half: the push is refused when the store is full, after the blocks that fitted
     // were imported on the lane; it is undone and the store is as it was.
-    let small = Arc::new(MemStore::new(BIG, BLOCKS / 2));
-    let rx = Arc::new(KvReceiver::new(
-        Arc::clone(&small) as Arc<dyn KvStore>,
-        "fake",
-    ));
+    let (small, rx) = receiver(BLOCKS / 2);
     let (addr, stop) = serve(Arc::clone(&rx), Arc::new(AtomicUsize::new(0))).await;
     let before = small.snapshot();
     let err = transfer(
