@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body::Frame;
 use tonic::Status;
 use tonic::body::Body;
@@ -86,8 +86,8 @@ impl<Req: prost::Message + Default> RequestStream<Req> {
             // at most the large frames and two gathered runs a message.
             if self.buffered >= self.want {
                 self.flush_small();
-                if let Some(bytes) = self.cut()? {
-                    return Req::decode(bytes)
+                if let Some(message) = self.cut()? {
+                    return Req::decode(message)
                         .map(Some)
                         .map_err(|e| Status::internal(e.to_string()));
                 }
@@ -139,7 +139,7 @@ impl<Req: prost::Message + Default> RequestStream<Req> {
     }
 
     /// The next whole message's bytes, when they have all arrived.
-    fn cut(&mut self) -> Result<Option<Bytes>, Status> {
+    fn cut(&mut self) -> Result<Option<Segments>, Status> {
         if self.buffered < PREFIX {
             return Ok(None);
         }
@@ -171,7 +171,32 @@ impl<Req: prost::Message + Default> RequestStream<Req> {
         }
         self.want = PREFIX;
         self.take(PREFIX);
-        Ok(Some(self.take(len)))
+        Ok(Some(self.take_segments(len)))
+    }
+
+    /// The first `n` buffered bytes as the frames (or parts of frames) that hold them, by
+    /// reference: a message sent as several frames (the push sends the fields before a block,
+    /// the block, and the fields after it as three) is decoded across them without gathering.
+    fn take_segments(&mut self, n: usize) -> Segments {
+        self.buffered -= n;
+        let mut parts = VecDeque::new();
+        let mut need = n;
+        while need > 0 {
+            let Some(first) = self.frames.front_mut() else {
+                break;
+            };
+            if first.len() <= need {
+                need -= first.len();
+                parts.extend(self.frames.pop_front());
+            } else {
+                parts.push_back(first.split_to(need));
+                need = 0;
+            }
+        }
+        Segments {
+            remaining: n - need,
+            parts,
+        }
     }
 
     /// Copies the first `out.len()` buffered bytes (the caller checked they are there).
@@ -212,6 +237,63 @@ impl<Req: prost::Message + Default> RequestStream<Req> {
                 self.frames.pop_front();
             }
         }
+        out.freeze()
+    }
+}
+
+/// One message's bytes in the frames that brought them. prost reads a `bytes` field with
+/// [`Buf::copy_to_bytes`], which here is a slice of the frame when the field lies within one:
+/// so a block's payload that came as a frame of its own is never copied.
+#[derive(Debug)]
+struct Segments {
+    parts: VecDeque<Bytes>,
+    remaining: usize,
+}
+
+impl Buf for Segments {
+    fn remaining(&self) -> usize {
+        self.remaining
+    }
+
+    fn chunk(&self) -> &[u8] {
+        self.parts.front().map_or(&[], |b| &b[..])
+    }
+
+    fn advance(&mut self, mut cnt: usize) {
+        assert!(cnt <= self.remaining, "advance past the message's end");
+        self.remaining -= cnt;
+        while cnt > 0 {
+            let Some(first) = self.parts.front_mut() else {
+                return;
+            };
+            if first.len() > cnt {
+                first.advance(cnt);
+                return;
+            }
+            cnt -= first.len();
+            self.parts.pop_front();
+        }
+        // A part may be left empty by an exact advance; `chunk` must not return it while more
+        // bytes follow.
+        while self.parts.front().is_some_and(Bytes::is_empty) {
+            self.parts.pop_front();
+        }
+    }
+
+    fn copy_to_bytes(&mut self, len: usize) -> Bytes {
+        assert!(len <= self.remaining, "copy past the message's end");
+        if let Some(first) = self.parts.front_mut()
+            && first.len() >= len
+        {
+            let out = first.split_to(len);
+            self.remaining -= len;
+            if first.is_empty() {
+                self.parts.pop_front();
+            }
+            return out;
+        }
+        let mut out = BytesMut::with_capacity(len);
+        out.put((&mut *self).take(len));
         out.freeze()
     }
 }
@@ -342,6 +424,65 @@ mod tests {
         let m = s.message().await.unwrap().unwrap();
         assert_eq!(m.payload.len(), 64 << 10);
         assert!(range.contains(&(m.payload.as_ptr() as usize)));
+        assert!(s.message().await.unwrap().is_none());
+    }
+
+    /// A message sent as the push sends one (the fields before the payload, the payload, the
+    /// fields after, three frames) is decoded with its payload still in the payload's frame;
+    /// a second message right behind it too, and a payload split in two is gathered.
+    #[tokio::test]
+    async fn a_payload_in_a_frame_of_its_own_is_not_copied() {
+        let m = KvChunk {
+            model: "m".into(),
+            tokens: vec![1, 2, 3],
+            payload_crc32c: 7,
+            ..chunk(2, 64 << 10)
+        };
+        let wire = framed(&m);
+        let n = m.payload.len();
+        // The payload's offset in the framed message: it ends `after` bytes before the end.
+        let after = {
+            let tail = KvChunk {
+                model: m.model.clone(),
+                tokens: m.tokens.clone(),
+                payload_crc32c: m.payload_crc32c,
+                ..KvChunk::default()
+            };
+            tail.encoded_len()
+        };
+        let at = wire.len() - after - n;
+        let split = |w: &[u8]| {
+            vec![
+                Bytes::copy_from_slice(&w[..at]),
+                Bytes::copy_from_slice(&w[at..at + n]),
+                Bytes::copy_from_slice(&w[at + n..]),
+            ]
+        };
+        let mut frames = split(&wire);
+        frames.extend(split(&wire));
+        let payloads: Vec<_> = [&frames[1], &frames[4]]
+            .iter()
+            .map(|f| f.as_ptr() as usize)
+            .collect();
+        let mut s = RequestStream::<KvChunk>::new(data(frames), 1 << 20);
+        for want in payloads {
+            let got = s.message().await.unwrap().unwrap();
+            assert_eq!(got, m);
+            assert_eq!(
+                got.payload.as_ptr() as usize,
+                want,
+                "the payload was copied"
+            );
+        }
+        assert!(s.message().await.unwrap().is_none());
+        // The payload in two large frames: gathered, and still the same message.
+        let half = at + n / 2;
+        let frames = vec![
+            Bytes::copy_from_slice(&wire[..half]),
+            Bytes::copy_from_slice(&wire[half..]),
+        ];
+        let mut s = RequestStream::<KvChunk>::new(data(frames), 1 << 20);
+        assert_eq!(s.message().await.unwrap().unwrap(), m);
         assert!(s.message().await.unwrap().is_none());
     }
 

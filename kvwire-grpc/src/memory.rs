@@ -26,6 +26,9 @@ use crate::store::{BlockId, BlockKey, KvStore, StoreError};
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Slot {
     payload: Vec<u8>,
+    /// The block's one-record envelope once a push has lent it ([`KvStore::lend_envelope`]);
+    /// gone with the slot's content.
+    envelope: Option<bytes::Bytes>,
     fill: u32,
     /// 0 when unregistered.
     hash: u64,
@@ -259,6 +262,7 @@ impl KvStore for MemStore {
         let slot = &mut s.slots[id as usize];
         *slot = Slot {
             payload: payload.to_vec(),
+            envelope: None,
             fill,
             hash: if named { key.hash } else { 0 },
             refs: 1,
@@ -296,6 +300,32 @@ impl KvStore for MemStore {
         };
         kvwire::write_envelope(&self.shape, &[rec], &mut out).map_err(StoreError::pool)?;
         Ok(b.hash)
+    }
+
+    fn lend_envelope(&self, id: BlockId) -> Result<Option<bytes::Bytes>, StoreError> {
+        let mut s = self.lock();
+        let b = s
+            .slots
+            .get_mut(id as usize)
+            .filter(|b| b.refs > 0)
+            .ok_or(StoreError::NotHeld(id))?;
+        if b.fill != self.shape.block_tokens() {
+            return Ok(None);
+        }
+        if let Some(env) = &b.envelope {
+            return Ok(Some(env.clone()));
+        }
+        // Written once per block content, then lent as often as it is sent.
+        let mut env = Vec::new();
+        let rec = RecordIn {
+            hash: b.hash,
+            fill: b.fill,
+            payload: &b.payload,
+        };
+        kvwire::write_to_vec(&self.shape, &[rec], &mut env).map_err(StoreError::pool)?;
+        let env = bytes::Bytes::from(env);
+        b.envelope = Some(env.clone());
+        Ok(Some(env))
     }
 }
 

@@ -129,4 +129,20 @@ pub trait KvStore: Send + Sync + std::fmt::Debug + 'static {
     /// # Errors
     /// When the block is not held; then nothing was written.
     fn write_envelope(&self, id: BlockId, out: &mut dyn BufMut) -> Result<u64, StoreError>;
+
+    /// The one-block envelope of block `id` (the bytes [`write_envelope`](Self::write_envelope)
+    /// writes) lent rather than copied: the gRPC sender hands it to HTTP/2 and the socket where
+    /// it lies. `Ok(None)` when this store cannot lend its bytes or the block is partial (its
+    /// unfilled rows go out as zeros, which takes a copy): the sender then calls
+    /// [`write_envelope`](Self::write_envelope). The default is `Ok(None)`.
+    ///
+    /// The lent bytes must never change while they live (a pool lends a snapshot and copies on
+    /// write).
+    ///
+    /// # Errors
+    /// When the block is not held.
+    fn lend_envelope(&self, id: BlockId) -> Result<Option<bytes::Bytes>, StoreError> {
+        let _ = id;
+        Ok(None)
+    }
 }

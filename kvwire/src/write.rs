@@ -9,7 +9,7 @@ use zerocopy::little_endian::{U16, U32, U64};
 
 use crate::crc::Crc32c;
 use crate::format::Shape;
-use crate::header::{Header, MAGIC, RecordHead};
+use crate::header::{HEADER_LEN, Header, MAGIC, RECORD_HEAD_LEN, RecordHead, TRAILER_LEN};
 use crate::payload::PlaneError;
 
 /// One block to write.
@@ -107,6 +107,17 @@ pub enum WriteError {
         /// Its fill.
         fill: u32,
     },
+    /// Only a full block's envelope is split ([`split_full`]): a partial one is padded with
+    /// zeros on the way out, which takes a copy.
+    #[error("record {record}: fill {fill} of {block_tokens} cannot be split (only full blocks)")]
+    NotFull {
+        /// Record index.
+        record: usize,
+        /// Its fill.
+        fill: u32,
+        /// B.
+        block_tokens: u32,
+    },
     /// The payload is neither P bytes nor the short form for its fill.
     #[error("record {record}: payload of {len} bytes is neither {full} nor the short {short}")]
     PayloadLength {
@@ -154,16 +165,7 @@ pub fn write_envelope<B: BufMut>(
 ) -> Result<usize, WriteError> {
     let len = check(shape, records)?;
     let dims = &shape.dims;
-    let header = Header {
-        magic: MAGIC,
-        version: U16::new(shape.format.version),
-        dtype: U16::new(shape.format.dtype),
-        n_blocks: U32::new(records.len() as u32),
-        block_tokens: U32::new(dims.block_tokens),
-        n_layers: U32::new(dims.n_layers),
-        n_kv_heads: U32::new(dims.n_kv_heads),
-        head_dim: U32::new(dims.head_dim),
-    };
+    let header = header(shape, records.len() as u32);
     let mut crc = Crc32c::new();
     put(out, &mut crc, header.as_bytes());
 
@@ -194,6 +196,115 @@ pub fn write_envelope<B: BufMut>(
     }
     out.put_slice(&crc.finish().to_le_bytes());
     Ok(len)
+}
+
+/// The bytes before a one-record envelope's payload: the header and the record's head.
+pub const SPLIT_HEAD_LEN: usize = HEADER_LEN + RECORD_HEAD_LEN;
+
+/// A one-record envelope of a full block, without its payload: what goes before it and the
+/// CRC-32C that goes after. `head`, the payload and `crc.to_le_bytes()` in that order are
+/// byte for byte what [`write_envelope`] writes, so a sender can hand the payload to the socket
+/// where it lies (a vectored write, a `Bytes` of the pool's memory) instead of copying it into a
+/// message buffer. Computing `crc` reads the payload once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SplitEnvelope {
+    /// The header and the record head.
+    pub head: [u8; SPLIT_HEAD_LEN],
+    /// The envelope's CRC-32C, over `head` and the payload.
+    pub crc: u32,
+}
+
+impl SplitEnvelope {
+    /// The envelope's length: head, payload and trailer.
+    #[must_use]
+    pub fn len(&self, payload: usize) -> usize {
+        SPLIT_HEAD_LEN + payload + TRAILER_LEN
+    }
+}
+
+/// The head of a one-record envelope of a full block: the header and the record head, the
+/// first [`SPLIT_HEAD_LEN`] bytes [`write_envelope`] writes for it. A pool that keeps this room
+/// before each block's payload and 4 bytes after it can hold the whole envelope in place.
+///
+/// # Errors
+/// [`WriteError::ZeroDimension`] for an invalid shape, [`WriteError::NotFull`] when `fill` is
+/// not B.
+pub fn full_block_head(
+    shape: &Shape,
+    hash: u64,
+    fill: u32,
+) -> Result<[u8; SPLIT_HEAD_LEN], WriteError> {
+    if !shape.is_valid() {
+        return Err(WriteError::ZeroDimension);
+    }
+    let b = shape.dims.block_tokens;
+    if fill != b {
+        return Err(WriteError::NotFull {
+            record: 0,
+            fill,
+            block_tokens: b,
+        });
+    }
+    let mut head = [0u8; SPLIT_HEAD_LEN];
+    head[..HEADER_LEN].copy_from_slice(header(shape, 1).as_bytes());
+    let rh = RecordHead {
+        hash: U64::new(hash),
+        n_tokens: U32::new(fill),
+    };
+    head[HEADER_LEN..].copy_from_slice(rh.as_bytes());
+    Ok(head)
+}
+
+/// [`SplitEnvelope`] of one full record (`fill` = B, all P payload bytes).
+///
+/// ```
+/// use kvwire::{RecordIn, Shape, split_full, write_to_vec};
+/// let shape = Shape::v1(4, 2, 1, 4);
+/// let payload = vec![7u8; shape.payload_bytes().unwrap()];
+/// let rec = RecordIn { hash: 9, fill: 4, payload: &payload };
+/// let split = split_full(&shape, rec).unwrap();
+/// let mut whole = Vec::new();
+/// write_to_vec(&shape, &[rec], &mut whole).unwrap();
+/// let joined = [&split.head[..], &payload, &split.crc.to_le_bytes()].concat();
+/// assert_eq!(joined, whole);
+/// ```
+///
+/// # Errors
+/// As [`write_envelope`], and [`WriteError::NotFull`] for a partial record or one in the short
+/// form.
+pub fn split_full(shape: &Shape, record: RecordIn<'_>) -> Result<SplitEnvelope, WriteError> {
+    check(shape, &[record])?;
+    if Some(record.payload.len()) != shape.payload_bytes() {
+        return Err(WriteError::NotFull {
+            record: 0,
+            fill: record.fill,
+            block_tokens: shape.dims.block_tokens,
+        });
+    }
+    let head = full_block_head(shape, record.hash, record.fill)?;
+    let mut crc = Crc32c::new();
+    crc.update(&head);
+    for piece in record.payload.chunks(PIECE) {
+        crc.update(piece);
+    }
+    Ok(SplitEnvelope {
+        head,
+        crc: crc.finish(),
+    })
+}
+
+fn header(shape: &Shape, n_blocks: u32) -> Header {
+    let dims = &shape.dims;
+    Header {
+        magic: MAGIC,
+        version: U16::new(shape.format.version),
+        dtype: U16::new(shape.format.dtype),
+        n_blocks: U32::new(n_blocks),
+        block_tokens: U32::new(dims.block_tokens),
+        n_layers: U32::new(dims.n_layers),
+        n_kv_heads: U32::new(dims.n_kv_heads),
+        head_dim: U32::new(dims.head_dim),
+    }
 }
 
 /// [`write_envelope`] appending to a `Vec`, reserving the envelope's size first so the payload

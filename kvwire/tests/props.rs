@@ -1,6 +1,6 @@
 //! Properties: round trips, single-bit corruption, and no panic on any input.
 
-use kvwire::{ErrorKind, Reader, RecordIn, Shape, write_to_vec};
+use kvwire::{ErrorKind, Reader, RecordIn, Shape, WriteError, split_full, write_to_vec};
 use proptest::prelude::*;
 
 fn shape() -> impl Strategy<Value = Shape> {
@@ -40,6 +40,24 @@ fn write(s: &Shape, recs: &[(u64, u32, Vec<u8>)]) -> Vec<u8> {
 }
 
 proptest! {
+    /// A split envelope joined again is the written one; a partial block is refused, not split.
+    #[test]
+    fn split_full_joins_to_the_written_envelope((s, recs) in envelope()) {
+        for (hash, fill, p) in &recs {
+            let rec = RecordIn { hash: *hash, fill: *fill, payload: p };
+            let got = split_full(&s, rec);
+            if *fill == s.block_tokens() {
+                let split = got.unwrap();
+                let joined = [&split.head[..], p, &split.crc.to_le_bytes()].concat();
+                prop_assert_eq!(joined.len(), split.len(p.len()));
+                prop_assert_eq!(&joined, &write(&s, &[(*hash, *fill, p.clone())]));
+            } else {
+                let refused = matches!(got, Err(WriteError::NotFull { fill: f, .. }) if f == *fill);
+                prop_assert!(refused);
+            }
+        }
+    }
+
     #[test]
     fn write_then_read_round_trips((s, recs) in envelope()) {
         let out = write(&s, &recs);

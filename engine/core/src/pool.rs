@@ -134,37 +134,106 @@ pub struct PoolCounts {
     pub indexed: usize,
 }
 
+/// Room kept before each block's payload in its slab: the head (header and record head) of
+/// the block's one-record envelope.
+const HEAD_ROOM: usize = kvwire::SPLIT_HEAD_LEN;
+/// Room kept after it: the envelope's CRC-32C.
+const TAIL_ROOM: usize = kvwire::TRAILER_LEN;
+
+/// One block's slab: its payload with room around it for the one-block envelope's head and
+/// CRC, so a sender can lend the whole envelope as one piece ([`SealedEnvelope`]).
+#[derive(Clone, Debug)]
+struct Slab {
+    bytes: Box<[u8]>,
+    /// The head and CRC in the room match the payload as it is: set by [`SharedKv::seal`],
+    /// cleared by any write of the payload.
+    sealed: bool,
+}
+
+impl Slab {
+    fn payload(&self) -> &[u8] {
+        &self.bytes[HEAD_ROOM..self.bytes.len() - TAIL_ROOM]
+    }
+
+    fn payload_mut(&mut self) -> &mut [u8] {
+        self.sealed = false;
+        let end = self.bytes.len() - TAIL_ROOM;
+        &mut self.bytes[HEAD_ROOM..end]
+    }
+}
+
+/// A slab, shared so a sender can lend it to the socket after the block's lock is dropped; a
+/// writer that finds it lent writes to a copy of its own (copy on write), so what was lent
+/// never changes under the send.
+type Lendable = Arc<Slab>;
+
 /// The blocks' bytes, each block behind its own lock.
 #[derive(Debug)]
-struct Slabs(Box<[RwLock<Box<[u8]>>]>);
+struct Slabs(Box<[RwLock<Lendable>]>);
 
 impl Slabs {
+    fn lock(&self, id: BlockId) -> Result<&RwLock<Lendable>, PoolError> {
+        self.0.get(id as usize).ok_or(PoolError::NoSuchBlock(id))
+    }
+
     fn read(&self, id: BlockId) -> Result<BlockRef<'_>, PoolError> {
-        let lock = self.0.get(id as usize).ok_or(PoolError::NoSuchBlock(id))?;
         Ok(BlockRef(
-            lock.read()
+            self.lock(id)?
+                .read()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         ))
     }
 
     fn write(&self, id: BlockId) -> Result<BlockMut<'_>, PoolError> {
-        let lock = self.0.get(id as usize).ok_or(PoolError::NoSuchBlock(id))?;
         Ok(BlockMut(
-            lock.write()
+            self.lock(id)?
+                .write()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         ))
+    }
+
+    fn snapshot(&self, id: BlockId) -> Result<BlockSnapshot, PoolError> {
+        let slab = self
+            .lock(id)?
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        Ok(BlockSnapshot(Arc::clone(&slab)))
+    }
+
+    fn seal(&self, id: BlockId, head: &[u8; HEAD_ROOM]) -> Result<SealedEnvelope, PoolError> {
+        let lock = self.lock(id)?;
+        {
+            let slab = lock
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if slab.sealed && slab.bytes[..HEAD_ROOM] == head[..] {
+                return Ok(SealedEnvelope(Arc::clone(&slab)));
+            }
+        }
+        let mut guard = lock
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let slab = Arc::make_mut(&mut *guard);
+        if !(slab.sealed && slab.bytes[..HEAD_ROOM] == head[..]) {
+            let n = slab.bytes.len();
+            slab.bytes[..HEAD_ROOM].copy_from_slice(head);
+            let crc = kvwire::crc32c(&slab.bytes[..n - TAIL_ROOM]);
+            slab.bytes[n - TAIL_ROOM..].copy_from_slice(&crc.to_le_bytes());
+            slab.sealed = true;
+        }
+        Ok(SealedEnvelope(Arc::clone(&guard)))
     }
 }
 
 /// One block's bytes, read-locked (other readers may share it; a writer waits).
 #[derive(Debug)]
-pub struct BlockRef<'a>(RwLockReadGuard<'a, Box<[u8]>>);
+pub struct BlockRef<'a>(RwLockReadGuard<'a, Lendable>);
 
 impl std::ops::Deref for BlockRef<'_> {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
-        &self.0
+        self.0.payload()
     }
 }
 
@@ -180,21 +249,64 @@ impl PartialEq<&[u8]> for BlockRef<'_> {
     }
 }
 
-/// One block's bytes, write-locked.
+/// One block's bytes, write-locked. The first write through it while the block is lent
+/// ([`BlockSnapshot`], [`SealedEnvelope`]) copies the bytes (once) and writes the copy: what
+/// was lent keeps what it saw.
 #[derive(Debug)]
-pub struct BlockMut<'a>(RwLockWriteGuard<'a, Box<[u8]>>);
+pub struct BlockMut<'a>(RwLockWriteGuard<'a, Lendable>);
 
 impl std::ops::Deref for BlockMut<'_> {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
-        &self.0
+        self.0.payload()
     }
 }
 
 impl std::ops::DerefMut for BlockMut<'_> {
     fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.0
+        Arc::make_mut(&mut *self.0).payload_mut()
+    }
+}
+
+/// A block's payload as it was when taken, held without any lock and never changed. It keeps
+/// the bytes alive; a writer of the block meanwhile writes a copy. The caller holds a reference
+/// on the block while it takes one, as for [`BlockRef`].
+#[derive(Clone, Debug)]
+pub struct BlockSnapshot(Lendable);
+
+impl AsRef<[u8]> for BlockSnapshot {
+    fn as_ref(&self) -> &[u8] {
+        self.0.payload()
+    }
+}
+
+impl std::ops::Deref for BlockSnapshot {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.0.payload()
+    }
+}
+
+/// A full block's one-record envelope (head, payload, CRC-32C) in the block's own memory, as
+/// [`SharedKv::seal`] left it: what a sender hands the socket by reference
+/// (`bytes::Bytes::from_owner`) instead of copying the block into a message. Like a
+/// [`BlockSnapshot`] it never changes while held.
+#[derive(Clone, Debug)]
+pub struct SealedEnvelope(Lendable);
+
+impl AsRef<[u8]> for SealedEnvelope {
+    fn as_ref(&self) -> &[u8] {
+        &self.0.bytes
+    }
+}
+
+impl SealedEnvelope {
+    /// The payload within the envelope.
+    #[must_use]
+    pub fn payload(&self) -> &[u8] {
+        self.0.payload()
     }
 }
 
@@ -255,7 +367,12 @@ impl KvPool {
         let payload = shape.payload_bytes().expect("block size overflows");
         payload.checked_mul(n_blocks).expect("pool size overflows");
         let data = (0..n_blocks)
-            .map(|_| RwLock::new(vec![0; payload].into_boxed_slice()))
+            .map(|_| {
+                RwLock::new(Arc::new(Slab {
+                    bytes: vec![0; HEAD_ROOM + payload + TAIL_ROOM].into_boxed_slice(),
+                    sealed: false,
+                }))
+            })
             .collect();
         Self {
             shape,
@@ -283,7 +400,7 @@ impl KvPool {
             let mut b = block
                 .write()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            for page in b.chunks_mut(4096) {
+            for page in Arc::make_mut(&mut b).bytes.chunks_mut(4096) {
                 page[0] = std::hint::black_box(0);
             }
         }
@@ -873,6 +990,33 @@ impl SharedKv {
     /// When the block does not exist.
     pub fn read(&self, id: BlockId) -> Result<BlockRef<'_>, PoolError> {
         self.data.read(id)
+    }
+
+    /// A block's bytes as they are now, kept alive by the snapshot and unchanged by later
+    /// writes ([`BlockSnapshot`]), without the pool's lock. The caller holds a reference on the
+    /// block.
+    ///
+    /// # Errors
+    /// When the block does not exist.
+    pub fn snapshot(&self, id: BlockId) -> Result<BlockSnapshot, PoolError> {
+        self.data.snapshot(id)
+    }
+
+    /// The one-record envelope of a full block, in the block's own memory: `head` (from
+    /// `kvwire::full_block_head`) written into the room before the payload and the CRC-32C into
+    /// the room after it, unless they are there already for the payload as it is. The envelope
+    /// then never changes while held ([`SealedEnvelope`]). Sealing takes the block's write lock
+    /// and reads the payload once; sealing again with the same head reads nothing. The caller
+    /// holds a reference on the block and names it full.
+    ///
+    /// # Errors
+    /// When the block does not exist.
+    pub fn seal(
+        &self,
+        id: BlockId,
+        head: &[u8; kvwire::SPLIT_HEAD_LEN],
+    ) -> Result<SealedEnvelope, PoolError> {
+        self.data.seal(id, head)
     }
 
     /// A block's bytes, write-locked, without the pool's lock. The caller holds a reference on

@@ -119,6 +119,31 @@ impl KvStore for PoolStore {
         .map_err(StoreError::pool)?;
         Ok(hash)
     }
+
+    fn lend_envelope(&self, id: BlockId) -> Result<Option<bytes::Bytes>, StoreError> {
+        let (shape, (hash, fill, refs)) = {
+            let pool = self.0.lock();
+            (
+                pool.shape(),
+                pool.info(id).map_err(|_| StoreError::NotHeld(id))?,
+            )
+        };
+        if refs == 0 {
+            return Err(StoreError::NotHeld(id));
+        }
+        if fill != shape.block_tokens() {
+            // The unfilled rows go out as zeros, never as what the slab holds there.
+            return Ok(None);
+        }
+        let head = kvwire::full_block_head(&shape, hash, fill).map_err(StoreError::pool)?;
+        // The envelope in the block's own memory, never changed while the send holds it (a
+        // writer copies); the block's lock is held only while it is sealed.
+        let sealed = self
+            .0
+            .seal(id, &head)
+            .map_err(|_| StoreError::NotHeld(id))?;
+        Ok(Some(bytes::Bytes::from_owner(sealed)))
+    }
 }
 
 #[cfg(test)]
@@ -165,5 +190,41 @@ mod tests {
             store.write_envelope(id, &mut Vec::new()),
             Err(StoreError::NotHeld(i)) if i == id
         ));
+        assert!(matches!(
+            store.lend_envelope(id),
+            Err(StoreError::NotHeld(i)) if i == id
+        ));
+    }
+
+    /// A full block is lent in parts that join to the written envelope, its payload the pool's
+    /// own memory; a partial one is not lent (its unfilled rows are sent as zeros).
+    #[test]
+    fn a_full_block_is_lent_and_a_partial_one_written() {
+        let shape = Shape::v1(4, 2, 1, 4);
+        let p = shape.payload_bytes().unwrap();
+        let store = PoolStore::new(SharedKv::new(KvPool::new(shape, 2)));
+        let payload: Vec<u8> = (0..p).map(|i| (i * 5 + 1) as u8).collect();
+        let tokens = [1, 2, 3, 4];
+        let key = kvwire_grpc::BlockKey {
+            scope: 0,
+            hash: 77,
+            tokens: &tokens,
+            parent: None,
+        };
+        let full = store.import(key, 4, &payload).unwrap();
+        let lent = store.lend_envelope(full).unwrap().unwrap();
+        let mut written = Vec::new();
+        store.write_envelope(full, &mut written).unwrap();
+        assert_eq!(lent, written);
+        let at = kvwire::SPLIT_HEAD_LEN;
+        assert_eq!(lent[at..].as_ptr(), store.0.read(full).unwrap().as_ptr());
+        // The pool writes its block afterwards: the lent bytes stay as they were sent.
+        store.0.write(full).unwrap()[0] ^= 0xff;
+        assert_eq!(&lent[at..at + p], &payload[..]);
+        drop(lent);
+        let partial = store.import(ANON, 2, &payload).unwrap();
+        assert!(store.lend_envelope(partial).unwrap().is_none());
+        store.release(&[full, partial]);
+        assert_eq!(store.0.counts().used, 0);
     }
 }

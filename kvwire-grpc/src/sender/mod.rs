@@ -2,6 +2,7 @@
 //! its gRPC implementation [`GrpcTransport`], and [`transfer`], which sends a prompt's blocks
 //! minus the ones the target already holds.
 
+mod body;
 mod encode;
 mod transport;
 
@@ -485,7 +486,9 @@ mod tests {
     use kvwire::{RecordIn, Shape, crc32c, write_to_vec};
     use prost::Message;
 
-    use super::encode::{LazyBlock, OutChunk, encode_chunk};
+    use std::collections::VecDeque;
+
+    use super::encode::{LazyBlock, OutChunk, encode_chunk, encode_message};
     use crate::memory::MemStore;
     use crate::pb::kv::KvChunk;
     use crate::store::KvStore;
@@ -542,13 +545,39 @@ mod tests {
                 }),
             };
             let mut ours = BytesMut::new();
-            encode_chunk(lazy, &mut ours).unwrap();
+            encode_chunk(lazy.clone(), &mut ours).unwrap();
             let whole = KvChunk {
                 payload_crc32c: crc32c(&envelope),
                 payload: envelope.into(),
                 ..chunk
             };
             assert_eq!(ours.as_ref(), whole.encode_to_vec(), "chunk {index}");
+            // As framed for the wire: a full block's payload is the store's own bytes, lent,
+            // between the fields before and after it; a partial one is written into one buffer.
+            let mut pieces = VecDeque::new();
+            encode_message(lazy.clone(), 1 << 20, &mut pieces).unwrap();
+            let joined: Vec<u8> = pieces.iter().flat_map(|b| b.iter().copied()).collect();
+            let mut framed = vec![0u8];
+            framed.extend_from_slice(&(whole.encoded_len() as u32).to_be_bytes());
+            framed.extend_from_slice(&whole.encode_to_vec());
+            assert_eq!(joined, framed, "chunk {index} as framed");
+            if fill == 4 {
+                assert_eq!(pieces.len(), 3);
+                let lent = store.lend_envelope(id).unwrap().unwrap();
+                assert_eq!(pieces[1].as_ptr(), lent.as_ptr(), "the envelope was copied");
+            } else {
+                assert_eq!(pieces.len(), 1);
+                assert!(store.lend_envelope(id).unwrap().is_none());
+            }
+            // Over the limit: OUT_OF_RANGE, and nothing queued.
+            let mut none = VecDeque::new();
+            let err = encode_message(lazy, framed.len() - 6, &mut none).unwrap_err();
+            assert_eq!(err.code(), tonic::Code::OutOfRange);
+            assert!(none.is_empty());
+            let mut plain = VecDeque::new();
+            encode_message(OutChunk::from(whole.clone()), 1 << 20, &mut plain).unwrap();
+            assert_eq!(plain.len(), 1);
+            assert_eq!(plain[0].as_ref(), &framed[..]);
             // And the plain path (payload already in the message) is prost's own.
             let mut plain = BytesMut::new();
             encode_chunk(OutChunk::from(whole.clone()), &mut plain).unwrap();
@@ -566,7 +595,12 @@ mod tests {
             }),
         };
         let failed = Arc::clone(&lazy.block.as_ref().unwrap().failed);
-        assert!(encode_chunk(lazy, &mut BytesMut::new()).is_err());
+        assert!(encode_chunk(lazy.clone(), &mut BytesMut::new()).is_err());
+        assert!(failed.lock().unwrap().take().is_some());
+        let mut none = VecDeque::new();
+        let err = encode_message(lazy, 1 << 20, &mut none).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::Internal);
+        assert!(none.is_empty());
         assert!(failed.lock().unwrap().is_some());
     }
 }

@@ -13,7 +13,7 @@ use tonic::{Request, Status};
 use crate::glue::{self, MessageLimits};
 use crate::pb::kv::{HasBlocksRequest, KvAck, ReleaseRequest, ReleaseResponse, path};
 
-use super::encode::{ChunkStream, PushCodec};
+use super::encode::ChunkStream;
 
 /// How the prefill side reaches decode engines.
 pub trait KvTransport: Send + Sync {
@@ -227,13 +227,7 @@ impl KvTransport for GrpcTransport {
 
     async fn push(&self, target: &str, chunks: ChunkStream) -> Result<KvAck, Status> {
         let ch = self.channel(target)?;
-        let call = glue::client_streaming_with(
-            ch,
-            path::PUSH_KV,
-            self.limits(),
-            Request::new(chunks),
-            PushCodec,
-        );
+        let call = super::body::push(ch, path::PUSH_KV, self.limits(), chunks);
         glue::bounded(self.cfg.push_timeout, "PushKv", call).await
     }
 
