@@ -18,6 +18,15 @@ impl PoolStore {
     pub fn new(pool: SharedKv) -> Self {
         Self(pool, 0)
     }
+
+    /// The shape, and the hash and fill of block `id`, which must be referenced.
+    fn held(&self, id: BlockId) -> Result<(Shape, u64, u32), StoreError> {
+        let pool = self.0.lock();
+        match pool.info(id) {
+            Ok((hash, fill, refs)) if refs > 0 => Ok((pool.shape(), hash, fill)),
+            _ => Err(StoreError::NotHeld(id)),
+        }
+    }
 }
 
 /// The transfer's block key as the pool's (the core does not know the transfer crate).
@@ -95,16 +104,7 @@ impl KvStore for PoolStore {
         id: BlockId,
         mut out: &mut dyn bytes::BufMut,
     ) -> Result<u64, StoreError> {
-        let (shape, (hash, fill, refs)) = {
-            let pool = self.0.lock();
-            (
-                pool.shape(),
-                pool.info(id).map_err(|_| StoreError::NotHeld(id))?,
-            )
-        };
-        if refs == 0 {
-            return Err(StoreError::NotHeld(id));
-        }
+        let (shape, hash, fill) = self.held(id)?;
         // The copy and CRC under the block's lock only; the caller's reference keeps it ours.
         let payload = self.0.read(id).map_err(|_| StoreError::NotHeld(id))?;
         kvwire::write_envelope(
@@ -121,16 +121,7 @@ impl KvStore for PoolStore {
     }
 
     fn lend_envelope(&self, id: BlockId) -> Result<Option<bytes::Bytes>, StoreError> {
-        let (shape, (hash, fill, refs)) = {
-            let pool = self.0.lock();
-            (
-                pool.shape(),
-                pool.info(id).map_err(|_| StoreError::NotHeld(id))?,
-            )
-        };
-        if refs == 0 {
-            return Err(StoreError::NotHeld(id));
-        }
+        let (shape, hash, fill) = self.held(id)?;
         if fill != shape.block_tokens() {
             // The unfilled rows go out as zeros, never as what the slab holds there.
             return Ok(None);
