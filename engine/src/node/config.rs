@@ -25,6 +25,10 @@
 //!                               # the pool, off the async workers; 0: on them (block_in_place)
 //! import_nice = 10              # the nice value those threads run at (0..=19): a control call
 //!                               # that wakes while an import holds a core runs first
+//! control_threads = 1           # threads of the control plane's own runtime (EngineControl's
+//!                               # port, the heartbeat, the registry client): a control call
+//!                               # never queues behind a KV connection's task; 0: share the
+//!                               # process's runtime
 //!
 //! [model]
 //! kind = "fake"                 # "fake": the deterministic fake model, named "fake";
@@ -147,6 +151,9 @@ pub struct EngineSection {
     /// The nice value of the import lane's threads (0..=19); raising a thread's nice value
     /// needs no privilege.
     pub import_nice: i32,
+    /// Worker threads of the control plane's own runtime (EngineControl's port, the heartbeat
+    /// and its registry client); 0: they share the process's runtime with the data plane.
+    pub control_threads: usize,
 }
 
 impl Default for EngineSection {
@@ -167,6 +174,7 @@ impl Default for EngineSection {
             max_step_tokens: 0,
             import_threads: 2,
             import_nice: 10,
+            control_threads: 1,
         }
     }
 }
@@ -322,6 +330,14 @@ impl Config {
         crate::net::limits::in_range("engine.import_threads", self.engine.import_threads, 0, 64)
             .and_then(|()| {
                 crate::net::limits::in_range("engine.import_nice", self.engine.import_nice, 0, 19)
+            })
+            .and_then(|()| {
+                crate::net::limits::in_range(
+                    "engine.control_threads",
+                    self.engine.control_threads,
+                    0,
+                    8,
+                )
             })
             .map_err(ConfigError::Invalid)?;
         if let Some(s) = self.engine.serving
@@ -612,18 +628,22 @@ mod tests {
         // The import lane: two threads at nice 10 unless told; a nice value that would raise
         // the threads' priority (which needs privilege) or one past 19 is refused at start.
         assert_eq!((c.engine.import_threads, c.engine.import_nice), (2, 10));
+        assert_eq!(c.engine.control_threads, 1);
         for (key, ok) in [
             ("import_nice = -1", false),
             ("import_nice = 20", false),
             ("import_threads = 65", false),
             ("import_threads = 0", true),
             ("import_nice = 0", true),
+            ("control_threads = 0", true),
+            ("control_threads = 9", false),
         ] {
             let c: Config = toml::from_str(&format!("[engine]\n{key}\n")).unwrap();
             let r = c.validate();
             assert_eq!(r.is_ok(), ok, "{key}: {r:?}");
             if let Err(e) = r {
-                assert!(e.to_string().contains("engine.import_"), "{e}");
+                let field = key.split(' ').next().unwrap_or_default();
+                assert!(e.to_string().contains(&format!("engine.{field}")), "{e}");
             }
         }
     }

@@ -79,6 +79,58 @@ pub struct EngineNode {
     /// On etcd: the registrar whose lease a graceful shutdown revokes, so that gateways drop
     /// this engine at once rather than when the lease runs out.
     etcd: Option<Arc<crate::etcd::registry::EtcdRegistrar>>,
+    /// The control plane's runtime (`engine.control_threads`); last, so it ends after the
+    /// tasks above that run on it.
+    _control: Option<ControlRuntime>,
+}
+
+/// The control plane's own tokio runtime: EngineControl's listener, connections and handlers,
+/// the heartbeat and the registry client run on its threads, so a control call never waits in
+/// a queue behind a KV connection's task (which reads megabytes per wakeup) on the data plane's
+/// workers. It waits only for the kernel to give its thread a core, and a thread that wakes
+/// from sleep is scheduled ahead of busy ones.
+#[derive(Debug)]
+struct ControlRuntime(Option<tokio::runtime::Runtime>);
+
+impl ControlRuntime {
+    fn start(threads: usize) -> std::io::Result<Option<Self>> {
+        if threads == 0 {
+            return Ok(None);
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name("engine-control")
+            .enable_all()
+            .build()?;
+        Ok(Some(Self(Some(rt))))
+    }
+}
+
+impl Drop for ControlRuntime {
+    fn drop(&mut self) {
+        // Dropped from async code (a node dropped in a test): do not block on its threads.
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// Runs `f` (which creates and spawns what the control plane runs) in the control runtime's
+/// context when there is one: tasks it spawns, listeners and channels it makes are that
+/// runtime's. No `.await` may happen inside.
+fn on_control<T>(rt: Option<&ControlRuntime>, f: impl FnOnce() -> T) -> T {
+    match rt.and_then(|r| r.0.as_ref()) {
+        Some(rt) => {
+            let _ctx = rt.enter();
+            f()
+        }
+        None => f(),
+    }
+}
+
+/// `listener` moved to the current runtime's reactor.
+fn rebind(listener: tokio::net::TcpListener) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::from_std(listener.into_std()?)
 }
 
 impl EngineNode {
@@ -151,6 +203,8 @@ impl EngineNode {
         }
         let life = Lifecycle::new();
         let stop_on_drop = life.guard();
+        let control_rt = ControlRuntime::start(cfg.engine.control_threads)?;
+        let ctl = control_rt.as_ref();
         let metrics: SharedMetrics = Arc::new(Metrics::new());
         {
             let pool = pool.clone();
@@ -212,13 +266,11 @@ impl EngineNode {
             .with_auth(RolePolicy::for_service::<EngineControl>(control::POLICY).when(mtls));
         let advertise = &cfg.engine.advertise_address;
         let h2 = limits.h2();
-        let grpc = serve_grpc(
-            &life,
-            bind(&cfg.engine.grpc_listen).await?,
-            svc,
-            server_tls(b"h2")?,
-            h2,
-        )?;
+        let grpc_listener = bind(&cfg.engine.grpc_listen).await?;
+        let grpc_tls = server_tls(b"h2")?;
+        let grpc = on_control(ctl, || {
+            serve_grpc(&life, rebind(grpc_listener)?, svc, grpc_tls, h2)
+        })?;
         let mut addrs = Addresses {
             grpc: advertised(grpc, advertise)?,
             ..Addresses::default()
@@ -275,56 +327,61 @@ impl EngineNode {
             )?;
             addrs.http = advertised(http, advertise)?;
         }
-        let mut on_etcd = None;
-        if cfg.registry.on_etcd() {
-            let ms = cfg.engine.heartbeat_ms;
-            let interval = Duration::from_millis(u64::from(ms));
-            let timeout = interval.clamp(Duration::from_millis(500), Duration::from_secs(2));
-            let etcd = Arc::new(
-                crate::etcd::Etcd::new(&cfg.registry.etcd_endpoints, tls.as_ref(), timeout)
-                    .map_err(|e| invalid(&e))?,
-            );
-            let keys = crate::etcd::Keys::new(&cfg.registry.prefix);
-            {
-                let s = Arc::clone(&state);
-                life.spawn(crate::etcd::registry::watch_drain(
-                    Arc::clone(&etcd),
-                    keys.clone(),
-                    cfg.engine.id.clone(),
-                    move || s.start_drain(),
-                    life.token().clone(),
-                ));
-            }
-            let registry = Arc::new(crate::etcd::registry::EtcdRegistrar::new(etcd, keys, ms));
-            on_etcd = Some(Arc::clone(&registry));
-            let target = cfg.registry.etcd_endpoints.join(",");
-            let hb = Arc::new(Heartbeat::new(registry, timeout).named(&target));
-            state.awaits_registration(&target);
-            self::start_heartbeat(
-                &life, &state, &metrics, &addrs, hb, cfg, limits, role, &shape,
-            );
-        } else if !cfg.engine.gateway_registry.is_empty() {
-            let ms = cfg.engine.heartbeat_ms;
-            let interval = Duration::from_millis(u64::from(ms));
-            let timeout = interval.clamp(Duration::from_millis(100), Duration::from_secs(2));
-            // The registry must prove it is a gateway: a worker's certificate cannot drain us.
-            let registry = match &tls {
-                Some(t) => RegistryClient::with_connector(
-                    &cfg.engine.gateway_registry,
-                    timeout,
-                    &t.connect(crate::net::dial::REGISTRY, timeout)
+        // The heartbeat and the registry's client (its channel's task too) on the control
+        // runtime: a beat is never late because the data plane's workers are busy.
+        let on_etcd = on_control(ctl, || -> std::io::Result<_> {
+            let mut on_etcd = None;
+            if cfg.registry.on_etcd() {
+                let ms = cfg.engine.heartbeat_ms;
+                let interval = Duration::from_millis(u64::from(ms));
+                let timeout = interval.clamp(Duration::from_millis(500), Duration::from_secs(2));
+                let etcd = Arc::new(
+                    crate::etcd::Etcd::new(&cfg.registry.etcd_endpoints, tls.as_ref(), timeout)
                         .map_err(|e| invalid(&e))?,
-                ),
-                None => RegistryClient::new(&cfg.engine.gateway_registry, timeout),
+                );
+                let keys = crate::etcd::Keys::new(&cfg.registry.prefix);
+                {
+                    let s = Arc::clone(&state);
+                    life.spawn(crate::etcd::registry::watch_drain(
+                        Arc::clone(&etcd),
+                        keys.clone(),
+                        cfg.engine.id.clone(),
+                        move || s.start_drain(),
+                        life.token().clone(),
+                    ));
+                }
+                let registry = Arc::new(crate::etcd::registry::EtcdRegistrar::new(etcd, keys, ms));
+                on_etcd = Some(Arc::clone(&registry));
+                let target = cfg.registry.etcd_endpoints.join(",");
+                let hb = Arc::new(Heartbeat::new(registry, timeout).named(&target));
+                state.awaits_registration(&target);
+                self::start_heartbeat(
+                    &life, &state, &metrics, &addrs, hb, cfg, limits, role, &shape,
+                );
+            } else if !cfg.engine.gateway_registry.is_empty() {
+                let ms = cfg.engine.heartbeat_ms;
+                let interval = Duration::from_millis(u64::from(ms));
+                let timeout = interval.clamp(Duration::from_millis(100), Duration::from_secs(2));
+                // The registry must prove it is a gateway: a worker's certificate cannot drain us.
+                let registry = match &tls {
+                    Some(t) => RegistryClient::with_connector(
+                        &cfg.engine.gateway_registry,
+                        timeout,
+                        &t.connect(crate::net::dial::REGISTRY, timeout)
+                            .map_err(|e| invalid(&e))?,
+                    ),
+                    None => RegistryClient::new(&cfg.engine.gateway_registry, timeout),
+                }
+                .map_err(|s| invalid(s.message()))?;
+                let hb =
+                    Arc::new(Heartbeat::new(registry, timeout).named(&cfg.engine.gateway_registry));
+                state.awaits_registration(&cfg.engine.gateway_registry);
+                self::start_heartbeat(
+                    &life, &state, &metrics, &addrs, hb, cfg, limits, role, &shape,
+                );
             }
-            .map_err(|s| invalid(s.message()))?;
-            let hb =
-                Arc::new(Heartbeat::new(registry, timeout).named(&cfg.engine.gateway_registry));
-            state.awaits_registration(&cfg.engine.gateway_registry);
-            self::start_heartbeat(
-                &life, &state, &metrics, &addrs, hb, cfg, limits, role, &shape,
-            );
-        }
+            Ok(on_etcd)
+        })?;
         let metrics_listener = serve_http(
             &life,
             bind(&cfg.engine.metrics_listen).await?,
@@ -346,6 +403,7 @@ impl EngineNode {
             _stop_on_drop: stop_on_drop,
             thread,
             etcd: on_etcd,
+            _control: control_rt,
         })
     }
 

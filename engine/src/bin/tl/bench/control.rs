@@ -37,6 +37,15 @@ pub(crate) struct ControlArgs {
     /// in place on the async workers, as before the lane).
     #[arg(long)]
     import_threads: Option<usize>,
+    /// Threads of the decode engine's control runtime (`engine.control_threads`; 0: the
+    /// control plane shares the process's runtime, as before it had its own).
+    #[arg(long)]
+    control_threads: Option<usize>,
+    /// Make the calls from the bench's own runtime, which also runs the engine, instead of a
+    /// thread and runtime of their own (a caller in another process, as a gateway or a prefill
+    /// engine is): then a call's client side also waits for the engine's workers.
+    #[arg(long)]
+    probe_on_engine_runtime: bool,
     /// Prompt tokens of the sequence decoded under load.
     #[arg(long, default_value_t = 4096)]
     decode_tokens: usize,
@@ -64,6 +73,11 @@ struct Samples {
 }
 
 impl Samples {
+    fn extend(&mut self, other: Samples) {
+        self.info.extend(other.info);
+        self.has_blocks.extend(other.has_blocks);
+    }
+
     fn summary(&mut self) -> serde_json::Value {
         serde_json::json!({
             "calls": self.info.len(),
@@ -102,6 +116,64 @@ async fn probe(
     Ok(())
 }
 
+/// One batch of calls for the prober: how many, and where to send their latencies.
+type ProbeJob = (usize, tokio::sync::oneshot::Sender<Result<Samples, String>>);
+
+/// Where the bench's calls come from: a thread with a runtime of its own (a caller in another
+/// process: its calls wait for a core, never for the engine's tokio workers), or the bench's
+/// own runtime.
+enum Prober {
+    Own(tokio::sync::mpsc::UnboundedSender<ProbeJob>),
+    Shared(Box<(ControlClient, GrpcTransport)>),
+}
+
+impl Prober {
+    fn start(own: bool, grpc: &str, kv: &str, envelope: usize) -> Result<Self, BenchError> {
+        let transport = || GrpcTransport::new(TransportConfig::for_envelope(envelope));
+        if !own {
+            return Ok(Self::Shared(Box::new((
+                ControlClient::new(grpc)?,
+                transport(),
+            ))));
+        }
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<ProbeJob>();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        // Made on the prober's runtime, so their connections are its own.
+        let (ctl, t) = {
+            let _ctx = rt.enter();
+            (ControlClient::new(grpc)?, transport())
+        };
+        let kv = kv.to_owned();
+        std::thread::Builder::new()
+            .name("bench-prober".into())
+            .spawn(move || {
+                rt.block_on(async move {
+                    while let Some((n, reply)) = rx.recv().await {
+                        let mut got = Samples::default();
+                        let r = probe(&ctl, &t, &kv, n, &mut got).await;
+                        let _ = reply.send(r.map(|()| got).map_err(|e| e.to_string()));
+                    }
+                });
+            })?;
+        Ok(Self::Own(tx))
+    }
+
+    /// `n` calls of each kind, their latencies into `into`.
+    async fn run(&self, kv: &str, n: usize, into: &mut Samples) -> Result<(), BenchError> {
+        match self {
+            Self::Shared(both) => probe(&both.0, &both.1, kv, n, into).await,
+            Self::Own(tx) => {
+                let (reply, got) = tokio::sync::oneshot::channel();
+                tx.send((n, reply)).map_err(|_| "the prober stopped")?;
+                into.extend(got.await.map_err(|_| "the prober stopped")??);
+                Ok(())
+            }
+        }
+    }
+}
+
 /// Waits up to 10 s for `cond`.
 async fn until(cond: impl Fn() -> bool) -> Result<(), BenchError> {
     let end = Instant::now() + Duration::from_secs(10);
@@ -128,16 +200,21 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
     if let Some(n) = a.import_threads {
         cfg.engine.import_threads = n;
     }
+    if let Some(n) = a.control_threads {
+        cfg.engine.control_threads = n;
+    }
     cfg.validate()?;
     let shape = cfg.shape();
     let d = EngineNode::start(&cfg).await?;
     let (grpc, kv, http) = (d.addresses().grpc, d.addresses().kv, d.addresses().http);
-    let ctl = ControlClient::new(&grpc)?;
-    let t = GrpcTransport::new(TransportConfig::for_envelope(
+    let prober = Prober::start(
+        !a.probe_on_engine_runtime,
+        &grpc,
+        &kv,
         shape.envelope_len(1).ok_or("overflow")?,
-    ));
+    )?;
     // Warm the connections.
-    probe(&ctl, &t, &kv, 5, &mut Samples::default()).await?;
+    prober.run(&kv, 5, &mut Samples::default()).await?;
 
     // The importing load: 256-block pushes into the engine, one after another while `active`.
     let src = SharedKv::new(KvPool::new(shape, 256));
@@ -217,12 +294,12 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
             until(|| !pushing.load(Ordering::Relaxed)).await?;
             // Past the last push's release and the engine's work after it.
             tokio::time::sleep(Duration::from_millis(200)).await;
-            probe(&ctl, &t, &kv, per_round, &mut idle).await?;
+            prober.run(&kv, per_round, &mut idle).await?;
             active.store(true, Ordering::Relaxed);
             until(|| pushing.load(Ordering::Relaxed)).await?;
             // Into the push, past its negotiation.
             tokio::time::sleep(Duration::from_millis(20)).await;
-            probe(&ctl, &t, &kv, per_round, &mut importing).await?;
+            prober.run(&kv, per_round, &mut importing).await?;
             active.store(false, Ordering::Relaxed);
             Ok::<_, BenchError>(())
         }
@@ -245,7 +322,7 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
     let mut decode = Samples::default();
-    probe(&ctl, &t, &kv, a.calls.min(100), &mut decode).await?;
+    prober.run(&kv, a.calls.min(100), &mut decode).await?;
     let r = decoding.await??;
     if r.status != 200 {
         return Err(format!("the long sequence answered {}", r.status).into());
@@ -268,6 +345,8 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
         "shape": "B=16 L=32 H=8 D=128 (2 MiB blocks), fake model",
         "import_threads": cfg.engine.import_threads,
         "import_nice": cfg.engine.import_nice,
+        "control_threads": cfg.engine.control_threads,
+        "probe": if a.probe_on_engine_runtime { "the engine's runtime" } else { "a thread and runtime of its own" },
         "rounds": rounds,
         "idle": idle,
         "while_decoding": while_decoding,
