@@ -148,6 +148,9 @@ struct Slab {
     /// The head and CRC in the room match the payload as it is: set by [`SharedKv::seal`],
     /// cleared by any write of the payload.
     sealed: bool,
+    /// Bumped by every write of the payload: a seal that read the payload under the read lock
+    /// knows, under the write lock, whether what it read is still there.
+    version: u64,
 }
 
 impl Slab {
@@ -157,6 +160,7 @@ impl Slab {
 
     fn payload_mut(&mut self) -> &mut [u8] {
         self.sealed = false;
+        self.version = self.version.wrapping_add(1);
         let end = self.bytes.len() - TAIL_ROOM;
         &mut self.bytes[HEAD_ROOM..end]
     }
@@ -202,27 +206,44 @@ impl Slabs {
 
     fn seal(&self, id: BlockId, head: &[u8; HEAD_ROOM]) -> Result<SealedEnvelope, PoolError> {
         let lock = self.lock(id)?;
-        {
+        let sealed_with = |slab: &Slab| slab.sealed && slab.bytes[..HEAD_ROOM] == head[..];
+        // The CRC is computed under the read lock (readers of the block, the model among them,
+        // are not held up); the write lock is taken only to put 44 bytes in place.
+        let (version, crc) = {
             let slab = lock
                 .read()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if slab.sealed && slab.bytes[..HEAD_ROOM] == head[..] {
+            if sealed_with(&slab) {
                 return Ok(SealedEnvelope(Arc::clone(&slab)));
             }
-        }
+            (slab.version, envelope_crc(head, slab.payload()))
+        };
         let mut guard = lock
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let slab = Arc::make_mut(&mut *guard);
-        if !(slab.sealed && slab.bytes[..HEAD_ROOM] == head[..]) {
+        if !sealed_with(&guard) {
+            // Written since it was read (rare): the CRC again, of what is there now.
+            let crc = if guard.version == version {
+                crc
+            } else {
+                envelope_crc(head, guard.payload())
+            };
+            let slab = Arc::make_mut(&mut *guard);
             let n = slab.bytes.len();
             slab.bytes[..HEAD_ROOM].copy_from_slice(head);
-            let crc = kvwire::crc32c(&slab.bytes[..n - TAIL_ROOM]);
             slab.bytes[n - TAIL_ROOM..].copy_from_slice(&crc.to_le_bytes());
             slab.sealed = true;
         }
         Ok(SealedEnvelope(Arc::clone(&guard)))
     }
+}
+
+/// The CRC-32C of a one-record envelope with this head and payload.
+fn envelope_crc(head: &[u8], payload: &[u8]) -> u32 {
+    let mut crc = kvwire::Crc32c::new();
+    crc.update(head);
+    crc.update(payload);
+    crc.finish()
 }
 
 /// One block's bytes, read-locked (other readers may share it; a writer waits).
@@ -371,6 +392,7 @@ impl KvPool {
                 RwLock::new(Arc::new(Slab {
                     bytes: vec![0; HEAD_ROOM + payload + TAIL_ROOM].into_boxed_slice(),
                     sealed: false,
+                    version: 0,
                 }))
             })
             .collect();
@@ -1005,8 +1027,9 @@ impl SharedKv {
     /// The one-record envelope of a full block, in the block's own memory: `head` (from
     /// `kvwire::full_block_head`) written into the room before the payload and the CRC-32C into
     /// the room after it, unless they are there already for the payload as it is. The envelope
-    /// then never changes while held ([`SealedEnvelope`]). Sealing takes the block's write lock
-    /// and reads the payload once; sealing again with the same head reads nothing. The caller
+    /// then never changes while held ([`SealedEnvelope`]). Sealing reads the payload once under
+    /// the block's read lock and takes its write lock only to put the 44 bytes in place;
+    /// sealing again with the same head reads nothing. The caller
     /// holds a reference on the block and names it full.
     ///
     /// # Errors

@@ -113,3 +113,47 @@ fn a_sealed_envelope_is_the_written_one_and_is_resealed_only_when_changed() {
     shared.lock().release(id).unwrap();
     shared.lock().check().unwrap();
 }
+
+/// Sealing while another thread writes the block: every envelope sealed is whole (its CRC is
+/// over its own bytes, and its payload is one write's, never a mix), whichever of the two got
+/// the block's lock first.
+#[test]
+fn a_seal_racing_a_writer_never_lends_a_stale_crc() {
+    let shared = SharedKv::new(KvPool::new(SHAPE, 1));
+    let p = SHAPE.payload_bytes().unwrap();
+    let id = shared
+        .import(key(&[2, 2, 2, 2]), 4, &vec![0u8; p], 0)
+        .unwrap();
+    let head = kvwire::full_block_head(&SHAPE, 0, 4).unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    /// Stops the writer however the loop below ends (a failed assertion too), so the scope
+    /// joins it instead of waiting forever.
+    struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut k = 0u8;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                k = k.wrapping_add(1);
+                shared.write(id).unwrap().fill(k);
+            }
+        });
+        let _stop = Stop(&stop);
+        for _ in 0..20_000 {
+            let sealed = shared.seal(id, &head).unwrap();
+            let env = kvwire::Reader::new()
+                .expect_shape(SHAPE)
+                .read(sealed.as_ref())
+                .expect("a sealed envelope with a stale CRC");
+            let payload = sealed.payload();
+            assert!(payload.iter().all(|&b| b == payload[0]), "a torn payload");
+            assert_eq!(env.n_blocks(), 1);
+        }
+    });
+    shared.lock().release(id).unwrap();
+    shared.lock().check().unwrap();
+}
