@@ -114,9 +114,32 @@ fn process_cpu() -> f64 {
 /// than a core (a hand-off between the two ends, a wakeup) for part of its time.
 async fn with_cores<T>(f: impl std::future::Future<Output = T>) -> (T, f64) {
     let (cpu, wall) = (process_cpu(), Instant::now());
+    let faults = minor_faults();
     let out = f.await;
     let busy = (process_cpu() - cpu) / wall.elapsed().as_secs_f64().max(1e-9);
+    if let (Some(a), Some(b)) = (faults, minor_faults()) {
+        LAST_FAULTS.store(b.saturating_sub(a), std::sync::atomic::Ordering::Relaxed);
+    }
     (out, busy)
+}
+
+/// [`LAST_FAULTS`] per MiB of a run that moved `mib`.
+fn last_faults_per_mib(mib: f64) -> f64 {
+    LAST_FAULTS.load(std::sync::atomic::Ordering::Relaxed) as f64 / mib.max(1e-9)
+}
+
+/// Minor page faults of the last [`with_cores`] run (the process's, every thread).
+static LAST_FAULTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Minor page faults the process has taken so far (`minflt` in /proc/self/stat, Linux): each
+/// is a page touched for the first time since the allocator got it from the kernel, which the
+/// kernel zeroes first. A transfer that reuses its buffers takes almost none per MiB.
+fn minor_faults() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The fields after the command name, which is in parentheses and may hold spaces: state
+    // is the first, minflt the eighth.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(7)?.parse().ok()
 }
 
 /// One core's AES-128-GCM sealing rate (ring, as rustls uses it), in 16 KiB records as TLS
@@ -370,24 +393,31 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     );
     // Cores kept busy: gRPC, gRPC over TLS, raw TCP, raw TLS.
     let mut cores: [Vec<f64>; 4] = Default::default();
+    // Minor page faults per MiB moved, in the same order.
+    let mut faults: [Vec<f64>; 4] = Default::default();
+    let bytes_mib = (n as f64) * p_bytes as f64 / f64::from(1u32 << 20);
     for run in 0..args.runs.max(1) {
         let (pushed, c) =
             with_cores(bench.push(&transport, &target, &format!("run-{run}"), n)).await;
         let (st, secs) = pushed?;
         cores[0].push(c);
+        faults[0].push(last_faults_per_mib(bytes_mib));
         let g = st.payload_bytes as f64 / secs / 1e9;
         let (pushed, c) =
             with_cores(bench.push(&tls_transport, &tls_target, &format!("tls-{run}"), n)).await;
         let (st, secs) = pushed?;
         cores[1].push(c);
+        faults[1].push(last_faults_per_mib(bytes_mib));
         let s = st.payload_bytes as f64 / secs / 1e9;
         let bytes = st.payload_bytes as usize;
         let (t, c) = with_cores(stream_run(bytes, &tcp_chunk, None)).await;
         let t = t?;
         cores[2].push(c);
+        faults[2].push(last_faults_per_mib(bytes_mib));
         let (r, c) = with_cores(stream_run(bytes, &tcp_chunk, Some(raw_tls.clone()))).await;
         let r = r?;
         cores[3].push(c);
+        faults[3].push(last_faults_per_mib(bytes_mib));
         grpc.push(g);
         tls.push(s);
         tcp.push(t);
@@ -435,6 +465,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     life.shutdown().await;
     let (aes_gbps, memcpy_gbps) = one_core_rates()?;
     let [c_grpc, c_tls, c_tcp, c_raw_tls] = cores.map(|mut v| round3(median(&mut v)));
+    let [f_grpc, f_tls, f_tcp, f_raw_tls] = faults.map(|mut v| round3(median(&mut v)));
 
     // Peak RSS growth during a push, for a quarter of the blocks and for all of them (pools are
     // already resident, so growth is the transfer's own buffering).
@@ -537,9 +568,44 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
             "tcp": c_tcp,
             "raw_tls": c_raw_tls,
         },
+        "minor_faults_per_mib": {
+            "note": "pages the process touched for the first time during each run, per MiB moved (medians); 256 = every received byte landed in a fresh page",
+            "grpc": f_grpc,
+            "grpc_tls": f_tls,
+            "tcp": f_tcp,
+            "raw_tls": f_raw_tls,
+        },
         "one_core": {
             "aes_128_gcm_seal_gbps": round3(aes_gbps),
             "memcpy_2mib_gbps": round3(memcpy_gbps),
         },
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn touching_fresh_pages_counts_minor_faults() {
+        let before = super::minor_faults().expect("minflt in /proc/self/stat");
+        // 8 MiB from the kernel (above glibc's default mmap threshold), every page written.
+        let mut v = vec![0u8; 8 << 20];
+        for page in v.chunks_mut(4096) {
+            page[0] = 1;
+        }
+        std::hint::black_box(&v);
+        let after = super::minor_faults().expect("minflt in /proc/self/stat");
+        assert!(after > before, "{before} -> {after}");
+        // Touching the same pages again takes none of them anew.
+        let again = super::minor_faults().unwrap_or(0);
+        for page in v.chunks_mut(4096) {
+            page[1] = 2;
+        }
+        std::hint::black_box(&v);
+        let last = super::minor_faults().unwrap_or(u64::MAX);
+        // (Process-wide counts: other tests' threads may fault meanwhile, hence the margin.)
+        assert!(
+            last - again < (after - before) / 2,
+            "first {before} -> {after}, again {again} -> {last}"
+        );
+    }
 }
