@@ -31,6 +31,11 @@ pub(crate) struct TransferArgs {
     /// many gRPC / raw TCP pairs again, each push in a `kv.transfer` span: `traced_over_off`.
     #[arg(long)]
     trace: bool,
+    /// Threads of the receiver's import lane, as `engine.import_threads` (the engine's default
+    /// is 2); 0 copies in place on the async workers, each chunk handed off with
+    /// `block_in_place`.
+    #[arg(long, default_value_t = 2)]
+    import_threads: usize,
 }
 
 /// Peak and current resident set of this process, in bytes, from /proc (Linux).
@@ -317,7 +322,7 @@ async fn negotiated_suite(tls: &Tls, addr: &str) -> Result<String, BenchError> {
 async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchError> {
     use std::sync::Arc;
 
-    use kvwire_grpc::{GrpcTransport, KvReceiver, KvStore, TransportConfig, serve_kv};
+    use kvwire_grpc::{GrpcTransport, KvReceiver, KvStore, TransportConfig};
 
     let shape = kvwire::Shape::v1(16, 32, 8, 128);
     let p_bytes = shape.payload_bytes().ok_or("the shape overflows")?;
@@ -328,9 +333,30 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     let dst_store: Arc<dyn KvStore> = Arc::new(PoolStore::new(dst_pool.clone()));
     let src_store: Arc<dyn KvStore> = Arc::new(PoolStore::new(src_pool.clone()));
     let rx = Arc::new(KvReceiver::new(Arc::clone(&dst_store), "fake"));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let server = serve_kv(listener, Arc::clone(&rx))?;
-    let target = server.local_addr().to_string();
+    // The receiver as an engine serves it: chunks checked and copied on an import lane's
+    // threads (`engine.import_threads`), or in place when 0.
+    let lane = match args.import_threads {
+        0 => None,
+        n => Some(kvwire_grpc::ImportLane::new("kv-import", n)?),
+    };
+    let service = || {
+        let svc = KvTransferService::new(Arc::clone(&rx));
+        match &lane {
+            Some(l) => svc.with_import_lane(l.clone()),
+            None => svc,
+        }
+        .into_service()
+    };
+    // The plain port outlives the TLS one: the RSS and dedup runs below use it.
+    let (plain, life) = (Lifecycle::new(), Lifecycle::new());
+    let target = serve_grpc(
+        &plain,
+        tokio::net::TcpListener::bind("127.0.0.1:0").await?,
+        service(),
+        None,
+        H2Limits::default(),
+    )?
+    .to_string();
     let transport = GrpcTransport::new(TransportConfig::for_envelope(
         shape.envelope_len(1).ok_or("overflow")?,
     ));
@@ -353,11 +379,10 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
         issue("P", PeerRole::Prefill)?,
     );
     let _ = std::fs::remove_dir_all(&certs);
-    let life = Lifecycle::new();
     let tls_target = serve_grpc(
         &life,
         tokio::net::TcpListener::bind("127.0.0.1:0").await?,
-        KvTransferService::new(Arc::clone(&rx)).into_service(),
+        service(),
         Some(d_tls.server_config(&[b"h2"])?),
         H2Limits::default(),
     )?
@@ -528,13 +553,14 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
         dst_store.release(&c.into_ids());
     }
     let full_bytes = n as u64 * (shape.envelope_len(1).unwrap_or(0) as u64);
-    drop(server);
+    plain.shutdown().await;
 
     Ok(serde_json::json!({
         "tracing": traced,
         "bench": "transfer",
         "shape": "B=16 L=32 H=8 D=128 (2 MiB blocks)",
         "blocks_per_push": n,
+        "import_threads": args.import_threads,
         "push_mib": round3((n * p_bytes) as f64 / (1 << 20) as f64),
         "runs": grpc.len(),
         "grpc_gbps": round3(median(&mut grpc.clone())),
