@@ -342,6 +342,7 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
     Ok(serde_json::json!({
         "bench": "control",
         "cpu": super::cpu_json(),
+        "kernel": super::kernel_json(),
         "shape": "B=16 L=32 H=8 D=128 (2 MiB blocks), fake model",
         "import_threads": cfg.engine.import_threads,
         "import_nice": cfg.engine.import_nice,

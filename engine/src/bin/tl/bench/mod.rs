@@ -127,6 +127,44 @@ impl Tracing {
 
 /// The CPU a figure was measured on, from `/proc/cpuinfo`: model name, family, model, cores and
 /// the flags the hot paths depend on (every figure names its CPU class).
+/// The kernel a figure was measured on, as far as it tells an unprivileged reader: its release
+/// and build line, its preemption model (from debugfs when readable, else a `preempt=` boot
+/// parameter, else unknown), and whether it runs under a hypervisor. Tail latencies depend on
+/// these as much as on the CPU: a `PREEMPT_NONE` kernel runs a syscall to its end before a
+/// woken thread gets the core.
+pub(crate) fn kernel_json() -> serde_json::Value {
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_owned()).ok();
+    let preempt = read("/sys/kernel/debug/sched/preempt")
+        .and_then(|s| current_preempt(&s))
+        .map(|m| format!("{m} (debugfs)"))
+        .or_else(|| {
+            read("/proc/cmdline")?.split_whitespace().find_map(|w| {
+                w.strip_prefix("preempt=")
+                    .map(|m| format!("{m} (boot line)"))
+            })
+        });
+    let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let guest = flags
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .is_some_and(|l| l.split_whitespace().any(|f| f == "hypervisor"));
+    serde_json::json!({
+        "release": read("/proc/sys/kernel/osrelease"),
+        "build": read("/proc/sys/kernel/version"),
+        "preempt": preempt,
+        "guest": guest,
+    })
+}
+
+/// The current model in debugfs's `sched/preempt`, which lists them all with the current one in
+/// parentheses: "none voluntary (full) lazy".
+fn current_preempt(listing: &str) -> Option<String> {
+    listing
+        .split_whitespace()
+        .find(|w| w.starts_with('(') && w.ends_with(')'))
+        .map(|w| w.trim_matches(|c| c == '(' || c == ')').to_owned())
+}
+
 pub(crate) fn cpu_json() -> serde_json::Value {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let field = |k: &str| {
@@ -156,4 +194,31 @@ pub(crate) fn cpu_json() -> serde_json::Value {
         "cores": std::thread::available_parallelism().map_or(0, std::num::NonZero::get),
         "flags": have,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_current_preemption_model_is_the_one_in_parentheses() {
+        assert_eq!(
+            super::current_preempt("none voluntary (full) lazy").as_deref(),
+            Some("full")
+        );
+        assert_eq!(
+            super::current_preempt("(none) voluntary full").as_deref(),
+            Some("none")
+        );
+        assert_eq!(super::current_preempt("none voluntary full"), None);
+    }
+
+    #[test]
+    fn the_kernel_names_its_release() {
+        let k = super::kernel_json();
+        let release = k["release"].as_str().unwrap_or_default();
+        assert!(
+            release.chars().next().is_some_and(|c| c.is_ascii_digit()),
+            "{k}"
+        );
+        assert!(k["guest"].is_boolean(), "{k}");
+    }
 }

@@ -575,6 +575,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
         "raw_tls_over_tcp": round3(median(&mut raw_ratios.clone())),
         "grpc_tls_over_raw_tls": round3(median(&mut tls_over_raw)),
         "cpu": super::cpu_json(),
+        "kernel": super::kernel_json(),
         "tcp_gbps_all": tcp.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
         "peak_rss_growth_mib": rss_growth,
         "dedup_75pct_cached": {

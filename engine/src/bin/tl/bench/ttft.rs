@@ -251,6 +251,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         },
         "busy_core": args.busy_core,
         "cpu": super::cpu_json(),
+        "kernel": super::kernel_json(),
         "import_threads": args.import_threads.unwrap_or(tl_engine::node::config::EngineSection::default().import_threads),
         "note": "stepwise: prefill, HasBlocks and push timed apart on an in-process engine (push after prefill); prefill_rpc_*: a prefill engine's whole Prefill RPC (the first token returns with the KvHandle), pushing after the prefill (serial) or each block as it is written (pipelined); ttft_ratio = pipelined RPC / colocated (medians of --repeat runs); single_block_push_over_streamed = median warm one-block push / per-block time of the largest stepwise push, first_push_over_streamed the same for the first push on the connection; resume = claim + one decode step + HTTP",
         "single_block_push_over_streamed": single_over_streamed(&rows, "warm_single_push_p50_ms"),
