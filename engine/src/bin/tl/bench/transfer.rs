@@ -114,27 +114,25 @@ fn process_cpu() -> f64 {
     t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
 }
 
-/// Runs `f` and returns its result with the cores it kept busy on average: the process's CPU
-/// time over the wall time. Below the machine's core count, the run waited on something other
-/// than a core (a hand-off between the two ends, a wakeup) for part of its time.
-async fn with_cores<T>(f: impl std::future::Future<Output = T>) -> (T, f64) {
-    let (cpu, wall) = (process_cpu(), Instant::now());
-    let faults = minor_faults();
+/// What a run cost the process: the cores it kept busy on average (CPU time over wall time;
+/// below the machine's core count, the run waited on something other than a core, a hand-off
+/// between the two ends or a wakeup, for part of its time), and the minor page faults it took.
+struct Used {
+    cores: f64,
+    faults: u64,
+}
+
+/// Runs `f` and returns its result with what it cost the process.
+async fn with_cost<T>(f: impl std::future::Future<Output = T>) -> (T, Used) {
+    let (cpu, wall, faults) = (process_cpu(), Instant::now(), minor_faults());
     let out = f.await;
-    let busy = (process_cpu() - cpu) / wall.elapsed().as_secs_f64().max(1e-9);
-    if let (Some(a), Some(b)) = (faults, minor_faults()) {
-        LAST_FAULTS.store(b.saturating_sub(a), std::sync::atomic::Ordering::Relaxed);
-    }
-    (out, busy)
+    let cores = (process_cpu() - cpu) / wall.elapsed().as_secs_f64().max(1e-9);
+    let faults = match (faults, minor_faults()) {
+        (Some(a), Some(b)) => b.saturating_sub(a),
+        _ => 0,
+    };
+    (out, Used { cores, faults })
 }
-
-/// [`LAST_FAULTS`] per MiB of a run that moved `mib`.
-fn last_faults_per_mib(mib: f64) -> f64 {
-    LAST_FAULTS.load(std::sync::atomic::Ordering::Relaxed) as f64 / mib.max(1e-9)
-}
-
-/// Minor page faults of the last [`with_cores`] run (the process's, every thread).
-static LAST_FAULTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Minor page faults the process has taken so far (`minflt` in /proc/self/stat, Linux): each
 /// is a page touched for the first time since the allocator got it from the kernel, which the
@@ -423,26 +421,26 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     let bytes_mib = (n as f64) * p_bytes as f64 / f64::from(1u32 << 20);
     for run in 0..args.runs.max(1) {
         let (pushed, c) =
-            with_cores(bench.push(&transport, &target, &format!("run-{run}"), n)).await;
+            with_cost(bench.push(&transport, &target, &format!("run-{run}"), n)).await;
         let (st, secs) = pushed?;
-        cores[0].push(c);
-        faults[0].push(last_faults_per_mib(bytes_mib));
+        cores[0].push(c.cores);
+        faults[0].push(c.faults as f64 / bytes_mib);
         let g = st.payload_bytes as f64 / secs / 1e9;
         let (pushed, c) =
-            with_cores(bench.push(&tls_transport, &tls_target, &format!("tls-{run}"), n)).await;
+            with_cost(bench.push(&tls_transport, &tls_target, &format!("tls-{run}"), n)).await;
         let (st, secs) = pushed?;
-        cores[1].push(c);
-        faults[1].push(last_faults_per_mib(bytes_mib));
+        cores[1].push(c.cores);
+        faults[1].push(c.faults as f64 / bytes_mib);
         let s = st.payload_bytes as f64 / secs / 1e9;
         let bytes = st.payload_bytes as usize;
-        let (t, c) = with_cores(stream_run(bytes, &tcp_chunk, None)).await;
+        let (t, c) = with_cost(stream_run(bytes, &tcp_chunk, None)).await;
         let t = t?;
-        cores[2].push(c);
-        faults[2].push(last_faults_per_mib(bytes_mib));
-        let (r, c) = with_cores(stream_run(bytes, &tcp_chunk, Some(raw_tls.clone()))).await;
+        cores[2].push(c.cores);
+        faults[2].push(c.faults as f64 / bytes_mib);
+        let (r, c) = with_cost(stream_run(bytes, &tcp_chunk, Some(raw_tls.clone()))).await;
         let r = r?;
-        cores[3].push(c);
-        faults[3].push(last_faults_per_mib(bytes_mib));
+        cores[3].push(c.cores);
+        faults[3].push(c.faults as f64 / bytes_mib);
         grpc.push(g);
         tls.push(s);
         tcp.push(t);
