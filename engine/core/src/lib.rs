@@ -1,6 +1,7 @@
 //! `tl-engine-core`: the engine without I/O. Plain structs and functions, driven by whoever owns
 //! them (the node's step thread, a test, a bench); no async runtime, no sockets, no JSON.
 //!
+//! - [`copy`]: the import's copy into the pool, with stores that skip reading the destination.
 //! - [`pool`]: the paged KV block pool, its prefix index and LRU, and the [`pool::Blocks`] guard.
 //! - [`engine`]: sequences, prefill with prefix reuse, the continuous-batching step, resume.
 //! - [`scheduler`]: the admission policy (which waiting requests a step prefills).
@@ -9,9 +10,11 @@
 //!   O(log n) advance for the hand-off between engines.
 //! - [`request`]: the one request validation every door calls.
 //! - [`logprobs`]: the log-softmax OpenAI reports, computed once.
-#![forbid(unsafe_code)]
+// One module, `copy`, holds unsafe code (non-temporal stores), each block with its reason.
+#![deny(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod copy;
 pub mod engine;
 pub mod logprobs;
 pub mod model;

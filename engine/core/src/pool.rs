@@ -761,7 +761,7 @@ impl KvPool {
         let copied = self
             .data
             .write(id)
-            .map(|mut block| block.copy_from_slice(payload));
+            .map(|mut block| crate::copy::copy_to_pool(&mut block, payload));
         if let Err(e) = copied {
             // Cannot happen for a block just allocated; if it did, give the block back.
             let _ = self.release(id);
@@ -1077,7 +1077,7 @@ impl SharedKv {
             pool.allocate(1)?[0]
         };
         match self.data.write(id) {
-            Ok(mut block) => block.copy_from_slice(payload),
+            Ok(mut block) => crate::copy::copy_to_pool(&mut block, payload),
             Err(e) => {
                 // Cannot happen for a block just allocated; if it did, give the block back.
                 let _ = self.lock().release(id);
