@@ -325,6 +325,40 @@ async fn prefill_to_an_unreachable_target() {
     pair.stop().await;
 }
 
+/// The same refusal while the engine thread is still computing the prefill (20 ms a token): the
+/// push fails at once, and the answer waits until the engine has let the sequence and its
+/// blocks go, so a caller that sees UNAVAILABLE sees the pool as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_to_an_unreachable_target_answers_after_its_blocks_are_free() {
+    let mut pc = config("P", Role::Prefill);
+    pc.model.prefill_us_per_token = 20_000;
+    let p = EngineNode::start(&pc).await.unwrap();
+    let ctl = ControlClient::new(&p.addresses().grpc).unwrap();
+    let closed = {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let before = p.runner().pool().lock().counts();
+    let err = ctl
+        .prefill(PrefillRequest {
+            cache_scope: Default::default(),
+            request_id: "slow-unreachable".into(),
+            prompt_tokens: (0..40).collect(),
+            sampling: sampling(0.0, 1.0, 0, Some(1), 4),
+            decode_target: closed,
+            rng_draws_offset: 0,
+            decode_holds: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    let after = p.runner().pool().lock().counts();
+    assert_eq!(after.used, 0, "answered with blocks still held: {after:?}");
+    assert_eq!(after.total, before.total);
+    p.runner().pool().lock().check().unwrap();
+    p.shutdown(Duration::from_secs(1)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_rpc_validation_and_info() {
     let pair = Pair::start().await;

@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use kvwire::prompt_hashes;
 use kvwire_grpc::pb::engine::{KvHandle, PrefillRequest};
@@ -18,7 +19,7 @@ use tl_engine_core::pool::{PoolError, SharedKv};
 use tl_engine_core::request::{Limits, Params, RequestError};
 use tl_engine_core::rng::entropy_seed;
 use tl_engine_core::sampler::{Sampling, SamplingRequest};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{mpsc as tmpsc, oneshot, watch};
 use tonic::{Code, Status};
 use tracing::Instrument;
 
@@ -270,7 +271,8 @@ impl PrefillService {
             let transfer = transfer_span(&handle_id, self.state.id());
             let push = kvwire_grpc::transfer_streaming(&*self.transport, store, push, blocks)
                 .instrument(transfer.clone());
-            tokio::pin!(push);
+            // Boxed so that a failure can drop it (resetting the stream) before waiting below.
+            let mut push = Box::pin(push);
             let (mut output, mut moved) = (None, None);
             let ended: Result<(), Status> = loop {
                 if output.is_some() && moved.is_some() {
@@ -305,6 +307,11 @@ impl PrefillService {
             };
             drop(computing);
             if let Err(e) = ended {
+                // The stream is reset first (the decode side undoes what it imported), then the
+                // answer waits for the engine thread to let the sequence go, so the call ends
+                // with the pool as it was.
+                drop(push);
+                settle(&mut events).await;
                 tracing::warn!(
                     request_id = %req.request_id,
                     handle_id = %handle_id,
@@ -333,6 +340,7 @@ impl PrefillService {
                     },
                     _ = &mut cancelled => {
                         runner.cancel(key);
+                        settle(&mut events).await;
                         return Err(cancelled_status());
                     }
                 }
@@ -401,6 +409,19 @@ impl PrefillService {
 /// child, through the `traceparent` the push carries.
 /// What one engine event means to a Prefill: its output, its failure, or nothing yet (the
 /// pipelined and the plain Prefill read the engine's events through this one function).
+/// How long a failed or cancelled call waits for the engine thread to drop its sequence: one
+/// engine step at most, in practice; bounded so that a wedged engine cannot hold the answer.
+const CANCEL_SETTLE: Duration = Duration::from_secs(5);
+
+/// Waits, up to [`CANCEL_SETTLE`], until the engine thread has dropped a sequence it was told
+/// to cancel (or that failed): it closes the sequence's event stream after releasing its
+/// blocks. A prefill on the engine thread holds its blocks until the thread next reads its
+/// commands, so an answer sent before then would leave them held for a moment after the error.
+async fn settle(events: &mut tmpsc::UnboundedReceiver<SeqEvent>) {
+    let drained = async { while events.recv().await.is_some() {} };
+    let _ = tokio::time::timeout(CANCEL_SETTLE, drained).await;
+}
+
 fn prefill_event(
     ev: Option<SeqEvent>,
 ) -> Option<Result<tl_engine_core::engine::PrefillOutput, Status>> {
