@@ -307,11 +307,14 @@ impl PrefillService {
             };
             drop(computing);
             if let Err(e) = ended {
-                // The stream is reset first (the decode side undoes what it imported), then the
-                // answer waits for the engine thread to let the sequence go, so the call ends
-                // with the pool as it was.
+                // A failed push is answered once the engine thread has let the sequence go, so
+                // the caller sees the pool as it was; the stream is reset first (the decode side
+                // undoes what it imported). A cancel is not waited for: nobody is listening,
+                // and the blocks come back when the thread next reads its commands.
                 drop(push);
-                settle(&mut events).await;
+                if e.code() != Code::Cancelled {
+                    settle(&mut events).await;
+                }
                 tracing::warn!(
                     request_id = %req.request_id,
                     handle_id = %handle_id,
@@ -340,7 +343,6 @@ impl PrefillService {
                     },
                     _ = &mut cancelled => {
                         runner.cancel(key);
-                        settle(&mut events).await;
                         return Err(cancelled_status());
                     }
                 }
@@ -409,14 +411,15 @@ impl PrefillService {
 /// child, through the `traceparent` the push carries.
 /// What one engine event means to a Prefill: its output, its failure, or nothing yet (the
 /// pipelined and the plain Prefill read the engine's events through this one function).
-/// How long a failed or cancelled call waits for the engine thread to drop its sequence: one
-/// engine step at most, in practice; bounded so that a wedged engine cannot hold the answer.
+/// How long a failed call waits for the engine thread to drop its sequence: one engine step at
+/// most, in practice; bounded so that a wedged engine cannot hold the answer.
 const CANCEL_SETTLE: Duration = Duration::from_secs(5);
 
 /// Waits, up to [`CANCEL_SETTLE`], until the engine thread has dropped a sequence it was told
 /// to cancel (or that failed): it closes the sequence's event stream after releasing its
 /// blocks. A prefill on the engine thread holds its blocks until the thread next reads its
 /// commands, so an answer sent before then would leave them held for a moment after the error.
+/// On the same prefill engine a retry would queue behind that step anyway.
 async fn settle(events: &mut tmpsc::UnboundedReceiver<SeqEvent>) {
     let drained = async { while events.recv().await.is_some() {} };
     let _ = tokio::time::timeout(CANCEL_SETTLE, drained).await;
