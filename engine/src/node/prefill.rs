@@ -407,10 +407,6 @@ impl PrefillService {
     }
 }
 
-/// The prefill side's `kv.transfer` span (kind CLIENT); the decode side's SERVER span is its
-/// child, through the `traceparent` the push carries.
-/// What one engine event means to a Prefill: its output, its failure, or nothing yet (the
-/// pipelined and the plain Prefill read the engine's events through this one function).
 /// How long a failed call waits for the engine thread to drop its sequence: one engine step at
 /// most, in practice; bounded so that a wedged engine cannot hold the answer.
 const CANCEL_SETTLE: Duration = Duration::from_secs(5);
@@ -425,6 +421,8 @@ async fn settle(events: &mut tmpsc::UnboundedReceiver<SeqEvent>) {
     let _ = tokio::time::timeout(CANCEL_SETTLE, drained).await;
 }
 
+/// What one engine event means to a Prefill: its output, its failure, or nothing yet (the
+/// pipelined and the plain Prefill read the engine's events through this one function).
 fn prefill_event(
     ev: Option<SeqEvent>,
 ) -> Option<Result<tl_engine_core::engine::PrefillOutput, Status>> {
@@ -437,6 +435,8 @@ fn prefill_event(
     }
 }
 
+/// The prefill side's `kv.transfer` span (kind CLIENT); the decode side's SERVER span is its
+/// child, through the `traceparent` the push carries.
 fn transfer_span(handle_id: &str, worker: &str) -> tracing::Span {
     tracing::info_span!(
         "kv.transfer",
