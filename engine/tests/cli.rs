@@ -277,3 +277,42 @@ fn generate_on_a_checkpoint_stops_at_eos_unless_ignored() {
     assert_eq!(code, 2, "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `tl bench ttft` times colocated, serial and pipelined once per round and reports each round's
+/// ratio; the headline ratio is their median, and the first token matches colocated.
+#[test]
+fn ttft_bench_reports_one_ratio_per_round_and_their_median() {
+    let (code, out, err) = tl(&[
+        "bench",
+        "ttft",
+        "--json",
+        "--blocks",
+        "1",
+        "--repeat",
+        "3",
+        "--single-pushes",
+        "1",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let row = &v["rows"][0];
+    assert_eq!(row["blocks"], 1);
+    assert_eq!(row["first_token_equal"], true, "{row}");
+    let mut rounds: Vec<f64> = row["ttft_ratio_rounds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_f64().unwrap())
+        .collect();
+    assert_eq!(rounds.len(), 3, "{row}");
+    assert!(rounds.iter().all(|r| r.is_finite() && *r > 0.0), "{row}");
+    rounds.sort_by(f64::total_cmp);
+    assert_eq!(row["ttft_ratio"].as_f64().unwrap(), rounds[1], "{row}");
+    for key in [
+        "colocated_ttft_ms",
+        "prefill_rpc_serial_ms",
+        "prefill_rpc_pipelined_ms",
+    ] {
+        assert!(row[key].as_f64().unwrap() > 0.0, "{key}: {row}");
+    }
+}

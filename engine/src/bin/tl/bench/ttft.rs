@@ -18,8 +18,9 @@ pub(crate) struct TtftArgs {
     /// Keep one core busy with a spinning thread for the whole run (the loaded-machine case).
     #[arg(long)]
     busy_core: bool,
-    /// Runs of each TTFT measurement (colocated, serial and pipelined RPC); the median is kept.
-    #[arg(long, default_value_t = 3)]
+    /// Rounds, each timing colocated, serial and pipelined RPC once (in a rotating order); the
+    /// medians are kept, and the ratios' medians over the rounds.
+    #[arg(long, default_value_t = 5)]
     repeat: usize,
     /// Warm one-block pushes timed after the first (one-block row only).
     #[arg(long, default_value_t = 9)]
@@ -94,22 +95,11 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         // Colocated: prefill and first token on one long-running engine, as the prefill engine
         // of the RPC rows below is: its pool's pages touched by a first run, then each timed run
         // with the tokens shifted, so nothing is a prefix hit. (A fresh pool per run also timed
-        // the kernel faulting in and zeroing its pages, a cost no engine pays twice.)
-        let mut colocated_runs = Vec::new();
+        // the kernel faulting in and zeroing its pages, a cost no engine pays twice.) Its timed
+        // runs are interleaved with the RPC rows' below, so that each ratio compares runs a few
+        // seconds apart, not the machine of one minute against the next.
         let mut solo = Engine::new(cfg.build_model()?, cfg.build_pool());
         let colocated_first = solo.generate(req(Mode::Generate))?;
-        for run in 0..args.repeat.max(1) {
-            let k = 1 + run as u32;
-            let shifted = Request {
-                prompt: prompt.iter().map(|&t| (t + k) % 256).collect(),
-                ..req(Mode::Generate)
-            };
-            let t = Instant::now();
-            solo.generate(shifted)?;
-            colocated_runs.push(t.elapsed());
-        }
-        drop(solo);
-        let colocated = median(&mut colocated_runs);
 
         // Disaggregated, step by step: prefill here, transfer to a decode engine, resume there.
         let d = EngineNode::start(&cfg).await?;
@@ -215,12 +205,46 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         }
         // The same prompt through a prefill engine's Prefill RPC, the push after the prefill
         // (serial) and overlapping it (pipelined). Each uses a prompt the decode side does not
-        // hold (the tokens shifted), so every block moves.
-        let mut rpc = Vec::new();
-        for pipelined in [false, true] {
-            let mut runs = prefill_rpc(&cfg, &d, pipelined, &prompt, args.repeat.max(1)).await?;
-            rpc.push(median(&mut runs));
+        // hold (the tokens shifted), so every block moves. Each round times colocated, serial
+        // and pipelined once, in an order that rotates, and the ratios are taken per round.
+        let serial = RpcPrefill::start(&cfg, &d, false).await?;
+        let pipelined = RpcPrefill::start(&cfg, &d, true).await?;
+        let (mut colocated_runs, mut serial_runs, mut pipelined_runs) =
+            (Vec::new(), Vec::new(), Vec::new());
+        let (mut ratio_runs, mut ratio_serial_runs) = (Vec::new(), Vec::new());
+        for round in 0..args.repeat.max(1) {
+            let k = 1 + round as u32;
+            let shifted = |offset: u32| -> Vec<u32> {
+                prompt.iter().map(|&t| (t + k + offset) % 256).collect()
+            };
+            let mut took = [Duration::ZERO; 3];
+            for i in 0..3 {
+                let which = (round + i) % 3;
+                took[which] = match which {
+                    0 => {
+                        let r = Request {
+                            prompt: shifted(0),
+                            ..req(Mode::Generate)
+                        };
+                        let t = Instant::now();
+                        solo.generate(r)?;
+                        t.elapsed()
+                    }
+                    1 => serial.run(round, shifted(50)).await?,
+                    _ => pipelined.run(round, shifted(100)).await?,
+                };
+            }
+            let [c, s, p] = took;
+            ratio_runs.push(p.as_secs_f64() / c.as_secs_f64());
+            ratio_serial_runs.push(s.as_secs_f64() / c.as_secs_f64());
+            colocated_runs.push(c);
+            serial_runs.push(s);
+            pipelined_runs.push(p);
         }
+        serial.shutdown().await;
+        pipelined.shutdown().await;
+        drop(solo);
+        let colocated = median(&mut colocated_runs);
         d.shutdown(Duration::from_secs(1)).await;
         let disagg = prefill + transfer;
         rows.push(serde_json::json!({
@@ -234,10 +258,11 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
             "warm_single_push_ms": warm_single.iter().map(|d| ms(*d)).collect::<Vec<_>>(),
             "warm_single_push_p50_ms": (!warm_single.is_empty()).then(|| ms(median(&mut warm_single.clone()))),
             "stepwise_ttft_ms": ms(disagg),
-            "prefill_rpc_serial_ms": ms(rpc[0]),
-            "prefill_rpc_pipelined_ms": ms(rpc[1]),
-            "ttft_ratio_serial": round3(rpc[0].as_secs_f64() / colocated.as_secs_f64()),
-            "ttft_ratio": round3(rpc[1].as_secs_f64() / colocated.as_secs_f64()),
+            "prefill_rpc_serial_ms": ms(median(&mut serial_runs)),
+            "prefill_rpc_pipelined_ms": ms(median(&mut pipelined_runs)),
+            "ttft_ratio_serial": round3(super::median(&mut ratio_serial_runs)),
+            "ttft_ratio": round3(super::median(&mut ratio_runs.clone())),
+            "ttft_ratio_rounds": ratio_runs.iter().map(|r| round3(*r)).collect::<Vec<_>>(),
             "resume_first_decode_ms": ms(resume),
             "first_token_equal": colocated_first.first() == Some(&first),
         }));
@@ -253,7 +278,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         "cpu": super::cpu_json(),
         "kernel": super::kernel_json(),
         "import_threads": args.import_threads.unwrap_or(tl_engine::node::config::EngineSection::default().import_threads),
-        "note": "stepwise: prefill, HasBlocks and push timed apart on an in-process engine (push after prefill); prefill_rpc_*: a prefill engine's whole Prefill RPC (the first token returns with the KvHandle), pushing after the prefill (serial) or each block as it is written (pipelined); ttft_ratio = pipelined RPC / colocated (medians of --repeat runs); single_block_push_over_streamed = median warm one-block push / per-block time of the largest stepwise push, first_push_over_streamed the same for the first push on the connection; resume = claim + one decode step + HTTP",
+        "note": "stepwise: prefill, HasBlocks and push timed apart on an in-process engine (push after prefill); prefill_rpc_*: a prefill engine's whole Prefill RPC (the first token returns with the KvHandle), pushing after the prefill (serial) or each block as it is written (pipelined); ttft_ratio = median over --repeat rounds of pipelined RPC / colocated, each round timing colocated, serial and pipelined once in a rotating order (ttft_ratio_rounds: each round's); single_block_push_over_streamed = median warm one-block push / per-block time of the largest stepwise push, first_push_over_streamed the same for the first push on the connection; resume = claim + one decode step + HTTP",
         "single_block_push_over_streamed": single_over_streamed(&rows, "warm_single_push_p50_ms"),
         "first_push_over_streamed": single_over_streamed(&rows, "push_ms"),
         "rows": rows,
@@ -282,58 +307,77 @@ fn median(v: &mut [Duration]) -> Duration {
     v.get(v.len() / 2).copied().unwrap_or_default()
 }
 
-/// `runs` Prefill RPCs of `prompt` (its tokens shifted each run, so the decode side never holds
-/// them) on a fresh prefill engine to `d`, each timed from call to KvHandle, on a warm
-/// connection (a one-token prefill to `d` first); every handle is released.
-async fn prefill_rpc(
-    cfg: &tl_engine::node::config::Config,
-    d: &tl_engine::node::EngineNode,
-    pipelined: bool,
-    prompt: &[u32],
-    runs: usize,
-) -> Result<Vec<Duration>, BenchError> {
-    use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
-    use kvwire_grpc::{GrpcTransport, KvTransport, TransportConfig};
-    use tl_engine::net::clients::ControlClient;
-    use tl_engine::node::EngineNode;
-    use tl_engine::node::config::Role;
+/// A prefill engine, pushing after the prefill or while it runs, that answers Prefill RPCs to
+/// the decode engine `d` on a warm connection (a one-token prefill to `d` first).
+struct RpcPrefill {
+    node: tl_engine::node::EngineNode,
+    ctl: tl_engine::net::clients::ControlClient,
+    release: kvwire_grpc::GrpcTransport,
+    kv: String,
+}
 
-    let mut pc = cfg.clone();
-    pc.engine.role = Role::Prefill;
-    pc.engine.id = "P".into();
-    pc.engine.push_while_prefilling = pipelined;
-    let p = EngineNode::start(&pc).await?;
-    let ctl = ControlClient::new(&p.addresses().grpc)?;
-    let kv = d.addresses().kv;
-    let request = |id: &str, prompt: Vec<u32>| PrefillRequest {
-        request_id: id.into(),
-        prompt_tokens: prompt,
-        sampling: Some(SamplingParams {
-            seed: Some(1),
-            max_tokens: 2,
-            ..SamplingParams::default()
-        }),
-        decode_target: kv.clone(),
-        rng_draws_offset: 0,
-        decode_holds: None,
-        cache_scope: 0,
-    };
-    let release = GrpcTransport::new(TransportConfig::for_envelope(1 << 10));
-    let warm = ctl.prefill(request("warm", vec![7])).await?;
-    release.release(&kv, &warm.handle_id).await?;
-    let mut took = Vec::new();
-    for run in 0..runs {
-        let k = 1 + run as u32 + if pipelined { 100 } else { 0 };
-        let shifted: Vec<u32> = prompt.iter().map(|&t| (t + k) % 256).collect();
-        let t = Instant::now();
-        let h = ctl
-            .prefill(request(&format!("timed-{run}"), shifted))
-            .await?;
-        took.push(t.elapsed());
-        release.release(&kv, &h.handle_id).await?;
+impl RpcPrefill {
+    async fn start(
+        cfg: &tl_engine::node::config::Config,
+        d: &tl_engine::node::EngineNode,
+        pipelined: bool,
+    ) -> Result<Self, BenchError> {
+        use kvwire_grpc::{GrpcTransport, KvTransport, TransportConfig};
+        use tl_engine::net::clients::ControlClient;
+        use tl_engine::node::EngineNode;
+        use tl_engine::node::config::Role;
+
+        let mut pc = cfg.clone();
+        pc.engine.role = Role::Prefill;
+        pc.engine.id = if pipelined { "P-pipelined" } else { "P-serial" }.into();
+        pc.engine.push_while_prefilling = pipelined;
+        let node = EngineNode::start(&pc).await?;
+        let ctl = ControlClient::new(&node.addresses().grpc)?;
+        let me = Self {
+            node,
+            ctl,
+            release: GrpcTransport::new(TransportConfig::for_envelope(1 << 10)),
+            kv: d.addresses().kv,
+        };
+        let warm = me.ctl.prefill(me.request("warm", vec![7])).await?;
+        me.release.release(&me.kv, &warm.handle_id).await?;
+        Ok(me)
     }
-    p.shutdown(Duration::from_secs(1)).await;
-    Ok(took)
+
+    fn request(&self, id: &str, prompt: Vec<u32>) -> kvwire_grpc::pb::engine::PrefillRequest {
+        use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
+        PrefillRequest {
+            request_id: id.into(),
+            prompt_tokens: prompt,
+            sampling: Some(SamplingParams {
+                seed: Some(1),
+                max_tokens: 2,
+                ..SamplingParams::default()
+            }),
+            decode_target: self.kv.clone(),
+            rng_draws_offset: 0,
+            decode_holds: None,
+            cache_scope: 0,
+        }
+    }
+
+    /// One Prefill RPC of `prompt` (which the decode side must not hold), timed from call to
+    /// KvHandle; the handle is released after the timing.
+    async fn run(&self, round: usize, prompt: Vec<u32>) -> Result<Duration, BenchError> {
+        use kvwire_grpc::KvTransport;
+        let t = Instant::now();
+        let h = self
+            .ctl
+            .prefill(self.request(&format!("timed-{round}"), prompt))
+            .await?;
+        let took = t.elapsed();
+        self.release.release(&self.kv, &h.handle_id).await?;
+        Ok(took)
+    }
+
+    async fn shutdown(self) {
+        self.node.shutdown(Duration::from_secs(1)).await;
+    }
 }
 
 /// A thread spinning on one core until dropped.
