@@ -33,6 +33,9 @@ pub(crate) struct TtftArgs {
     /// place on the async workers, as before the lane).
     #[arg(long)]
     import_threads: Option<usize>,
+    /// The nice value of those threads (`engine.import_nice`, 0..=19; the engine's default is 10).
+    #[arg(long)]
+    import_nice: Option<i32>,
 }
 
 /// Runs `tl bench ttft`.
@@ -74,6 +77,9 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         cfg.engine.role = Role::Decode;
         if let Some(t) = args.import_threads {
             cfg.engine.import_threads = t;
+        }
+        if let Some(n) = args.import_nice {
+            cfg.engine.import_nice = n;
         }
         cfg.validate()?;
         let shape = cfg.shape();
@@ -278,6 +284,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         "cpu": super::cpu_json(),
         "kernel": super::kernel_json(),
         "import_threads": args.import_threads.unwrap_or(tl_engine::node::config::EngineSection::default().import_threads),
+        "import_nice": args.import_nice.unwrap_or(tl_engine::node::config::EngineSection::default().import_nice),
         "note": "stepwise: prefill, HasBlocks and push timed apart on an in-process engine (push after prefill); prefill_rpc_*: a prefill engine's whole Prefill RPC (the first token returns with the KvHandle), pushing after the prefill (serial) or each block as it is written (pipelined); ttft_ratio = median over --repeat rounds of pipelined RPC / colocated, each round timing colocated, serial and pipelined once in a rotating order (ttft_ratio_rounds: each round's); single_block_push_over_streamed = median warm one-block push / per-block time of the largest stepwise push, first_push_over_streamed the same for the first push on the connection; resume = claim + one decode step + HTTP",
         "single_block_push_over_streamed": single_over_streamed(&rows, "warm_single_push_p50_ms"),
         "first_push_over_streamed": single_over_streamed(&rows, "push_ms"),
