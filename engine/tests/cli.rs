@@ -316,3 +316,14 @@ fn ttft_bench_reports_one_ratio_per_round_and_their_median() {
         assert!(row[key].as_f64().unwrap() > 0.0, "{key}: {row}");
     }
 }
+
+/// More rounds than the prompt has distinct token shifts is refused before any engine starts.
+#[test]
+fn ttft_bench_refuses_more_rounds_than_distinct_prompts() {
+    let (code, out, err) = tl(&["bench", "ttft", "--json", "--blocks", "1", "--repeat", "86"]);
+    assert_ne!(code, 0, "{out}\n{err}");
+    assert!(
+        format!("{out}{err}").contains("at most 85 rounds"),
+        "{out}\n{err}"
+    );
+}

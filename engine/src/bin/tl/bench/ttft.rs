@@ -38,6 +38,9 @@ pub(crate) struct TtftArgs {
     import_nice: Option<i32>,
 }
 
+/// Rounds at most: each round shifts the prompt's tokens (mod 256) three new ways.
+const MAX_ROUNDS: usize = 85;
+
 /// Runs `tl bench ttft`.
 #[must_use]
 pub(crate) fn ttft(args: &TtftArgs) -> ExitCode {
@@ -57,6 +60,12 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
     use tl_engine_core::engine::{Engine, Mode, Request};
     use tl_engine_core::sampler::Sampling;
 
+    if args.repeat > MAX_ROUNDS {
+        return Err(format!(
+            "--repeat: at most {MAX_ROUNDS} rounds (each needs prompts of its own)"
+        )
+        .into());
+    }
     let spin = args.busy_core.then(Spinner::start);
     let mut rows = Vec::new();
     for &n in &args.blocks {
@@ -218,10 +227,16 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         let (mut colocated_runs, mut serial_runs, mut pipelined_runs) =
             (Vec::new(), Vec::new(), Vec::new());
         let (mut ratio_runs, mut ratio_serial_runs) = (Vec::new(), Vec::new());
-        for round in 0..args.repeat.max(1) {
+        // Token shifts 1..=rounds for colocated, then the next `rounds` for serial and the next
+        // for pipelined: no prompt repeats across kinds or rounds (checked below 256 shifts).
+        let rounds = args.repeat.max(1) as u32;
+        for round in 0..rounds as usize {
             let k = 1 + round as u32;
-            let shifted = |offset: u32| -> Vec<u32> {
-                prompt.iter().map(|&t| (t + k + offset) % 256).collect()
+            let shifted = |kind: u32| -> Vec<u32> {
+                prompt
+                    .iter()
+                    .map(|&t| (t + k + kind * rounds) % 256)
+                    .collect()
             };
             let mut took = [Duration::ZERO; 3];
             for i in 0..3 {
@@ -236,8 +251,8 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
                         solo.generate(r)?;
                         t.elapsed()
                     }
-                    1 => serial.run(round, shifted(50)).await?,
-                    _ => pipelined.run(round, shifted(100)).await?,
+                    1 => serial.run(round, shifted(1)).await?,
+                    _ => pipelined.run(round, shifted(2)).await?,
                 };
             }
             let [c, s, p] = took;
