@@ -26,8 +26,8 @@ fn unavailable() -> Option<String> {
     }
 }
 
-fn drill(fault: &str) -> Value {
-    common::drill(&[
+fn args(fault: &str) -> [&str; 7] {
+    [
         "--netns",
         "--clients",
         "4",
@@ -35,7 +35,7 @@ fn drill(fault: &str) -> Value {
         "6",
         "--fault",
         fault,
-    ])
+    ]
 }
 
 #[test]
@@ -45,7 +45,7 @@ fn netns_partition_mid_push_frees_both_sides() {
         return;
     }
     // The link between the prefill engine and one decode engine is cut at T/3, mended at 2T/3.
-    let v = drill("partition");
+    let v = common::drill(&args("partition"));
     assert_eq!(v["mode"], "netns");
     assert_eq!(v["lost"], 0, "{v}");
     assert_eq!(v["failed"], 0, "{v}");
@@ -63,8 +63,9 @@ fn netns_partition_mid_push_frees_both_sides() {
     assert_eq!(v["evicted_after_ms"], Value::Null, "{v}");
     assert_eq!(v["rejoined"], true, "{v}");
 
-    // The same hosts, a decode engine killed: its streams fail over.
-    let v = drill("kill");
+    // The same hosts, a decode engine killed: its streams fail over. Run again if the kill
+    // landed when no stream was on the victim (seen once in CI: 0 in flight, 0 failovers).
+    let v = common::drill_with_streams_at_fault(&args("kill"));
     assert_eq!(v["lost"], 0, "{v}");
     assert_eq!(v["failed"], 0, "{v}");
     assert!(v["failovers"].as_u64().unwrap() >= 1, "{v}");
