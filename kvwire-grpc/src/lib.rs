@@ -8,6 +8,7 @@
 //! - [`receiver`]: the decode side's per-chunk rules, as plain logic ([`KvReceiver`]).
 //! - [`sender`]: the prefill side: [`KvTransport`], its gRPC implementation, and [`transfer`].
 //! - [`server`]: the `KvTransfer` service and [`serve_kv`].
+//! - [`socket`]: accepted sockets whose reads are capped ([`socket::READ_CAP`]).
 //!
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
@@ -22,6 +23,7 @@ pub mod pb;
 pub mod receiver;
 pub mod sender;
 pub mod server;
+pub mod socket;
 pub mod store;
 
 pub use lane::ImportLane;

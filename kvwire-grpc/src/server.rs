@@ -10,7 +10,6 @@ use tokio_util::task::TaskTracker;
 use tonic::Status;
 use tonic::body::Body;
 use tonic::transport::Server;
-use tonic::transport::server::TcpIncoming;
 
 use crate::frames::{self, RequestStream};
 use crate::glue::{self, Dispatch, Handler, MessageLimits, ResponseFuture, Routes};
@@ -431,7 +430,7 @@ pub fn serve_kv(listener: TcpListener, rx: Arc<KvReceiver>) -> std::io::Result<K
     let addr = listener.local_addr()?;
     let stop = CancellationToken::new();
     let tasks = TaskTracker::new();
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = crate::socket::capped_incoming(listener);
     let svc = KvTransferService::new(Arc::clone(&rx)).into_service();
     let server = tuned_server(H2Limits::default())
         .add_service(svc)

@@ -29,7 +29,6 @@ use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
-use tonic::transport::server::TcpIncoming;
 
 use super::tls::PeerId;
 
@@ -179,7 +178,7 @@ pub fn serve_grpc<S: Routes>(
     let graceful = graceful_stop(stop.clone());
     match tls {
         None => {
-            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+            let incoming = kvwire_grpc::socket::capped_incoming(listener);
             let server = router.serve_with_incoming_shutdown(incoming, graceful);
             life.spawn(bounded_stop(stop, addr, server));
         }
