@@ -10,6 +10,7 @@ use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
 use serde_json::{Value, json};
 use tl_engine::net::clients::RegistryClient;
 use tl_engine::net::clients::{ControlClient, HttpClient};
+use tl_engine::net::server::free_loopback_port;
 use tl_engine::node::config::Config;
 use tl_engine_core::engine::{Engine, Mode, Request};
 use tl_engine_core::sampler::{Sampling, SamplingRequest};
@@ -504,7 +505,7 @@ async fn disaggregated_equals_colocated_on_the_real_model_across_processes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_that_cannot_reach_its_registry_says_so() {
     // A loopback port with nothing on it, for a registry to take later.
-    let addr = free_port_outside_ephemeral_range();
+    let addr = format!("127.0.0.1:{}", free_loopback_port().unwrap());
     let dir = std::env::temp_dir().join(format!("tl-unreachable-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("engine.toml");
@@ -568,27 +569,6 @@ async fn an_engine_that_cannot_reach_its_registry_says_so() {
     }
     let _ = child.0.kill();
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// A free loopback address whose port lies below the kernel's ephemeral range. A port bound at
-/// `:0` and freed comes from that range, so any connection another test opens meanwhile may
-/// take it as its source port, and a server started there later fails to bind (seen once in
-/// CI). Below the range, only an explicit bind can take it.
-fn free_port_outside_ephemeral_range() -> String {
-    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32768);
-    // Start at a point that differs between runs, so concurrent runs rarely probe alike.
-    let span = low.saturating_sub(10_000).max(1);
-    let start = 10_000 + (std::process::id() % u32::from(span)) as u16;
-    (0..span)
-        .map(|i| 10_000 + (start - 10_000 + i) % span)
-        .find_map(|port| std::net::TcpListener::bind(("127.0.0.1", port)).ok())
-        .expect("no free loopback port below the ephemeral range")
-        .local_addr()
-        .unwrap()
-        .to_string()
 }
 
 /// Kills the child on drop, so a failing assertion leaves nothing running.

@@ -1,11 +1,11 @@
 //! Accepted KV sockets whose reads are capped, so that no receive holds a core for long.
 //!
 //! h2 asks the socket for the rest of a DATA frame in one read, which for a 2 MiB chunk is a
-//! 2 MiB `recv`. On loopback that one system call also drives the sender's queued segments out
-//! (the ACKs it sends release them), and on a kernel without preemption (`PREEMPT_NONE`, as
-//! cloud guests often are) nothing else runs on that core until it returns. Traced on machine J
-//! (README), such receives ran 7-9 ms while the control thread waited for their core, the
-//! longest 37.6 ms. Reading at most [`READ_CAP`] per call returns to user space, where the
+//! 2 MiB `recv`. On a kernel without preemption (`PREEMPT_NONE`, as cloud guests often are),
+//! nothing else runs on that core until it returns. Traced on machine J (README), such receives
+//! ran 7-9 ms while the control thread waited for their core, the longest 37.6 ms (on loopback,
+//! probably because the ACKs the receive sends let the sender's queued segments go out within
+//! it). Reading at most [`READ_CAP`] per call returns to user space, where the
 //! scheduler can switch, every few tens of microseconds, for seven more system calls per chunk.
 
 use std::io;

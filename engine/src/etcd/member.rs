@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::net::server::free_loopback_port;
+
 /// Certificates for a cluster: the CA and the members' own certificate and key (a `tl certs`
 /// leaf with role `etcd`).
 #[derive(Clone, Debug)]
@@ -32,12 +34,6 @@ pub struct Member {
 #[must_use]
 pub fn binary() -> PathBuf {
     std::env::var_os("TL_ETCD").map_or_else(|| PathBuf::from("etcd"), PathBuf::from)
-}
-
-fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 impl Member {
@@ -109,7 +105,7 @@ pub fn start_cluster(
     let scheme = if tls.is_some() { "https" } else { "http" };
     let mut ports = Vec::with_capacity(n);
     for _ in 0..n {
-        ports.push((free_port()?, free_port()?));
+        ports.push((free_loopback_port()?, free_loopback_port()?));
     }
     let initial: Vec<String> = ports
         .iter()

@@ -91,6 +91,40 @@ pub async fn bind(addr: &str) -> std::io::Result<TcpListener> {
         .map_err(|e| std::io::Error::new(e.kind(), format!("bind {addr}: {e}")))
 }
 
+/// A loopback port that is free now, for a server another process will bind later (an etcd
+/// member, a registry started after its engines). It lies below the kernel's ephemeral range.
+/// A port bound at `:0` and freed comes from that range, so any connection opened in between
+/// may take it as its source port, and the later bind then fails with `EADDRINUSE`. Below the
+/// range only an explicit bind can take it.
+///
+/// # Errors
+/// When no port between 10000 and the range's start can be bound.
+pub fn free_loopback_port() -> std::io::Result<u16> {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let span = low.saturating_sub(10_000).max(1);
+    // Start where concurrent callers rarely coincide, then walk the span once.
+    let start = (std::process::id() ^ next_probe()) % u32::from(span);
+    for i in 0..u32::from(span) {
+        let port = 10_000 + ((start + i) % u32::from(span)) as u16;
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            return Ok(l.local_addr()?.port());
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        format!("no free loopback port in 10000..{low}"),
+    ))
+}
+
+/// A different starting point for each call in this process (several members in a row).
+fn next_probe() -> u32 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    NEXT.fetch_add(7919, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// How long a TLS handshake may take.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
