@@ -105,8 +105,9 @@ pub fn free_loopback_port() -> std::io::Result<u16> {
         .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
         .unwrap_or(32768);
     let span = low.saturating_sub(10_000).max(1);
-    // Start where concurrent callers rarely coincide, then walk the span once.
-    let start = (std::process::id() ^ next_probe()) % u32::from(span);
+    // Calls in one process start 7919 ports apart (modulo the span), processes apart by their
+    // ids; then each walks the span once.
+    let start = std::process::id().wrapping_add(next_probe()) % u32::from(span);
     for i in 0..u32::from(span) {
         let port = 10_000 + ((start + i) % u32::from(span)) as u16;
         if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
