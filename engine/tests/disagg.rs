@@ -94,6 +94,7 @@ async fn disaggregated_equals_colocated() {
                     decode_target: da.kv.clone(),
                     rng_draws_offset: 0,
                     decode_holds: None,
+                    decode_lookup: String::new(),
                 })
                 .await
                 .unwrap();
@@ -184,6 +185,7 @@ impl Pair {
             decode_target: self.target.clone(),
             rng_draws_offset: 0,
             decode_holds: None,
+            decode_lookup: String::new(),
         }
     }
 
@@ -348,6 +350,7 @@ async fn prefill_to_an_unreachable_target_answers_after_its_blocks_are_free() {
             decode_target: closed,
             rng_draws_offset: 0,
             decode_holds: None,
+            decode_lookup: String::new(),
         })
         .await
         .unwrap_err();
@@ -488,6 +491,7 @@ async fn resume_refusals_and_client_abort() {
         decode_target: da.kv.clone(),
         rng_draws_offset: 0,
         decode_holds: None,
+        decode_lookup: String::new(),
     };
     let h = ctl.prefill(pre("a")).await.unwrap();
     // Unknown handle: 404. Another prompt: 409 and the handle is still there.
@@ -632,6 +636,7 @@ async fn pipelined_push_equals_serial_push() {
                         decode_target: target.clone(),
                         rng_draws_offset: 0,
                         decode_holds: None,
+                        decode_lookup: String::new(),
                     })
                     .await
                     .unwrap();
@@ -698,6 +703,7 @@ async fn cancelled_prefill_undoes_a_push_midway() {
         decode_target: d.addresses().kv,
         rng_draws_offset: 0,
         decode_holds: None,
+        decode_lookup: String::new(),
     };
     let c2 = ctl.clone();
     let call = tokio::spawn(async move { c2.prefill(req).await });

@@ -118,6 +118,7 @@ async fn routing_prefers_the_cached_prefix_unless_far_more_loaded() {
             decode_target: d2.addresses().kv,
             rng_draws_offset: 0,
             decode_holds: None,
+            decode_lookup: String::new(),
         })
         .await
         .unwrap();

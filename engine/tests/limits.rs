@@ -254,6 +254,7 @@ async fn drain_honours_pending_handles() {
         decode_target: da.kv.clone(),
         rng_draws_offset: 0,
         decode_holds: None,
+        decode_lookup: String::new(),
     };
     let h = ctl.prefill(prefill("before")).await.unwrap();
     // Drain D: the pending handle is work that remains; the drain is announced at once.

@@ -148,6 +148,8 @@ async fn registry_and_engines_as_processes() {
             decode_target: dec.kv_address.clone(),
             rng_draws_offset: 0,
             decode_holds: None,
+            // Asked on the decode engine's control port, as a gateway says.
+            decode_lookup: dec.grpc_address.clone(),
         })
         .await
         .unwrap();
@@ -459,6 +461,7 @@ async fn disaggregated_equals_colocated_on_the_real_model_across_processes() {
                         max_tokens: 16,
                     }),
                     decode_target: d.addr("kv"),
+                    decode_lookup: String::new(),
                     rng_draws_offset: 0,
                     decode_holds: None,
                 })

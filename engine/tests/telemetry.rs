@@ -78,6 +78,7 @@ async fn metrics_count_what_moved() {
         decode_target: d.addresses().kv,
         rng_draws_offset: 0,
         decode_holds: None,
+        decode_lookup: String::new(),
     };
     // The listening line names the metrics listener.
     let line: serde_json::Value = serde_json::from_str(&p.listening_line()).unwrap();

@@ -81,6 +81,7 @@ async fn kv_transfer_spans_link_prefill_and_decode() {
             decode_target: d.addresses().kv,
             rng_draws_offset: 0,
             decode_holds: None,
+            decode_lookup: String::new(),
         })
         .await
         .unwrap();

@@ -45,6 +45,7 @@ async fn exporter_outage_never_blocks_requests() {
                 decode_target: d.addresses().kv,
                 rng_draws_offset: 0,
                 decode_holds: None,
+                decode_lookup: String::new(),
             })
             .await
             .unwrap();

@@ -88,6 +88,7 @@ fn push_of<'a>(
         hashes,
         n_blocks,
         known: None,
+        lookup: None,
     }
 }
 
@@ -367,6 +368,7 @@ async fn transfer_reset_frees_both_sides() {
         decode_target: target.into(),
         rng_draws_offset: 0,
         decode_holds: None,
+        decode_lookup: String::new(),
     };
     // P's prompts stay cached there (refcount 0): the baseline to return to is "nothing used".
     let p_back = |what: &str| {

@@ -152,6 +152,7 @@ async fn mtls_refuses_plaintext_and_foreign_ca() {
     let c = Cluster::start().await;
     let before = c.pools();
     let kv = c.d.addresses().kv;
+    let lookup = c.d.addresses().grpc;
     let http = c.d.addresses().http;
     let foreign = Certs::new("foreign");
     let strangers = [
@@ -169,6 +170,10 @@ async fn mtls_refuses_plaintext_and_foreign_ca() {
             "{name}: KvTransfer answered"
         );
         assert!(
+            s.kv.has_blocks(&lookup, has_blocks()).await.is_err(),
+            "{name}: the control port's HasBlocks answered"
+        );
+        assert!(
             s.reg.list_workers().await.is_err(),
             "{name}: the registry answered"
         );
@@ -184,6 +189,10 @@ async fn mtls_refuses_plaintext_and_foreign_ca() {
     let gw = Caller::new(&c, Some(&c.certs.tls("gw2", PeerRole::Gateway)));
     assert_eq!(gw.ctl.info().await.unwrap().worker_id, "P");
     assert_eq!(gw.kv.has_blocks(&kv, has_blocks()).await.unwrap(), [false]);
+    assert_eq!(
+        gw.kv.has_blocks(&lookup, has_blocks()).await.unwrap(),
+        [false]
+    );
     assert_eq!(gw.reg.list_workers().await.unwrap().len(), 2);
     let r = gw
         .http
@@ -204,6 +213,8 @@ async fn denied_calls(c: &Cluster, role: PeerRole) -> Vec<(&'static str, bool)> 
     let id = format!("t-{}", role.as_str());
     let who = Caller::new(c, Some(&c.certs.tls(&id, role)));
     let (kv, http) = (c.d.addresses().kv, c.d.addresses().http);
+    // The decode engine's control port, which also answers HasBlocks and Release.
+    let lookup = c.d.addresses().grpc;
     let bad_chunk = KvChunk {
         kv_format: 1,
         total: 1,
@@ -235,6 +246,14 @@ async fn denied_calls(c: &Cluster, role: PeerRole) -> Vec<(&'static str, bool)> 
         ("PushKv", denied(who.kv.push(&kv, push).await)),
         ("Release", denied(who.kv.release(&kv, "nope").await)),
         (
+            "HasBlocks on the control port",
+            denied(who.kv.has_blocks(&lookup, has_blocks()).await),
+        ),
+        (
+            "Release on the control port",
+            denied(who.kv.release(&lookup, "nope").await),
+        ),
+        (
             "Prefill",
             denied(who.ctl.prefill(PrefillRequest::default()).await),
         ),
@@ -255,10 +274,12 @@ async fn roles_are_enforced_on_every_call() {
     let c = Cluster::start().await;
     let before = c.pools();
     // Section 7's table: who may call what.
-    let allowed: [(&str, &[PeerRole]); 11] = [
+    let allowed: [(&str, &[PeerRole]); 13] = [
         ("HasBlocks", &[Gateway, Prefill, Both]),
         ("PushKv", &[Prefill, Both]),
         ("Release", &[Gateway, Prefill, Both]),
+        ("HasBlocks on the control port", &[Gateway, Prefill, Both]),
+        ("Release on the control port", &[Gateway, Prefill, Both]),
         ("Prefill", &[Gateway, Admin]),
         ("Cancel", &[Gateway, Admin]),
         ("Info", &PeerRole::ALL),

@@ -175,6 +175,7 @@ async fn one_validation_for_every_door() {
                 decode_target: d.addresses().kv,
                 rng_draws_offset: 0,
                 decode_holds: None,
+                decode_lookup: String::new(),
             };
             let s = ctl.prefill(req).await.unwrap_err();
             assert_eq!(s.code(), Code::InvalidArgument, "{s}");

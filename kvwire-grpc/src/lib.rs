@@ -30,10 +30,10 @@ pub use lane::ImportLane;
 pub use receiver::{Claimed, HandleView, KvReceiver, PushState, ReceiverLimits, RecvError};
 pub use sender::{
     BlockFeed, GrpcTransport, Holds, KvTransport, OutChunk, Push, TransferError, TransferStats,
-    TransportConfig, transfer, transfer_formats, transfer_streaming,
+    TransportConfig, has_blocks_at, transfer, transfer_formats, transfer_streaming,
 };
 pub use server::{
-    H2Limits, KvServerHandle, KvTransferService, PushObserver, ServiceLimits, serve_kv,
+    H2Limits, KvLookups, KvServerHandle, KvTransferService, PushObserver, ServiceLimits, serve_kv,
 };
 pub use store::{BlockId, BlockKey, KvStore, StoreError};
 

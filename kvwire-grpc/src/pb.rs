@@ -127,6 +127,10 @@ pub mod engine {
         /// The tenant scope the prompt's blocks are cached and deduplicated in (0: shared).
         #[prost(uint64, tag = "7")]
         pub cache_scope: u64,
+        /// Where the decode engine also answers HasBlocks, on its control threads (its
+        /// EngineControl address); empty: at decode_target.
+        #[prost(string, tag = "8")]
+        pub decode_lookup: String,
     }
 
     /// A decode engine's HasBlocks answer: its format, and one flag per full block.

@@ -253,7 +253,7 @@ impl State {
 /// let id = prefill.put(BlockKey::ANON, 4, &vec![3u8; shape.payload_bytes().unwrap()]).unwrap();
 /// let t = LocalTransport::new(Arc::clone(&rx));
 /// let push = Push {
-///     target: "d", handle_id: "h", model: "fake", hashes: &hashes, n_blocks: 1, known: None,
+///     target: "d", handle_id: "h", model: "fake", hashes: &hashes, n_blocks: 1, known: None, lookup: None,
 ///     tokens: &[1, 2, 3, 4], scope: 0,
 /// };
 /// transfer(&t, prefill as Arc<dyn KvStore>, push, &[id]).await.unwrap();

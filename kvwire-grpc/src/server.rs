@@ -245,6 +245,50 @@ impl KvTransferService {
     }
 }
 
+/// The small calls of a [`KvTransferService`], HasBlocks and Release, without PushKv: for a
+/// port other than the KV port, served on other threads, so that a lookup never waits for a core
+/// an import holds. The service name and messages are KvTransfer's; PushKv there answers
+/// UNIMPLEMENTED. A decode engine serves it beside EngineControl, on its control threads.
+///
+/// ```
+/// use std::sync::Arc;
+/// use kvwire::Shape;
+/// use kvwire_grpc::memory::MemStore;
+/// use kvwire_grpc::server::tuned_server;
+/// use kvwire_grpc::{H2Limits, KvReceiver, KvTransferService};
+///
+/// let rx = Arc::new(KvReceiver::new(Arc::new(MemStore::new(Shape::v1(4, 2, 1, 4), 8)), "fake"));
+/// let lookups = KvTransferService::new(rx).lookups().into_service();
+/// let _router = tuned_server(H2Limits::default()).add_service(lookups);
+/// ```
+#[derive(Clone, Debug)]
+pub struct KvLookups(Arc<KvTransferService>);
+
+impl KvTransferService {
+    /// HasBlocks and Release of this service (same receiver, limits and observer), for
+    /// another port.
+    #[must_use]
+    pub fn lookups(&self) -> KvLookups {
+        KvLookups(Arc::new(self.clone()))
+    }
+}
+
+impl Routes for KvLookups {
+    const NAME: &'static str = path::SERVICE;
+    const ROUTES: &'static [(&'static str, Handler<Self>)] = &[
+        (path::HAS_BLOCKS, |s, req| s.0.has_blocks(req)),
+        (path::RELEASE, |s, req| s.0.release(req)),
+    ];
+}
+
+impl KvLookups {
+    /// The tower service to hand to a tonic server.
+    #[must_use]
+    pub fn into_service(self) -> Dispatch<Self> {
+        Dispatch::new(Arc::new(self))
+    }
+}
+
 /// Waits, up to `wait`, until the store has room for a block in `scope`, asking again every
 /// 2 ms (each ask tells the store a block is waiting, so its owner can make room); the import
 /// that follows finds the room, or is refused as before.
@@ -414,7 +458,7 @@ impl Drop for KvServerHandle {
 /// let target = server.local_addr().to_string();
 /// let store = Arc::clone(&prefill) as Arc<dyn KvStore>;
 /// let push = Push {
-///     target: &target, handle_id: "h", model: "fake", hashes: &[], n_blocks: 1, known: None,
+///     target: &target, handle_id: "h", model: "fake", hashes: &[], n_blocks: 1, known: None, lookup: None,
 ///     tokens: &[1, 2, 3], scope: 0,
 /// };
 /// let stats = transfer(&transport, store, push, &[id]).await.unwrap();

@@ -87,6 +87,7 @@ fn push<'a>(target: &'a str, handle: &'a str, hashes: &'a [u64], tokens: &'a [u3
         hashes,
         n_blocks: BLOCKS,
         known: None,
+        lookup: None,
         tokens,
         scope: 0,
     }

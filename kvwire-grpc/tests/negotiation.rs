@@ -146,6 +146,7 @@ fn push<'a>(handle: &'a str, hashes: &'a [u64]) -> Push<'a> {
         hashes,
         n_blocks: 4,
         known: None,
+        lookup: None,
         tokens: &PROMPT,
         scope: 0,
     }

@@ -199,6 +199,7 @@ fn proto_matches_hand_written_messages() {
                 present: vec![true, false],
             }),
             cache_scope: 42,
+            decode_lookup: "d:2".into(),
         },
         &[
             ("request_id", String("r".into())),
@@ -214,6 +215,7 @@ fn proto_matches_hand_written_messages() {
                 Message(dynamic(&p, "tl.engine.v1.DecodeHolds", &holds_fields)),
             ),
             ("cache_scope", U64(42)),
+            ("decode_lookup", String("d:2".into())),
         ],
     );
     conform(

@@ -119,6 +119,7 @@ fn to_d<'a>(handle_id: &'a str, hashes: &'a [u64], n_blocks: usize) -> Push<'a> 
         hashes,
         n_blocks,
         known: None,
+        lookup: None,
         // The test prompt's tokens when the push is of it; else none.
         tokens: if n_blocks == 3 { &PROMPT } else { &[] },
         scope: 0,

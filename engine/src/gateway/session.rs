@@ -736,6 +736,8 @@ impl Session {
                 rng_draws_offset: offset,
                 decode_holds: p.holds.get(&d.worker_id).cloned(),
                 cache_scope: self.job.scope,
+                // Its control port answers HasBlocks off the threads its imports hold.
+                decode_lookup: d.grpc_address.clone(),
             },
             decode: d,
         });
@@ -2201,12 +2203,25 @@ mod tests {
                 })
                 .collect()
         };
+        // Each Prefill names its decode engine's KV port and, for HasBlocks, its control port.
+        let ports_of = |a: &[Action]| -> Vec<(String, String)> {
+            a.iter()
+                .filter_map(|x| match x {
+                    Action::Prefill { request, .. } => {
+                        Some((request.decode_target.clone(), request.decode_lookup.clone()))
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
         let mut s = Session::new(job(1, 0.0, false, &[]), "r".into(), RetryPolicy::default());
         s.start();
         let a = s.on(plan(&["D1", "D2"], None));
         assert_eq!(holds_of(&a), [Some(vec![false, false, false])]);
+        assert_eq!(ports_of(&a), [("D1:kv".into(), "D1:grpc".into())]);
         let a = s.on(failed(0, Code::Unavailable));
         assert_eq!(holds_of(&a), [Some(vec![true, false, false])]);
+        assert_eq!(ports_of(&a), [("D2:kv".into(), "D2:grpc".into())]);
         // An engine that gave no answer is not in the plan; one in the plan without an answer
         // (an older gateway's) leaves the prefill engine to ask.
         let mut s = Session::new(job(1, 0.0, false, &[]), "r".into(), RetryPolicy::default());

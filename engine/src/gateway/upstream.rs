@@ -109,14 +109,17 @@ impl Upstream {
                 cache_scope: scope,
             };
             let n = req.hashes.len();
-            let (transport, id, addr) = (
+            let (transport, id, addr, lookup) = (
                 Arc::clone(&self.transport),
                 w.worker_id.clone(),
                 w.kv_address.clone(),
+                w.grpc_address.clone(),
             );
             let limit = self.has_blocks_timeout;
             asks.spawn(async move {
-                let present = tokio::time::timeout(limit, transport.has_blocks(&addr, req)).await;
+                // On its control port, where imports do not hold the threads that answer.
+                let ask = kvwire_grpc::has_blocks_at(&*transport, Some(&lookup), &addr, req);
+                let present = tokio::time::timeout(limit, ask).await;
                 (id, kv_format, n, present)
             });
         }

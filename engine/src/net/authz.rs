@@ -195,6 +195,15 @@ mod tests {
             none,
             "KvTransfer"
         );
+        assert_eq!(
+            unlisted::<kvwire_grpc::KvLookups>(crate::node::LOOKUP_POLICY),
+            none,
+            "KvTransfer's lookups on the control port"
+        );
+        // The lookups are let through the control port exactly as through the KV port.
+        for entry in crate::node::LOOKUP_POLICY {
+            assert!(KV_POLICY.contains(entry), "{}", entry.0);
+        }
         // And the check itself sees a missing and an extra method.
         let short: Table = &[(kvwire_grpc::pb::kv::path::PUSH_KV, ANY), ("/x.Y/Z", ANY)];
         let (missing, extra) = unlisted::<kvwire_grpc::KvTransferService>(short);

@@ -207,8 +207,21 @@ pub fn serve_grpc<S: Routes>(
     tls: Option<Arc<ServerConfig>>,
     h2: H2Limits,
 ) -> std::io::Result<SocketAddr> {
+    serve_router(life, listener, tuned_server(h2).add_service(svc), tls)
+}
+
+/// Serves the services of `router` (several hand-written services on one port) as
+/// [`serve_grpc`] serves one.
+///
+/// # Errors
+/// When the listener has no local address.
+pub fn serve_router(
+    life: &Lifecycle,
+    listener: TcpListener,
+    router: tonic::transport::server::Router,
+    tls: Option<Arc<ServerConfig>>,
+) -> std::io::Result<SocketAddr> {
     let addr = listener.local_addr()?;
-    let router = tuned_server(h2).add_service(svc);
     let stop = life.token().clone();
     let graceful = graceful_stop(stop.clone());
     match tls {

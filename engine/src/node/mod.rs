@@ -25,7 +25,8 @@ use std::time::Duration;
 
 use kvwire_grpc::glue::Dispatch;
 use kvwire_grpc::{
-    GrpcTransport, KvReceiver, KvStore, KvTransferService, ReceiverLimits, TransportConfig,
+    GrpcTransport, KvLookups, KvReceiver, KvStore, KvTransferService, ReceiverLimits,
+    TransportConfig,
 };
 use tl_engine_core::engine::Engine;
 use tokio_util::sync::DropGuard;
@@ -41,7 +42,7 @@ use self::store::PoolStore;
 use crate::net::advertised;
 use crate::net::authz::{HttpPolicy, RolePolicy, Table, require_roles};
 use crate::net::clients::RegistryClient;
-use crate::net::server::{Lifecycle, bind, serve_grpc, serve_http};
+use crate::net::server::{Lifecycle, bind, serve_grpc, serve_http, serve_router};
 use crate::net::tls::{PeerRole, Tls};
 use crate::telemetry::metrics::{self, KvObserver, Metrics, SharedMetrics};
 
@@ -54,6 +55,18 @@ pub const KV_POLICY: Table = &[
     (
         kvwire_grpc::pb::kv::path::PUSH_KV,
         &[PeerRole::Prefill, PeerRole::Both],
+    ),
+    (
+        kvwire_grpc::pb::kv::path::RELEASE,
+        &[PeerRole::Gateway, PeerRole::Prefill, PeerRole::Both],
+    ),
+];
+
+/// Who may call HasBlocks and Release on a decode engine's control port: as on its KV port.
+pub const LOOKUP_POLICY: Table = &[
+    (
+        kvwire_grpc::pb::kv::path::HAS_BLOCKS,
+        &[PeerRole::Gateway, PeerRole::Prefill, PeerRole::Both],
     ),
     (
         kvwire_grpc::pb::kv::path::RELEASE,
@@ -268,24 +281,41 @@ impl EngineNode {
         let h2 = limits.h2();
         let grpc_listener = bind(&cfg.engine.grpc_listen).await?;
         let grpc_tls = server_tls(b"h2")?;
+        // A decode engine's KvTransfer, and its HasBlocks and Release also on the control
+        // port, answered on the control threads: a lookup never waits for a core an import
+        // holds (the gateway hands this address to prefill engines as decode_lookup).
+        let kv_svc = match receiver.clone() {
+            Some(rx) => {
+                let mut kv =
+                    KvTransferService::with_limits(Arc::clone(&rx), limits.service()).observed(
+                        Arc::new(KvObserver(Arc::clone(&metrics), cfg.engine.id.clone())),
+                    );
+                if cfg.engine.import_threads > 0 {
+                    kv = kv.with_import_lane(import_lane(
+                        cfg.engine.import_threads,
+                        cfg.engine.import_nice,
+                    )?);
+                }
+                Some(kv)
+            }
+            None => None,
+        };
+        let lookups = kv_svc.as_ref().map(|kv| {
+            kv.lookups()
+                .into_service()
+                .with_auth(RolePolicy::for_service::<KvLookups>(LOOKUP_POLICY).when(mtls))
+        });
         let grpc = on_control(ctl, || {
-            serve_grpc(&life, rebind(grpc_listener)?, svc, grpc_tls, h2)
+            let router = kvwire_grpc::server::tuned_server(h2)
+                .add_service(svc)
+                .add_optional_service(lookups);
+            serve_router(&life, rebind(grpc_listener)?, router, grpc_tls)
         })?;
         let mut addrs = Addresses {
             grpc: advertised(grpc, advertise)?,
             ..Addresses::default()
         };
-        if let Some(rx) = receiver.clone() {
-            let mut kv =
-                KvTransferService::with_limits(Arc::clone(&rx), limits.service()).observed(
-                    Arc::new(KvObserver(Arc::clone(&metrics), cfg.engine.id.clone())),
-                );
-            if cfg.engine.import_threads > 0 {
-                kv = kv.with_import_lane(import_lane(
-                    cfg.engine.import_threads,
-                    cfg.engine.import_nice,
-                )?);
-            }
+        if let (Some(rx), Some(kv)) = (receiver.clone(), kv_svc) {
             let kv = kv
                 .into_service()
                 .with_auth(RolePolicy::for_service::<KvTransferService>(KV_POLICY).when(mtls));

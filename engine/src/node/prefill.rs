@@ -246,6 +246,9 @@ impl PrefillService {
                 kv_format: h.kv_format,
                 present: &h.present,
             }),
+            // Asked where the decode engine answers it on its control threads, when the
+            // gateway says where.
+            lookup: Some(req.decode_lookup.as_str()),
         };
         let started = std::time::Instant::now();
         let cancelled_status =

@@ -8,7 +8,7 @@ mod transport;
 
 use self::encode::LazyBlock;
 pub use self::encode::{ChunkStream, OutChunk};
-pub use self::transport::{Connect, GrpcTransport, KvTransport, TransportConfig};
+pub use self::transport::{Connect, GrpcTransport, KvTransport, TransportConfig, has_blocks_at};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
@@ -246,7 +246,7 @@ pub async fn transfer<T: KvTransport + ?Sized>(
 /// let id = as_v1.put(BlockKey::ANON, 2, &vec![0u8; v1.payload_bytes().unwrap()]).unwrap();
 /// let offer: [Arc<dyn KvStore>; 2] = [as_v2, as_v1];
 /// let push = Push {
-///     target: "d", handle_id: "h", model: "fake", hashes: &[], n_blocks: 1, known: None,
+///     target: "d", handle_id: "h", model: "fake", hashes: &[], n_blocks: 1, known: None, lookup: None,
 ///     tokens: &[1, 2], scope: 0,
 /// };
 /// let stats = transfer_formats(&LocalTransport::new(rx), &offer, push, &[id]).await.unwrap();
@@ -288,7 +288,7 @@ pub async fn transfer_formats<T: KvTransport + ?Sized>(
 /// // The prefill publishes each block's id as soon as the block is written.
 /// let (written, feed) = tokio::sync::watch::channel(Vec::new());
 /// let push = Push {
-///     target: "d", handle_id: "h", model: "fake", hashes: &hashes, n_blocks: 2, known: None,
+///     target: "d", handle_id: "h", model: "fake", hashes: &hashes, n_blocks: 2, known: None, lookup: None,
 ///     tokens: &[1, 2, 3, 4, 5, 6, 7, 8], scope: 0,
 /// };
 /// let moving = transfer_streaming(&t, Arc::clone(&prefill) as Arc<dyn KvStore>, push, feed);
@@ -343,6 +343,9 @@ pub struct Push<'a> {
     /// format and has one flag per hash. A block evicted since is found missing by the push
     /// (NOT_FOUND), and every payload is resent once, as when the push asked itself.
     pub known: Option<Holds<'a>>,
+    /// Where the target also answers HasBlocks, on threads its imports do not hold (a decode
+    /// engine's control port); `None`: it is asked at `target` ([`has_blocks_at`]).
+    pub lookup: Option<&'a str>,
 }
 
 /// A target's HasBlocks answer: in which format, and one flag per full block.
@@ -382,7 +385,7 @@ async fn negotiate<T: KvTransport + ?Sized>(
             tokens: p.tokens.get(..hashes.len() * b).unwrap_or(&[]).to_vec(),
             cache_scope: p.scope,
         };
-        match transport.has_blocks(p.target, req).await {
+        match has_blocks_at(transport, p.lookup, p.target, req).await {
             Ok(got) if got.len() == hashes.len() => return Ok((Arc::clone(store), got)),
             Ok(got) => {
                 return Err(TransferError::Rpc(Status::internal(format!(

@@ -15,6 +15,30 @@ use crate::pb::kv::{HasBlocksRequest, KvAck, ReleaseRequest, ReleaseResponse, pa
 
 use super::encode::ChunkStream;
 
+/// HasBlocks at `lookup` when one is given (a decode engine's control port, where the call is
+/// answered on threads that imports do not hold), else at `target` (its KV port). A `lookup`
+/// that answers UNIMPLEMENTED (an engine from before its control port answered lookups) is
+/// passed over for `target`; any other error is the answer.
+///
+/// # Errors
+/// The status of the call that answered.
+pub async fn has_blocks_at<T: KvTransport + ?Sized>(
+    transport: &T,
+    lookup: Option<&str>,
+    target: &str,
+    req: HasBlocksRequest,
+) -> Result<Vec<bool>, Status> {
+    match lookup.filter(|l| !l.is_empty() && *l != target) {
+        Some(at) => match transport.has_blocks(at, req.clone()).await {
+            Err(s) if s.code() == tonic::Code::Unimplemented => {
+                transport.has_blocks(target, req).await
+            }
+            r => r,
+        },
+        None => transport.has_blocks(target, req).await,
+    }
+}
+
 /// How the prefill side reaches decode engines.
 pub trait KvTransport: Send + Sync {
     /// Asks `target` which hashes it holds.

@@ -46,6 +46,11 @@ pub(crate) struct ControlArgs {
     /// engine is): then a call's client side also waits for the engine's workers.
     #[arg(long)]
     probe_on_engine_runtime: bool,
+    /// Ask HasBlocks on the KV port, where its connection shares the data plane's threads with
+    /// the imports, instead of on the control port, where prefill engines ask it when the
+    /// gateway names it (`decode_lookup`).
+    #[arg(long)]
+    has_blocks_on_kv_port: bool,
     /// Prompt tokens of the sequence decoded under load.
     #[arg(long, default_value_t = 4096)]
     decode_tokens: usize,
@@ -207,14 +212,16 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
     let shape = cfg.shape();
     let d = EngineNode::start(&cfg).await?;
     let (grpc, kv, http) = (d.addresses().grpc, d.addresses().kv, d.addresses().http);
+    // Where HasBlocks is asked.
+    let lookup = if a.has_blocks_on_kv_port { &kv } else { &grpc };
     let prober = Prober::start(
         !a.probe_on_engine_runtime,
         &grpc,
-        &kv,
+        lookup,
         shape.envelope_len(1).ok_or("overflow")?,
     )?;
     // Warm the connections.
-    prober.run(&kv, 5, &mut Samples::default()).await?;
+    prober.run(lookup, 5, &mut Samples::default()).await?;
 
     // The importing load: 256-block pushes into the engine, one after another while `active`.
     let src = SharedKv::new(KvPool::new(shape, 256));
@@ -268,6 +275,7 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
                             hashes: &hashes,
                             n_blocks: ids.len(),
                             known: None,
+                            lookup: None,
                             tokens: &[],
                             scope: 0,
                         },
@@ -294,12 +302,12 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
             until(|| !pushing.load(Ordering::Relaxed)).await?;
             // Past the last push's release and the engine's work after it.
             tokio::time::sleep(Duration::from_millis(200)).await;
-            prober.run(&kv, per_round, &mut idle).await?;
+            prober.run(lookup, per_round, &mut idle).await?;
             active.store(true, Ordering::Relaxed);
             until(|| pushing.load(Ordering::Relaxed)).await?;
             // Into the push, past its negotiation.
             tokio::time::sleep(Duration::from_millis(20)).await;
-            prober.run(&kv, per_round, &mut importing).await?;
+            prober.run(lookup, per_round, &mut importing).await?;
             active.store(false, Ordering::Relaxed);
             Ok::<_, BenchError>(())
         }
@@ -322,7 +330,7 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
     let mut decode = Samples::default();
-    prober.run(&kv, a.calls.min(100), &mut decode).await?;
+    prober.run(lookup, a.calls.min(100), &mut decode).await?;
     let r = decoding.await??;
     if r.status != 200 {
         return Err(format!("the long sequence answered {}", r.status).into());
@@ -347,6 +355,7 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
         "import_threads": cfg.engine.import_threads,
         "import_nice": cfg.engine.import_nice,
         "control_threads": cfg.engine.control_threads,
+        "has_blocks_on": if a.has_blocks_on_kv_port { "the KV port" } else { "the control port" },
         "probe": if a.probe_on_engine_runtime { "the engine's runtime" } else { "a thread and runtime of its own" },
         "rounds": rounds,
         "idle": idle,

@@ -156,6 +156,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
                 hashes: &out.hashes,
                 n_blocks: out.blocks.ids().len(),
                 known: None,
+                lookup: None,
                 tokens: &prompt,
                 scope: 0,
             },
@@ -190,6 +191,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
                         hashes: &[],
                         n_blocks: small.blocks.ids().len(),
                         known: None,
+                        lookup: None,
                         tokens: &[],
                         scope: 0,
                     },
@@ -336,6 +338,8 @@ struct RpcPrefill {
     ctl: tl_engine::net::clients::ControlClient,
     release: kvwire_grpc::GrpcTransport,
     kv: String,
+    /// The decode engine's control address, where it answers HasBlocks (as a gateway says).
+    lookup: String,
 }
 
 impl RpcPrefill {
@@ -360,6 +364,7 @@ impl RpcPrefill {
             ctl,
             release: GrpcTransport::new(TransportConfig::for_envelope(1 << 10)),
             kv: d.addresses().kv,
+            lookup: d.addresses().grpc,
         };
         let warm = me.ctl.prefill(me.request("warm", vec![7])).await?;
         me.release.release(&me.kv, &warm.handle_id).await?;
@@ -380,6 +385,7 @@ impl RpcPrefill {
             rng_draws_offset: 0,
             decode_holds: None,
             cache_scope: 0,
+            decode_lookup: self.lookup.clone(),
         }
     }
 
