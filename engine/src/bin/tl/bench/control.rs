@@ -51,6 +51,12 @@ pub(crate) struct ControlArgs {
     /// gateway names it (`decode_lookup`).
     #[arg(long)]
     has_blocks_on_kv_port: bool,
+    /// Probe a prefill engine instead: Info while it prefills 256-block prompts and pushes them
+    /// to a decode engine (Prefill RPCs from a thread and runtime of their own, as a gateway's
+    /// would be), against Info while it is idle. No HasBlocks (a prefill engine serves none)
+    /// and no decoding window.
+    #[arg(long)]
+    prefill_side: bool,
     /// Prompt tokens of the sequence decoded under load.
     #[arg(long, default_value_t = 4096)]
     decode_tokens: usize,
@@ -98,7 +104,7 @@ impl Samples {
 async fn probe(
     ctl: &ControlClient,
     t: &GrpcTransport,
-    kv: &str,
+    kv: Option<&str>,
     n: usize,
     into: &mut Samples,
 ) -> Result<(), BenchError> {
@@ -107,6 +113,10 @@ async fn probe(
         let s = Instant::now();
         ctl.info().await?;
         into.info.push(s.elapsed().as_secs_f64() * 1e3);
+        let Some(kv) = kv else {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            continue;
+        };
         let s = Instant::now();
         let req = HasBlocksRequest {
             hashes: hashes.clone(),
@@ -133,7 +143,7 @@ enum Prober {
 }
 
 impl Prober {
-    fn start(own: bool, grpc: &str, kv: &str, envelope: usize) -> Result<Self, BenchError> {
+    fn start(own: bool, grpc: &str, kv: Option<&str>, envelope: usize) -> Result<Self, BenchError> {
         let transport = || GrpcTransport::new(TransportConfig::for_envelope(envelope));
         if !own {
             return Ok(Self::Shared(Box::new((
@@ -150,14 +160,14 @@ impl Prober {
             let _ctx = rt.enter();
             (ControlClient::new(grpc)?, transport())
         };
-        let kv = kv.to_owned();
+        let kv = kv.map(str::to_owned);
         std::thread::Builder::new()
             .name("bench-prober".into())
             .spawn(move || {
                 rt.block_on(async move {
                     while let Some((n, reply)) = rx.recv().await {
                         let mut got = Samples::default();
-                        let r = probe(&ctl, &t, &kv, n, &mut got).await;
+                        let r = probe(&ctl, &t, kv.as_deref(), n, &mut got).await;
                         let _ = reply.send(r.map(|()| got).map_err(|e| e.to_string()));
                     }
                 });
@@ -166,7 +176,7 @@ impl Prober {
     }
 
     /// `n` calls of each kind, their latencies into `into`.
-    async fn run(&self, kv: &str, n: usize, into: &mut Samples) -> Result<(), BenchError> {
+    async fn run(&self, kv: Option<&str>, n: usize, into: &mut Samples) -> Result<(), BenchError> {
         match self {
             Self::Shared(both) => probe(&both.0, &both.1, kv, n, into).await,
             Self::Own(tx) => {
@@ -192,6 +202,9 @@ async fn until(cond: impl Fn() -> bool) -> Result<(), BenchError> {
 }
 
 async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError> {
+    if a.prefill_side {
+        return prefill_side(a).await;
+    }
     // The realistic shape: 2 MiB blocks.
     let blocks = a.decode_tokens.div_ceil(16) + 16;
     let mut cfg = Config::for_worker("D", Role::Decode, "");
@@ -217,11 +230,11 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
     let prober = Prober::start(
         !a.probe_on_engine_runtime,
         &grpc,
-        lookup,
+        Some(lookup),
         shape.envelope_len(1).ok_or("overflow")?,
     )?;
     // Warm the connections.
-    prober.run(lookup, 5, &mut Samples::default()).await?;
+    prober.run(Some(lookup), 5, &mut Samples::default()).await?;
 
     // The importing load: 256-block pushes into the engine, one after another while `active`.
     let src = SharedKv::new(KvPool::new(shape, 256));
@@ -302,12 +315,12 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
             until(|| !pushing.load(Ordering::Relaxed)).await?;
             // Past the last push's release and the engine's work after it.
             tokio::time::sleep(Duration::from_millis(200)).await;
-            prober.run(lookup, per_round, &mut idle).await?;
+            prober.run(Some(lookup), per_round, &mut idle).await?;
             active.store(true, Ordering::Relaxed);
             until(|| pushing.load(Ordering::Relaxed)).await?;
             // Into the push, past its negotiation.
             tokio::time::sleep(Duration::from_millis(20)).await;
-            prober.run(lookup, per_round, &mut importing).await?;
+            prober.run(Some(lookup), per_round, &mut importing).await?;
             active.store(false, Ordering::Relaxed);
             Ok::<_, BenchError>(())
         }
@@ -330,7 +343,9 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
     let mut decode = Samples::default();
-    prober.run(lookup, a.calls.min(100), &mut decode).await?;
+    prober
+        .run(Some(lookup), a.calls.min(100), &mut decode)
+        .await?;
     let r = decoding.await??;
     if r.status != 200 {
         return Err(format!("the long sequence answered {}", r.status).into());
@@ -364,5 +379,133 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
         "while_importing": while_importing,
         "pushes_of_256_blocks": pushes,
         "busy_over_idle_p99": round3(worst),
+    }))
+}
+
+/// `--prefill-side`: Info on a prefill engine, idle and while it prefills and pushes.
+async fn prefill_side(a: &ControlArgs) -> Result<serde_json::Value, BenchError> {
+    use kvwire_grpc::pb::engine::{PrefillRequest, SamplingParams};
+    const BLOCKS: usize = 256;
+    let shape_of = |cfg: &mut Config, blocks: usize| {
+        cfg.model.n_layers = 32;
+        cfg.model.n_kv_heads = 8;
+        cfg.model.head_dim = 128;
+        cfg.pool.block_tokens = 16;
+        cfg.model.max_context = (BLOCKS as u32 + 8) * 16;
+        cfg.pool.n_blocks = blocks as u32;
+        cfg.limits.decode_reserve_blocks = 1;
+    };
+    let mut dc = Config::for_worker("D", Role::Decode, "");
+    shape_of(&mut dc, 2 * BLOCKS + 16);
+    let mut pc = Config::for_worker("P", Role::Prefill, "");
+    shape_of(&mut pc, BLOCKS + 16);
+    if let Some(n) = a.control_threads {
+        pc.engine.control_threads = n;
+    }
+    dc.validate()?;
+    pc.validate()?;
+    let envelope = pc.shape().envelope_len(1).ok_or("overflow")?;
+    let d = EngineNode::start(&dc).await?;
+    let p = EngineNode::start(&pc).await?;
+    let (p_grpc, d_kv, d_grpc) = (p.addresses().grpc, d.addresses().kv, d.addresses().grpc);
+    let prober = Prober::start(!a.probe_on_engine_runtime, &p_grpc, None, envelope)?;
+    prober.run(None, 5, &mut Samples::default()).await?;
+
+    // The load: one 256-block Prefill after another while `active`, each handle released.
+    let active = Arc::new(AtomicBool::new(false));
+    let pushing = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let loader = {
+        let (active, pushing, stop) =
+            (Arc::clone(&active), Arc::clone(&pushing), Arc::clone(&stop));
+        let (p_grpc, d_kv, d_grpc) = (p_grpc.clone(), d_kv.clone(), d_grpc.clone());
+        std::thread::spawn(move || -> Result<u64, String> {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            rt.block_on(async move {
+                let ctl = ControlClient::new(&p_grpc).map_err(|e| e.to_string())?;
+                let release = GrpcTransport::new(TransportConfig::for_envelope(1 << 10));
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    if !active.load(Ordering::Relaxed) {
+                        pushing.store(false, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                        continue;
+                    }
+                    pushing.store(true, Ordering::Relaxed);
+                    // A prompt of its own each time: nothing is a prefix hit or deduplicated.
+                    let prompt: Vec<u32> = (0..BLOCKS * 16)
+                        .map(|i| ((i as u64 * 7 + n * 13) % 251) as u32)
+                        .collect();
+                    let h = ctl
+                        .prefill(PrefillRequest {
+                            request_id: format!("load-{n}"),
+                            prompt_tokens: prompt,
+                            sampling: Some(SamplingParams {
+                                seed: Some(1),
+                                max_tokens: 2,
+                                ..SamplingParams::default()
+                            }),
+                            decode_target: d_kv.clone(),
+                            decode_lookup: d_grpc.clone(),
+                            ..PrefillRequest::default()
+                        })
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    release
+                        .release(&d_kv, &h.handle_id)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    n += 1;
+                }
+                pushing.store(false, Ordering::Relaxed);
+                Ok(n)
+            })
+        })
+    };
+
+    let rounds = a.rounds.max(1);
+    let per_round = a.calls.div_ceil(rounds);
+    let (mut idle, mut busy) = (Samples::default(), Samples::default());
+    let mut result = Ok(());
+    for _ in 0..rounds {
+        result = async {
+            until(|| !pushing.load(Ordering::Relaxed)).await?;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            prober.run(None, per_round, &mut idle).await?;
+            active.store(true, Ordering::Relaxed);
+            until(|| pushing.load(Ordering::Relaxed)).await?;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            prober.run(None, per_round, &mut busy).await?;
+            active.store(false, Ordering::Relaxed);
+            Ok::<_, BenchError>(())
+        }
+        .await;
+        if result.is_err() || loader.is_finished() {
+            break;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let prefills = loader.join().map_err(|_| "the loader panicked")??;
+    result?;
+    p.shutdown(Duration::from_secs(2)).await;
+    d.shutdown(Duration::from_secs(2)).await;
+    let (idle, busy) = (idle.summary(), busy.summary());
+    let p99 = |v: &serde_json::Value| v["info_ms_p99"].as_f64().unwrap_or(f64::NAN);
+    Ok(serde_json::json!({
+        "bench": "control",
+        "side": "prefill",
+        "cpu": super::cpu_json(),
+        "kernel": super::kernel_json(),
+        "shape": "B=16 L=32 H=8 D=128 (2 MiB blocks), fake model",
+        "control_threads": pc.engine.control_threads,
+        "probe": if a.probe_on_engine_runtime { "the engine's runtime" } else { "a thread and runtime of its own" },
+        "rounds": rounds,
+        "idle": idle,
+        "while_prefilling_and_pushing": busy,
+        "prefills_of_256_blocks": prefills,
+        "busy_over_idle_p99": round3(p99(&busy) / p99(&idle)),
     }))
 }
