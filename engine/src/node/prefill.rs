@@ -12,10 +12,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvwire::prompt_hashes;
-use kvwire_grpc::pb::engine::{KvHandle, PrefillRequest};
-use kvwire_grpc::{BlockId, GrpcTransport, KvStore, KvTransport, Push, TransferError};
+use kvwire_grpc::pb::engine::{DecodeHolds, KvHandle, PrefillRequest};
+use kvwire_grpc::{
+    BlockId, GrpcTransport, KvStore, KvTransport, Push, TransferError, TransferStats,
+};
 use tl_engine_core::engine::{Mode, PrefillProgress, Request, SeqError};
-use tl_engine_core::pool::{PoolError, SharedKv};
+use tl_engine_core::pool::{Blocks, PoolError, SharedKv};
 use tl_engine_core::request::{Limits, Params, RequestError};
 use tl_engine_core::rng::entropy_seed;
 use tl_engine_core::sampler::{Sampling, SamplingRequest};
@@ -51,6 +53,95 @@ pub struct PrefillService {
     inflight: Mutex<HashMap<String, oneshot::Sender<()>>>,
     pipelined: bool,
     metrics: SharedMetrics,
+    /// The runtime pushes run on: the one the service was made on (the process's data plane),
+    /// not the control runtime its Prefill calls are answered on, so that a push's encoding
+    /// and writes never hold the thread that answers Info, Cancel and Drain.
+    data: tokio::runtime::Handle,
+}
+
+/// A push running on the data-plane runtime, as a future of its outcome. Dropping it aborts
+/// the push (its stream is reset when the task is dropped, and the decode side undoes it);
+/// [`stop`](Self::stop) also waits until that has happened.
+struct Pushing(Option<tokio::task::JoinHandle<Result<TransferStats, TransferError>>>);
+
+impl Future for Pushing {
+    type Output = Result<TransferStats, TransferError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let Some(task) = self.0.as_mut() else {
+            return std::task::Poll::Ready(Err(TransferError::Rpc(Status::internal(
+                "the push was polled after it ended",
+            ))));
+        };
+        let out = std::task::ready!(std::pin::Pin::new(task).poll(cx));
+        // Ended: nothing left to abort or wait for.
+        self.0 = None;
+        std::task::Poll::Ready(out.unwrap_or_else(|e| {
+            Err(TransferError::Rpc(Status::internal(format!(
+                "the push task ended: {e}"
+            ))))
+        }))
+    }
+}
+
+impl Pushing {
+    /// Aborts the push, if it is still running, and waits until its task (and so its stream
+    /// and its references) is gone.
+    async fn stop(mut self) {
+        if let Some(mut task) = self.0.take() {
+            task.abort();
+            let _ = (&mut task).await;
+        }
+    }
+}
+
+impl Drop for Pushing {
+    fn drop(&mut self) {
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
+    }
+}
+
+/// What one push needs, owned, so that it can run as a task of its own.
+struct PushJob {
+    transport: Arc<GrpcTransport>,
+    store: Arc<dyn KvStore>,
+    target: String,
+    lookup: String,
+    handle_id: String,
+    model: String,
+    hashes: Vec<u64>,
+    tokens: Vec<u32>,
+    scope: u64,
+    known: Option<DecodeHolds>,
+}
+
+impl PushJob {
+    fn push(&self, n_blocks: usize) -> Push<'_> {
+        Push {
+            target: &self.target,
+            handle_id: &self.handle_id,
+            model: &self.model,
+            hashes: &self.hashes,
+            n_blocks,
+            // Each chunk carries its tokens: the decode engine deduplicates only onto a block
+            // with the same tokens in the same scope, and the claim compares every token.
+            tokens: &self.tokens,
+            scope: self.scope,
+            // The gateway's HasBlocks answer while routing: the decode engine is asked once.
+            known: self.known.as_ref().map(|h| kvwire_grpc::Holds {
+                kv_format: h.kv_format,
+                present: &h.present,
+            }),
+            // Asked where the decode engine answers it on its control threads, when the
+            // gateway says where.
+            lookup: Some(self.lookup.as_str()),
+        }
+    }
 }
 
 /// The prefill's blocks as they are written, for the push: each published block carries a
@@ -120,9 +211,12 @@ impl Drop for Registered<'_> {
 
 impl PrefillService {
     /// The prefill service of `state`'s engine, pushing KV with `transport`.
-    #[must_use]
     /// With `pipelined`, each block is streamed as soon as it is written; otherwise the push
-    /// starts after the whole prefill.
+    /// starts after the whole prefill. Pushes run on the runtime this is called on.
+    ///
+    /// # Panics
+    /// Outside a tokio runtime.
+    #[must_use]
     pub fn new(
         state: Arc<NodeState>,
         transport: GrpcTransport,
@@ -135,6 +229,7 @@ impl PrefillService {
             inflight: Mutex::new(HashMap::new()),
             pipelined,
             metrics,
+            data: tokio::runtime::Handle::current(),
         }
     }
 
@@ -231,24 +326,18 @@ impl PrefillService {
         let model = runner.model().name().to_owned();
         let b = runner.model().shape().block_tokens() as usize;
         let hashes = prompt_hashes(&req.prompt_tokens, b);
-        let push = Push {
-            target: &req.decode_target,
-            handle_id: &handle_id,
-            model: &model,
-            hashes: &hashes,
-            n_blocks: req.prompt_tokens.len().div_ceil(b),
-            // Each chunk carries its tokens: the decode engine deduplicates only onto a block
-            // with the same tokens in the same scope, and the claim compares every token.
-            tokens: &req.prompt_tokens,
+        let n_blocks = req.prompt_tokens.len().div_ceil(b);
+        let job = PushJob {
+            transport: Arc::clone(&self.transport),
+            store,
+            target: req.decode_target.clone(),
+            lookup: req.decode_lookup.clone(),
+            handle_id: handle_id.clone(),
+            model,
+            hashes: hashes.clone(),
+            tokens: req.prompt_tokens.clone(),
             scope: req.cache_scope,
-            // The gateway's HasBlocks answer while routing: the decode engine is asked once.
-            known: req.decode_holds.as_ref().map(|h| kvwire_grpc::Holds {
-                kv_format: h.kv_format,
-                present: &h.present,
-            }),
-            // Asked where the decode engine answers it on its control threads, when the
-            // gateway says where.
-            lookup: Some(req.decode_lookup.as_str()),
+            known: req.decode_holds.clone(),
         };
         let started = std::time::Instant::now();
         let cancelled_status =
@@ -272,10 +361,22 @@ impl PrefillService {
                 prompt_tokens = req.prompt_tokens.len()
             ));
             let transfer = transfer_span(&handle_id, self.state.id());
-            let push = kvwire_grpc::transfer_streaming(&*self.transport, store, push, blocks)
-                .instrument(transfer.clone());
-            // Boxed so that a failure can drop it (resetting the stream) before waiting below.
-            let mut push = Box::pin(push);
+            // On the data-plane runtime, holding the feed (and so its blocks) while it runs.
+            let mut push = {
+                let (span, feed) = (transfer.clone(), Arc::clone(&feed));
+                self.on_data(async move {
+                    let _feed = feed;
+                    let push = job.push(n_blocks);
+                    kvwire_grpc::transfer_streaming(
+                        &*job.transport,
+                        Arc::clone(&job.store),
+                        push,
+                        blocks,
+                    )
+                    .instrument(span)
+                    .await
+                })
+            };
             let (mut output, mut moved) = (None, None);
             let ended: Result<(), Status> = loop {
                 if output.is_some() && moved.is_some() {
@@ -314,7 +415,7 @@ impl PrefillService {
                 // the caller sees the pool as it was; the stream is reset first (the decode side
                 // undoes what it imported). A cancel is not waited for: nobody is listening,
                 // and the blocks come back when the thread next reads its commands.
-                drop(push);
+                push.stop().await;
                 if e.code() != Code::Cancelled {
                     settle(&mut events).await;
                 }
@@ -337,7 +438,7 @@ impl PrefillService {
             (output, moved)
         } else {
             let (key, mut events) = runner.submit(request);
-            let output = loop {
+            let mut output = loop {
                 tokio::select! {
                     ev = events.recv() => match prefill_event(ev) {
                         Some(Ok(out)) => break out,
@@ -350,9 +451,26 @@ impl PrefillService {
                     }
                 }
             };
+            // The push owns the prefill's block references until it ends.
+            let held = std::mem::replace(
+                &mut output.blocks,
+                Blocks::new(runner.pool().clone(), Vec::new()),
+            );
+            let job = PushJob {
+                hashes: output.hashes.clone(),
+                ..job
+            };
+            let mut push = self.on_data(async move {
+                let push = job.push(held.len());
+                kvwire_grpc::transfer(&*job.transport, Arc::clone(&job.store), push, held.ids())
+                    .await
+            });
             let moved = tokio::select! {
-                r = kvwire_grpc::transfer(&*self.transport, store, Push { hashes: &output.hashes, n_blocks: output.blocks.ids().len(), ..push }, output.blocks.ids()) => r,
-                _ = &mut cancelled => return Err(cancelled_status()),
+                r = &mut push => r,
+                _ = &mut cancelled => {
+                    push.stop().await;
+                    return Err(cancelled_status());
+                }
             };
             (Some(output), Some(moved.map_err(transfer_status)?))
         };
@@ -390,12 +508,21 @@ impl PrefillService {
         })
     }
 
+    /// `push` as a task on the data-plane runtime.
+    fn on_data(
+        &self,
+        push: impl Future<Output = Result<TransferStats, TransferError>> + Send + 'static,
+    ) -> Pushing {
+        Pushing(Some(self.data.spawn(push)))
+    }
+
     /// Releases, in the background and bounded by the transport's call timeout, a handle the
-    /// decode side holds for a push whose Prefill failed afterwards.
+    /// decode side holds for a push whose Prefill failed afterwards. On the data-plane runtime,
+    /// so that a channel it opens has its connection there, as the pushes' have.
     fn release_abandoned(&self, target: &str, handle_id: &str) {
         let transport = Arc::clone(&self.transport);
         let (target, handle_id) = (target.to_owned(), handle_id.to_owned());
-        tokio::spawn(async move {
+        self.data.spawn(async move {
             // Best effort: the lease frees it anyway if this fails.
             let _ = transport.release(&target, &handle_id).await;
         });
