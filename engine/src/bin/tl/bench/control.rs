@@ -194,11 +194,97 @@ async fn until(cond: impl Fn() -> bool) -> Result<(), BenchError> {
     let end = Instant::now() + Duration::from_secs(10);
     while !cond() {
         if Instant::now() > end {
-            return Err("the pusher did not follow the bench within 10 s".into());
+            return Err("the load did not follow the bench within 10 s".into());
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     Ok(())
+}
+
+/// The load's switches: whether it should run, whether it is running, and stop for good.
+#[derive(Clone, Default)]
+struct Switch {
+    active: Arc<AtomicBool>,
+    running: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+}
+
+type LoadThread = std::thread::JoinHandle<Result<u64, String>>;
+
+/// Runs one unit of load after another (`one(n)` for n = 0, 1, ...) while `sw` is active, on a
+/// thread and runtime of its own, as another process would: it shares the machine's cores with
+/// the engine, not its tokio workers. `make` builds `one` inside that runtime. The thread's
+/// result is how many units ran.
+fn load_thread<M, F>(sw: &Switch, make: M) -> LoadThread
+where
+    M: FnOnce() -> Result<F, String> + Send + 'static,
+    F: AsyncFnMut(u64) -> Result<(), String>,
+{
+    let sw = sw.clone();
+    std::thread::spawn(move || -> Result<u64, String> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        let mut one = {
+            let _ctx = rt.enter();
+            make()?
+        };
+        rt.block_on(async move {
+            let mut n = 0u64;
+            while !sw.stop.load(Ordering::Relaxed) {
+                if !sw.active.load(Ordering::Relaxed) {
+                    sw.running.store(false, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    continue;
+                }
+                sw.running.store(true, Ordering::Relaxed);
+                one(n).await?;
+                n += 1;
+            }
+            sw.running.store(false, Ordering::Relaxed);
+            Ok(n)
+        })
+    })
+}
+
+/// Idle and busy windows alternated over `a.rounds`, so that both see the same spells of
+/// machine noise: the calls' latencies while the load is off, and while it is on. Then the
+/// load is stopped; its units are returned with the samples.
+async fn alternate(
+    a: &ControlArgs,
+    prober: &Prober,
+    lookup: Option<&str>,
+    sw: &Switch,
+    load: LoadThread,
+) -> Result<(Samples, Samples, u64), BenchError> {
+    let rounds = a.rounds.max(1);
+    let per_round = a.calls.div_ceil(rounds);
+    let (mut idle, mut busy) = (Samples::default(), Samples::default());
+    let mut result = Ok(());
+    for _ in 0..rounds {
+        result = async {
+            until(|| !sw.running.load(Ordering::Relaxed)).await?;
+            // Past the last unit's release and the engine's work after it.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            prober.run(lookup, per_round, &mut idle).await?;
+            sw.active.store(true, Ordering::Relaxed);
+            until(|| sw.running.load(Ordering::Relaxed)).await?;
+            // Into the unit, past its negotiation.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            prober.run(lookup, per_round, &mut busy).await?;
+            sw.active.store(false, Ordering::Relaxed);
+            Ok::<_, BenchError>(())
+        }
+        .await;
+        if result.is_err() || load.is_finished() {
+            break;
+        }
+    }
+    sw.stop.store(true, Ordering::Relaxed);
+    let units = load.join().map_err(|_| "the load thread panicked")??;
+    result?;
+    Ok((idle, busy, units))
 }
 
 async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError> {
@@ -243,95 +329,41 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
         src.lock().set_fill(id, 16)?;
     }
     let store: Arc<dyn KvStore> = Arc::new(PoolStore::new(src.clone()));
-    let active = Arc::new(AtomicBool::new(false));
-    let pushing = Arc::new(AtomicBool::new(false));
-    let stop = Arc::new(AtomicBool::new(false));
+    let sw = Switch::default();
     let pusher = {
-        let (active, pushing, stop, kv, rx) = (
-            Arc::clone(&active),
-            Arc::clone(&pushing),
-            Arc::clone(&stop),
-            kv.clone(),
-            Arc::clone(d.receiver().ok_or("no receiver")?),
-        );
-        let t = GrpcTransport::new(TransportConfig::for_envelope(
-            shape.envelope_len(1).ok_or("overflow")?,
-        ));
-        // The pusher runs on a thread and runtime of its own, as a prefill engine in another
-        // process would: it shares the machine's cores with the engine, not its tokio workers.
-        std::thread::spawn(move || -> Result<u64, String> {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
+        let (kv, rx) = (kv.clone(), Arc::clone(d.receiver().ok_or("no receiver")?));
+        let envelope = shape.envelope_len(1).ok_or("overflow")?;
+        load_thread(&sw, move || {
+            let t = GrpcTransport::new(TransportConfig::for_envelope(envelope));
+            Ok(async move |n: u64| {
+                let h = format!("load-{n}");
+                // Fresh hashes every push, so nothing is deduplicated: every block is imported.
+                let hashes: Vec<u64> = (0..ids.len() as u64).map(|i| (n << 20) + i + 1).collect();
+                kvwire_grpc::transfer(
+                    &t,
+                    Arc::clone(&store),
+                    kvwire_grpc::Push {
+                        target: &kv,
+                        handle_id: &h,
+                        model: "fake",
+                        hashes: &hashes,
+                        n_blocks: ids.len(),
+                        known: None,
+                        lookup: None,
+                        tokens: &[],
+                        scope: 0,
+                    },
+                    &ids,
+                )
+                .await
                 .map_err(|e| e.to_string())?;
-            rt.block_on(async move {
-                let mut n = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    if !active.load(Ordering::Relaxed) {
-                        pushing.store(false, Ordering::Relaxed);
-                        tokio::time::sleep(Duration::from_millis(1)).await;
-                        continue;
-                    }
-                    pushing.store(true, Ordering::Relaxed);
-                    let h = format!("load-{n}");
-                    // Fresh hashes every push, so nothing is deduplicated: every block is
-                    // imported.
-                    let hashes: Vec<u64> =
-                        (0..ids.len() as u64).map(|i| (n << 20) + i + 1).collect();
-                    kvwire_grpc::transfer(
-                        &t,
-                        Arc::clone(&store),
-                        kvwire_grpc::Push {
-                            target: &kv,
-                            handle_id: &h,
-                            model: "fake",
-                            hashes: &hashes,
-                            n_blocks: ids.len(),
-                            known: None,
-                            lookup: None,
-                            tokens: &[],
-                            scope: 0,
-                        },
-                        &ids,
-                    )
-                    .await
-                    .map_err(|e| e.to_string())?;
-                    rx.release(&h);
-                    n += 1;
-                }
-                pushing.store(false, Ordering::Relaxed);
-                Ok(n)
+                rx.release(&h);
+                Ok(())
             })
         })
     };
-
-    // Idle and importing windows, alternated.
-    let rounds = a.rounds.max(1);
-    let per_round = a.calls.div_ceil(rounds);
-    let (mut idle, mut importing) = (Samples::default(), Samples::default());
-    let mut result = Ok(());
-    for _ in 0..rounds {
-        result = async {
-            until(|| !pushing.load(Ordering::Relaxed)).await?;
-            // Past the last push's release and the engine's work after it.
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            prober.run(Some(lookup), per_round, &mut idle).await?;
-            active.store(true, Ordering::Relaxed);
-            until(|| pushing.load(Ordering::Relaxed)).await?;
-            // Into the push, past its negotiation.
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            prober.run(Some(lookup), per_round, &mut importing).await?;
-            active.store(false, Ordering::Relaxed);
-            Ok::<_, BenchError>(())
-        }
-        .await;
-        if result.is_err() || pusher.is_finished() {
-            break;
-        }
-    }
-    stop.store(true, Ordering::Relaxed);
-    let pushes = pusher.join().map_err(|_| "the pusher panicked")??;
-    result?;
+    let (mut idle, mut importing, pushes) =
+        alternate(a, &prober, Some(lookup), &sw, pusher).await?;
 
     // The decoding load: one long sequence (its prefill first, then steps over its whole KV).
     let prompt: Vec<u32> = (0..a.decode_tokens).map(|i| (i * 7 % 251) as u32).collect();
@@ -372,7 +404,7 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
         "control_threads": cfg.engine.control_threads,
         "has_blocks_on": if a.has_blocks_on_kv_port { "the KV port" } else { "the control port" },
         "probe": if a.probe_on_engine_runtime { "the engine's runtime" } else { "a thread and runtime of its own" },
-        "rounds": rounds,
+        "rounds": a.rounds.max(1),
         "idle": idle,
         "while_decoding": while_decoding,
         "decode_prompt_tokens": a.decode_tokens,
@@ -411,85 +443,42 @@ async fn prefill_side(a: &ControlArgs) -> Result<serde_json::Value, BenchError> 
     let prober = Prober::start(!a.probe_on_engine_runtime, &p_grpc, None, envelope)?;
     prober.run(None, 5, &mut Samples::default()).await?;
 
-    // The load: one 256-block Prefill after another while `active`, each handle released.
-    let active = Arc::new(AtomicBool::new(false));
-    let pushing = Arc::new(AtomicBool::new(false));
-    let stop = Arc::new(AtomicBool::new(false));
+    // The load: one 256-block Prefill after another, each handle released.
+    let sw = Switch::default();
     let loader = {
-        let (active, pushing, stop) =
-            (Arc::clone(&active), Arc::clone(&pushing), Arc::clone(&stop));
         let (p_grpc, d_kv, d_grpc) = (p_grpc.clone(), d_kv.clone(), d_grpc.clone());
-        std::thread::spawn(move || -> Result<u64, String> {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| e.to_string())?;
-            rt.block_on(async move {
-                let ctl = ControlClient::new(&p_grpc).map_err(|e| e.to_string())?;
-                let release = GrpcTransport::new(TransportConfig::for_envelope(1 << 10));
-                let mut n = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    if !active.load(Ordering::Relaxed) {
-                        pushing.store(false, Ordering::Relaxed);
-                        tokio::time::sleep(Duration::from_millis(1)).await;
-                        continue;
-                    }
-                    pushing.store(true, Ordering::Relaxed);
-                    // A prompt of its own each time: nothing is a prefix hit or deduplicated.
-                    let prompt: Vec<u32> = (0..BLOCKS * 16)
-                        .map(|i| ((i as u64 * 7 + n * 13) % 251) as u32)
-                        .collect();
-                    let h = ctl
-                        .prefill(PrefillRequest {
-                            request_id: format!("load-{n}"),
-                            prompt_tokens: prompt,
-                            sampling: Some(SamplingParams {
-                                seed: Some(1),
-                                max_tokens: 2,
-                                ..SamplingParams::default()
-                            }),
-                            decode_target: d_kv.clone(),
-                            decode_lookup: d_grpc.clone(),
-                            ..PrefillRequest::default()
-                        })
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    release
-                        .release(&d_kv, &h.handle_id)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    n += 1;
-                }
-                pushing.store(false, Ordering::Relaxed);
-                Ok(n)
+        load_thread(&sw, move || {
+            let ctl = ControlClient::new(&p_grpc).map_err(|e| e.to_string())?;
+            let release = GrpcTransport::new(TransportConfig::for_envelope(1 << 10));
+            Ok(async move |n: u64| {
+                // A prompt of its own each time: nothing is a prefix hit or deduplicated.
+                let prompt: Vec<u32> = (0..BLOCKS * 16)
+                    .map(|i| ((i as u64 * 7 + n * 13) % 251) as u32)
+                    .collect();
+                let h = ctl
+                    .prefill(PrefillRequest {
+                        request_id: format!("load-{n}"),
+                        prompt_tokens: prompt,
+                        sampling: Some(SamplingParams {
+                            seed: Some(1),
+                            max_tokens: 2,
+                            ..SamplingParams::default()
+                        }),
+                        decode_target: d_kv.clone(),
+                        decode_lookup: d_grpc.clone(),
+                        ..PrefillRequest::default()
+                    })
+                    .await
+                    .map_err(|e| e.to_string())?;
+                release
+                    .release(&d_kv, &h.handle_id)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(())
             })
         })
     };
-
-    let rounds = a.rounds.max(1);
-    let per_round = a.calls.div_ceil(rounds);
-    let (mut idle, mut busy) = (Samples::default(), Samples::default());
-    let mut result = Ok(());
-    for _ in 0..rounds {
-        result = async {
-            until(|| !pushing.load(Ordering::Relaxed)).await?;
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            prober.run(None, per_round, &mut idle).await?;
-            active.store(true, Ordering::Relaxed);
-            until(|| pushing.load(Ordering::Relaxed)).await?;
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            prober.run(None, per_round, &mut busy).await?;
-            active.store(false, Ordering::Relaxed);
-            Ok::<_, BenchError>(())
-        }
-        .await;
-        if result.is_err() || loader.is_finished() {
-            break;
-        }
-    }
-    stop.store(true, Ordering::Relaxed);
-    let prefills = loader.join().map_err(|_| "the loader panicked")??;
-    result?;
+    let (mut idle, mut busy, prefills) = alternate(a, &prober, None, &sw, loader).await?;
     p.shutdown(Duration::from_secs(2)).await;
     d.shutdown(Duration::from_secs(2)).await;
     let (idle, busy) = (idle.summary(), busy.summary());
@@ -502,7 +491,7 @@ async fn prefill_side(a: &ControlArgs) -> Result<serde_json::Value, BenchError> 
         "shape": "B=16 L=32 H=8 D=128 (2 MiB blocks), fake model",
         "control_threads": pc.engine.control_threads,
         "probe": if a.probe_on_engine_runtime { "the engine's runtime" } else { "a thread and runtime of its own" },
-        "rounds": rounds,
+        "rounds": a.rounds.max(1),
         "idle": idle,
         "while_prefilling_and_pushing": busy,
         "prefills_of_256_blocks": prefills,
