@@ -166,9 +166,26 @@ async fn lookups_answer_as_the_kv_port_and_take_no_push() {
     assert!(!t.release(&kv, "h1").await.unwrap());
     assert_eq!(rx.stats().pending, 0);
     assert_eq!(store.snapshot().used, 0);
+
+    // A lookup port nobody answers on (port 1: connection refused) costs a try, not the push:
+    // the KV port is asked, and finds the full blocks still cached.
+    let (ids, _) = prompt_on(&src);
+    t.asked.lock().unwrap().clear();
+    let sent = transfer(
+        &t,
+        Arc::clone(&src) as Arc<dyn KvStore>,
+        push("h3", &kv, Some("127.0.0.1:1")),
+        &ids,
+    )
+    .await
+    .unwrap();
+    assert_eq!((sent.sent, sent.deduped), (1, 2));
+    assert_eq!(*t.asked.lock().unwrap(), ["127.0.0.1:1", kv.as_str()]);
+    assert!(t.release(&kv, "h3").await.unwrap());
 }
 
-/// Answers HasBlocks by target: `ok` holds nothing, `old` predates lookups, `down` fails.
+/// Answers HasBlocks by target: `kv` holds everything, `ctl` nothing, `old` predates lookups,
+/// `down` cannot be reached, `denied` refuses the caller.
 struct Scripted(Mutex<Vec<String>>);
 
 impl KvTransport for Scripted {
@@ -177,6 +194,7 @@ impl KvTransport for Scripted {
         match target {
             "old" => Err(Status::unimplemented("no such service")),
             "down" => Err(Status::unavailable("connection refused")),
+            "denied" => Err(Status::permission_denied("not a caller of lookups")),
             _ => Ok(vec![target == "kv"; req.hashes.len()]),
         }
     }
@@ -189,12 +207,13 @@ impl KvTransport for Scripted {
 }
 
 #[tokio::test]
-async fn a_lookup_port_is_passed_over_only_when_it_does_not_serve_lookups() {
+async fn a_lookup_port_is_passed_over_only_when_it_gives_no_answer() {
     let hashes = [1, 2];
     for (lookup, asked, answer) in [
         (Some("ctl"), &["ctl"][..], Ok(vec![false; 2])),
         (Some("old"), &["old", "kv"][..], Ok(vec![true; 2])),
-        (Some("down"), &["down"][..], Err(Code::Unavailable)),
+        (Some("down"), &["down", "kv"][..], Ok(vec![true; 2])),
+        (Some("denied"), &["denied"][..], Err(Code::PermissionDenied)),
         (None, &["kv"][..], Ok(vec![true; 2])),
         (Some(""), &["kv"][..], Ok(vec![true; 2])),
         (Some("kv"), &["kv"][..], Ok(vec![true; 2])),

@@ -16,9 +16,12 @@ use crate::pb::kv::{HasBlocksRequest, KvAck, ReleaseRequest, ReleaseResponse, pa
 use super::encode::ChunkStream;
 
 /// HasBlocks at `lookup` when one is given (a decode engine's control port, where the call is
-/// answered on threads that imports do not hold), else at `target` (its KV port). A `lookup`
-/// that answers UNIMPLEMENTED (an engine from before its control port answered lookups) is
-/// passed over for `target`; any other error is the answer.
+/// answered on threads that imports do not hold), else at `target` (its KV port, the contract's
+/// home for it). The lookup port is only a faster way to the same answer, so when it does not
+/// give one, `target` is asked: on UNIMPLEMENTED (an engine from before its control port
+/// answered lookups) and on UNAVAILABLE (the port unreachable, such as a network policy that lets
+/// prefill engines reach only the KV port; logged, as it costs a connection attempt per call).
+/// Any other error is the answer: the KV port would give the same.
 ///
 /// # Errors
 /// The status of the call that answered.
@@ -28,14 +31,21 @@ pub async fn has_blocks_at<T: KvTransport + ?Sized>(
     target: &str,
     req: HasBlocksRequest,
 ) -> Result<Vec<bool>, Status> {
-    match lookup.filter(|l| !l.is_empty() && *l != target) {
-        Some(at) => match transport.has_blocks(at, req.clone()).await {
-            Err(s) if s.code() == tonic::Code::Unimplemented => {
-                transport.has_blocks(target, req).await
-            }
-            r => r,
-        },
-        None => transport.has_blocks(target, req).await,
+    let Some(at) = lookup.filter(|l| !l.is_empty() && *l != target) else {
+        return transport.has_blocks(target, req).await;
+    };
+    match transport.has_blocks(at, req.clone()).await {
+        Err(s) if s.code() == tonic::Code::Unimplemented => transport.has_blocks(target, req).await,
+        Err(s) if s.code() == tonic::Code::Unavailable => {
+            tracing::warn!(
+                lookup = at,
+                target,
+                error = %s.message(),
+                "HasBlocks: the lookup port is unreachable; asking the KV port"
+            );
+            transport.has_blocks(target, req).await
+        }
+        r => r,
     }
 }
 
