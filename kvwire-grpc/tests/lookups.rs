@@ -72,6 +72,12 @@ impl KvTransport for Noting {
     async fn release(&self, target: &str, handle_id: &str) -> Result<bool, Status> {
         self.inner.release(target, handle_id).await
     }
+    fn lookup_unreachable(&self, lookup: &str) -> bool {
+        self.inner.lookup_unreachable(lookup)
+    }
+    fn lookup_missed(&self, lookup: &str) {
+        self.inner.lookup_missed(lookup);
+    }
 }
 
 /// Serves `router` on a fresh loopback port until the test ends; its address.
@@ -182,6 +188,21 @@ async fn lookups_answer_as_the_kv_port_and_take_no_push() {
     assert_eq!((sent.sent, sent.deduped), (1, 2));
     assert_eq!(*t.asked.lock().unwrap(), ["127.0.0.1:1", kv.as_str()]);
     assert!(t.release(&kv, "h3").await.unwrap());
+    // And for a while after, that port is passed over: the next push asks the KV port alone.
+    let (ids, _) = prompt_on(&src);
+    t.asked.lock().unwrap().clear();
+    transfer(
+        &t,
+        Arc::clone(&src) as Arc<dyn KvStore>,
+        push("h4", &kv, Some("127.0.0.1:1")),
+        &ids,
+    )
+    .await
+    .unwrap();
+    assert_eq!(*t.asked.lock().unwrap(), [kv.as_str()]);
+    assert!(t.release(&kv, "h4").await.unwrap());
+    // The lookup port that answers is never passed over.
+    assert!(!t.lookup_unreachable(&lookups));
 }
 
 /// Answers HasBlocks by target: `kv` holds everything, `ctl` nothing, `old` predates lookups,

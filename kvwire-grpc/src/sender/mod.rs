@@ -8,7 +8,9 @@ mod transport;
 
 use self::encode::LazyBlock;
 pub use self::encode::{ChunkStream, OutChunk};
-pub use self::transport::{Connect, GrpcTransport, KvTransport, TransportConfig, has_blocks_at};
+pub use self::transport::{
+    Connect, GrpcTransport, KvTransport, LOOKUP_RETRY, TransportConfig, has_blocks_at,
+};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
@@ -20,7 +20,9 @@ use super::encode::ChunkStream;
 /// home for it). The lookup port is only a faster way to the same answer, so when it does not
 /// give one, `target` is asked: on UNIMPLEMENTED (an engine from before its control port
 /// answered lookups) and on UNAVAILABLE (the port unreachable, such as a network policy that lets
-/// prefill engines reach only the KV port; logged, as it costs a connection attempt per call).
+/// prefill engines reach only the KV port; logged, and a transport that keeps track, as
+/// [`GrpcTransport`] does for [`LOOKUP_RETRY`], passes it over for a while, since each attempt
+/// can cost a connect timeout).
 /// Any other error is the answer: the KV port would give the same.
 ///
 /// # Errors
@@ -31,12 +33,15 @@ pub async fn has_blocks_at<T: KvTransport + ?Sized>(
     target: &str,
     req: HasBlocksRequest,
 ) -> Result<Vec<bool>, Status> {
-    let Some(at) = lookup.filter(|l| !l.is_empty() && *l != target) else {
+    let Some(at) =
+        lookup.filter(|l| !l.is_empty() && *l != target && !transport.lookup_unreachable(l))
+    else {
         return transport.has_blocks(target, req).await;
     };
     match transport.has_blocks(at, req.clone()).await {
         Err(s) if s.code() == tonic::Code::Unimplemented => transport.has_blocks(target, req).await,
         Err(s) if s.code() == tonic::Code::Unavailable => {
+            transport.lookup_missed(at);
             tracing::warn!(
                 lookup = at,
                 target,
@@ -69,6 +74,16 @@ pub trait KvTransport: Send + Sync {
         target: &str,
         handle_id: &str,
     ) -> impl Future<Output = Result<bool, Status>> + Send;
+    /// Whether the lookup port `lookup` is to be passed over for now ([`has_blocks_at`]): it
+    /// could not be reached lately. `false` unless the transport keeps track.
+    fn lookup_unreachable(&self, lookup: &str) -> bool {
+        let _ = lookup;
+        false
+    }
+    /// The lookup port `lookup` could not be reached: a transport may pass it over for a while.
+    fn lookup_missed(&self, lookup: &str) {
+        let _ = lookup;
+    }
 }
 
 /// Settings of [`GrpcTransport`].
@@ -121,7 +136,13 @@ pub struct GrpcTransport {
     tls: Option<ClientTlsConfig>,
     connect: Option<Connect>,
     channels: Mutex<Channels>,
+    /// Lookup ports that could not be reached, and when; each passed over for [`LOOKUP_RETRY`].
+    /// At most `max_channels` are kept.
+    lookup_misses: Mutex<HashMap<String, Instant>>,
 }
+
+/// How long [`GrpcTransport`] passes over a lookup port it could not reach ([`has_blocks_at`]).
+pub const LOOKUP_RETRY: Duration = Duration::from_secs(30);
 
 /// Makes the channel of a configured plaintext endpoint with a connector of the caller's own
 /// (TLS that checks more than tonic's settings can say, such as the server's role).
@@ -153,6 +174,7 @@ impl GrpcTransport {
             tls: None,
             connect: None,
             channels: Mutex::new(Channels::default()),
+            lookup_misses: Mutex::new(HashMap::new()),
         }
     }
 
@@ -275,10 +297,60 @@ impl KvTransport for GrpcTransport {
             .await?
             .released)
     }
+
+    fn lookup_unreachable(&self, lookup: &str) -> bool {
+        self.lookup_misses
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(lookup)
+            .is_some_and(|at| at.elapsed() < LOOKUP_RETRY)
+    }
+
+    fn lookup_missed(&self, lookup: &str) {
+        let mut misses = self
+            .lookup_misses
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if misses.len() >= self.cfg.max_channels.max(1) && !misses.contains_key(lookup) {
+            misses.retain(|_, at| at.elapsed() < LOOKUP_RETRY);
+            if misses.len() >= self.cfg.max_channels.max(1) {
+                let oldest = misses
+                    .iter()
+                    .min_by_key(|(_, at)| **at)
+                    .map(|(k, _)| k.clone());
+                if let Some(k) = oldest {
+                    misses.remove(&k);
+                }
+            }
+        }
+        misses.insert(lookup.to_owned(), Instant::now());
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::{GrpcTransport, KvTransport, TransportConfig};
+    use std::time::Duration;
+
+    /// Unreachable lookup ports are remembered, at most `max_channels` of them (the oldest goes
+    /// first), so a peer cannot grow the record by naming ports.
+    #[test]
+    fn unreachable_lookups_are_remembered_within_a_bound() {
+        let mut cfg = TransportConfig::for_envelope(1 << 10);
+        cfg.max_channels = 2;
+        let t = GrpcTransport::new(cfg);
+        assert!(!t.lookup_unreachable("a:1"));
+        t.lookup_missed("a:1");
+        std::thread::sleep(Duration::from_millis(2));
+        t.lookup_missed("b:1");
+        assert!(t.lookup_unreachable("a:1") && t.lookup_unreachable("b:1"));
+        std::thread::sleep(Duration::from_millis(2));
+        t.lookup_missed("c:1");
+        assert!(!t.lookup_unreachable("a:1"), "the oldest is forgotten");
+        assert!(t.lookup_unreachable("b:1") && t.lookup_unreachable("c:1"));
+        assert_eq!(t.lookup_misses.lock().unwrap().len(), 2);
+    }
+
     #[tokio::test]
     async fn channel_cache_is_bounded_least_recently_used_first() {
         let mut cfg = super::TransportConfig::for_envelope(172);
