@@ -2,6 +2,7 @@
 
 mod bench;
 mod certs;
+mod copies;
 mod demo;
 mod drill;
 mod drill_fleet;
@@ -131,6 +132,8 @@ fn keep_large_buffers_warm() {
 fn keep_large_buffers_warm() {}
 
 fn main() -> ExitCode {
+    // Before any thread or allocation setting: this may start the program again.
+    copies::reexec_if_needed();
     keep_large_buffers_warm();
     let cli = match Cli::try_parse() {
         Ok(c) => c,

@@ -193,6 +193,7 @@ pub(crate) fn cpu_json() -> serde_json::Value {
         "model": field("model"),
         "cores": std::thread::available_parallelism().map_or(0, std::num::NonZero::get),
         "flags": have,
+        "memcpy": crate::copies::state_json(),
     })
 }
 
