@@ -152,6 +152,8 @@ struct OneCore {
     aes: f64,
     /// memcpy of a 2 MiB buffer into another, both reused.
     memcpy: f64,
+    /// CRC-32C of a cached 2 MiB buffer, with the implementation the receiver uses.
+    crc: f64,
     /// A cached 2 MiB block copied into memory that is not, as an import lands in the pool:
     /// with `copy_from_slice`, and with the pool's own copy (`copy::copy_to_pool`).
     to_cold: (f64, f64),
@@ -205,6 +207,11 @@ fn one_core_rates() -> Result<OneCore, BenchError> {
         std::hint::black_box(&mut dst);
     }
     let memcpy = total as f64 / start.elapsed().as_secs_f64() / 1e9;
+    let start = Instant::now();
+    for _ in 0..total / src.len() {
+        std::hint::black_box(kvwire::crc32c(std::hint::black_box(&src)));
+    }
+    let crc = total as f64 / start.elapsed().as_secs_f64() / 1e9;
     // Twice the largest shared cache seen on these machines (260 MiB), touched first so that
     // the kernel's page clearing is not in the figure.
     let mut cold = vec![1u8; 512 << 20];
@@ -212,8 +219,21 @@ fn one_core_rates() -> Result<OneCore, BenchError> {
     Ok(OneCore {
         aes,
         memcpy,
+        crc,
         to_cold,
     })
+}
+
+/// The most each kind of stream could move over raw TCP's rate in a run, on `cores` cores: the
+/// CPU that raw TCP spent per GB (both ends, kernel copies included) plus the work each kind
+/// cannot skip, at one core's rates, with every core busy and nothing else spent. gRPC adds the
+/// receiver's CRC-32C pass and its copy into the pool; TLS adds sealing and opening (GCM opens
+/// at its sealing cost). Returns (gRPC, raw TLS, gRPC over TLS).
+fn ceilings_over_tcp(cores: f64, tcp_gbps: f64, tcp_cores: f64, one: &OneCore) -> [f64; 3] {
+    let tcp = tcp_cores / tcp_gbps.max(1e-9);
+    let grpc = 1.0 / one.crc.max(1e-9) + 1.0 / one.to_cold.1.max(1e-9);
+    let tls = 2.0 / one.aes.max(1e-9);
+    [tcp + grpc, tcp + tls, tcp + grpc + tls].map(|per_gb| cores / per_gb / tcp_gbps.max(1e-9))
 }
 
 /// A byte stream of either kind.
@@ -529,6 +549,17 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     };
     life.shutdown().await;
     let one = one_core_rates()?;
+    let n_cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get) as f64;
+    let ceilings: Vec<[f64; 3]> = tcp
+        .iter()
+        .zip(&cores[2])
+        .map(|(&t, &c)| ceilings_over_tcp(n_cores, t, c, &one))
+        .collect();
+    let ceiling = |k: usize| {
+        round3(median(
+            &mut ceilings.iter().map(|c| c[k]).collect::<Vec<_>>(),
+        ))
+    };
     let [c_grpc, c_tls, c_tcp, c_raw_tls] = cores.map(|mut v| round3(median(&mut v)));
     let [f_grpc, f_tls, f_tcp, f_raw_tls] = faults.map(|mut v| round3(median(&mut v)));
 
@@ -644,8 +675,15 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
             "tcp": f_tcp,
             "raw_tls": f_raw_tls,
         },
+        "ceiling_over_tcp": {
+            "note": "the most each could reach over raw TCP in the same run: raw TCP's CPU per GB (both ends) plus the work each cannot skip (gRPC: the receiver's CRC-32C and pool copy; TLS: seal and open) at one_core's rates, every core busy, nothing else spent (medians over runs)",
+            "grpc": ceiling(0),
+            "raw_tls": ceiling(1),
+            "grpc_tls": ceiling(2),
+        },
         "one_core": {
             "aes_128_gcm_seal_gbps": round3(one.aes),
+            "crc32c_2mib_gbps": round3(one.crc),
             "memcpy_2mib_gbps": round3(one.memcpy),
             "copy_2mib_to_cold_gbps": round3(one.to_cold.0),
             "pool_copy_2mib_to_cold_gbps": round3(one.to_cold.1),
@@ -656,6 +694,28 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn ceilings_add_each_streams_own_work_to_raw_tcps() {
+        let one = super::OneCore {
+            aes: 4.0,
+            memcpy: 30.0,
+            crc: 16.0,
+            to_cold: (12.0, 16.0),
+        };
+        // Raw TCP: 4 GB/s with 1.6 cores busy, 0.4 core-seconds per GB. gRPC adds 1/16 + 1/16,
+        // TLS 2/4: two cores then move at most 2/0.525, 2/0.9 and 2/1.025 GB/s.
+        let [grpc, tls, grpc_tls] = super::ceilings_over_tcp(2.0, 4.0, 1.6, &one);
+        assert!((grpc - 2.0 / 0.525 / 4.0).abs() < 1e-9, "{grpc}");
+        assert!((tls - 2.0 / 0.9 / 4.0).abs() < 1e-9, "{tls}");
+        assert!((grpc_tls - 2.0 / 1.025 / 4.0).abs() < 1e-9, "{grpc_tls}");
+        // One core fewer halves every ceiling; a faster cipher raises only the TLS ones.
+        let [g1, ..] = super::ceilings_over_tcp(1.0, 4.0, 1.6, &one);
+        assert!((g1 - grpc / 2.0).abs() < 1e-9);
+        let fast = super::OneCore { aes: 40.0, ..one };
+        let [g2, t2, gt2] = super::ceilings_over_tcp(2.0, 4.0, 1.6, &fast);
+        assert!((g2 - grpc).abs() < 1e-9 && t2 > tls && gt2 > grpc_tls);
+    }
+
     #[test]
     fn touching_fresh_pages_counts_minor_faults() {
         let before = super::minor_faults().expect("minflt in /proc/self/stat");
