@@ -116,8 +116,15 @@ pub(crate) fn reexec_if_needed() {
         use std::os::unix::process::CommandExt;
         let mut args = std::env::args_os();
         let arg0 = args.next().unwrap_or_else(|| OsString::from("tl"));
+        // The program's own path, so the process keeps its name ("tl" in ps, top and the
+        // kernel's comm); /proc/self/exe only when that path is gone (a binary replaced under a
+        // running process), where the name becomes "exe".
+        let exe = std::env::current_exe()
+            .ok()
+            .filter(|p| p.is_file())
+            .unwrap_or_else(|| "/proc/self/exe".into());
         // The same PID, file descriptors and arguments: only the environment gains two names.
-        let err = std::process::Command::new("/proc/self/exe")
+        let err = std::process::Command::new(exe)
             .arg0(arg0)
             .args(args)
             .env("GLIBC_TUNABLES", tunables)
