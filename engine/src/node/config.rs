@@ -29,6 +29,9 @@
 //!                               # port, the heartbeat, the registry client): a control call
 //!                               # never queues behind a KV connection's task; 0: share the
 //!                               # process's runtime
+//! control_realtime = 0          # 1..=99: the control runtime's threads run SCHED_FIFO at this
+//!                               # priority (needs CAP_SYS_NICE; refused: a warning, and they
+//!                               # run as before); 0: normal scheduling
 //!
 //! [model]
 //! kind = "fake"                 # "fake": the deterministic fake model, named "fake";
@@ -154,6 +157,11 @@ pub struct EngineSection {
     /// Worker threads of the control plane's own runtime (EngineControl's port, the heartbeat
     /// and its registry client); 0: they share the process's runtime with the data plane.
     pub control_threads: usize,
+    /// 1..=99: the control runtime's threads run `SCHED_FIFO` at this priority, so a control
+    /// call that wakes while the data plane holds both cores runs at the next point the kernel
+    /// may switch; 0 (the default): normal scheduling. Needs `CAP_SYS_NICE` (or an
+    /// `RLIMIT_RTPRIO` this high); when refused the engine logs a warning and runs as before.
+    pub control_realtime: u8,
 }
 
 impl Default for EngineSection {
@@ -175,6 +183,7 @@ impl Default for EngineSection {
             import_threads: 2,
             import_nice: 10,
             control_threads: 1,
+            control_realtime: 0,
         }
     }
 }
@@ -337,6 +346,14 @@ impl Config {
                     self.engine.control_threads,
                     0,
                     8,
+                )
+            })
+            .and_then(|()| {
+                crate::net::limits::in_range(
+                    "engine.control_realtime",
+                    self.engine.control_realtime,
+                    0,
+                    99,
                 )
             })
             .map_err(ConfigError::Invalid)?;
@@ -629,6 +646,7 @@ mod tests {
         // the threads' priority (which needs privilege) or one past 19 is refused at start.
         assert_eq!((c.engine.import_threads, c.engine.import_nice), (2, 10));
         assert_eq!(c.engine.control_threads, 1);
+        assert_eq!(c.engine.control_realtime, 0);
         for (key, ok) in [
             ("import_nice = -1", false),
             ("import_nice = 20", false),
@@ -637,6 +655,8 @@ mod tests {
             ("import_nice = 0", true),
             ("control_threads = 0", true),
             ("control_threads = 9", false),
+            ("control_realtime = 99", true),
+            ("control_realtime = 100", false),
         ] {
             let c: Config = toml::from_str(&format!("[engine]\n{key}\n")).unwrap();
             let r = c.validate();

@@ -103,19 +103,65 @@ pub struct EngineNode {
 /// workers. It waits only for the kernel to give its thread a core, and a thread that wakes
 /// from sleep is scheduled ahead of busy ones.
 #[derive(Debug)]
-struct ControlRuntime(Option<tokio::runtime::Runtime>);
+struct ControlRuntime(Option<tokio::runtime::Runtime>, Arc<RealtimeOutcome>);
+
+/// What became of `engine.control_realtime` on the control runtime's threads.
+#[derive(Debug, Default)]
+struct RealtimeOutcome {
+    asked: bool,
+    granted: std::sync::atomic::AtomicUsize,
+    refused: std::sync::atomic::AtomicUsize,
+}
 
 impl ControlRuntime {
-    fn start(threads: usize) -> std::io::Result<Option<Self>> {
+    /// `threads` workers (none: `Ok(None)`); with `realtime` 1..=99 each of the runtime's
+    /// threads (its workers and its few blocking threads) asks for `SCHED_FIFO` at that
+    /// priority as it starts.
+    fn start(threads: usize, realtime: u8) -> std::io::Result<Option<Self>> {
         if threads == 0 {
             return Ok(None);
         }
+        let outcome = Arc::new(RealtimeOutcome {
+            asked: realtime > 0,
+            ..RealtimeOutcome::default()
+        });
+        let seen = Arc::clone(&outcome);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
             .thread_name("engine-control")
+            .on_thread_start(move || {
+                use std::sync::atomic::Ordering::Relaxed;
+                if realtime == 0 {
+                    return;
+                }
+                match crate::sched::set_fifo(realtime) {
+                    Ok(()) => {
+                        seen.granted.fetch_add(1, Relaxed);
+                    }
+                    Err(e) => {
+                        if seen.refused.fetch_add(1, Relaxed) == 0 {
+                            tracing::warn!(
+                                priority = realtime,
+                                error = %e,
+                                "engine.control_realtime: SCHED_FIFO refused; the control \
+                                 threads run at normal priority"
+                            );
+                        }
+                    }
+                }
+            })
             .enable_all()
             .build()?;
-        Ok(Some(Self(Some(rt))))
+        Ok(Some(Self(Some(rt), outcome)))
+    }
+
+    /// `Some(true)` when real-time scheduling was asked and every thread started so far got
+    /// it, `Some(false)` when one was refused, `None` when it was not asked.
+    fn realtime(&self) -> Option<bool> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let o = &self.1;
+        o.asked
+            .then(|| o.refused.load(Relaxed) == 0 && o.granted.load(Relaxed) > 0)
     }
 }
 
@@ -216,7 +262,8 @@ impl EngineNode {
         }
         let life = Lifecycle::new();
         let stop_on_drop = life.guard();
-        let control_rt = ControlRuntime::start(cfg.engine.control_threads)?;
+        let control_rt =
+            ControlRuntime::start(cfg.engine.control_threads, cfg.engine.control_realtime)?;
         let ctl = control_rt.as_ref();
         let metrics: SharedMetrics = Arc::new(Metrics::new());
         {
@@ -455,6 +502,14 @@ impl EngineNode {
         self.receiver.as_ref()
     }
 
+    /// Whether the control runtime's threads run under `SCHED_FIFO` (`engine.control_realtime`):
+    /// `None` when it was not asked (or there is no control runtime), `Some(false)` when the
+    /// kernel refused it for a thread.
+    #[must_use]
+    pub fn control_realtime(&self) -> Option<bool> {
+        self._control.as_ref().and_then(ControlRuntime::realtime)
+    }
+
     /// The addresses served.
     #[must_use]
     pub fn addresses(&self) -> Addresses {
@@ -585,4 +640,34 @@ fn start_heartbeat<R: heartbeat::Registry>(
         state.drain_started(),
         life.token().clone(),
     ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ControlRuntime;
+
+    /// With `control_realtime` the control runtime's threads run SCHED_FIFO exactly when this
+    /// process may set it (probed on a scratch thread), and say so; without it they do not.
+    #[test]
+    fn control_threads_take_the_realtime_policy_when_asked_and_allowed() {
+        let allowed = std::thread::spawn(|| crate::sched::set_fifo(1).is_ok())
+            .join()
+            .unwrap();
+        let on_control = |rt: &ControlRuntime| {
+            let handle = rt.0.as_ref().unwrap().handle().clone();
+            std::thread::spawn(move || {
+                handle.block_on(handle.spawn(async { crate::sched::is_fifo() }))
+            })
+            .join()
+            .unwrap()
+            .unwrap()
+        };
+        let rt = ControlRuntime::start(1, 10).unwrap().unwrap();
+        assert_eq!(on_control(&rt), allowed);
+        assert_eq!(rt.realtime(), Some(allowed));
+        let plain = ControlRuntime::start(1, 0).unwrap().unwrap();
+        assert!(!on_control(&plain));
+        assert_eq!(plain.realtime(), None);
+        assert!(ControlRuntime::start(0, 10).unwrap().is_none());
+    }
 }

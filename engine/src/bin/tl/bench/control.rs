@@ -60,6 +60,12 @@ pub(crate) struct ControlArgs {
     /// Prompt tokens of the sequence decoded under load.
     #[arg(long, default_value_t = 4096)]
     decode_tokens: usize,
+    /// Run the measured engine's control threads under SCHED_FIFO at this priority
+    /// (`engine.control_realtime`), and the prober's thread too: a caller on cores of its own,
+    /// as a gateway on another host is, rather than one that waits for these busy cores. Needs
+    /// CAP_SYS_NICE; the output says what the kernel granted.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=99))]
+    realtime: Option<u8>,
 }
 
 /// Runs `tl bench control`.
@@ -143,13 +149,21 @@ enum Prober {
 }
 
 impl Prober {
-    fn start(own: bool, grpc: &str, kv: Option<&str>, envelope: usize) -> Result<Self, BenchError> {
+    /// The prober, and whether its thread got `realtime` (`None`: not asked, or no thread of
+    /// its own).
+    fn start(
+        own: bool,
+        grpc: &str,
+        kv: Option<&str>,
+        envelope: usize,
+        realtime: Option<u8>,
+    ) -> Result<(Self, Option<bool>), BenchError> {
         let transport = || GrpcTransport::new(TransportConfig::for_envelope(envelope));
         if !own {
-            return Ok(Self::Shared(Box::new((
-                ControlClient::new(grpc)?,
-                transport(),
-            ))));
+            return Ok((
+                Self::Shared(Box::new((ControlClient::new(grpc)?, transport()))),
+                None,
+            ));
         }
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<ProbeJob>();
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -161,9 +175,11 @@ impl Prober {
             (ControlClient::new(grpc)?, transport())
         };
         let kv = kv.map(str::to_owned);
+        let (granted_tx, granted) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("bench-prober".into())
             .spawn(move || {
+                let _ = granted_tx.send(realtime.map(|p| tl_engine::sched::set_fifo(p).is_ok()));
                 rt.block_on(async move {
                     while let Some((n, reply)) = rx.recv().await {
                         let mut got = Samples::default();
@@ -172,7 +188,8 @@ impl Prober {
                     }
                 });
             })?;
-        Ok(Self::Own(tx))
+        let granted = granted.recv().map_err(|_| "the prober did not start")?;
+        Ok((Self::Own(tx), granted))
     }
 
     /// `n` calls of each kind, their latencies into `into`.
@@ -187,6 +204,23 @@ impl Prober {
             }
         }
     }
+}
+
+/// What `--realtime` asked and what the kernel granted: the engine's control threads and the
+/// prober's thread.
+fn realtime_json(
+    asked: Option<u8>,
+    control: Option<bool>,
+    prober: Option<bool>,
+) -> serde_json::Value {
+    asked.map_or(serde_json::Value::Null, |p| {
+        serde_json::json!({
+            "priority": p,
+            "policy": "SCHED_FIFO",
+            "engine_control_granted": control,
+            "prober_granted": prober,
+        })
+    })
 }
 
 /// Waits up to 10 s for `cond`.
@@ -307,18 +341,21 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
     if let Some(n) = a.control_threads {
         cfg.engine.control_threads = n;
     }
+    cfg.engine.control_realtime = a.realtime.unwrap_or(0);
     cfg.validate()?;
     let shape = cfg.shape();
     let d = EngineNode::start(&cfg).await?;
     let (grpc, kv, http) = (d.addresses().grpc, d.addresses().kv, d.addresses().http);
     // Where HasBlocks is asked.
     let lookup = if a.has_blocks_on_kv_port { &kv } else { &grpc };
-    let prober = Prober::start(
+    let (prober, prober_realtime) = Prober::start(
         !a.probe_on_engine_runtime,
         &grpc,
         Some(lookup),
         shape.envelope_len(1).ok_or("overflow")?,
+        a.realtime,
     )?;
+    let realtime = realtime_json(a.realtime, d.control_realtime(), prober_realtime);
     // Warm the connections.
     prober.run(Some(lookup), 5, &mut Samples::default()).await?;
 
@@ -402,6 +439,7 @@ async fn control_bench(a: &ControlArgs) -> Result<serde_json::Value, BenchError>
         "import_threads": cfg.engine.import_threads,
         "import_nice": cfg.engine.import_nice,
         "control_threads": cfg.engine.control_threads,
+        "realtime": realtime,
         "has_blocks_on": if a.has_blocks_on_kv_port { "the KV port" } else { "the control port" },
         "probe": if a.probe_on_engine_runtime { "the engine's runtime" } else { "a thread and runtime of its own" },
         "rounds": a.rounds.max(1),
@@ -434,13 +472,21 @@ async fn prefill_side(a: &ControlArgs) -> Result<serde_json::Value, BenchError> 
     if let Some(n) = a.control_threads {
         pc.engine.control_threads = n;
     }
+    pc.engine.control_realtime = a.realtime.unwrap_or(0);
     dc.validate()?;
     pc.validate()?;
     let envelope = pc.shape().envelope_len(1).ok_or("overflow")?;
     let d = EngineNode::start(&dc).await?;
     let p = EngineNode::start(&pc).await?;
     let (p_grpc, d_kv, d_grpc) = (p.addresses().grpc, d.addresses().kv, d.addresses().grpc);
-    let prober = Prober::start(!a.probe_on_engine_runtime, &p_grpc, None, envelope)?;
+    let (prober, prober_realtime) = Prober::start(
+        !a.probe_on_engine_runtime,
+        &p_grpc,
+        None,
+        envelope,
+        a.realtime,
+    )?;
+    let realtime = realtime_json(a.realtime, p.control_realtime(), prober_realtime);
     prober.run(None, 5, &mut Samples::default()).await?;
 
     // The load: one 256-block Prefill after another, each handle released.
@@ -490,6 +536,7 @@ async fn prefill_side(a: &ControlArgs) -> Result<serde_json::Value, BenchError> 
         "kernel": super::kernel_json(),
         "shape": "B=16 L=32 H=8 D=128 (2 MiB blocks), fake model",
         "control_threads": pc.engine.control_threads,
+        "realtime": realtime,
         "probe": if a.probe_on_engine_runtime { "the engine's runtime" } else { "a thread and runtime of its own" },
         "rounds": a.rounds.max(1),
         "idle": idle,
