@@ -105,6 +105,11 @@ pub fn check_role(id: Option<PeerId>, allowed: &[PeerRole]) -> Result<(), rustls
     }
 }
 
+/// Ciphertext a client TLS connection holds for the socket (rustls's buffer limit): 1 MiB,
+/// against rustls's 64 KiB. With the server's read-ahead, gRPC over mutual TLS rose from 0.26 to
+/// 0.33 of raw TCP on a Zen 3 EPYC (four alternated rounds); each half alone moved little.
+pub const TLS_SEND_BUFFER: usize = 1 << 20;
+
 /// TCP, then TLS to the URI's host (or the configured peer name) with the role check.
 #[derive(Clone)]
 struct Dialer {
@@ -159,6 +164,11 @@ impl tower_service::Service<http::Uri> for Dialer {
                         ),
                     )
                 })??;
+            let mut io = io;
+            // rustls writes at most this much ciphertext per system call: its default, 64 KiB,
+            // is 32 writes per 2 MiB message, and a receiver reading ahead gets only that much
+            // per wakeup.
+            io.get_mut().1.set_buffer_limit(Some(TLS_SEND_BUFFER));
             Ok(TokioIo::new(io))
         })
     }

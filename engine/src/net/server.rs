@@ -19,12 +19,13 @@ use kvwire_grpc::H2Limits;
 use kvwire_grpc::glue::{Dispatch, Routes};
 use kvwire_grpc::server::tuned_server;
 use rustls::ServerConfig;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 
 use super::unproven::{Entry, Unproven};
+use kvwire_grpc::socket::{ReadAhead, TLS_READ_AHEAD};
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -152,7 +153,7 @@ fn tls_incoming(
     life: &Lifecycle,
     listener: TcpListener,
     tls: Arc<ServerConfig>,
-) -> mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)> {
+) -> mpsc::Receiver<(TlsStream<ReadAhead>, SocketAddr)> {
     let (tx, rx) = mpsc::channel(64);
     let acceptor = TlsAcceptor::from(tls);
     let stop = life.token().clone();
@@ -173,9 +174,14 @@ fn tls_incoming(
                     let _ = tcp.set_nodelay(true);
                     let (acceptor, tx) = (acceptor.clone(), tx.clone());
                     let handle = handshakes.spawn(async move {
-                        if let Ok(Ok(tls)) =
-                            tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+                        if let Ok(Ok(mut tls)) = tokio::time::timeout(
+                            HANDSHAKE_TIMEOUT,
+                            acceptor.accept(ReadAhead::new(tcp)),
+                        )
+                        .await
                         {
+                            // Only a peer that proved its certificate gets the buffer.
+                            tls.get_mut().0.read_ahead(TLS_READ_AHEAD);
                             let _ = tx.send((tls, peer)).await;
                         }
                     });
