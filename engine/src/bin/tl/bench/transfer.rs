@@ -36,6 +36,24 @@ pub(crate) struct TransferArgs {
     /// `block_in_place`.
     #[arg(long, default_value_t = 2)]
     import_threads: usize,
+    /// Run one leg alone, `--runs` times, and print only its figures: what a profiler
+    /// (`perf record -e cpu-clock`, callgrind) attaches to, so each leg's samples are its own.
+    #[arg(long, value_enum)]
+    only: Option<Leg>,
+}
+
+/// One leg of the bench, named as in its JSON (`grpc_gbps`, `raw_tls_gbps`, ...).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+#[value(rename_all = "snake_case")]
+pub(crate) enum Leg {
+    /// The gRPC push, plain.
+    Grpc,
+    /// The gRPC push over mutual TLS.
+    GrpcTls,
+    /// Raw TCP, the baseline.
+    Tcp,
+    /// Raw rustls over TCP.
+    RawTls,
 }
 
 /// Peak and current resident set of this process, in bytes, from /proc (Linux).
@@ -481,6 +499,51 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     // Minor page faults per MiB moved, in the same order.
     let mut faults: [Vec<f64>; 4] = Default::default();
     let bytes_mib = (n as f64) * p_bytes as f64 / f64::from(1u32 << 20);
+    if let Some(leg) = args.only {
+        // One leg alone: its rate and cost per run, nothing else in the process's profile.
+        let (mut rates, mut busy) = (Vec::new(), Vec::new());
+        let bytes = n * p_bytes;
+        for run in 0..args.runs.max(1) {
+            let (gbps, c) = with_cost(async {
+                Ok::<f64, BenchError>(match leg {
+                    Leg::Grpc | Leg::GrpcTls => {
+                        let (t, at) = if leg == Leg::Grpc {
+                            (&transport, &target)
+                        } else {
+                            (&tls_transport, &tls_target)
+                        };
+                        let (st, secs) = bench.push(t, at, &format!("only-{run}"), n).await?;
+                        st.payload_bytes as f64 / secs / 1e9
+                    }
+                    Leg::Tcp => stream_run(bytes, &tcp_chunk, None).await?,
+                    Leg::RawTls => stream_run(bytes, &tcp_chunk, Some(raw_tls.clone())).await?,
+                })
+            })
+            .await;
+            rates.push(gbps?);
+            busy.push(c.cores);
+        }
+        life.shutdown().await;
+        plain.shutdown().await;
+        let leg_name = match leg {
+            Leg::Grpc => "grpc",
+            Leg::GrpcTls => "grpc_tls",
+            Leg::Tcp => "tcp",
+            Leg::RawTls => "raw_tls",
+        };
+        return Ok(serde_json::json!({
+            "bench": "transfer",
+            "only": leg_name,
+            "push_mib": round3(bytes as f64 / (1 << 20) as f64),
+            "runs": rates.len(),
+            "gbps": round3(median(&mut rates.clone())),
+            "gbps_all": rates.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+            "cores_busy": round3(median(&mut busy.clone())),
+            "core_seconds_per_gb": round3(median(&mut busy) / median(&mut rates)),
+            "cpu": super::cpu_json(),
+            "crc_impl": kvwire::crc32c_impl(),
+        }));
+    }
     for run in 0..args.runs.max(1) {
         let (pushed, c) =
             with_cost(bench.push(&transport, &target, &format!("run-{run}"), n)).await;
@@ -694,6 +757,27 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn only_takes_the_legs_json_names() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: super::TransferArgs,
+        }
+        for (name, leg) in [
+            ("grpc", super::Leg::Grpc),
+            ("grpc_tls", super::Leg::GrpcTls),
+            ("tcp", super::Leg::Tcp),
+            ("raw_tls", super::Leg::RawTls),
+        ] {
+            let cli = Cli::try_parse_from(["tl", "--only", name]).unwrap();
+            assert_eq!(cli.args.only, Some(leg), "{name}");
+        }
+        assert!(Cli::try_parse_from(["tl", "--only", "grpc-tls"]).is_err());
+        assert_eq!(Cli::try_parse_from(["tl"]).unwrap().args.only, None);
+    }
+
     #[test]
     fn ceilings_add_each_streams_own_work_to_raw_tcps() {
         let one = super::OneCore {
