@@ -50,11 +50,15 @@ fn netns_partition_mid_push_frees_both_sides() {
     assert_eq!(v["lost"], 0, "{v}");
     assert_eq!(v["failed"], 0, "{v}");
     assert_eq!(v["completed_equal"], v["requests"], "{v}");
-    // Pushes toward the cut engine failed, and their requests went to the other one.
-    assert!(
-        v["prefill_retried_on_another_decode"].as_u64().unwrap() >= 1,
-        "{v}"
-    );
+    // Pushes toward the cut engine failed and their requests went to the other one; or, when
+    // the cut fell between a push's writes and was mended within its deadline, the push waited
+    // it out (TCP retransmits once the link is back): a request then took about the cut's
+    // length, and still finished equal (asserted above). Seen once in CI: no retry, and the
+    // cut's p99 TTFT 2,076 ms for a 2 s cut.
+    let cut_ms = v["seconds"].as_f64().unwrap() * 1000.0 / 3.0;
+    let retried = v["prefill_retried_on_another_decode"].as_u64().unwrap();
+    let waited = v["p99_ttft_ms"]["during"].as_f64().unwrap() >= 0.9 * cut_ms;
+    assert!(retried >= 1 || waited, "{v}");
     // Both sides of every cut push freed what they took.
     assert_eq!(v["prefill_pool_back_to_baseline"], true, "{v}");
     assert_eq!(v["restored_pool_back_to_baseline"], true, "{v}");
