@@ -13,7 +13,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{etcd_installed, eventually};
+use common::{etcd_installed, eventually, eventually_async};
 use kvwire_grpc::pb::control::{Role as PbRole, WorkerStatus};
 use tl_engine::etcd::member::{Member, MemberTls, start_cluster};
 use tl_engine::etcd::registry::{EtcdRegistrar, mirror};
@@ -523,21 +523,6 @@ async fn beat_through(
         tokio::time::sleep(Duration::from_millis(u64::from(BEAT_MS))).await;
     }
     (failed, missing)
-}
-
-/// Polls the async `cond` every 50 ms until it holds or `limit` passes.
-async fn eventually_async<F: std::future::Future<Output = bool>>(
-    limit: Duration,
-    mut cond: impl FnMut() -> F,
-) -> bool {
-    let end = Instant::now() + limit;
-    while Instant::now() < end {
-        if cond().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    false
 }
 
 /// Losing a follower costs nothing: not one beat fails. Losing the leader costs what Raft

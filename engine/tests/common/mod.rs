@@ -93,14 +93,23 @@ pub fn store(pool: &SharedKv) -> Arc<dyn KvStore> {
 
 /// Polls `cond` until it holds or `limit` passes.
 pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    eventually_async(limit, || std::future::ready(cond())).await
+}
+
+/// The async form of [`eventually`]: polls the future `cond` makes every 10 ms until one
+/// yields true or `limit` passes (then one last try decides).
+pub async fn eventually_async<F: std::future::Future<Output = bool>>(
+    limit: Duration,
+    mut cond: impl FnMut() -> F,
+) -> bool {
     let end = Instant::now() + limit;
     while Instant::now() < end {
-        if cond() {
+        if cond().await {
             return true;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    cond()
+    cond().await
 }
 
 /// Waits until `node` runs no sequence and its pool has exactly `used` blocks in use (the
