@@ -8,6 +8,7 @@
 //! it). Reading at most [`READ_CAP`] per call returns to user space, where the
 //! scheduler can switch, every few tens of microseconds, for seven more system calls per chunk.
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
@@ -224,6 +225,167 @@ macro_rules! write_through {
 write_through!(CappedReads);
 write_through!(ReadAhead);
 
+/// The most one write of a KV sender's socket hands the kernel: 1 MiB, two writes per 2 MiB
+/// chunk. hyper writes a whole DATA frame (and what is queued behind it) in one `writev`, and on
+/// loopback the kernel also delivers it to the receiving socket within that call: traced on
+/// machine J (README), the pusher's writes took up to 4.65 ms of a core that a control thread
+/// woken meanwhile could not have. Swept on machine M (README): 256 and 512 KiB cost the push
+/// 5-20% of its rate (more sends, each delivered on its own), 1 MiB nothing measurable.
+pub const WRITE_CAP: usize = 1 << 20;
+
+/// A TCP stream whose writes hand the kernel at most `cap` bytes each (vectored writes are cut
+/// at the cap, mid-slice if need be); reads pass through. The caller's write loop (hyper's,
+/// rustls's) takes a short count as any socket's and writes the rest next.
+#[derive(Debug)]
+pub struct CappedWrites {
+    inner: TcpStream,
+    cap: usize,
+}
+
+impl CappedWrites {
+    /// Wraps `inner`, writing at most `cap` bytes per call (at least 1).
+    #[must_use]
+    pub fn new(inner: TcpStream, cap: usize) -> Self {
+        Self {
+            inner,
+            cap: cap.max(1),
+        }
+    }
+
+    /// The stream within.
+    #[must_use]
+    pub fn get_ref(&self) -> &TcpStream {
+        &self.inner
+    }
+}
+
+/// At most this many slices go to one vectored write (Linux takes 1,024; hyper sends 16).
+const MAX_SLICES: usize = 64;
+
+/// The first slices of `bufs` up to `cap` bytes in all, the last one cut short if need be.
+fn take_slices<'b>(
+    bufs: &'b [io::IoSlice<'_>],
+    cap: usize,
+    out: &mut [io::IoSlice<'b>; MAX_SLICES],
+) -> usize {
+    let (mut n, mut left) = (0, cap);
+    for b in bufs.iter().filter(|b| !b.is_empty()) {
+        if left == 0 || n == MAX_SLICES {
+            break;
+        }
+        let whole: &'b [u8] = b;
+        let take = whole.len().min(left);
+        out[n] = io::IoSlice::new(&whole[..take]);
+        n += 1;
+        left -= take;
+    }
+    n
+}
+
+impl AsyncRead for CappedWrites {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for CappedWrites {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let me = self.get_mut();
+        let n = buf.len().min(me.cap);
+        Pin::new(&mut me.inner).poll_write(cx, &buf[..n])
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let me = self.get_mut();
+        let mut out = [io::IoSlice::new(&[]); MAX_SLICES];
+        let n = take_slices(bufs, me.cap, &mut out);
+        Pin::new(&mut me.inner).poll_write_vectored(cx, &out[..n])
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+/// Dials plain TCP (`TCP_NODELAY`, within a timeout) for a tonic channel, its writes capped:
+/// what a sender of multi-MiB messages should connect with in place of tonic's own connector.
+#[derive(Clone, Debug)]
+pub struct CappedDialer {
+    /// Bound on resolving and connecting.
+    pub connect_timeout: std::time::Duration,
+    /// The most one write hands the kernel ([`WRITE_CAP`]).
+    pub write_cap: usize,
+}
+
+type Dialed = hyper_util::rt::TokioIo<CappedWrites>;
+
+impl tower_service::Service<http::Uri> for CappedDialer {
+    type Response = Dialed;
+    type Error = io::Error;
+    type Future = Pin<Box<dyn Future<Output = io::Result<Dialed>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let me = self.clone();
+        Box::pin(async move {
+            let tcp = dial(&uri, me.connect_timeout).await?;
+            Ok(hyper_util::rt::TokioIo::new(CappedWrites::new(
+                tcp,
+                me.write_cap,
+            )))
+        })
+    }
+}
+
+/// TCP to `uri`'s host and port with `TCP_NODELAY`, or a timed-out error after `timeout`.
+///
+/// # Errors
+/// A URI without host or port (`InvalidInput`), the connect's own error, or `TimedOut`.
+pub async fn dial(uri: &http::Uri, timeout: std::time::Duration) -> io::Result<TcpStream> {
+    let bad = |m: String| io::Error::new(io::ErrorKind::InvalidInput, m);
+    let host = uri
+        .host()
+        .ok_or_else(|| bad(format!("{uri}: no host")))?
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let port = uri
+        .port_u16()
+        .ok_or_else(|| bad(format!("{uri}: no port")))?;
+    let tcp = tokio::time::timeout(timeout, TcpStream::connect((host, port)))
+        .await
+        .map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("connecting to {host}:{port} took over {timeout:?}"),
+            )
+        })??;
+    tcp.set_nodelay(true)?;
+    Ok(tcp)
+}
+
 /// The accepted connections of `listener` (with `TCP_NODELAY`), their reads capped at
 /// [`READ_CAP`]: what a tonic server of multi-MiB messages should serve on plain TCP.
 pub fn capped_incoming(
@@ -340,5 +502,93 @@ mod tests {
         w.write_all(b"kv").await.unwrap();
         w.shutdown().await.unwrap();
         assert_eq!(client.await.unwrap(), b"kv");
+    }
+
+    /// The slices one capped write passes on: empty ones skipped, the last cut at the cap, at
+    /// most MAX_SLICES of them.
+    #[test]
+    fn slices_are_cut_at_the_cap() {
+        let (a, b, c) = ([1u8; 3], [2u8; 5], [3u8; 7]);
+        let bufs = [
+            io::IoSlice::new(&a),
+            io::IoSlice::new(&[]),
+            io::IoSlice::new(&b),
+            io::IoSlice::new(&c),
+        ];
+        let mut out = [io::IoSlice::new(&[]); MAX_SLICES];
+        let n = take_slices(&bufs, 6, &mut out);
+        let got: Vec<&[u8]> = out[..n].iter().map(|s| &**s).collect();
+        assert_eq!(got, [&a[..], &b[..3]]);
+        let n = take_slices(&bufs, 100, &mut out);
+        assert_eq!(out[..n].iter().map(|s| s.len()).sum::<usize>(), 15);
+        let many = vec![io::IoSlice::new(&a); MAX_SLICES + 5];
+        assert_eq!(take_slices(&many, usize::MAX, &mut out), MAX_SLICES);
+    }
+
+    /// No write, plain or vectored, hands the socket more than the cap, and every byte still
+    /// arrives in order; reads pass through.
+    #[tokio::test]
+    async fn writes_are_capped_and_lossless() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let reader = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            s.write_all(b"ok").await.unwrap();
+            let mut v = Vec::new();
+            s.read_to_end(&mut v).await.unwrap();
+            v
+        });
+        let cap = 4 << 10;
+        let mut w = CappedWrites::new(TcpStream::connect(addr).await.unwrap(), cap);
+        assert!(w.is_write_vectored());
+        let mut hello = [0u8; 2];
+        w.read_exact(&mut hello).await.unwrap();
+        assert_eq!(&hello, b"ok");
+        assert_eq!(w.get_ref().peer_addr().unwrap(), addr);
+        let sent: Vec<u8> = (0..(1 << 20) + 17).map(|i: u32| (i % 251) as u8).collect();
+        // A fresh loopback socket takes far more than 4 KiB at once, so an uncapped write would
+        // return more than the cap here.
+        let (x, y) = sent.split_at(3000);
+        let n = w
+            .write_vectored(&[io::IoSlice::new(x), io::IoSlice::new(&y[..3000])])
+            .await
+            .unwrap();
+        assert_eq!(n, cap, "the vectored write was not cut at the cap");
+        let n2 = w.write(&sent[n..]).await.unwrap();
+        assert_eq!(n2, cap, "the plain write was not cut at the cap");
+        w.write_all(&sent[n + n2..]).await.unwrap();
+        w.shutdown().await.unwrap();
+        assert_eq!(reader.await.unwrap(), sent);
+    }
+
+    /// The dialer connects with TCP_NODELAY and its writes capped; a URI without a port is
+    /// refused as invalid input, a closed port as the connect's own error.
+    #[tokio::test]
+    async fn the_dialer_connects_and_refuses_bad_uris() {
+        use tower_service::Service;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut d = CappedDialer {
+            connect_timeout: std::time::Duration::from_secs(2),
+            write_cap: 123,
+        };
+        let io = d
+            .call(format!("http://{addr}").parse().unwrap())
+            .await
+            .unwrap();
+        let w = io.inner();
+        assert_eq!(w.cap, 123);
+        assert!(w.get_ref().nodelay().unwrap());
+        let e = d
+            .call("http://127.0.0.1".parse().unwrap())
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+        drop(listener);
+        let e = d
+            .call(format!("http://{addr}").parse().unwrap())
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
     }
 }

@@ -12,11 +12,11 @@ use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
 use kvwire_grpc::sender::Connect;
+use kvwire_grpc::socket::{CappedWrites, WRITE_CAP};
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, SignatureScheme};
-use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
 
@@ -118,7 +118,7 @@ struct Dialer {
     connect_timeout: Duration,
 }
 
-type Dialed = TokioIo<TlsStream<TcpStream>>;
+type Dialed = TokioIo<TlsStream<CappedWrites>>;
 
 impl tower_service::Service<http::Uri> for Dialer {
     type Response = Dialed;
@@ -149,9 +149,11 @@ impl tower_service::Service<http::Uri> for Dialer {
                 }
             };
             let dial = async {
-                let tcp = TcpStream::connect((host.as_str(), port)).await?;
-                tcp.set_nodelay(true)?;
-                me.tls.connect(name, tcp).await
+                // Ciphertext goes to the kernel at most WRITE_CAP a call, as plaintext KV does.
+                let tcp = kvwire_grpc::socket::dial(&uri, me.connect_timeout).await?;
+                me.tls
+                    .connect(name, CappedWrites::new(tcp, WRITE_CAP))
+                    .await
             };
             let io = tokio::time::timeout(me.connect_timeout, dial)
                 .await

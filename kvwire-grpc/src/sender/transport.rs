@@ -105,6 +105,10 @@ pub struct TransportConfig {
     pub max_channels: usize,
     /// HTTP/2 keepalive: ping interval and how long an unanswered ping means a dead peer.
     pub keepalive: Option<(Duration, Duration)>,
+    /// The most one write to a plaintext peer's socket hands the kernel
+    /// ([`crate::socket::WRITE_CAP`]), so a 2 MiB message is not one long system call on a
+    /// core the host's control threads may want; 0 writes as tonic's own connector does.
+    pub write_cap: usize,
 }
 
 impl TransportConfig {
@@ -124,6 +128,7 @@ impl TransportConfig {
             max_message: (block_envelope + 1024).max(4 << 20),
             max_channels: 256,
             keepalive: Some((Duration::from_secs(10), Duration::from_secs(20))),
+            write_cap: crate::socket::WRITE_CAP,
         }
     }
 }
@@ -243,6 +248,12 @@ impl GrpcTransport {
         };
         let c = match &self.connect {
             Some(connect) => connect(c),
+            None if self.tls.is_none() && self.cfg.write_cap > 0 => {
+                c.connect_with_connector_lazy(crate::socket::CappedDialer {
+                    connect_timeout: self.cfg.connect_timeout,
+                    write_cap: self.cfg.write_cap,
+                })
+            }
             None => c.connect_lazy(),
         };
         cache.map.insert(target.to_owned(), (c.clone(), now));
