@@ -8,7 +8,8 @@
 //! - [`receiver`]: the decode side's per-chunk rules, as plain logic ([`KvReceiver`]).
 //! - [`sender`]: the prefill side: [`KvTransport`], its gRPC implementation, and [`transfer`].
 //! - [`server`]: the `KvTransfer` service and [`serve_kv`].
-//! - [`socket`]: accepted sockets whose reads are capped ([`socket::READ_CAP`]).
+//! - [`socket`]: KV sockets whose reads and writes are capped ([`socket::READ_CAP`],
+//!   [`socket::WRITE_CAP`]), and the dialler of capped writes `GrpcTransport` uses.
 //!
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]

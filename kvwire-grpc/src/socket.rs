@@ -1,4 +1,4 @@
-//! Accepted KV sockets whose reads are capped, so that no receive holds a core for long.
+//! KV sockets whose system calls are capped, so that none holds a core for long.
 //!
 //! h2 asks the socket for the rest of a DATA frame in one read, which for a 2 MiB chunk is a
 //! 2 MiB `recv`. On a kernel without preemption (`PREEMPT_NONE`, as cloud guests often are),
@@ -7,6 +7,8 @@
 //! probably because the ACKs the receive sends let the sender's queued segments go out within
 //! it). Reading at most [`READ_CAP`] per call returns to user space, where the
 //! scheduler can switch, every few tens of microseconds, for seven more system calls per chunk.
+//! A sender's writes are capped the same way ([`WRITE_CAP`]), and a TLS server's socket is
+//! read ahead of rustls ([`Capped::read_ahead`]).
 
 use std::future::Future;
 use std::io;
@@ -20,98 +22,60 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::transport::server::{Connected, TcpConnectInfo, TcpIncoming};
 
 /// The most one read of a KV socket asks the kernel for: 256 KiB, eight reads per 2 MiB chunk.
-/// Traced on machine J, such reads took about 40 µs and at most 1.44 ms.
+/// Traced on machine J, such reads took about 40 µs and at most 1.44 ms. Swept on machine M
+/// (README), 512 KiB to 4 MiB moved no more bytes a second.
 pub const READ_CAP: usize = 256 << 10;
-
-/// A TCP stream whose reads ask for at most `cap` bytes each; writes pass through (vectored).
-#[derive(Debug)]
-pub struct CappedReads {
-    inner: TcpStream,
-    cap: usize,
-}
-
-impl CappedReads {
-    /// Wraps `inner`, reading at most `cap` bytes per call (at least 1).
-    #[must_use]
-    pub fn new(inner: TcpStream, cap: usize) -> Self {
-        Self {
-            inner,
-            cap: cap.max(1),
-        }
-    }
-
-    /// The stream within.
-    #[must_use]
-    pub fn get_ref(&self) -> &TcpStream {
-        &self.inner
-    }
-}
-
-impl AsyncRead for CappedReads {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        if buf.remaining() == 0 {
-            return Poll::Ready(Ok(()));
-        }
-        let me = self.get_mut();
-        loop {
-            ready!(me.inner.poll_read_ready(cx))?;
-            // `try_read_buf` fills the unfilled part in place (no zeroing) and advances `buf`.
-            let mut limited = (&mut *buf).limit(me.cap);
-            match me.inner.try_read_buf(&mut limited) {
-                Ok(_) => return Poll::Ready(Ok(())),
-                // Readiness was stale: `try_read_buf` cleared it, so poll again to register.
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Poll::Ready(Err(e)),
-            }
-        }
-    }
-}
 
 /// How much a TLS connection's socket is read ahead of rustls once its handshake is done: one
 /// `recv` of up to this much, then rustls's reads of one record (or 4 KiB) each are served from
 /// memory. As [`READ_CAP`], so no receive is longer than a plain socket's.
 pub const TLS_READ_AHEAD: usize = READ_CAP;
 
-/// A TCP stream for rustls to read: reads pass straight to the socket until
-/// [`ReadAhead::read_ahead`] gives it a buffer (after the handshake, so an unauthenticated
-/// peer holds none), and from then on one `recv` fills the buffer and small reads are served
-/// from it. rustls 0.23 asks its socket for at most one record a call, which on a 2 MiB
-/// message is 128 system calls. Writes pass through (vectored).
+/// A TCP stream whose reads ask the kernel for at most `read_cap` bytes each and whose writes
+/// hand it at most `write_cap` (vectored writes are cut at the cap, mid-slice if need be). The
+/// caller's loops (h2's, hyper's, rustls's) take a short count as any socket's and go on.
+///
+/// Under rustls, [`read_ahead`](Self::read_ahead) gives it a buffer (after the handshake, so an
+/// unauthenticated peer holds none): from then on one `recv` fills the buffer and small reads
+/// are served from it. rustls 0.23 asks its socket for at most one record a call, which on a
+/// 2 MiB message is 128 system calls.
 #[derive(Debug)]
-pub struct ReadAhead {
+pub struct Capped {
     inner: TcpStream,
-    buf: Box<[u8]>,
+    read_cap: usize,
+    write_cap: usize,
+    /// Bytes read ahead: `ahead[pos..end]` is not yet read by the caller.
+    ahead: Box<[u8]>,
     pos: usize,
     end: usize,
 }
 
-impl ReadAhead {
-    /// Wraps `inner`, reading straight from it for now.
+impl Capped {
+    /// Wraps `inner` with both caps (each at least 1; `usize::MAX` passes that way through),
+    /// reading straight from it until [`read_ahead`](Self::read_ahead).
     #[must_use]
-    pub fn new(inner: TcpStream) -> Self {
+    pub fn new(inner: TcpStream, read_cap: usize, write_cap: usize) -> Self {
         Self {
             inner,
-            buf: Box::default(),
+            read_cap: read_cap.max(1),
+            write_cap: write_cap.max(1),
+            ahead: Box::default(),
             pos: 0,
             end: 0,
         }
     }
 
-    /// From now on, reads the socket `size` bytes at a time (at most [`READ_CAP`]); bytes
-    /// already read ahead are kept.
+    /// From now on, reads the socket `size` bytes at a time (at most the read cap) and serves
+    /// smaller reads from them; bytes already read ahead are kept.
     pub fn read_ahead(&mut self, size: usize) {
-        let size = size.min(READ_CAP);
-        if size <= self.buf.len() {
+        let size = size.min(self.read_cap);
+        if size <= self.ahead.len() {
             return;
         }
-        let mut buf = vec![0; size].into_boxed_slice();
+        let mut ahead = vec![0; size].into_boxed_slice();
         let held = self.end - self.pos;
-        buf[..held].copy_from_slice(&self.buf[self.pos..self.end]);
-        (self.buf, self.pos, self.end) = (buf, 0, held);
+        ahead[..held].copy_from_slice(&self.ahead[self.pos..self.end]);
+        (self.ahead, self.pos, self.end) = (ahead, 0, held);
     }
 
     /// The stream within.
@@ -121,7 +85,27 @@ impl ReadAhead {
     }
 }
 
-impl AsyncRead for ReadAhead {
+/// One read of at most `cap` bytes from `inner` into `buf`.
+fn poll_read_capped(
+    inner: &TcpStream,
+    cx: &mut Context<'_>,
+    buf: &mut ReadBuf<'_>,
+    cap: usize,
+) -> Poll<io::Result<()>> {
+    loop {
+        ready!(inner.poll_read_ready(cx))?;
+        // `try_read_buf` fills the unfilled part in place (no zeroing) and advances `buf`.
+        let mut limited = (&mut *buf).limit(cap);
+        match inner.try_read_buf(&mut limited) {
+            Ok(_) => return Poll::Ready(Ok(())),
+            // Readiness was stale: `try_read_buf` cleared it, so poll again to register.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Poll::Ready(Err(e)),
+        }
+    }
+}
+
+impl AsyncRead for Capped {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -132,98 +116,67 @@ impl AsyncRead for ReadAhead {
             return Poll::Ready(Ok(()));
         }
         if me.pos == me.end {
-            // No buffer yet, or a read as large as it: straight to the caller, capped.
-            if buf.remaining() >= me.buf.len() {
-                return Pin::new(&mut CappedView(&mut me.inner)).poll_read(cx, buf);
+            // No buffer, or a read as large as it: straight into the caller's, capped.
+            if buf.remaining() >= me.ahead.len() {
+                return poll_read_capped(&me.inner, cx, buf, me.read_cap);
             }
-            loop {
-                ready!(me.inner.poll_read_ready(cx))?;
-                match me.inner.try_read(&mut me.buf) {
-                    Ok(n) => {
-                        (me.pos, me.end) = (0, n);
-                        break;
-                    }
-                    // Readiness was stale: `try_read` cleared it, so poll again to register.
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) => return Poll::Ready(Err(e)),
-                }
-            }
+            let mut ahead = ReadBuf::new(&mut me.ahead);
+            ready!(poll_read_capped(&me.inner, cx, &mut ahead, me.read_cap))?;
+            (me.pos, me.end) = (0, ahead.filled().len());
         }
         // `end == pos` here only at the end of the stream: nothing is put, which says so.
         let n = buf.remaining().min(me.end - me.pos);
-        buf.put_slice(&me.buf[me.pos..me.pos + n]);
+        buf.put_slice(&me.ahead[me.pos..me.pos + n]);
         me.pos += n;
         Poll::Ready(Ok(()))
     }
 }
 
-/// A borrowed socket read at most [`READ_CAP`] a call.
-struct CappedView<'a>(&'a mut TcpStream);
-
-impl AsyncRead for CappedView<'_> {
-    fn poll_read(
+impl AsyncWrite for Capped {
+    fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let inner = &mut *self.get_mut().0;
-        loop {
-            ready!(inner.poll_read_ready(cx))?;
-            let mut limited = (&mut *buf).limit(READ_CAP);
-            match inner.try_read_buf(&mut limited) {
-                Ok(_) => return Poll::Ready(Ok(())),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Poll::Ready(Err(e)),
-            }
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let me = self.get_mut();
+        let n = buf.len().min(me.write_cap);
+        Pin::new(&mut me.inner).poll_write(cx, &buf[..n])
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let me = self.get_mut();
+        if me.write_cap == usize::MAX {
+            return Pin::new(&mut me.inner).poll_write_vectored(cx, bufs);
         }
+        let mut out = [io::IoSlice::new(&[]); MAX_SLICES];
+        let n = take_slices(bufs, me.write_cap, &mut out);
+        Pin::new(&mut me.inner).poll_write_vectored(cx, &out[..n])
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
     }
 }
 
-/// Writes (vectored) and the connection's info pass straight to the `inner` socket.
-macro_rules! write_through {
-    ($t:ty) => {
-        impl AsyncWrite for $t {
-            fn poll_write(
-                self: Pin<&mut Self>,
-                cx: &mut Context<'_>,
-                buf: &[u8],
-            ) -> Poll<io::Result<usize>> {
-                Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
-            }
+impl Connected for Capped {
+    type ConnectInfo = TcpConnectInfo;
 
-            fn poll_write_vectored(
-                self: Pin<&mut Self>,
-                cx: &mut Context<'_>,
-                bufs: &[io::IoSlice<'_>],
-            ) -> Poll<io::Result<usize>> {
-                Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
-            }
-
-            fn is_write_vectored(&self) -> bool {
-                self.inner.is_write_vectored()
-            }
-
-            fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-                Pin::new(&mut self.get_mut().inner).poll_flush(cx)
-            }
-
-            fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-                Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
-            }
-        }
-
-        impl Connected for $t {
-            type ConnectInfo = TcpConnectInfo;
-
-            fn connect_info(&self) -> TcpConnectInfo {
-                self.inner.connect_info()
-            }
-        }
-    };
+    fn connect_info(&self) -> TcpConnectInfo {
+        self.inner.connect_info()
+    }
 }
-
-write_through!(CappedReads);
-write_through!(ReadAhead);
 
 /// The most one write of a KV sender's socket hands the kernel: 1 MiB, two writes per 2 MiB
 /// chunk. hyper writes a whole DATA frame (and what is queued behind it) in one `writev`, and on
@@ -232,32 +185,6 @@ write_through!(ReadAhead);
 /// woken meanwhile could not have. Swept on machine M (README): 256 and 512 KiB cost the push
 /// 5-20% of its rate (more sends, each delivered on its own), 1 MiB nothing measurable.
 pub const WRITE_CAP: usize = 1 << 20;
-
-/// A TCP stream whose writes hand the kernel at most `cap` bytes each (vectored writes are cut
-/// at the cap, mid-slice if need be); reads pass through. The caller's write loop (hyper's,
-/// rustls's) takes a short count as any socket's and writes the rest next.
-#[derive(Debug)]
-pub struct CappedWrites {
-    inner: TcpStream,
-    cap: usize,
-}
-
-impl CappedWrites {
-    /// Wraps `inner`, writing at most `cap` bytes per call (at least 1).
-    #[must_use]
-    pub fn new(inner: TcpStream, cap: usize) -> Self {
-        Self {
-            inner,
-            cap: cap.max(1),
-        }
-    }
-
-    /// The stream within.
-    #[must_use]
-    pub fn get_ref(&self) -> &TcpStream {
-        &self.inner
-    }
-}
 
 /// At most this many slices go to one vectored write (Linux takes 1,024; hyper sends 16).
 const MAX_SLICES: usize = 64;
@@ -282,51 +209,6 @@ fn take_slices<'b>(
     n
 }
 
-impl AsyncRead for CappedWrites {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for CappedWrites {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let me = self.get_mut();
-        let n = buf.len().min(me.cap);
-        Pin::new(&mut me.inner).poll_write(cx, &buf[..n])
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let me = self.get_mut();
-        let mut out = [io::IoSlice::new(&[]); MAX_SLICES];
-        let n = take_slices(bufs, me.cap, &mut out);
-        Pin::new(&mut me.inner).poll_write_vectored(cx, &out[..n])
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
-    }
-}
-
 /// Dials plain TCP (`TCP_NODELAY`, within a timeout) for a tonic channel, its writes capped:
 /// what a sender of multi-MiB messages should connect with in place of tonic's own connector.
 #[derive(Clone, Debug)]
@@ -337,7 +219,7 @@ pub struct CappedDialer {
     pub write_cap: usize,
 }
 
-type Dialed = hyper_util::rt::TokioIo<CappedWrites>;
+type Dialed = hyper_util::rt::TokioIo<Capped>;
 
 impl tower_service::Service<http::Uri> for CappedDialer {
     type Response = Dialed;
@@ -352,8 +234,9 @@ impl tower_service::Service<http::Uri> for CappedDialer {
         let me = self.clone();
         Box::pin(async move {
             let tcp = dial(&uri, me.connect_timeout).await?;
-            Ok(hyper_util::rt::TokioIo::new(CappedWrites::new(
+            Ok(hyper_util::rt::TokioIo::new(Capped::new(
                 tcp,
+                usize::MAX,
                 me.write_cap,
             )))
         })
@@ -390,10 +273,10 @@ pub async fn dial(uri: &http::Uri, timeout: std::time::Duration) -> io::Result<T
 /// [`READ_CAP`]: what a tonic server of multi-MiB messages should serve on plain TCP.
 pub fn capped_incoming(
     listener: tokio::net::TcpListener,
-) -> impl Stream<Item = io::Result<CappedReads>> + Send + 'static {
+) -> impl Stream<Item = io::Result<Capped>> + Send + 'static {
     TcpIncoming::from(listener)
         .with_nodelay(Some(true))
-        .map(|s| s.map(|s| CappedReads::new(s, READ_CAP)))
+        .map(|s| s.map(|s| Capped::new(s, READ_CAP, usize::MAX)))
 }
 
 #[cfg(test)]
@@ -417,7 +300,7 @@ mod tests {
         // Loopback delivers segments of up to 64 KiB at once, so with a 4 KiB cap some reads
         // find more queued than they may take, and an uncapped read would take it all.
         let cap = 4 << 10;
-        let mut r = CappedReads::new(s, cap);
+        let mut r = Capped::new(s, cap, usize::MAX);
         assert_eq!(r.connect_info().remote_addr(), r.get_ref().peer_addr().ok());
         let mut got = Vec::with_capacity(sent.len());
         let mut buf = vec![0u8; 1 << 20];
@@ -452,14 +335,14 @@ mod tests {
             c.shutdown().await.unwrap();
         });
         let (s, _) = listener.accept().await.unwrap();
-        let mut r = ReadAhead::new(s);
+        let mut r = Capped::new(s, READ_CAP, usize::MAX);
         assert_eq!(r.connect_info().remote_addr(), r.get_ref().peer_addr().ok());
         let mut got = vec![0u8; 5];
         r.read_exact(&mut got).await.unwrap();
         // Nothing was read ahead yet: the buffer is empty, so growing it keeps no bytes.
         assert_eq!(r.end - r.pos, 0);
         r.read_ahead(64 << 10);
-        assert_eq!(r.buf.len(), 64 << 10);
+        assert_eq!(r.ahead.len(), 64 << 10);
         let mut small = [0u8; 4096];
         let mut largest = 0;
         loop {
@@ -470,9 +353,9 @@ mod tests {
             largest = largest.max(n);
             got.extend_from_slice(&small[..n]);
             // Growing the buffer midway keeps what it holds.
-            if got.len() > 1 << 19 && r.buf.len() < READ_CAP {
+            if got.len() > 1 << 19 && r.ahead.len() < READ_CAP {
                 r.read_ahead(usize::MAX);
-                assert_eq!(r.buf.len(), READ_CAP, "the read-ahead is capped");
+                assert_eq!(r.ahead.len(), READ_CAP, "the read-ahead is capped");
             }
         }
         assert!(largest <= 4096);
@@ -497,7 +380,7 @@ mod tests {
             v
         });
         let (s, _) = listener.accept().await.unwrap();
-        let mut w = CappedReads::new(s, 0);
+        let mut w = Capped::new(s, usize::MAX, usize::MAX);
         assert!(w.is_write_vectored());
         w.write_all(b"kv").await.unwrap();
         w.shutdown().await.unwrap();
@@ -539,7 +422,7 @@ mod tests {
             v
         });
         let cap = 4 << 10;
-        let mut w = CappedWrites::new(TcpStream::connect(addr).await.unwrap(), cap);
+        let mut w = Capped::new(TcpStream::connect(addr).await.unwrap(), usize::MAX, cap);
         assert!(w.is_write_vectored());
         let mut hello = [0u8; 2];
         w.read_exact(&mut hello).await.unwrap();
@@ -577,7 +460,7 @@ mod tests {
             .await
             .unwrap();
         let w = io.inner();
-        assert_eq!(w.cap, 123);
+        assert_eq!((w.read_cap, w.write_cap), (usize::MAX, 123));
         assert!(w.get_ref().nodelay().unwrap());
         let e = d
             .call("http://127.0.0.1".parse().unwrap())

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
 use kvwire_grpc::sender::Connect;
-use kvwire_grpc::socket::{CappedWrites, WRITE_CAP};
+use kvwire_grpc::socket::{Capped, WRITE_CAP};
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
@@ -118,7 +118,7 @@ struct Dialer {
     connect_timeout: Duration,
 }
 
-type Dialed = TokioIo<TlsStream<CappedWrites>>;
+type Dialed = TokioIo<TlsStream<Capped>>;
 
 impl tower_service::Service<http::Uri> for Dialer {
     type Response = Dialed;
@@ -152,7 +152,7 @@ impl tower_service::Service<http::Uri> for Dialer {
                 // Ciphertext goes to the kernel at most WRITE_CAP a call, as plaintext KV does.
                 let tcp = kvwire_grpc::socket::dial(&uri, me.connect_timeout).await?;
                 me.tls
-                    .connect(name, CappedWrites::new(tcp, WRITE_CAP))
+                    .connect(name, Capped::new(tcp, usize::MAX, WRITE_CAP))
                     .await
             };
             let io = tokio::time::timeout(me.connect_timeout, dial)

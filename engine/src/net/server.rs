@@ -25,7 +25,7 @@ use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 
 use super::unproven::{Entry, Unproven};
-use kvwire_grpc::socket::{ReadAhead, TLS_READ_AHEAD};
+use kvwire_grpc::socket::{Capped, READ_CAP, TLS_READ_AHEAD};
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -153,7 +153,7 @@ fn tls_incoming(
     life: &Lifecycle,
     listener: TcpListener,
     tls: Arc<ServerConfig>,
-) -> mpsc::Receiver<(TlsStream<ReadAhead>, SocketAddr)> {
+) -> mpsc::Receiver<(TlsStream<Capped>, SocketAddr)> {
     let (tx, rx) = mpsc::channel(64);
     let acceptor = TlsAcceptor::from(tls);
     let stop = life.token().clone();
@@ -176,7 +176,7 @@ fn tls_incoming(
                     let handle = handshakes.spawn(async move {
                         if let Ok(Ok(mut tls)) = tokio::time::timeout(
                             HANDSHAKE_TIMEOUT,
-                            acceptor.accept(ReadAhead::new(tcp)),
+                            acceptor.accept(Capped::new(tcp, READ_CAP, usize::MAX)),
                         )
                         .await
                         {
