@@ -183,7 +183,8 @@ impl Connected for Capped {
 /// loopback the kernel also delivers it to the receiving socket within that call: traced on
 /// machine J (README), the pusher's writes took up to 4.65 ms of a core that a control thread
 /// woken meanwhile could not have. Swept on machine M (README): 256 and 512 KiB cost the push
-/// 5-20% of its rate (more sends, each delivered on its own), 1 MiB nothing measurable.
+/// 5-20% of its rate (probably more sends, each delivered on its own; not traced), 1 MiB
+/// nothing measurable.
 pub const WRITE_CAP: usize = 1 << 20;
 
 /// At most this many slices go to one vectored write (Linux takes 1,024; hyper sends 16).
