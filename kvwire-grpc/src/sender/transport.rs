@@ -105,9 +105,12 @@ pub struct TransportConfig {
     pub max_channels: usize,
     /// HTTP/2 keepalive: ping interval and how long an unanswered ping means a dead peer.
     pub keepalive: Option<(Duration, Duration)>,
-    /// The most one write to a plaintext peer's socket hands the kernel
-    /// ([`crate::socket::WRITE_CAP`]), so a 2 MiB message is not one long system call on a
-    /// core the host's control threads may want; 0 writes as tonic's own connector does.
+    /// The most one write to a peer's socket hands the kernel ([`crate::socket::WRITE_CAP`]),
+    /// so a 2 MiB message is not one long system call on a core the host's control threads may
+    /// want. It holds in plaintext and under [`with_tls`](GrpcTransport::with_tls) (tonic's TLS
+    /// runs over the capped socket); a connector from
+    /// [`with_connector`](GrpcTransport::with_connector) brings its own sockets. 0 dials as
+    /// tonic's own connector does.
     pub write_cap: usize,
 }
 
@@ -248,7 +251,7 @@ impl GrpcTransport {
         };
         let c = match &self.connect {
             Some(connect) => connect(c),
-            None if self.tls.is_none() && self.cfg.write_cap > 0 => {
+            None if self.cfg.write_cap > 0 => {
                 c.connect_with_connector_lazy(crate::socket::CappedDialer {
                     connect_timeout: self.cfg.connect_timeout,
                     write_cap: self.cfg.write_cap,
