@@ -113,6 +113,20 @@ fn filled_pool(shape: kvwire::Shape, n: usize) -> (SharedKv, Vec<u32>, Vec<u64>,
     (pool, ids, hashes, prompt)
 }
 
+/// Marks blocks as a model step leaves them, just written: their envelopes' seals are stale, so
+/// the push that follows computes each sender's CRC, as a prefill engine's push of new blocks
+/// does (one byte of each is rewritten with itself, outside any timing).
+fn written_anew(pool: &SharedKv, ids: &[u32]) {
+    let mut p = pool.lock();
+    for &id in ids {
+        if let Ok(mut b) = p.payload_mut(id)
+            && let Some(x) = b.first().copied()
+        {
+            b[0] = x;
+        }
+    }
+}
+
 /// Touches every byte of a pool's slabs so that RSS measured afterwards shows only buffers.
 fn pretouch(pool: &SharedKv) {
     let mut p = pool.lock();
@@ -431,6 +445,8 @@ pub(crate) fn transfer(args: &TransferArgs) -> ExitCode {
 /// The source of the pushes: a pool of filled blocks, and the receiver that frees what each
 /// push brought, so the next moves every block again.
 struct Pusher<'a> {
+    /// The source pool itself, to mark its blocks written before each push.
+    pool: &'a SharedKv,
     src: std::sync::Arc<dyn kvwire_grpc::KvStore>,
     dst: std::sync::Arc<dyn kvwire_grpc::KvStore>,
     rx: std::sync::Arc<kvwire_grpc::KvReceiver>,
@@ -448,6 +464,7 @@ impl Pusher<'_> {
         handle: &str,
         count: usize,
     ) -> Result<(kvwire_grpc::TransferStats, f64), BenchError> {
+        written_anew(self.pool, &self.ids[..count]);
         let start = Instant::now();
         let st = kvwire_grpc::transfer(
             transport,
@@ -564,6 +581,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     let suite = negotiated_suite(&p_tls, &tls_target).await?;
 
     let bench = Pusher {
+        pool: &src_pool,
         src: Arc::clone(&src_store),
         dst: Arc::clone(&dst_store),
         rx: Arc::clone(&rx),
@@ -786,6 +804,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
         "bench": "transfer",
         "shape": "B=16 L=32 H=8 D=128 (2 MiB blocks)",
         "blocks_per_push": n,
+        "sender_seals_each_push": true,
         "import_threads": args.import_threads,
         "push_mib": round3((n * p_bytes) as f64 / (1 << 20) as f64),
         "runs": grpc.len(),
