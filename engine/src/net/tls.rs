@@ -276,6 +276,30 @@ pub fn crypto() -> TlsCrypto {
     }
 }
 
+/// [`provider`] with the library's TLS 1.2 suites after its own, for the public endpoint, whose
+/// clients may still speak only TLS 1.2. The internal ports stay TLS 1.3 only.
+fn public_provider() -> Arc<rustls::crypto::CryptoProvider> {
+    let mut p = Arc::unwrap_or_clone(provider());
+    let all = match crypto() {
+        TlsCrypto::AwsLc => rustls::crypto::aws_lc_rs::default_provider(),
+        TlsCrypto::Ring => rustls::crypto::ring::default_provider(),
+    };
+    p.cipher_suites.extend(
+        all.cipher_suites
+            .into_iter()
+            .filter(|s| s.version().version == rustls::ProtocolVersion::TLSv1_2),
+    );
+    Arc::new(p)
+}
+
+/// Makes the chosen library's provider the process default, which rustls falls back on for a
+/// configuration built without one (tonic's client TLS, used by the registry's etcd client). With
+/// both libraries compiled in, rustls cannot pick a default by itself. False when a default was
+/// already installed.
+pub fn install_process_default() -> bool {
+    rustls::crypto::CryptoProvider::install_default(Arc::unwrap_or_clone(provider())).is_ok()
+}
+
 /// The chosen library's provider, TLS 1.3 suites only, AES-128-GCM first: a KV push is bulk
 /// data, and 128-bit AES is about a third cheaper per byte than 256-bit (10 rounds, not 14) at
 /// the same GCM cost.
@@ -481,7 +505,7 @@ impl PublicTls {
         let chain = certs(&self.cert)?;
         let key = PrivateKeyDer::from_pem_slice(&read(&self.key)?)
             .map_err(|e| pem_error(&self.key, e))?;
-        let mut c = ServerConfig::builder_with_provider(provider())
+        let mut c = ServerConfig::builder_with_provider(public_provider())
             .with_safe_default_protocol_versions()?
             .with_no_client_auth()
             .with_single_cert(chain, key)?;
@@ -837,6 +861,39 @@ mod tests {
             let payload: Vec<u8> = (0..60_000u32).map(|i| (i * 7) as u8).collect();
             c.writer().write_all(&payload).unwrap();
             assert_eq!(pump(&mut c, &mut s), payload, "{on_srv} / {on_cli}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The public endpoint serves what its documentation promises: TLS 1.2 clients as well as
+    /// 1.3 ones (a client library of the field may still be 1.2-only), each with an AEAD suite.
+    #[test]
+    fn the_public_endpoint_takes_tls_1_2_and_1_3() {
+        let dir = std::env::temp_dir().join(format!("tl-tls-public-{}", std::process::id()));
+        let issued = issue(&dir, "gw", PeerRole::Gateway, &[]).unwrap();
+        let public = PublicTls {
+            cert: issued.cert.clone(),
+            key: issued.key.clone(),
+        };
+        let mut roots = RootCertStore::empty();
+        for c in certs(&issued.ca).unwrap() {
+            roots.add(c).unwrap();
+        }
+        let roots = Arc::new(roots);
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        for version in [&rustls::version::TLS12, &rustls::version::TLS13] {
+            let cc = ClientConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_protocol_versions(&[version])
+            .unwrap()
+            .with_root_certificates(Arc::clone(&roots))
+            .with_no_client_auth();
+            let mut s = rustls::ServerConnection::new(public.server_config().unwrap()).unwrap();
+            let mut c = rustls::ClientConnection::new(Arc::new(cc), name.clone()).unwrap();
+            pump(&mut c, &mut s);
+            assert!(!c.is_handshaking(), "{version:?}");
+            assert_eq!(c.protocol_version(), Some(version.version));
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
