@@ -276,36 +276,27 @@ fn seal_rate(mut seal: impl FnMut(u64, &mut [u8]) -> bool) -> Result<f64, BenchE
     Ok(total as f64 / start.elapsed().as_secs_f64() / 1e9)
 }
 
-/// AES-128-GCM sealing rates, (aws-lc, ring), each library's own API as rustls calls it.
+/// AES-128-GCM sealing rate of one library (`ring` or `aws_lc_rs`, whose `aead` modules have
+/// the same API), as rustls calls it.
+macro_rules! aes_seal_rate {
+    ($lib:ident) => {{
+        use $lib::aead::{AES_128_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
+        let key = LessSafeKey::new(
+            UnboundKey::new(&AES_128_GCM, &[7u8; 16]).map_err(|_| "AES key refused")?,
+        );
+        seal_rate(|i, r| {
+            let mut n = [0u8; 12];
+            n[4..].copy_from_slice(&i.to_be_bytes());
+            key.seal_in_place_separate_tag(Nonce::assume_unique_for_key(n), Aad::empty(), r)
+                .map(std::hint::black_box)
+                .is_ok()
+        })?
+    }};
+}
+
+/// AES-128-GCM sealing rates, (aws-lc, ring).
 fn aes_rates() -> Result<(f64, f64), BenchError> {
-    let nonce = |i: u64| {
-        let mut n = [0u8; 12];
-        n[4..].copy_from_slice(&i.to_be_bytes());
-        n
-    };
-    let aws = {
-        use aws_lc_rs::aead::{AES_128_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
-        let key = LessSafeKey::new(
-            UnboundKey::new(&AES_128_GCM, &[7u8; 16]).map_err(|_| "AES key refused")?,
-        );
-        seal_rate(|i, r| {
-            key.seal_in_place_separate_tag(Nonce::assume_unique_for_key(nonce(i)), Aad::empty(), r)
-                .map(std::hint::black_box)
-                .is_ok()
-        })?
-    };
-    let ring = {
-        use ring::aead::{AES_128_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
-        let key = LessSafeKey::new(
-            UnboundKey::new(&AES_128_GCM, &[7u8; 16]).map_err(|_| "AES key refused")?,
-        );
-        seal_rate(|i, r| {
-            key.seal_in_place_separate_tag(Nonce::assume_unique_for_key(nonce(i)), Aad::empty(), r)
-                .map(std::hint::black_box)
-                .is_ok()
-        })?
-    };
-    Ok((aws, ring))
+    Ok((aes_seal_rate!(aws_lc_rs), aes_seal_rate!(ring)))
 }
 
 fn one_core_rates() -> Result<OneCore, BenchError> {
