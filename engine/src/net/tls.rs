@@ -276,16 +276,21 @@ pub fn crypto() -> TlsCrypto {
     }
 }
 
+/// Library `c`'s own provider: its suites, key exchanges and signature checks, as it orders them.
+fn library(c: TlsCrypto) -> rustls::crypto::CryptoProvider {
+    match c {
+        TlsCrypto::AwsLc => rustls::crypto::aws_lc_rs::default_provider(),
+        TlsCrypto::Ring => rustls::crypto::ring::default_provider(),
+    }
+}
+
 /// [`provider`] with the library's TLS 1.2 suites after its own, for the public endpoint, whose
 /// clients may still speak only TLS 1.2. The internal ports stay TLS 1.3 only.
 fn public_provider() -> Arc<rustls::crypto::CryptoProvider> {
     let mut p = Arc::unwrap_or_clone(provider());
-    let all = match crypto() {
-        TlsCrypto::AwsLc => rustls::crypto::aws_lc_rs::default_provider(),
-        TlsCrypto::Ring => rustls::crypto::ring::default_provider(),
-    };
     p.cipher_suites.extend(
-        all.cipher_suites
+        library(crypto())
+            .cipher_suites
             .into_iter()
             .filter(|s| s.version().version == rustls::ProtocolVersion::TLSv1_2),
     );
@@ -309,27 +314,16 @@ pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 /// [`provider`] with library `c`.
 fn provider_for(c: TlsCrypto) -> Arc<rustls::crypto::CryptoProvider> {
-    let (mut p, suites) = match c {
-        TlsCrypto::AwsLc => {
-            use rustls::crypto::aws_lc_rs::{cipher_suite as s, default_provider};
-            let suites = [
-                s::TLS13_AES_128_GCM_SHA256,
-                s::TLS13_AES_256_GCM_SHA384,
-                s::TLS13_CHACHA20_POLY1305_SHA256,
-            ];
-            (default_provider(), suites)
-        }
-        TlsCrypto::Ring => {
-            use rustls::crypto::ring::{cipher_suite as s, default_provider};
-            let suites = [
-                s::TLS13_AES_128_GCM_SHA256,
-                s::TLS13_AES_256_GCM_SHA384,
-                s::TLS13_CHACHA20_POLY1305_SHA256,
-            ];
-            (default_provider(), suites)
-        }
-    };
-    p.cipher_suites = suites.to_vec();
+    use rustls::CipherSuite::{TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384};
+    let mut p = library(c);
+    p.cipher_suites
+        .retain(|s| s.version().version == rustls::ProtocolVersion::TLSv1_3);
+    // Stable: anything after the two AES suites (ChaCha20-Poly1305) keeps the library's order.
+    p.cipher_suites.sort_by_key(|s| match s.suite() {
+        TLS13_AES_128_GCM_SHA256 => 0,
+        TLS13_AES_256_GCM_SHA384 => 1,
+        _ => 2,
+    });
     Arc::new(p)
 }
 
@@ -826,6 +820,28 @@ mod tests {
             assert_eq!(c.to_string(), name);
         }
         assert!("openssl".parse::<TlsCrypto>().is_err());
+        for c in [TlsCrypto::AwsLc, TlsCrypto::Ring] {
+            let suites: Vec<_> = provider_for(c)
+                .cipher_suites
+                .iter()
+                .map(|s| s.suite())
+                .collect();
+            assert_eq!(
+                suites[..2],
+                [
+                    rustls::CipherSuite::TLS13_AES_128_GCM_SHA256,
+                    rustls::CipherSuite::TLS13_AES_256_GCM_SHA384
+                ],
+                "{c}"
+            );
+            assert!(
+                provider_for(c)
+                    .cipher_suites
+                    .iter()
+                    .all(|s| s.version().version == rustls::ProtocolVersion::TLSv1_3),
+                "{c}: the internal ports speak TLS 1.3 only"
+            );
+        }
         let dir = std::env::temp_dir().join(format!("tl-tls-libs-{}", std::process::id()));
         let srv = Tls::load(&issue(&dir, "d-1", PeerRole::Decode, &[]).unwrap().section()).unwrap();
         let cli = Tls::load(
