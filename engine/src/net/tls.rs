@@ -179,6 +179,10 @@ pub struct TlsSection {
     /// dialed host is verified. Connections to the registry always verify the dialed host.
     #[serde(default)]
     pub peer_name: Option<String>,
+    /// The library under rustls for the whole process: `"aws-lc"` (the default) or `"ring"`.
+    /// Omitted: the default, or whatever the process chose before loading this section.
+    #[serde(default)]
+    pub crypto: Option<TlsCrypto>,
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
@@ -212,7 +216,8 @@ fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
 /// aws-lc's AES-GCM has a VAES/AVX-512 path that ring 0.17 lacks: on an Intel Xeon of family 6
 /// model 207 (Emerald Rapids) it sealed 16 KiB records at 19.5 GB/s against ring's 12.6 and
 /// opened them at 17.5 against 12.4 (README). So it is the default; ring stays selectable.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum TlsCrypto {
     /// aws-lc-rs (the default).
     #[default]
@@ -355,6 +360,12 @@ impl Tls {
     /// # Errors
     /// Unreadable or malformed files, or a certificate without an identity.
     pub fn load(s: &TlsSection) -> Result<Self, TlsError> {
+        if let Some(c) = s.crypto {
+            set_crypto(c);
+        }
+        // The first section loaded decides what configurations built without a provider use
+        // (tonic's client TLS); later calls change nothing there.
+        install_process_default();
         let mut roots = RootCertStore::empty();
         for c in certs(&s.ca)? {
             roots.add(c)?;
@@ -546,6 +557,7 @@ impl Issued {
             cert: self.cert.clone(),
             key: self.key.clone(),
             peer_name: None,
+            crypto: None,
         }
     }
 }
@@ -912,5 +924,24 @@ mod tests {
             assert_eq!(c.protocol_version(), Some(version.version));
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// `[tls] crypto` names the library; omitted, the section leaves the choice alone; a name
+    /// that is neither is refused when the configuration is read.
+    #[test]
+    fn the_tls_section_names_its_library() {
+        let read = |extra: &str| {
+            toml::from_str::<TlsSection>(&format!("ca = 'a'\ncert = 'b'\nkey = 'c'\n{extra}"))
+        };
+        assert_eq!(
+            read("crypto = 'ring'").unwrap().crypto,
+            Some(TlsCrypto::Ring)
+        );
+        assert_eq!(
+            read("crypto = 'aws-lc'").unwrap().crypto,
+            Some(TlsCrypto::AwsLc)
+        );
+        assert_eq!(read("").unwrap().crypto, None);
+        assert!(read("crypto = 'openssl'").is_err());
     }
 }

@@ -135,7 +135,6 @@ fn main() -> ExitCode {
     // Before any thread or allocation setting: this may start the program again.
     copies::reexec_if_needed();
     keep_large_buffers_warm();
-    tl_engine::net::tls::install_process_default();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

@@ -142,11 +142,13 @@ impl TlsArgs {
     ) {
         if let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key) {
             let peer_name = tls.as_ref().and_then(|t| t.peer_name.clone());
+            let crypto = tls.as_ref().and_then(|t| t.crypto);
             *tls = Some(tl_engine::net::tls::TlsSection {
                 ca: ca.clone(),
                 cert: cert.clone(),
                 key: key.clone(),
                 peer_name,
+                crypto,
             });
         }
         if let (Some(t), Some(n)) = (tls.as_mut(), &self.tls_peer_name) {
