@@ -10,6 +10,7 @@
 //!   O(log n) advance for the hand-off between engines.
 //! - [`request`]: the one request validation every door calls.
 //! - [`logprobs`]: the log-softmax OpenAI reports, computed once.
+//! - [`stop`] and [`vocab`]: stop rules, matched on the bytes each token id stands for.
 // One module, `copy`, holds unsafe code (non-temporal stores), each block with its reason.
 #![deny(unsafe_code)]
 #![deny(missing_docs)]
@@ -24,3 +25,4 @@ pub mod rng;
 pub mod sampler;
 pub mod scheduler;
 pub mod stop;
+pub mod vocab;

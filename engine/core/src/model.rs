@@ -49,6 +49,11 @@ pub trait Model: Send + Sync + fmt::Debug {
     fn vocab(&self) -> u32;
     /// Longest sequence, prompt and completion together.
     fn max_context(&self) -> u32;
+    /// What each token id stands for as text: stop strings are matched on it. The fake
+    /// model's byte vocabulary unless the model says otherwise.
+    fn tokens(&self) -> std::sync::Arc<crate::vocab::Vocab> {
+        crate::vocab::Vocab::bytes()
+    }
     /// Writes the KV of `tokens` at positions `first_pos..first_pos + tokens.len()` into
     /// `blocks`, the sequence's block table, and raises the blocks' fills. An engine calls it
     /// block by block. A model computes outside every lock and writes each block through

@@ -49,12 +49,22 @@ pub enum CheckpointError {
         want: Vec<usize>,
     },
     /// A tensor's dtype is not bf16, f16 or f32 (or differs within one matrix).
-    #[error("tensor {name} has dtype {dtype}: only BF16, F16 and F32 are served")]
+    #[error(
+        "tensor {name} has dtype {dtype}: not served (safetensors: BF16, F16, F32; GGUF: those and Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)"
+    )]
     Dtype {
         /// The tensor.
         name: String,
         /// Its dtype.
         dtype: String,
+    },
+    /// A GGUF file is malformed, or holds what is not served (the key or tensor named).
+    #[error("{path}: {message}")]
+    Gguf {
+        /// The file.
+        path: String,
+        /// What is wrong, naming the key or tensor.
+        message: String,
     },
     /// A safetensors file is malformed.
     #[error("{path}: {message}")]

@@ -47,6 +47,8 @@ pub struct Llama {
     threads: usize,
     kernels: Kernels,
     max_context: u32,
+    /// What its token ids stand for, from its tokenizer (none: the byte vocabulary).
+    vocab: Option<std::sync::Arc<tl_engine_core::vocab::Vocab>>,
 }
 
 impl std::fmt::Debug for Llama {
@@ -76,7 +78,8 @@ pub struct Row<'a> {
 }
 
 impl Llama {
-    /// Loads the checkpoint in `dir` (`config.json` and its safetensors) with `block_tokens`
+    /// Loads the checkpoint at `dir` (a directory's `config.json` and safetensors, or a GGUF
+    /// file) with `block_tokens`
     /// tokens per KV block, computing on up to `threads` threads, serving at most
     /// `max_context` positions (the config's own limit when smaller). Every tensor's name,
     /// shape and dtype is checked here.
@@ -90,13 +93,20 @@ impl Llama {
         threads: usize,
         max_context: u32,
     ) -> Result<Self, CheckpointError> {
-        let cpath = dir.join("config.json");
-        let text = std::fs::read_to_string(&cpath).map_err(|source| CheckpointError::Io {
-            path: cpath.display().to_string(),
-            source,
-        })?;
-        let cfg = LlamaConfig::parse(&cpath.display().to_string(), &text)?;
-        let weights = Weights::open(dir)?;
+        let (cfg, weights) = if crate::gguf::is_gguf(dir) {
+            let g = crate::gguf::Gguf::open(dir)?;
+            let cfg = g.config()?;
+            let weights = g.weights(&cfg)?;
+            (cfg, weights)
+        } else {
+            let cpath = dir.join("config.json");
+            let text = std::fs::read_to_string(&cpath).map_err(|source| CheckpointError::Io {
+                path: cpath.display().to_string(),
+                source,
+            })?;
+            let cfg = LlamaConfig::parse(&cpath.display().to_string(), &text)?;
+            (cfg, Weights::open(dir)?)
+        };
         let (h, i, v) = (cfg.hidden, cfg.intermediate, cfg.vocab);
         let (qd, kvd) = (cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim);
         let embed = weights.tensor("model.embed_tokens.weight", &[v, h])?;
@@ -157,6 +167,7 @@ impl Llama {
             layers,
             threads: threads.max(1),
             kernels: Kernels::default(),
+            vocab: None,
         })
     }
 
@@ -164,6 +175,13 @@ impl Llama {
     #[must_use]
     pub fn with_kernels(mut self, kernels: Kernels) -> Self {
         self.kernels = kernels;
+        self
+    }
+
+    /// The same model with its tokenizer's vocabulary, for stop strings and text.
+    #[must_use]
+    pub fn with_vocab(mut self, vocab: std::sync::Arc<tl_engine_core::vocab::Vocab>) -> Self {
+        self.vocab = Some(vocab);
         self
     }
 
@@ -467,6 +485,12 @@ impl Model for Llama {
 
     fn max_context(&self) -> u32 {
         self.max_context
+    }
+
+    fn tokens(&self) -> std::sync::Arc<tl_engine_core::vocab::Vocab> {
+        self.vocab
+            .clone()
+            .unwrap_or_else(tl_engine_core::vocab::Vocab::bytes)
     }
 
     fn write(

@@ -24,6 +24,52 @@ pub enum TextError {
     /// The chat template does not parse or does not render.
     #[error("chat template: {0}")]
     Template(String),
+    /// The chat template went past one of its bounds ([`RenderBounds`]).
+    #[error("chat template: {0}")]
+    Bound(String),
+}
+
+/// What one render of a chat template may take: a checkpoint's template is code, and a
+/// request's messages are its input, so both are bounded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RenderBounds {
+    /// Template instructions (minijinja's fuel): a loop that never ends runs out of it.
+    pub fuel: u64,
+    /// Bytes of rendered text.
+    pub max_bytes: usize,
+}
+
+impl Default for RenderBounds {
+    /// 5 million instructions (a ChatML template takes about 20 a message) and 16 MiB.
+    fn default() -> Self {
+        Self {
+            fuel: 5_000_000,
+            max_bytes: 16 << 20,
+        }
+    }
+}
+
+/// A writer that refuses to hold more than `left` more bytes.
+struct Bounded {
+    out: Vec<u8>,
+    left: usize,
+    over: bool,
+}
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if buf.len() > self.left {
+            self.over = true;
+            return Err(std::io::Error::other("output bound"));
+        }
+        self.left -= buf.len();
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// One chat message.
@@ -38,8 +84,9 @@ pub struct Message {
 /// A checkpoint's tokenizer, special tokens, chat template and EOS ids.
 pub struct Text {
     tok: tokenizers::Tokenizer,
-    /// The chat template, parsed once at load (with the helpers templates call).
+    /// The chat template, parsed at load, with its instruction bound set.
     template: Option<minijinja::Environment<'static>>,
+    bounds: RenderBounds,
     bos: Option<String>,
     eos: Option<String>,
     eos_ids: Vec<u32>,
@@ -102,6 +149,9 @@ impl Text {
     /// # Errors
     /// A missing `tokenizer.json`, a file that is not JSON, or a tokenizer it cannot build.
     pub fn load(dir: &Path) -> Result<Self, TextError> {
+        if crate::gguf::is_gguf(dir) {
+            return Self::from_gguf(dir);
+        }
         let path = dir.join("tokenizer.json");
         if !path.is_file() {
             return Err(TextError::File {
@@ -139,13 +189,44 @@ impl Text {
             eos_ids.extend(eos.as_deref().and_then(|e| tok.token_to_id(e)));
         }
         // Parsed once here: a broken template is refused at load, and no request parses it.
-        let template = template.map(chat_env).transpose()?;
+        let bounds = RenderBounds::default();
+        let template = template.map(|t| chat_env(t, bounds.fuel)).transpose()?;
         Ok(Self {
             tok,
             template,
+            bounds,
             bos,
             eos,
             eos_ids,
+        })
+    }
+
+    /// The text side a GGUF file carries: its tokenizer rebuilt from `tokenizer.ggml.*`, its
+    /// chat template, BOS and EOS.
+    ///
+    /// # Errors
+    /// A file the GGUF parser refuses, or a tokenizer it cannot rebuild, named.
+    pub fn from_gguf(path: &Path) -> Result<Self, TextError> {
+        let file = |why: String| TextError::File {
+            path: path.to_owned(),
+            why,
+        };
+        let g = crate::gguf::Gguf::open(path).map_err(|e| file(e.to_string()))?;
+        let parts = crate::gguf::text_parts(&g).map_err(|e| file(e.to_string()))?;
+        let tok = tokenizers::Tokenizer::from_bytes(parts.tokenizer.as_bytes())
+            .map_err(|e| file(format!("the tokenizer rebuilt from its metadata: {e}")))?;
+        let bounds = RenderBounds::default();
+        let template = parts
+            .template
+            .map(|t| chat_env(t, bounds.fuel))
+            .transpose()?;
+        Ok(Self {
+            tok,
+            template,
+            bounds,
+            bos: parts.bos,
+            eos: parts.eos,
+            eos_ids: parts.eos_ids,
         })
     }
 
@@ -195,12 +276,30 @@ impl Text {
         self.template.is_some()
     }
 
+    /// The same text side with its templates run within `bounds`.
+    #[must_use]
+    pub fn with_bounds(mut self, bounds: RenderBounds) -> Self {
+        self.bounds = bounds;
+        if let Some(env) = &mut self.template {
+            env.set_fuel(Some(bounds.fuel));
+        }
+        self
+    }
+
+    /// The bounds its template renders within.
+    #[must_use]
+    pub fn bounds(&self) -> RenderBounds {
+        self.bounds
+    }
+
     /// `messages` through the chat template, as `apply_chat_template(..., tokenize=False)`
     /// renders them, with `bos_token`, `eos_token` and `add_generation_prompt` defined and
-    /// `raise_exception` failing the render with the template's message.
+    /// `raise_exception` failing the render with the template's message. The render runs
+    /// within [`bounds`](Self::bounds): a template that runs out of instructions or writes
+    /// more than `max_bytes` is stopped and refused ([`TextError::Bound`]).
     ///
     /// # Errors
-    /// No template, or one that fails on these messages.
+    /// No template, one that fails on these messages, or one past a bound.
     pub fn render_chat(
         &self,
         messages: &[Message],
@@ -213,13 +312,85 @@ impl Text {
         let tmpl = env
             .get_template("chat")
             .map_err(|e| TextError::Template(e.to_string()))?;
-        tmpl.render(minijinja::context! {
+        let mut out = Bounded {
+            out: Vec::new(),
+            left: self.bounds.max_bytes,
+            over: false,
+        };
+        let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos.clone().unwrap_or_default(),
             eos_token => self.eos.clone().unwrap_or_default(),
-        })
-        .map_err(|e| TextError::Template(e.to_string()))
+        };
+        match tmpl.render_captured_to(ctx, &mut out) {
+            Ok(_) => String::from_utf8(out.out)
+                .map_err(|_| TextError::Template("rendered text that is not UTF-8".into())),
+            Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => Err(TextError::Bound(
+                format!("ran past its bound of {} instructions", self.bounds.fuel),
+            )),
+            Err(_) if out.over => Err(TextError::Bound(format!(
+                "rendered past its bound of {} bytes",
+                self.bounds.max_bytes
+            ))),
+            Err(e) => Err(TextError::Template(e.to_string())),
+        }
+    }
+
+    /// What each token id stands for as text: its bytes as the tokenizer's decoder writes them
+    /// (a byte-level BPE token's bytes through GPT-2's byte map, a SentencePiece piece with `▁`
+    /// as a space and `<0xNN>` as the byte NN) and whether it is special.
+    #[must_use]
+    pub fn vocab(&self) -> tl_engine_core::vocab::Vocab {
+        let decoder = self
+            .tok
+            .get_decoder()
+            .and_then(|d| serde_json::to_value(d).ok())
+            .unwrap_or(Value::Null);
+        let kinds = decoder_kinds(&decoder);
+        let byte_level = kinds.iter().any(|k| k == "ByteLevel");
+        let metaspace = kinds
+            .iter()
+            .any(|k| k == "Metaspace" || k == "Replace" || k == "ByteFallback");
+        let added = self.tok.get_added_tokens_decoder();
+        let mut inverse = std::collections::HashMap::new();
+        for (b, c) in byte_chars().iter().enumerate() {
+            inverse.insert(*c, b as u8);
+        }
+        let n = self.tok.get_vocab_size(true) as u32;
+        let n = n.max(added.keys().max().map_or(0, |m| m + 1));
+        tl_engine_core::vocab::Vocab::new((0..n).map(|id| {
+            if let Some(a) = added.get(&id) {
+                return (a.content.clone().into_bytes(), a.special);
+            }
+            let Some(tok) = self.tok.id_to_token(id) else {
+                return (Vec::new(), false);
+            };
+            let bytes = if byte_level {
+                let mut out = Vec::with_capacity(tok.len());
+                for c in tok.chars() {
+                    match inverse.get(&c) {
+                        Some(&b) => out.push(b),
+                        None => {
+                            let mut buf = [0u8; 4];
+                            out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                        }
+                    }
+                }
+                out
+            } else if metaspace {
+                match byte_fallback(&tok) {
+                    Some(b) => vec![b],
+                    None => tok.replace('\u{2581}', " ").into_bytes(),
+                }
+            } else {
+                self.tok
+                    .decode(&[id], false)
+                    .unwrap_or_default()
+                    .into_bytes()
+            };
+            (bytes, false)
+        }))
     }
 
     /// An incremental decoder over this tokenizer.
@@ -236,7 +407,7 @@ impl Text {
 
 /// The environment a chat template renders in: Python's string methods (pycompat) and
 /// `raise_exception`, which fails the render with the template's message.
-fn chat_env(template: String) -> Result<minijinja::Environment<'static>, TextError> {
+fn chat_env_base() -> minijinja::Environment<'static> {
     let mut env = minijinja::Environment::new();
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function(
@@ -248,9 +419,39 @@ fn chat_env(template: String) -> Result<minijinja::Environment<'static>, TextErr
             ))
         },
     );
+    env
+}
+
+/// `template` parsed in [`chat_env_base`], as `chat`, with `fuel` instructions a render.
+fn chat_env(template: String, fuel: u64) -> Result<minijinja::Environment<'static>, TextError> {
+    let mut env = chat_env_base();
+    env.set_fuel(Some(fuel));
     env.add_template_owned("chat", template)
         .map_err(|e| TextError::Template(e.to_string()))?;
     Ok(env)
+}
+
+/// The `type`s of a tokenizer decoder and of the decoders a `Sequence` holds.
+fn decoder_kinds(v: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(t) = v.get("type").and_then(Value::as_str) {
+        out.push(t.to_owned());
+    }
+    if let Some(list) = v.get("decoders").and_then(Value::as_array) {
+        for d in list {
+            out.extend(decoder_kinds(d));
+        }
+    }
+    out
+}
+
+/// The byte a SentencePiece byte-fallback token (`<0xNN>`) stands for.
+fn byte_fallback(tok: &str) -> Option<u8> {
+    let hex = tok.strip_prefix("<0x")?.strip_suffix('>')?;
+    if hex.len() != 2 {
+        return None;
+    }
+    u8::from_str_radix(hex, 16).ok()
 }
 
 /// Text of a growing list of ids, piece by piece: each piece is what the newest ids add to the

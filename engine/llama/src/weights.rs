@@ -29,9 +29,27 @@ pub struct Tensor {
     cols: usize,
 }
 
-/// The mapped files of a checkpoint and the tensors in them.
+/// Where a checkpoint's bytes live: a mapped file, or memory of the process's own (a GGUF
+/// file's tensors, dequantized at load).
+enum Backing {
+    Map(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Backing {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Backing::Map(m) => m,
+            Backing::Owned(v) => v,
+        }
+    }
+}
+
+/// The files (or buffers) of a checkpoint and the tensors in them.
 pub struct Weights {
-    maps: Vec<memmap2::Mmap>,
+    maps: Vec<Backing>,
     tensors: HashMap<String, Entry>,
 }
 
@@ -136,9 +154,30 @@ impl Weights {
                     },
                 );
             }
-            maps.push(map);
+            maps.push(Backing::Map(map));
         }
         Ok(Self { maps, tensors })
+    }
+
+    /// Tensors held in memory: each `(name, dtype, shape, bytes)`.
+    #[must_use]
+    pub fn owned(list: Vec<(String, DType, Vec<usize>, Vec<u8>)>) -> Self {
+        let mut maps = Vec::with_capacity(list.len());
+        let mut tensors = HashMap::with_capacity(list.len());
+        for (i, (name, dtype, shape, bytes)) in list.into_iter().enumerate() {
+            tensors.insert(
+                name,
+                Entry {
+                    file: i,
+                    start: 0,
+                    end: bytes.len(),
+                    dtype,
+                    shape,
+                },
+            );
+            maps.push(Backing::Owned(bytes));
+        }
+        Self { maps, tensors }
     }
 
     /// Whether the checkpoint holds `name`.

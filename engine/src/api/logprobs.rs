@@ -4,35 +4,46 @@
 //! [`TokenLogprobs`], carried unchanged (f32, printed shortest-exact), so a client reads the
 //! very numbers the engine computed.
 //!
-//! A token's string: its byte as a character when that byte is ASCII, `bytes:\xNN` for a lone
-//! byte of a multi-byte character (OpenAI's notation for tokens that are not valid UTF-8 by
-//! themselves), `<|bos|>`-style names for the specials.
+//! A token's string is its piece as text: its bytes when they are valid UTF-8 by themselves
+//! (so that a completion's pieces concatenate to its text), `bytes:\xNN...` for a piece that is
+//! part of a character (OpenAI's notation for tokens that are not valid UTF-8 by themselves),
+//! and a special token's name.
 
 use std::collections::BTreeMap;
+use std::fmt::Write;
 
 use serde::{Deserialize, Serialize};
 use tl_engine_core::logprobs::TokenLogprobs;
-use tl_engine_core::model::{BOS, EOS, PAD};
+use tl_engine_core::vocab::Vocab;
 
 use super::{Detok, Flavor, TextRender};
 
-/// The text of one token, as logprobs name it.
+/// The text of token `t` of `vocab`, as logprobs name it.
+#[must_use]
+pub fn piece_str(vocab: &Vocab, t: u32) -> String {
+    let piece = vocab.piece(t);
+    match std::str::from_utf8(piece) {
+        Ok(s) => s.to_owned(),
+        Err(_) => {
+            let mut out = String::from("bytes:");
+            for b in piece {
+                let _ = write!(out, "\\x{b:02x}");
+            }
+            out
+        }
+    }
+}
+
+/// The text of one token of the fake model's byte vocabulary, as logprobs name it.
 #[must_use]
 pub fn token_str(t: u32) -> String {
-    match t {
-        0..=0x7F => char::from(t as u8).to_string(),
-        0x80..=0xFF => format!("bytes:\\x{t:02x}"),
-        BOS => "<|bos|>".into(),
-        EOS => "<|eos|>".into(),
-        PAD => "<|pad|>".into(),
-        _ => "<|unk|>".into(),
-    }
+    piece_str(&Vocab::bytes(), t)
 }
 
 /// The bytes of one token (chat's `bytes`): none for a special.
 #[must_use]
-pub fn token_bytes(t: u32) -> Option<Vec<u8>> {
-    (t < 256).then(|| vec![t as u8])
+pub fn piece_bytes(vocab: &Vocab, t: u32) -> Option<Vec<u8>> {
+    (!vocab.is_special(t)).then(|| vocab.piece(t).to_vec())
 }
 
 /// A token's log-probabilities with ids (the `tl_logprobs` extension): what an engine sends the
@@ -151,8 +162,8 @@ impl Offsets {
     }
 }
 
-/// `lps` in `flavor`'s shape, with `offsets` (from [`Offsets`]) for a completion; special
-/// tokens named as `names` names them (the checkpoint's tokenizer, or the fake vocabulary's).
+/// `lps` in `flavor`'s shape, with `offsets` (from [`Offsets`]) for a completion; tokens named
+/// by `names`'s vocabulary (the checkpoint's tokenizer, or the fake vocabulary).
 #[must_use]
 pub fn render(
     flavor: Flavor,
@@ -160,10 +171,9 @@ pub fn render(
     offsets: Vec<usize>,
     names: &TextRender,
 ) -> ChoiceLogprobs {
-    let token_str = |t: u32| match names.name(t) {
-        "" => token_str(t),
-        name => name.to_owned(),
-    };
+    let vocab = &names.vocab;
+    let token_str = |t: u32| piece_str(vocab, t);
+    let token_bytes = |t: u32| piece_bytes(vocab, t);
     match flavor {
         Flavor::Completion => ChoiceLogprobs::Completion(CompletionLogprobs {
             tokens: lps.iter().map(|l| token_str(l.token)).collect(),

@@ -2,13 +2,15 @@
 //! chat messages, and the one field check every endpoint runs ([`parse_fields`]).
 
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 use tl_engine_core::engine::{Choices, MAX_CHOICES};
 use tl_engine_core::logprobs::MAX_TOP_LOGPROBS;
-use tl_engine_core::model::BYTE_VOCAB;
+
 use tl_engine_core::model::encode_text;
 use tl_engine_core::request::Params;
 use tl_engine_core::sampler::SamplingRequest;
 use tl_engine_core::stop::Stop;
+use tl_engine_core::vocab::Vocab;
 
 use super::{ApiError, Flavor};
 
@@ -410,7 +412,7 @@ impl GenerationParams {
     ///
     /// # Errors
     /// 400 naming the problem.
-    pub fn stop_rules(&self) -> Result<Stop, ApiError> {
+    pub fn stop_rules(&self, vocab: &Arc<Vocab>) -> Result<Stop, ApiError> {
         let strings: Vec<&String> = match &self.stop {
             None => Vec::new(),
             Some(StopStrings::One(s)) => vec![s],
@@ -443,16 +445,18 @@ impl GenerationParams {
                 format!("has {} ids; at most {MAX_STOP_TOKEN_IDS}", ids.len()),
             ));
         }
-        if let Some((i, t)) = ids.iter().enumerate().find(|(_, t)| **t >= BYTE_VOCAB) {
+        let n = vocab.len();
+        if let Some((i, t)) = ids.iter().enumerate().find(|(_, t)| **t as usize >= n) {
             return Err(ApiError::bad_field(
                 format!("stop_token_ids[{i}]"),
-                format!("({t}) is outside the vocabulary (0..{BYTE_VOCAB})"),
+                format!("({t}) is outside the vocabulary (0..{n})"),
             ));
         }
         Ok(Stop {
             sequences: strings.iter().map(|s| s.as_bytes().to_vec()).collect(),
             token_ids: ids,
             min_tokens: self.min_tokens.unwrap_or(0),
+            vocab: Arc::clone(vocab),
         })
     }
 

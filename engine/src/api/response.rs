@@ -6,62 +6,109 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tl_engine_core::engine::FinishReason;
 use tl_engine_core::logprobs::TokenLogprobs;
-use tl_engine_core::model::{BYTE_VOCAB, TextStream};
 use tl_engine_core::stop::Stop;
+use tl_engine_core::vocab::Vocab;
 
 use super::Specials;
-use super::logprobs;
-use super::logprobs::{ChoiceLogprobs, Offsets, TlLogprob};
+use super::logprobs::{self, ChoiceLogprobs, Offsets, TlLogprob};
 
-/// How a response writes its tokens as text: byte tokens as UTF-8, and special tokens (ids
-/// from 256) left out or written by name, as the request's `skip_special_tokens` and
-/// `spaces_between_special_tokens` say.
+/// How a response writes its tokens as text: each token's bytes as the vocabulary gives them,
+/// decoded as UTF-8, and special tokens left out or written by name, as the request's
+/// `skip_special_tokens` and `spaces_between_special_tokens` say.
 #[derive(Clone, Debug)]
 pub struct TextRender {
     /// Left out or shown.
     pub specials: Specials,
-    /// The names of ids 256 and up, in order.
-    pub names: Arc<[String]>,
+    /// What each token id stands for.
+    pub vocab: Arc<Vocab>,
 }
 
 impl Default for TextRender {
-    /// Specials skipped; named as the fake model's byte vocabulary names them.
+    /// Specials skipped, over the fake model's byte vocabulary.
     fn default() -> Self {
         Self {
             specials: Specials::Skipped,
-            names: (256..BYTE_VOCAB).map(logprobs::token_str).collect(),
+            vocab: Vocab::bytes(),
         }
     }
 }
 
 impl TextRender {
-    /// The same names with `specials`.
+    /// Over `vocab`, specials skipped.
+    #[must_use]
+    pub fn new(vocab: Arc<Vocab>) -> Self {
+        Self {
+            specials: Specials::Skipped,
+            vocab,
+        }
+    }
+
+    /// The same vocabulary with `specials`.
     #[must_use]
     pub fn with(&self, specials: Specials) -> Self {
         Self {
             specials,
-            names: Arc::clone(&self.names),
+            vocab: Arc::clone(&self.vocab),
         }
-    }
-
-    /// A special token's name (ids 256 and up); empty for a byte or an id past the names.
-    #[must_use]
-    pub fn name(&self, t: u32) -> &str {
-        t.checked_sub(256)
-            .and_then(|i| self.names.get(i as usize))
-            .map_or("", String::as_str)
     }
 }
 
-/// Token ids to text as they stream ([`TextStream`] for the bytes), with special tokens as
-/// [`TextRender`] says. Shown, a special ends the byte run before it (an incomplete character
-/// there is U+FFFD) and is written by name; spaced, a space goes between every two neighbouring
-/// pieces (a special, or a run of byte tokens), as vLLM's detokenizer joins them.
+/// Bytes to text as they stream: the concatenation of everything [`push`](Self::push) and
+/// [`finish`](Self::finish) return equals the lossy UTF-8 decoding of all the bytes at once.
+/// Bytes that do not yet form a whole character are held back until the bytes that complete
+/// it; an invalid sequence becomes U+FFFD exactly where the whole decoding puts one.
+#[derive(Clone, Debug, Default)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    /// The text `bytes` complete, after what was held back.
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
+        let mut out = String::new();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    out.push_str(s);
+                    self.pending.clear();
+                    return out;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    out.push_str(&String::from_utf8_lossy(&self.pending[..valid]));
+                    match e.error_len() {
+                        Some(bad) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            self.pending.drain(..valid + bad);
+                        }
+                        None => {
+                            self.pending.drain(..valid);
+                            return out;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// What was held back, at the end (an incomplete character is U+FFFD).
+    pub fn finish(&mut self) -> String {
+        let out = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        out
+    }
+}
+
+/// Token ids to text as they stream, with special tokens as [`TextRender`] says. Shown, a
+/// special ends the byte run before it (an incomplete character there is U+FFFD) and is
+/// written by name; spaced, a space goes between every two neighbouring pieces (a special, or
+/// a run of other tokens), as vLLM's detokenizer joins them.
 #[derive(Clone, Debug, Default)]
 pub struct Detok {
     render: TextRender,
-    bytes: TextStream,
-    /// What the last piece was: none yet, bytes, or a special.
+    bytes: Utf8Stream,
+    /// What the last piece was: none yet, text, or a special.
     last: Option<bool>,
 }
 
@@ -77,27 +124,49 @@ impl Detok {
 
     /// The text `tokens` complete.
     pub fn push(&mut self, tokens: &[u32]) -> String {
-        let spaced = match self.render.specials {
-            Specials::Skipped => return self.bytes.push(tokens),
-            Specials::Shown { spaced } => spaced,
-        };
         let mut out = String::new();
         for &t in tokens {
-            if t < 256 {
-                if spaced && self.last == Some(true) {
-                    out.push(' ');
+            let special = self.render.vocab.is_special(t);
+            match (self.render.specials, special) {
+                (Specials::Skipped, true) => {}
+                (Specials::Skipped, false) => {
+                    out.push_str(&self.bytes.push(self.render.vocab.piece(t)));
                 }
-                self.last = Some(false);
-                out.push_str(&self.bytes.push(&[t]));
-            } else {
-                out.push_str(&self.bytes.finish());
-                if spaced && self.last.is_some() {
-                    out.push(' ');
+                (Specials::Shown { spaced }, false) => {
+                    if spaced && self.last == Some(true) {
+                        out.push(' ');
+                    }
+                    self.last = Some(false);
+                    out.push_str(&self.bytes.push(self.render.vocab.piece(t)));
                 }
-                self.last = Some(true);
-                out.push_str(self.render.name(t));
+                (Specials::Shown { spaced }, true) => {
+                    out.push_str(&self.bytes.finish());
+                    if spaced && self.last.is_some() {
+                        out.push(' ');
+                    }
+                    self.last = Some(true);
+                    out.push_str(&String::from_utf8_lossy(self.render.vocab.piece(t)));
+                }
             }
         }
+        out
+    }
+
+    /// The text the first `keep` bytes of token `t` complete (a stop string begins after them).
+    pub fn push_part(&mut self, t: u32, keep: usize) -> String {
+        if keep == 0 {
+            return String::new();
+        }
+        let piece = self.render.vocab.text_bytes(t);
+        let piece = &piece[..keep.min(piece.len())];
+        let mut out = String::new();
+        if matches!(self.render.specials, Specials::Shown { spaced: true })
+            && self.last == Some(true)
+        {
+            out.push(' ');
+        }
+        self.last = Some(false);
+        out.push_str(&self.bytes.push(piece));
         out
     }
 
@@ -303,7 +372,7 @@ impl StreamText {
         let keep = self
             .stop
             .pending(&self.all)
-            .max(self.stop.matched(&self.all).unwrap_or(0))
+            .max(self.stop.matched(&self.all).map_or(0, |m| m.tokens))
             .min(self.held);
         let start = self.all.len() - self.held;
         let out = self.text.push(&self.all[start..self.all.len() - keep]);
@@ -311,15 +380,23 @@ impl StreamText {
         out
     }
 
-    /// The rest of the text, at the end: without the matched stop sequence when `stopped`.
+    /// The rest of the text, at the end: ending where the matched stop sequence begins when
+    /// `stopped`.
     pub fn finish(&mut self, stopped: bool) -> String {
-        let cut = if stopped {
-            self.stop.matched(&self.all).unwrap_or(0).min(self.held)
+        let matched = if stopped {
+            self.stop.matched(&self.all)
         } else {
-            0
+            None
         };
+        let cut = matched.map_or(0, |m| m.tokens.min(self.held));
         let start = self.all.len() - self.held;
-        let mut out = self.text.push(&self.all[start..self.all.len() - cut]);
+        let end = self.all.len() - cut;
+        let mut out = self.text.push(&self.all[start..end]);
+        if let Some(m) = matched
+            && cut > 0
+        {
+            out.push_str(&self.text.push_part(self.all[end], m.keep));
+        }
         out.push_str(&self.text.finish());
         self.held = 0;
         out

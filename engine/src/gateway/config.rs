@@ -36,9 +36,13 @@
 //! prefill_timeout_ms = 10000       # one Prefill call (compute and push); a prefill engine that
 //!                                  # takes longer is given up: the request falls back to a
 //!                                  # `both` engine, or fails with 503
-//! model_path = ""                 # a checkpoint directory whose tokenizer.json, chat template,
-//!                                  # EOS ids, vocabulary and context the gateway uses (the one
-//!                                  # the engines serve); "": the byte tokenizer of the fake model
+//! model_path = ""                 # the checkpoint the engines serve (a Hugging Face directory
+//!                                  # or a GGUF file): its tokenizer, chat template, EOS ids,
+//!                                  # vocabulary and context; "": the fake model's byte tokenizer
+//! template_fuel = 5000000          # instructions one chat-template render may run; beyond 400
+//! template_max_bytes = 16777216    # bytes one render may write; beyond 400
+//! prep_threads = 0                 # templates and tokenizing run at most this many at a time,
+//!                                  # off the async workers (0: the cores, at least 2)
 //!
 //! [gateway.public_tls]             # HTTPS on the public endpoint (no client certificates)
 //! cert = "public.pem"
@@ -142,8 +146,16 @@ pub struct GatewaySection {
     /// Tokens one tenant may have in flight, a request counting its prompt and `n` x
     /// `max_tokens` (0: no token bound). A tenant's first request is never refused by it.
     pub max_tokens_in_flight_per_key: u64,
-    /// The checkpoint directory the engines serve, for its text side ("": the byte tokenizer).
+    /// The checkpoint the engines serve (a directory or a GGUF file), for its text side ("":
+    /// the byte tokenizer).
     pub model_path: String,
+    /// Instructions one chat-template render may run (minijinja's fuel).
+    pub template_fuel: u64,
+    /// Bytes one chat-template render may write.
+    pub template_max_bytes: usize,
+    /// Templates and tokenizing running at once, on the blocking pool (0: the cores, at
+    /// least 2).
+    pub prep_threads: usize,
 }
 
 impl Default for GatewaySection {
@@ -175,6 +187,9 @@ impl Default for GatewaySection {
             max_inflight_per_key: 0,
             max_tokens_in_flight_per_key: 0,
             model_path: String::new(),
+            template_fuel: 5_000_000,
+            template_max_bytes: 16 << 20,
+            prep_threads: 0,
         }
     }
 }
@@ -275,6 +290,14 @@ impl GatewayConfig {
         let ranges = || -> Result<(), String> {
             const DAY_MS: u64 = 86_400_000;
             in_range("gateway.max_inflight", g.max_inflight, 1, 1 << 20)?;
+            in_range("gateway.template_fuel", g.template_fuel, 1_000, 1 << 40)?;
+            in_range(
+                "gateway.template_max_bytes",
+                g.template_max_bytes,
+                1_024,
+                1 << 30,
+            )?;
+            in_range("gateway.prep_threads", g.prep_threads, 0, 1_024)?;
             in_range(
                 "gateway.request_timeout_ms",
                 g.request_timeout_ms,

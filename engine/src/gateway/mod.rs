@@ -55,6 +55,8 @@ pub struct Gateway {
     cfg: GatewaySection,
     upstream: Arc<Upstream>,
     permits: Arc<Semaphore>,
+    /// Templates and tokenizing in progress on the blocking pool (`prep_threads`).
+    prep: Arc<Semaphore>,
     routed: Arc<RoutedLoad>,
     /// The decode engines' blocks, from their streams (`route_from_index`).
     index: Arc<index::BlockIndex>,
@@ -104,6 +106,10 @@ impl Gateway {
         ));
         Ok(Self {
             permits: Arc::new(Semaphore::new(cfg.max_inflight.max(1))),
+            prep: Arc::new(Semaphore::new(match cfg.prep_threads {
+                0 => std::thread::available_parallelism().map_or(2, |n| n.get().max(2)),
+                n => n,
+            })),
             upstream: Arc::new(Upstream::new(
                 Duration::from_millis(cfg.has_blocks_timeout_ms),
                 tls,
@@ -367,7 +373,14 @@ impl GatewayNode {
             None
         } else {
             Some(Arc::new(
-                text::GatewayText::load(&g.model_path).map_err(|e| invalid(&e))?,
+                text::GatewayText::load(
+                    &g.model_path,
+                    tl_llama::text::RenderBounds {
+                        fuel: g.template_fuel,
+                        max_bytes: g.template_max_bytes,
+                    },
+                )
+                .map_err(|e| invalid(&e))?,
             ))
         };
         let gateway = Arc::new(

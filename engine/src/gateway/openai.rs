@@ -22,6 +22,7 @@ use tracing::Instrument;
 use super::Gateway;
 use super::request::{Job, Out};
 use super::tenant::{Caller, MAX_CACHE_SALT};
+use super::text::GatewayText;
 use crate::api::render::{self, ChoiceEvent, ChoiceSource};
 use crate::api::{
     ApiError, CHAT_FIELDS, COMPLETION_FIELDS, ChatRequest, CompletionRequest, Flavor,
@@ -121,32 +122,107 @@ async fn completions(
         Err(e) => return e.into_response(),
     };
     let listed = matches!(r.prompt, Prompt::Texts(_) | Prompt::TokenLists(_));
-    let mut prompts = Vec::new();
-    for (i, p) in r.prompt.split().into_iter().enumerate() {
-        let at = if listed {
-            format!("prompt[{i}]")
-        } else {
-            "prompt".to_owned()
-        };
-        prompts.push(match (&g.text, &p) {
-            // Text through the checkpoint's tokenizer, special tokens added as transformers
-            // adds them.
-            (Some(t), Prompt::Text(s)) => match t.text.encode(s, true) {
-                Ok(p) => p,
-                Err(e) => {
-                    return ApiError::bad_field(at, format_args!("cannot be tokenized: {e}"))
-                        .into_response();
-                }
-            },
-            _ => p.tokens(),
-        });
-    }
+    let prompts = r.prompt.split();
     if prompts.is_empty() {
         return ApiError::bad_field("prompt", "is an empty list").into_response();
     }
-    start(g, caller_of(caller), prompts, r.params, Flavor::Completion)
+    let prep = Prep::Completion { prompts, listed };
+    start(g, caller_of(caller), prep, r.params, Flavor::Completion)
         .instrument(span)
         .await
+}
+
+/// What a request's prompts are before they are token ids.
+enum Prep {
+    /// A completion's prompts: texts through the checkpoint's tokenizer (special tokens added
+    /// as transformers adds them), token lists as they are.
+    Completion { prompts: Vec<Prompt>, listed: bool },
+    /// A chat's messages, through the checkpoint's chat template (which writes its own special
+    /// tokens, so none are added again), or the byte tokenizer's rendering.
+    Chat(Vec<tl_llama::Message>),
+}
+
+impl Prep {
+    /// The prompts' token ids: CPU work a request's body decides (a 2 MB prompt takes about
+    /// half a second to tokenize), run where it cannot stall the async workers.
+    fn run(self, text: Option<&GatewayText>) -> Result<Vec<Vec<u32>>, ApiError> {
+        match self {
+            Prep::Completion { prompts, listed } => {
+                let mut out = Vec::with_capacity(prompts.len());
+                for (i, p) in prompts.into_iter().enumerate() {
+                    let at = || {
+                        if listed {
+                            format!("prompt[{i}]")
+                        } else {
+                            "prompt".to_owned()
+                        }
+                    };
+                    out.push(match (text, &p) {
+                        (Some(t), Prompt::Text(s)) => t.text.encode(s, true).map_err(|e| {
+                            ApiError::bad_field(at(), format_args!("cannot be tokenized: {e}"))
+                        })?,
+                        _ => p.tokens(),
+                    });
+                }
+                Ok(out)
+            }
+            Prep::Chat(messages) => match text {
+                Some(t) if t.text.has_chat_template() => {
+                    let s = t
+                        .text
+                        .render_chat(&messages, true)
+                        .map_err(|e| ApiError::bad_field("messages", e))?;
+                    let ids = t
+                        .text
+                        .encode(&s, false)
+                        .map_err(|e| ApiError::bad_field("messages", e))?;
+                    Ok(vec![ids])
+                }
+                _ => Ok(vec![encode_text(&render_chat_text(&messages))]),
+            },
+        }
+    }
+
+    /// Whether it is cheap enough to run inline: token lists, or the byte tokenizer on a
+    /// body the size bound already holds.
+    fn is_cheap(&self, text: Option<&GatewayText>) -> bool {
+        text.is_none()
+            || matches!(self, Prep::Completion { prompts, .. }
+                if prompts.iter().all(|p| !matches!(p, Prompt::Text(_))))
+    }
+}
+
+/// The byte tokenizer's chat rendering of `messages`.
+fn render_chat_text(messages: &[tl_llama::Message]) -> String {
+    let m: Vec<crate::api::ChatMessage> = messages
+        .iter()
+        .map(|m| crate::api::ChatMessage::new(&m.role, &m.content))
+        .collect();
+    render_chat(&m)
+}
+
+/// Runs `prep` on the blocking pool, at most `prep_threads` at once, within the request's
+/// timeout: a slow tokenizer or template holds a pool thread, never an async worker, and the
+/// pool's place is held until the work really ends (a template's instruction bound ends it).
+async fn prepare(g: &Arc<Gateway>, prep: Prep) -> Result<Vec<Vec<u32>>, ApiError> {
+    let text = g.text.clone();
+    if prep.is_cheap(text.as_deref()) {
+        return prep.run(text.as_deref());
+    }
+    let deadline = Instant::now() + Duration::from_millis(g.cfg.request_timeout_ms);
+    let place = tokio::time::timeout_at(deadline.into(), Arc::clone(&g.prep).acquire_owned())
+        .await
+        .map_err(|_| timed_out())?
+        .map_err(|_| ApiError::unavailable("the gateway is stopping"))?;
+    let work = tokio::task::spawn_blocking(move || {
+        let _place = place;
+        prep.run(text.as_deref())
+    });
+    match tokio::time::timeout_at(deadline.into(), work).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(ApiError::engine("preparing the prompt failed")),
+        Err(_) => Err(timed_out()),
+    }
 }
 
 /// The gateway's SERVER span of one request, a child of the client's own `traceparent` when
@@ -177,40 +253,27 @@ async fn chat(
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let prompt = match &g.text {
-        // The checkpoint's own template, with the generation prompt; it writes its special
-        // tokens itself, so none are added again.
-        Some(t) if t.text.has_chat_template() => {
-            let m: Vec<tl_llama::Message> = r
-                .messages
-                .iter()
-                .map(|m| tl_llama::Message {
-                    role: m.role.clone(),
-                    content: m.text(),
-                })
-                .collect();
-            match t
-                .text
-                .render_chat(&m, true)
-                .and_then(|s| t.text.encode(&s, false))
-            {
-                Ok(p) => p,
-                Err(e) => return ApiError::bad_request(e.to_string()).into_response(),
-            }
-        }
-        _ => encode_text(&render_chat(&r.messages)),
-    };
-    start(g, caller_of(caller), vec![prompt], r.params, Flavor::Chat)
+    let m: Vec<tl_llama::Message> = r
+        .messages
+        .iter()
+        .map(|m| tl_llama::Message {
+            role: m.role.clone(),
+            content: m.text(),
+        })
+        .collect();
+    start(g, caller_of(caller), Prep::Chat(m), r.params, Flavor::Chat)
         .instrument(span)
         .await
 }
 
-/// Validates, then serves: nothing reaches an engine before the request is known to be valid.
-/// `prompts` are one or more (a completion's list of prompts): each is a job of `n` choices.
+/// Admits, prepares, validates, then serves: the key's admission comes before any template or
+/// tokenizing runs, and nothing reaches an engine before the request is known to be valid.
+/// `prep` gives one or more prompts (a completion's list of prompts): each is a job of `n`
+/// choices.
 async fn start(
     g: Arc<Gateway>,
     caller: Caller,
-    prompts: Vec<Vec<u32>>,
+    prep: Prep,
     mut params: GenerationParams,
     flavor: Flavor,
 ) -> Response {
@@ -227,6 +290,21 @@ async fn start(
             .into_response();
     }
     let scope = g.scopes.scope(&caller.tenant, salt);
+    // The key's first place, before any work: its size is counted once its prompts are known.
+    let mut quota = match g.quotas.take(&caller.tenant, 0) {
+        Ok(q) => q,
+        Err(e) => return over_quota(e, 0).into_response(),
+    };
+    let prompts = match prepare(&g, prep).await {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let vocab = g
+        .text
+        .as_ref()
+        .map_or_else(tl_engine_core::vocab::Vocab::bytes, |t| {
+            Arc::clone(&t.vocab)
+        });
     let limits = g.text.as_ref().map_or(GATEWAY_LIMITS, |t| t.limits);
     for p in &prompts {
         if let Err(e) = fits(&g, p.len(), &params) {
@@ -236,7 +314,7 @@ async fn start(
             return ApiError::from(e).into_response();
         }
     }
-    let mut stop = match params.stop_rules() {
+    let mut stop = match params.stop_rules(&vocab) {
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };
@@ -270,25 +348,25 @@ async fn start(
             scope,
         })
         .collect();
-    let quota = match g.quotas.take(&caller.tenant, tokens) {
-        Ok(q) => q,
-        Err(super::tenant::OverQuota::Requests) => {
-            return ApiError::rate_limited(
-                "too many requests in flight for this API key (max_inflight_per_key)",
-            )
-            .into_response();
-        }
-        Err(super::tenant::OverQuota::Tokens) => {
-            return ApiError::rate_limited(format!(
-                "this API key has too many tokens in flight to add {tokens} more \
-                 (max_tokens_in_flight_per_key)"
-            ))
-            .into_response();
-        }
-    };
+    // Each prompt of a list is a request in flight, for the key as for the gateway.
+    if let Err(e) = quota.grow(jobs.len() - 1, tokens) {
+        return over_quota(e, tokens).into_response();
+    }
     serve(g, jobs, flavor, caller.admin, quota)
         .await
         .unwrap_or_else(IntoResponse::into_response)
+}
+
+fn over_quota(e: super::tenant::OverQuota, tokens: u64) -> ApiError {
+    match e {
+        super::tenant::OverQuota::Requests => ApiError::rate_limited(
+            "too many requests in flight for this API key (max_inflight_per_key)",
+        ),
+        super::tenant::OverQuota::Tokens => ApiError::rate_limited(format!(
+            "this API key has too many tokens in flight to add {tokens} more \
+             (max_tokens_in_flight_per_key)"
+        )),
+    }
 }
 
 /// Refuses, with 400 `context_length_exceeded`, a request no live worker could ever hold: its
@@ -453,7 +531,9 @@ async fn serve(
     let render = g
         .text
         .as_ref()
-        .map_or_else(TextRender::default, |t| t.render.clone())
+        .map_or_else(TextRender::default, |t| {
+            TextRender::new(Arc::clone(&t.vocab))
+        })
         .with(specials);
     let meta = ResponseMeta {
         id: completion_id(),

@@ -38,6 +38,8 @@ pub struct Quotas {
 pub struct Held {
     quotas: std::sync::Arc<Quotas>,
     tenant: Vec<u8>,
+    /// Places it holds (a list of k prompts holds k).
+    requests: usize,
     tokens: u64,
 }
 
@@ -94,6 +96,7 @@ impl Quotas {
         Ok(Held {
             quotas: std::sync::Arc::clone(self),
             tenant: tenant.to_vec(),
+            requests: 1,
             tokens,
         })
     }
@@ -111,6 +114,38 @@ impl Quotas {
     }
 }
 
+impl Held {
+    /// Counts `requests` more requests and `tokens` more tokens against the tenant, once the
+    /// request's size is known (its prompts tokenized): a request of k prompts takes k places,
+    /// as the gateway's own limiter counts it. On refusal nothing is added.
+    ///
+    /// # Errors
+    /// The bound the request would pass. Its first place stays held until dropped.
+    pub fn grow(&mut self, requests: usize, tokens: u64) -> Result<(), OverQuota> {
+        if self.tenant.is_empty() {
+            self.tokens = self.tokens.saturating_add(tokens);
+            self.requests += requests;
+            return Ok(());
+        }
+        let q = std::sync::Arc::clone(&self.quotas);
+        let mut m = q.map();
+        let (n, held) = m.entry(self.tenant.clone()).or_default();
+        if n.saturating_add(requests) > q.limit {
+            return Err(OverQuota::Requests);
+        }
+        // Only this request in flight: it is admitted whatever its size.
+        let alone = *n == self.requests;
+        if q.token_limit > 0 && !alone && held.saturating_add(tokens) > q.token_limit {
+            return Err(OverQuota::Tokens);
+        }
+        *n += requests;
+        *held = held.saturating_add(tokens);
+        self.requests += requests;
+        self.tokens = self.tokens.saturating_add(tokens);
+        Ok(())
+    }
+}
+
 impl Drop for Held {
     fn drop(&mut self) {
         if self.tenant.is_empty() {
@@ -118,7 +153,7 @@ impl Drop for Held {
         }
         let mut m = self.quotas.map();
         if let Some((n, tokens)) = m.get_mut(&self.tenant) {
-            *n -= 1;
+            *n = n.saturating_sub(self.requests);
             *tokens = tokens.saturating_sub(self.tokens);
             if *n == 0 {
                 m.remove(&self.tenant);

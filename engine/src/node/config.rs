@@ -466,15 +466,7 @@ impl Config {
         if self.model.path.is_empty() {
             return None;
         }
-        let path = Path::new(&self.model.path).join("config.json");
-        Some(
-            std::fs::read_to_string(&path)
-                .map_err(|source| tl_llama::CheckpointError::Io {
-                    path: path.display().to_string(),
-                    source,
-                })
-                .and_then(|t| tl_llama::LlamaConfig::parse(&path.display().to_string(), &t)),
-        )
+        Some(tl_llama::config_of(Path::new(&self.model.path)))
     }
 
     /// The model this configuration describes: the fake model, or the checkpoint at
@@ -494,8 +486,7 @@ impl Config {
         }
         let dir = Path::new(&m.path);
         let name = if m.name.is_empty() {
-            dir.file_name()
-                .map_or_else(|| m.path.clone(), |n| n.to_string_lossy().into_owned())
+            tl_llama::default_name(dir)
         } else {
             m.name.clone()
         };
@@ -530,6 +521,11 @@ impl Config {
         let l = tl_llama::Llama::load(dir, &name, self.pool.block_tokens, threads, m.max_context)
             .map_err(|e| ConfigError::Invalid(format!("model.path {}: {e}", m.path)))?
             .with_kernels(kernels);
+        // Its tokenizer's view of the ids, for stop strings; without one, the byte vocabulary.
+        let l = match tl_llama::Text::load(dir) {
+            Ok(t) => l.with_vocab(Arc::new(t.vocab())),
+            Err(_) => l,
+        };
         let l = Arc::new(l);
         cache.insert(key, l.clone());
         Ok(l)

@@ -180,7 +180,8 @@ impl DecodeFront {
             .params
             .params(&prompt)
             .validate(Limits::of(model.as_ref()))?;
-        let stop = req.params.stop_rules()?;
+        let vocab = model.tokens();
+        let stop = req.params.stop_rules(&vocab)?;
         // The gateway passes chat's alternatives on as a completion's count: the front takes
         // up to chat's bound.
         let choices = req.params.choices(Flavor::Completion, MAX_TOP_LOGPROBS)?;
@@ -210,7 +211,7 @@ impl DecodeFront {
             prompt_tokens: prompt.len(),
             route: None,
             stop,
-            render: TextRender::default().with(req.params.specials()),
+            render: TextRender::new(vocab).with(req.params.specials()),
             continuous_usage: req.params.continuous_usage(),
         };
         let mut src = Sequences {

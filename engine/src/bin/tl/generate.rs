@@ -118,6 +118,7 @@ pub(crate) fn generate(args: &GenerateArgs) -> ExitCode {
             _ => Vec::new(),
         },
         min_tokens: 0,
+        vocab: model.tokens(),
     };
     let params = Params {
         prompt: &prompt,
