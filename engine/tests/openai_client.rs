@@ -30,40 +30,10 @@ const CLIENT: &str = "openai==3.57.0";
 /// langchain-openai's version, for its completions LLM (`langchain_openai.OpenAI`).
 const LANGCHAIN: &str = "langchain-openai==1.7.4";
 
-/// A directory holding the pinned `spec` (which imports as `module`), installed there on first
-/// use.
-fn installed(spec: &str, module: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(spec.replace("==", "-"));
-    let importable = || {
-        Command::new("python3")
-            .env("PYTHONPATH", &dir)
-            .args(["-c", &format!("import {module}")])
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !importable() {
-        let status = Command::new("python3")
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--disable-pip-version-check",
-                "--target",
-            ])
-            .arg(&dir)
-            .arg(spec)
-            .status()
-            .unwrap_or_else(|e| panic!("this test needs python3 with pip to install {spec}: {e}"));
-        assert!(
-            status.success(),
-            "`python3 -m pip install {spec}` failed ({status}): this test needs Python 3, pip \
-             and PyPI"
-        );
-        assert!(importable(), "{spec} installed but does not import");
-    }
-    dir
+/// A directory holding the pinned `spec` (fetched once, found again by its own marker: a
+/// system-wide install of another version never stands in for it).
+fn installed(spec: &str, _module: &str) -> PathBuf {
+    common::fetch::pinned(&[spec])
 }
 
 /// The pinned openai client's directory.
@@ -124,7 +94,7 @@ fn want(prompt: &[u32], t: f32, seed: u64, max: u32, k: Option<u32>, stop: &Stop
         .swap_remove(0);
     let end = (1..=g.tokens.len()).find(|&e| stop.matched(&g.tokens[..e]).is_some());
     let (end, cut, finish) = match end {
-        Some(e) => (e, stop.matched(&g.tokens[..e]).unwrap(), "stop"),
+        Some(e) => (e, stop.matched(&g.tokens[..e]).unwrap().tokens, "stop"),
         None => (g.tokens.len(), 0, "length"),
     };
     let tokens = g.tokens[..end].to_vec();

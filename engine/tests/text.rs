@@ -1,6 +1,7 @@
 //! The gateway with `[gateway] model_path`: the checkpoint's chat template and tokenizer make
 //! the prompt, its EOS ends a completion unless `ignore_eos`, `/v1/models` reports its context,
-//! and a checkpoint whose text the gateway cannot render is refused at start.
+//! a tokenizer whose ids are not the bytes is rendered through its own pieces, and a checkpoint
+//! without a tokenizer is refused at start.
 
 mod common;
 
@@ -98,22 +99,57 @@ async fn the_gateway_uses_the_checkpoints_template_and_eos() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-#[tokio::test]
-async fn a_tokenizer_the_gateway_cannot_render_is_refused_at_start() {
-    let dir = checkpoint("refused");
-    // Swap two byte tokens: ids no longer the bytes.
+/// A tokenizer whose ids are not the bytes (two swapped) is served: the gateway and the engines
+/// render text through its pieces, so the text is the tokenizer's own decoding. A checkpoint
+/// without a tokenizer is refused at start, naming the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokenizer_that_is_not_byte_level_is_served_through_its_pieces() {
+    let dir = checkpoint("swapped");
     let t = std::fs::read_to_string(dir.join("tokenizer.json")).unwrap();
     let mut v: Value = serde_json::from_str(&t).unwrap();
     let vocab = v["model"]["vocab"].as_object_mut().unwrap();
     vocab.insert("a".into(), json!(98));
     vocab.insert("b".into(), json!(97));
     std::fs::write(dir.join("tokenizer.json"), v.to_string()).unwrap();
-    let e = GatewayNode::start(&gateway(&dir))
-        .await
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(e.contains("not byte-level"), "{e}");
+    let text = tl_llama::Text::load(&dir).unwrap();
+    assert_eq!(text.vocab().piece(98), b"a");
+    assert_eq!(text.encode("ab", false).unwrap(), [98, 97]);
+    let c = llama_cluster(&dir).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let mut swapped = 0;
+    for seed in 0..40 {
+        let r = http
+            .post(
+                &addr,
+                "/v1/completions",
+                &[],
+                json!({"prompt": "ab", "max_tokens": 40, "temperature": 1.0, "seed": seed,
+                       "ignore_eos": true})
+                .to_string(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v: Value = r.json();
+        assert_eq!(v["usage"]["prompt_tokens"], 2);
+        let tokens: Vec<u32> = v["choices"][0]["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        let got = v["choices"][0]["text"].as_str().unwrap();
+        assert_eq!(got, text.decode(&tokens), "seed {seed}");
+        if tokens.iter().any(|&t| t == 97 || t == 98) && got.is_char_boundary(0) {
+            swapped += 1;
+            if swapped == 3 {
+                break;
+            }
+        }
+    }
+    assert!(swapped > 0, "no completion held a swapped id");
+    c.gw.stop().await;
     std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
     let e = GatewayNode::start(&gateway(&dir))
         .await

@@ -386,6 +386,12 @@ impl Gguf {
         })
     }
 
+    /// A tensor's bytes, as the file holds them.
+    #[must_use]
+    pub fn bytes(&self, t: &TensorInfo) -> &[u8] {
+        &self.map[t.start..t.start + t.len]
+    }
+
     fn get(&self, key: &str) -> Option<&Meta> {
         self.meta.get(key)
     }

@@ -180,6 +180,25 @@ impl Weights {
         Self { maps, tensors }
     }
 
+    /// Every tensor: its name, dtype, shape and bytes (for exporting a checkpoint).
+    #[must_use]
+    pub fn entries(&self) -> Vec<(&str, DType, &[usize], &[u8])> {
+        let mut v: Vec<_> = self
+            .tensors
+            .iter()
+            .map(|(n, e)| {
+                (
+                    n.as_str(),
+                    e.dtype,
+                    e.shape.as_slice(),
+                    &self.maps[e.file][e.start..e.end],
+                )
+            })
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(b.0));
+        v
+    }
+
     /// Whether the checkpoint holds `name`.
     #[must_use]
     pub fn has(&self, name: &str) -> bool {

