@@ -471,3 +471,76 @@ async fn langchain_completions_llm_sends_prompt_lists() {
     let prompt_tokens: usize = prompts.iter().map(|p| p.len()).sum();
     assert_eq!(out["token_usage"]["prompt_tokens"], prompt_tokens);
 }
+
+/// `tl serve --model <the SmolLM2 GGUF>` as a user runs it: the official client's chat call
+/// answers "Paris", `/v1/models` lists the model by its file's name, and SIGTERM stops it.
+#[test]
+fn tl_serve_answers_the_official_client_with_paris() {
+    use std::io::BufRead;
+    let gguf = common::fetch::smollm2_gguf();
+    let dir = client_dir();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tl"))
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--kv-cache-mib",
+            "64",
+            "--model",
+        ])
+        .arg(&gguf)
+        .env_remove("TL_API_KEYS")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut said = Vec::new();
+    let listening: Value = loop {
+        let line = lines
+            .next()
+            .expect("tl serve ended before it listened")
+            .unwrap();
+        said.push(line.clone());
+        if line.starts_with('{') {
+            break serde_json::from_str(&line).unwrap();
+        }
+    };
+    let said = said.join("\n");
+    assert!(said.contains("no API key set"), "{said}");
+    assert_eq!(listening["model"], "SmolLM2-135M-Instruct.Q4_1");
+    let plan = json!({
+        "base_url": listening["base_url"],
+        "requests": [
+            {"name": "models", "api": "models", "stream": false, "kwargs": {}},
+            {"name": "paris", "api": "chat", "stream": false, "kwargs": {
+                "model": listening["model"], "max_tokens": 24, "temperature": 0.0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]}},
+        ],
+    });
+    let got = run_script("client.py", &dir, &plan);
+    let answer = got["paris"]["body"]["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert_eq!(got["models"]["body"][0]["id"], listening["model"], "{got}");
+    // SIGTERM: it drains and exits 0.
+    let pid = child.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("tl serve did not stop within 20 s of SIGTERM");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(answer.contains("Paris"), "{got}");
+    assert!(status.success(), "{status}");
+}

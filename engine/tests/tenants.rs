@@ -740,3 +740,36 @@ async fn a_stalled_prefill_engine_is_replaced_by_another() {
     p2.shutdown(Duration::from_secs(1)).await;
     settled(&c).await;
 }
+
+/// With `tenant_header` configured, a request that does not name its tenant is refused (400,
+/// naming the header) before it takes anything: it is not served as an unlimited, shared empty
+/// tenant. The same request naming a tenant is served; the pools end as they began.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_tenant_header_is_refused() {
+    let mut gw = GatewayConfig::local();
+    gw.gateway.tenant_header = "x-tenant".into();
+    let c = cluster_of(&gw, 1, |_| {}).await;
+    let addr = c.gw.http_addr().to_string();
+    let before = c.d[0].runner().pool().lock().counts().used;
+    let body = json!({"prompt": "hello", "max_tokens": 4}).to_string();
+    let http = HttpClient::default();
+    for headers in [vec![], vec![("x-tenant", "")]] {
+        let r = http
+            .post(&addr, "/v1/completions", &headers, body.clone())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+        let v: Value = r.json();
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("x-tenant"),
+            "{v}"
+        );
+    }
+    assert_eq!(c.d[0].runner().pool().lock().counts().used, before);
+    let r = http
+        .post(&addr, "/v1/completions", &[("x-tenant", "acme")], body)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    c.gw.stop().await;
+}

@@ -157,6 +157,11 @@ struct Raw {
     eos_token_id: Option<serde_json::Value>,
 }
 
+/// The widest attention head taken (published models use 64 to 256).
+pub const MAX_HEAD_DIM: usize = 1024;
+/// The most weights one matrix may hold (2^34: 64 GiB of f32).
+const MAX_MATRIX: usize = 1 << 34;
+
 /// The architectures served: Llama's layout, and those that publish the same one.
 pub const ARCHITECTURES: &[&str] = &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
 
@@ -257,12 +262,46 @@ impl LlamaConfig {
                 ));
             }
         };
-        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > MAX_HEAD_DIM {
             return Err(unsupported(
                 "head_dim",
                 head_dim,
-                "must be even and at least 2",
+                &format!("must be even, 2 to {MAX_HEAD_DIM}"),
             ));
+        }
+        // Every width the forward pass allocates, bounded: Q's and K/V's rows, and the largest
+        // matrices.
+        for (field, v, what) in [
+            (
+                "num_attention_heads",
+                heads.checked_mul(head_dim),
+                "heads x head_dim",
+            ),
+            (
+                "num_key_value_heads",
+                kv_heads.checked_mul(head_dim),
+                "kv heads x head_dim",
+            ),
+        ] {
+            if v.is_none_or(|v| v > 1 << 20) {
+                return Err(unsupported(
+                    field,
+                    format!("{heads} x {head_dim}"),
+                    &format!("{what} must be at most 2^20"),
+                ));
+            }
+        }
+        for (field, a, b) in [
+            ("vocab_size", raw.vocab_size, raw.hidden_size),
+            ("intermediate_size", raw.intermediate_size, raw.hidden_size),
+        ] {
+            if a.checked_mul(b).is_none_or(|v| v > MAX_MATRIX) {
+                return Err(unsupported(
+                    field,
+                    a,
+                    &format!("{field} x hidden_size must be at most 2^34 weights"),
+                ));
+            }
         }
         let max_positions = raw.max_position_embeddings.unwrap_or(2048);
         // Mistral's sliding window only matters past it: the context is capped there.
@@ -411,7 +450,15 @@ mod tests {
 
     #[test]
     fn what_is_not_served_is_refused_naming_the_field() {
-        let cases: [(&str, serde_json::Value, &str); 8] = [
+        let cases: [(&str, serde_json::Value, &str); 11] = [
+            // Sizes past every bound: refused by field, never a wrapped product or an abort.
+            ("head_dim", serde_json::json!(1u64 << 40), "head_dim"),
+            (
+                "num_attention_heads",
+                serde_json::json!(1 << 23),
+                "num_attention_heads",
+            ),
+            ("hidden_size", serde_json::json!(1 << 24), "head_dim"),
             (
                 "architectures",
                 serde_json::json!(["GPT2LMHeadModel"]),

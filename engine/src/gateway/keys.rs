@@ -159,6 +159,21 @@ fn guarded(path: &str) -> bool {
 /// Axum middleware: 401 for a guarded request without a configured key; otherwise the request
 /// goes on with its [`Caller`].
 pub async fn require_key(State(keys): State<ApiKeys>, mut req: Request, next: Next) -> Response {
+    // Behind a trusted front that names the tenant, a request without the name belongs to no
+    // one: it is refused rather than served as the empty tenant (no quota, a shared scope).
+    let header = keys.0.tenant_header.as_str();
+    if !header.is_empty()
+        && req.uri().path().starts_with("/v1/")
+        && req
+            .headers()
+            .get(header)
+            .is_none_or(|v| v.as_bytes().is_empty())
+    {
+        return ApiError::bad_request(format!(
+            "the {header} header is required: this gateway serves tenants named by it"
+        ))
+        .into_response();
+    }
     if keys.is_open() {
         let caller = keys.caller(b"", req.headers());
         req.extensions_mut().insert(caller);

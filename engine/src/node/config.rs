@@ -262,6 +262,14 @@ impl Default for PoolSection {
     }
 }
 
+/// The machine's memory in bytes (`MemTotal` of /proc/meminfo), where it can be read.
+fn machine_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// A configuration that cannot be used.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -414,6 +422,19 @@ impl Config {
             .and_then(|p| p.checked_mul(self.pool.n_blocks as usize));
         if bytes.is_none_or(|b| b > (1 << 40)) {
             return Err(ConfigError::Invalid("the pool would exceed 1 TiB".into()));
+        }
+        // The pool is mapped and faulted in at start: one larger than the machine's memory
+        // would be killed there, or later, instead of refused here.
+        if let (Some(b), Some(mem)) = (bytes, machine_memory()) {
+            if b as u64 > mem {
+                return Err(ConfigError::Invalid(format!(
+                    "pool.n_blocks = {}: the pool would take {} MiB, more than this machine's \
+                     {} MiB of memory",
+                    self.pool.n_blocks,
+                    b >> 20,
+                    mem >> 20
+                )));
+            }
         }
         if self.engine.heartbeat_ms == 0 {
             return Err(ConfigError::Invalid(
@@ -696,5 +717,22 @@ mod tests {
         assert_eq!(c.cost().decode_per_step, Duration::from_millis(1));
         c.model.cost_preset = "a100-maybe".into();
         assert!(c.validate().is_err());
+    }
+
+    /// A pool sized past the machine's memory (65,536 KV heads pass every per-field bound) is
+    /// refused by `validate`, naming `pool.n_blocks`, before anything is mapped.
+    #[test]
+    fn a_pool_past_the_machines_memory_is_refused() {
+        let mut c = Config::default();
+        c.model.n_kv_heads = 65_536;
+        c.pool.n_blocks = 4096;
+        let mem = machine_memory().expect("/proc/meminfo");
+        let bytes = c.shape().payload_bytes().unwrap() as u64 * 4096;
+        assert!(
+            bytes > mem,
+            "the case must exceed this machine ({bytes} vs {mem})"
+        );
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("pool.n_blocks") && e.contains("memory"), "{e}");
     }
 }
