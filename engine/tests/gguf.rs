@@ -124,6 +124,9 @@ fn logits(m: &Llama, prompt: &[u32]) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// One exported tensor: name, dtype, shape, bytes.
+type Exported<'a> = (String, DType, Vec<usize>, std::borrow::Cow<'a, [u8]>);
+
 /// f32 bytes rounded to bf16 (to nearest, ties to even).
 fn to_bf16(bytes: &[u8]) -> Vec<u8> {
     bytes
@@ -142,7 +145,7 @@ fn export(g: &Gguf, dir: &Path, bf16: bool) {
     let cfg = g.config().unwrap();
     let w = g.weights(&cfg).unwrap();
     let entries = w.entries();
-    let owned: Vec<(String, DType, Vec<usize>, std::borrow::Cow<'_, [u8]>)> = entries
+    let owned: Vec<Exported<'_>> = entries
         .iter()
         .map(|(name, dtype, shape, bytes)| {
             if bf16 && *dtype == DType::F32 && shape.len() == 2 {

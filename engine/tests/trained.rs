@@ -168,10 +168,31 @@ async fn trained_model_answers_through_the_gateway() {
     let (s, t, finish) = streamed(&r.body);
     assert_eq!((s.as_str(), &t), (answer, &tokens));
     assert_eq!(finish.as_deref(), Some("stop"));
-    // /v1/models names the file and its context.
+    // /v1/models names the file, and the length it advertises is the length accepted: the
+    // checkpoint's 8,192 as far as these engines' pools hold it.
     let m: Value = http.get(&addr, "/v1/models").await.unwrap().json();
     assert_eq!(m["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1", "{m}");
-    assert_eq!(m["data"][0]["max_model_len"], 8192, "{m}");
+    let len = m["data"][0]["max_model_len"].as_u64().unwrap();
+    assert!(len > 0 && len <= 8192, "{m}");
+    let prompt = vec![504u32; 8];
+    let ask = |max: u64| {
+        json!({"prompt": prompt, "max_tokens": max, "stream": true, "ignore_eos": true}).to_string()
+    };
+    let (status, body) = http
+        .post_streaming(&addr, "/v1/completions", &[], ask(len - 8).into_bytes())
+        .await
+        .unwrap();
+    assert_eq!(
+        status, 200,
+        "a request of exactly max_model_len is accepted"
+    );
+    drop(body);
+    let r = http
+        .post(&addr, "/v1/completions", &[], ask(len - 7))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    assert!(String::from_utf8_lossy(&r.body).contains("context_length_exceeded"));
     c.gw.stop().await;
 }
 

@@ -181,9 +181,9 @@ pub struct TensorInfo {
     pub len: usize,
 }
 
-/// A parsed GGUF file, mapped.
+/// A parsed GGUF file, read into memory.
 pub struct Gguf {
-    map: memmap2::Mmap,
+    map: Vec<u8>,
     path: String,
     /// Its metadata.
     pub meta: BTreeMap<String, Meta>,
@@ -358,22 +358,16 @@ pub fn is_gguf(path: &Path) -> bool {
 }
 
 impl Gguf {
-    /// Maps and parses `path`: header, metadata and tensor infos, each checked against the
-    /// file. No tensor is read.
+    /// Reads and parses `path`: header, metadata and tensor infos, each checked against the
+    /// file. No tensor is converted.
     ///
     /// # Errors
     /// [`CheckpointError::Gguf`] naming the key or tensor, or the file's I/O error.
     pub fn open(path: &Path) -> Result<Self, CheckpointError> {
         let p = path.display().to_string();
-        let file = std::fs::File::open(path).map_err(|source| CheckpointError::Io {
-            path: p.clone(),
-            source,
-        })?;
-        // SAFETY: mapped read-only and read only here, at load: every tensor is copied (and
-        // dequantized) out of the map before the model serves, and the map is dropped with
-        // this value, so a file changed or truncated while it is served changes nothing.
-        #[allow(unsafe_code)]
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| CheckpointError::Io {
+        // Read whole, not mapped: a file truncated while it is parsed or dequantized is an
+        // I/O error or a bounds refusal, never a SIGBUS.
+        let map = std::fs::read(path).map_err(|source| CheckpointError::Io {
             path: p.clone(),
             source,
         })?;

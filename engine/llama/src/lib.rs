@@ -1,7 +1,7 @@
 //! Llama-family transformers for the engine, on the CPU.
 //!
 //! - [`config`]: `config.json`, validated; what is not computed is refused naming the field.
-//! - [`weights`]: the safetensors of a checkpoint (one file or shards), memory-mapped.
+//! - [`weights`]: the safetensors of a checkpoint (one file or shards), read into memory.
 //! - [`gguf`]: GGUF checkpoints: parsed and checked, dequantized at load, their tokenizer
 //!   rebuilt from the metadata.
 //! - [`kernels`]: batch-invariant f32 arithmetic over bf16, f16 or f32 weights.

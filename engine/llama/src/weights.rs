@@ -1,6 +1,7 @@
-//! A checkpoint's tensors, memory-mapped: `model.safetensors`, or the shards that
-//! `model.safetensors.index.json` lists. Nothing is copied: a tensor is a range of a mapped file,
-//! read through [`MatRef`] in its own dtype.
+//! A checkpoint's tensors: `model.safetensors`, or the shards that `model.safetensors.index.json`
+//! lists, read once into memory of the process's own (a file truncated under a running engine
+//! cannot take it away), or a GGUF file's tensors dequantized at load. A tensor is a range of
+//! that memory, read through [`MatRef`] in its own dtype.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -29,23 +30,52 @@ pub struct Tensor {
     cols: usize,
 }
 
-/// Where a checkpoint's bytes live: a mapped file, or memory of the process's own (a GGUF
-/// file's tensors, dequantized at load).
-enum Backing {
-    Map(memmap2::Mmap),
-    Owned(Vec<u8>),
+/// A checkpoint's bytes, in memory of the process's own, 8-byte aligned (as a mapped file's
+/// pages were, so the kernels read bf16, f16 and f32 in place): a file changed or truncated
+/// while it is served changes nothing, where a mapped one would fault (SIGBUS) on the next
+/// read of a page it no longer has.
+struct Backing {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Backing {
+    fn zeroed(len: usize) -> Self {
+        Self {
+            words: vec![0u64; len.div_ceil(8)],
+            len,
+        }
+    }
+
+    fn from_bytes(bytes: &[u8]) -> Self {
+        let mut b = Self::zeroed(bytes.len());
+        b.bytes_mut().copy_from_slice(bytes);
+        b
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+
+    /// The whole of `file` (`len` bytes as its metadata said), read once.
+    fn read(file: &mut std::fs::File, len: usize) -> std::io::Result<Self> {
+        use std::io::Read;
+        let mut b = Self::zeroed(len);
+        file.read_exact(b.bytes_mut())?;
+        Ok(b)
+    }
 }
 
 impl std::ops::Deref for Backing {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
-        match self {
-            Backing::Map(m) => m,
-            Backing::Owned(v) => v,
-        }
+        &bytemuck::cast_slice(&self.words)[..self.len]
     }
 }
+
+/// The largest shard read.
+const MAX_SHARD_BYTES: usize = 256 << 30;
 
 /// The files (or buffers) of a checkpoint and the tensors in them.
 pub struct Weights {
@@ -118,12 +148,15 @@ impl Weights {
                 ));
             }
             let path = dir.join(name);
-            let file = std::fs::File::open(&path).map_err(|e| io(&path, e))?;
-            // SAFETY: the checkpoint is mapped read-only; a process that changes a checkpoint
-            // while it is being served changes what is computed, nothing else (every access is
-            // bounds-checked against the map's length, taken once here).
-            #[allow(unsafe_code)]
-            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io(&path, e))?;
+            let mut file = std::fs::File::open(&path).map_err(|e| io(&path, e))?;
+            let len = file.metadata().map_err(|e| io(&path, e))?.len();
+            let len = usize::try_from(len)
+                .ok()
+                .filter(|&l| l <= MAX_SHARD_BYTES)
+                .ok_or_else(|| bad(&path, format!("{len} bytes: a shard is at most 256 GiB")))?;
+            // Read, not mapped: see [`Backing`]. A file that shrinks while it is read is an
+            // I/O error here.
+            let map = Backing::read(&mut file, len).map_err(|e| io(&path, e))?;
             let (header, meta) = safetensors::SafeTensors::read_metadata(&map[..])
                 .map_err(|e| bad(&path, format!("{e:?}")))?;
             let base = 8 + header;
@@ -154,7 +187,7 @@ impl Weights {
                     },
                 );
             }
-            maps.push(Backing::Map(map));
+            maps.push(map);
         }
         Ok(Self { maps, tensors })
     }
@@ -175,7 +208,7 @@ impl Weights {
                     shape,
                 },
             );
-            maps.push(Backing::Owned(bytes));
+            maps.push(Backing::from_bytes(&bytes));
         }
         Self { maps, tensors }
     }

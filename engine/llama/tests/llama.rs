@@ -559,3 +559,28 @@ fn preemption_and_choices_stay_exact_on_the_real_model() {
     let c = e.pool().lock().counts();
     assert_eq!(c.used, 0, "{c:?}");
 }
+
+/// A checkpoint truncated (or rewritten) while its model is served changes nothing: the weights
+/// were read into the process's own memory at load, so the next forward pass gives the same
+/// bits, where a mapped file would have faulted (SIGBUS) on a page it no longer has.
+#[test]
+fn a_checkpoint_truncated_while_served_changes_nothing() {
+    let dir = tiny("truncated", &InitShape::tiny(VOCAB), DType::Bf16, 1);
+    let m = load(&dir.0);
+    let prompt = [1u32, 2, 3, 4, 5, 6];
+    let before = all_logits(&m, &prompt);
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.0.join("model.safetensors"))
+        .unwrap();
+    file.set_len(64).unwrap();
+    drop(file);
+    let after = all_logits(&m, &prompt);
+    assert_eq!(
+        before.iter().map(|r| bits(r)).collect::<Vec<_>>(),
+        after.iter().map(|r| bits(r)).collect::<Vec<_>>()
+    );
+    // Loading it again now is a clean refusal naming the file.
+    let e = Llama::load(&dir.0, "t", B, 1, 64).unwrap_err().to_string();
+    assert!(e.contains("model.safetensors"), "{e}");
+}

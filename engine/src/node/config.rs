@@ -425,16 +425,16 @@ impl Config {
         }
         // The pool is mapped and faulted in at start: one larger than the machine's memory
         // would be killed there, or later, instead of refused here.
-        if let (Some(b), Some(mem)) = (bytes, machine_memory()) {
-            if b as u64 > mem {
-                return Err(ConfigError::Invalid(format!(
-                    "pool.n_blocks = {}: the pool would take {} MiB, more than this machine's \
-                     {} MiB of memory",
-                    self.pool.n_blocks,
-                    b >> 20,
-                    mem >> 20
-                )));
-            }
+        if let (Some(b), Some(mem)) = (bytes, machine_memory())
+            && b as u64 > mem
+        {
+            return Err(ConfigError::Invalid(format!(
+                "pool.n_blocks = {}: the pool would take {} MiB, more than this machine's {} MiB \
+                 of memory",
+                self.pool.n_blocks,
+                b >> 20,
+                mem >> 20
+            )));
         }
         if self.engine.heartbeat_ms == 0 {
             return Err(ConfigError::Invalid(
