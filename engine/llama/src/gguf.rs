@@ -1022,16 +1022,17 @@ pub fn text_parts(g: &Gguf) -> Result<TextParts, CheckpointError> {
         .map(str::to_owned);
     let eos_id = id_of("tokenizer.ggml.eos_token_id");
     let mut eos_ids: Vec<u32> = eos_id.into_iter().collect();
-    // The template's end of turn: a control token it writes whose name says it ends something.
+    // The template's end of turn ends a completion too.
     if let Some(t) = &template {
-        for (id, (&tok, &ty)) in tokens.iter().zip(&types).enumerate() {
-            let lower = tok.to_ascii_lowercase();
-            if ty == 3
-                && t.contains(tok)
-                && (lower.contains("end") || lower.contains("eot"))
-                && !eos_ids.contains(&(id as u32))
-            {
-                eos_ids.push(id as u32);
+        let controls = tokens
+            .iter()
+            .zip(&types)
+            .enumerate()
+            .filter(|(_, (_, ty))| **ty == 3)
+            .map(|(id, (tok, _))| (id as u32, (*tok).to_owned()));
+        for id in crate::text::end_of_turn(t, controls) {
+            if !eos_ids.contains(&id) {
+                eos_ids.push(id);
             }
         }
     }

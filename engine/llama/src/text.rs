@@ -188,6 +188,19 @@ impl Text {
         if eos_ids.is_empty() {
             eos_ids.extend(eos.as_deref().and_then(|e| tok.token_to_id(e)));
         }
+        // The template's end of turn ends a completion too.
+        if let Some(t) = &template {
+            let specials = tok
+                .get_added_tokens_decoder()
+                .into_iter()
+                .filter(|(_, a)| a.special)
+                .map(|(id, a)| (id, a.content));
+            for id in end_of_turn(t, specials) {
+                if !eos_ids.contains(&id) {
+                    eos_ids.push(id);
+                }
+            }
+        }
         // Parsed once here: a broken template is refused at load, and no request parses it.
         let bounds = RenderBounds::default();
         let template = template.map(|t| chat_env(t, bounds.fuel)).transpose()?;
@@ -429,6 +442,24 @@ fn chat_env(template: String, fuel: u64) -> Result<minijinja::Environment<'stati
     env.add_template_owned("chat", template)
         .map_err(|e| TextError::Template(e.to_string()))?;
     Ok(env)
+}
+
+/// The special tokens a chat template writes whose names say they end something (`<|im_end|>`,
+/// `<|eot_id|>`, `<|end|>`, `<end_of_turn>`): a turn the model writes ends with one.
+pub(crate) fn end_of_turn(
+    template: &str,
+    specials: impl IntoIterator<Item = (u32, String)>,
+) -> Vec<u32> {
+    let mut out: Vec<u32> = specials
+        .into_iter()
+        .filter(|(_, name)| {
+            let lower = name.to_ascii_lowercase();
+            template.contains(name.as_str()) && (lower.contains("end") || lower.contains("eot"))
+        })
+        .map(|(id, _)| id)
+        .collect();
+    out.sort_unstable();
+    out
 }
 
 /// The `type`s of a tokenizer decoder and of the decoders a `Sequence` holds.
@@ -698,6 +729,30 @@ mod tests {
         let text = Text::load(&dir).unwrap();
         let e = text.render_chat(&[], true).unwrap_err().to_string();
         assert!(e.contains("no system role"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// EOS comes from generation_config.json, plus the template's end-of-turn token: a
+    /// checkpoint whose generation config names only `</s>` still stops at `<|im_end|>`.
+    #[test]
+    fn the_templates_end_of_turn_ends_a_completion() {
+        let dir = std::env::temp_dir().join(format!("tl-text-eot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // BOS <|im_start|> (256), EOS <|pad|> (258): the template ends turns with <|im_end|>.
+        let (t, c, g) = byte_level_files(&SPECIALS, 256, 258);
+        std::fs::write(dir.join("tokenizer.json"), t).unwrap();
+        std::fs::write(dir.join("tokenizer_config.json"), c).unwrap();
+        std::fs::write(dir.join("generation_config.json"), g).unwrap();
+        let mut tc: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap(),
+        )
+        .unwrap();
+        tc["chat_template"] = Value::from(
+            "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}",
+        );
+        std::fs::write(dir.join("tokenizer_config.json"), tc.to_string()).unwrap();
+        let text = Text::load(&dir).unwrap();
+        assert_eq!(text.eos_ids(), &[258, 257]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

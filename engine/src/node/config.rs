@@ -36,9 +36,10 @@
 //! [model]
 //! kind = "fake"                 # "fake": the deterministic fake model, named "fake";
 //!                               # "llama": the checkpoint at `path`
-//! path = ""                     # a Hugging Face checkpoint directory (config.json and its
-//!                               # safetensors): kind "llama"; L, H, D and vocab come from it
-//! name = ""                     # the served model name ("": the directory's name)
+//! path = ""                     # a GGUF file, or a Hugging Face checkpoint directory
+//!                               # (config.json and its safetensors): kind "llama"; L, H, D and
+//!                               # vocab come from it
+//! name = ""                     # the served model name ("": the file's or directory's name)
 //! threads = 0                   # threads of the llama kernels (0: every core)
 //! kernels = "gemm"              # "gemm": the gemm crate's FMA kernels (fast; the same bits
 //!                               # on CPUs with the same features); "portable": plain Rust,
@@ -194,7 +195,8 @@ impl Default for EngineSection {
 pub struct ModelSection {
     /// Model kind: `fake`, or `llama` (a checkpoint at `path`).
     pub kind: String,
-    /// The checkpoint directory of a `llama` model (setting it makes the kind `llama`).
+    /// The checkpoint of a `llama` model, a GGUF file or a Hugging Face directory (setting it
+    /// makes the kind `llama`).
     pub path: String,
     /// The served name of a `llama` model (empty: the directory's name).
     pub name: String,
@@ -391,7 +393,8 @@ impl Config {
             }
             ("llama", true) => {
                 return Err(ConfigError::Invalid(
-                    "model.kind \"llama\" needs model.path, a checkpoint directory".into(),
+                    "model.kind \"llama\" needs model.path, a GGUF file or checkpoint directory"
+                        .into(),
                 ));
             }
             (other, _) => {

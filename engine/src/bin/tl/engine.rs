@@ -50,7 +50,7 @@ pub(crate) struct EngineArgs {
     /// Seconds to wait for in-flight work on SIGTERM (default: `[limits] drain_ms`, 5 s).
     #[arg(long)]
     drain_seconds: Option<f64>,
-    /// A checkpoint directory to serve (`[model] path`), or `fake`.
+    /// A checkpoint to serve (`[model] path`): a GGUF file, a Hugging Face directory, or `fake`.
     #[arg(long)]
     model: Option<String>,
     #[command(flatten)]

@@ -44,7 +44,7 @@ pub(crate) struct GenerateArgs {
     /// Generator seed; the engine picks one (and prints it) when omitted.
     #[arg(long)]
     seed: Option<u64>,
-    /// A checkpoint directory (`[model] path`), or `fake`.
+    /// A checkpoint (`[model] path`): a GGUF file, a Hugging Face directory, or `fake`.
     #[arg(long)]
     model: Option<String>,
 }

@@ -173,7 +173,7 @@ impl AndFlush for ExitCode {
     }
 }
 
-/// `--model`: `fake`, or a checkpoint directory served as a Llama-family model.
+/// `--model`: `fake`, or a checkpoint (a GGUF file or a directory) served as a Llama-family model.
 pub(crate) fn set_model(c: &mut tl_engine::node::config::Config, model: &str) {
     if model == "fake" {
         c.model.kind = "fake".into();
