@@ -233,6 +233,26 @@ async fn disaggregated_equals_colocated_on_a_trained_model() {
             "t={temperature}"
         );
     }
+    // A decode engine's own front takes the same text prompt through the model's tokenizer,
+    // and renders its text with the model's pieces.
+    let r = http
+        .post(
+            &c.d[0].addresses().http,
+            "/v1/completions",
+            &[],
+            json!({"prompt": prompt_text, "max_tokens": 16, "temperature": 0.0}).to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v: Value = r.json();
+    let got = ids(&v["choices"][0]["tokens"]);
+    assert_eq!(got, colocated(&prompt, 0.0, 0, 16)[..got.len()]);
+    assert_eq!(v["usage"]["prompt_tokens"], prompt.len() as u64);
+    assert_eq!(
+        v["choices"][0]["text"].as_str().unwrap(),
+        text().decode(&got)
+    );
     c.gw.stop().await;
 }
 

@@ -54,6 +54,14 @@ pub trait Model: Send + Sync + fmt::Debug {
     fn tokens(&self) -> std::sync::Arc<crate::vocab::Vocab> {
         crate::vocab::Vocab::bytes()
     }
+    /// A text prompt's token ids, special tokens added as the model's tokenizer adds them:
+    /// the fake model's bytes unless the model says otherwise.
+    ///
+    /// # Errors
+    /// The tokenizer's refusal, as text.
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, String> {
+        Ok(encode_text(text))
+    }
     /// Writes the KV of `tokens` at positions `first_pos..first_pos + tokens.len()` into
     /// `blocks`, the sequence's block table, and raises the blocks' fills. An engine calls it
     /// block by block. A model computes outside every lock and writes each block through

@@ -49,6 +49,8 @@ pub struct Llama {
     max_context: u32,
     /// What its token ids stand for, from its tokenizer (none: the byte vocabulary).
     vocab: Option<std::sync::Arc<tl_engine_core::vocab::Vocab>>,
+    /// Its tokenizer, for text prompts (none: the byte tokenizer).
+    text: Option<std::sync::Arc<crate::Text>>,
 }
 
 impl std::fmt::Debug for Llama {
@@ -168,6 +170,7 @@ impl Llama {
             threads: threads.max(1),
             kernels: Kernels::default(),
             vocab: None,
+            text: None,
         })
     }
 
@@ -178,10 +181,12 @@ impl Llama {
         self
     }
 
-    /// The same model with its tokenizer's vocabulary, for stop strings and text.
+    /// The same model with its checkpoint's text side: its tokenizer for text prompts, and its
+    /// vocabulary for stop strings and text.
     #[must_use]
-    pub fn with_vocab(mut self, vocab: std::sync::Arc<tl_engine_core::vocab::Vocab>) -> Self {
-        self.vocab = Some(vocab);
+    pub fn with_text(mut self, text: std::sync::Arc<crate::Text>) -> Self {
+        self.vocab = Some(std::sync::Arc::new(text.vocab()));
+        self.text = Some(text);
         self
     }
 
@@ -491,6 +496,13 @@ impl Model for Llama {
         self.vocab
             .clone()
             .unwrap_or_else(tl_engine_core::vocab::Vocab::bytes)
+    }
+
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, String> {
+        match &self.text {
+            Some(t) => t.encode(text, true).map_err(|e| e.to_string()),
+            None => Ok(tl_engine_core::model::encode_text(text)),
+        }
     }
 
     fn write(

@@ -547,7 +547,7 @@ impl Config {
             .with_kernels(kernels);
         // Its tokenizer's view of the ids, for stop strings; without one, the byte vocabulary.
         let l = match tl_llama::Text::load(dir) {
-            Ok(t) => l.with_vocab(Arc::new(t.vocab())),
+            Ok(t) => l.with_text(Arc::new(t)),
             Err(_) => l,
         };
         let l = Arc::new(l);
