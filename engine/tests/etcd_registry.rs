@@ -291,6 +291,13 @@ async fn an_engine_cannot_write_another_engines_key() {
     let client = |i: usize| Arc::new(Etcd::new(&urls, Some(&tls[i]), t).unwrap());
     let (admin, d1, d2, gw) = (client(0), client(1), client(2), client(3));
     let keys = Keys::new("/tl");
+    // Only an admin identity may turn auth on: a decode engine's certificate is refused before
+    // anything is written, and the admin's own init then goes through.
+    let e = auth::init(&d1, &keys, tls[1].identity())
+        .await
+        .expect_err("a decode identity running init");
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("admin"), "{e:?}");
     auth::init(&admin, &keys, tls[0].identity()).await.unwrap();
     for t in &tls[1..] {
         auth::grant(&admin, &keys, t.identity()).await.unwrap();

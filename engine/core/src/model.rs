@@ -383,8 +383,18 @@ pub struct TextStream {
 impl TextStream {
     /// The text `tokens` complete, after what was held back.
     pub fn push(&mut self, tokens: &[u32]) -> String {
-        self.pending
-            .extend(tokens.iter().filter(|&&t| t < 256).map(|&t| t as u8));
+        let bytes: Vec<u8> = tokens
+            .iter()
+            .filter(|&&t| t < 256)
+            .map(|&t| t as u8)
+            .collect();
+        self.push_bytes(&bytes)
+    }
+
+    /// The text `bytes` complete, after what was held back: the same stream over any
+    /// vocabulary's token bytes.
+    pub fn push_bytes(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
         let mut out = String::new();
         loop {
             match std::str::from_utf8(&self.pending) {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tl_engine_core::engine::FinishReason;
 use tl_engine_core::logprobs::TokenLogprobs;
+use tl_engine_core::model::TextStream;
 use tl_engine_core::stop::Stop;
 use tl_engine_core::vocab::Vocab;
 
@@ -53,53 +54,6 @@ impl TextRender {
     }
 }
 
-/// Bytes to text as they stream: the concatenation of everything [`push`](Self::push) and
-/// [`finish`](Self::finish) return equals the lossy UTF-8 decoding of all the bytes at once.
-/// Bytes that do not yet form a whole character are held back until the bytes that complete
-/// it; an invalid sequence becomes U+FFFD exactly where the whole decoding puts one.
-#[derive(Clone, Debug, Default)]
-pub struct Utf8Stream {
-    pending: Vec<u8>,
-}
-
-impl Utf8Stream {
-    /// The text `bytes` complete, after what was held back.
-    pub fn push(&mut self, bytes: &[u8]) -> String {
-        self.pending.extend_from_slice(bytes);
-        let mut out = String::new();
-        loop {
-            match std::str::from_utf8(&self.pending) {
-                Ok(s) => {
-                    out.push_str(s);
-                    self.pending.clear();
-                    return out;
-                }
-                Err(e) => {
-                    let valid = e.valid_up_to();
-                    out.push_str(&String::from_utf8_lossy(&self.pending[..valid]));
-                    match e.error_len() {
-                        Some(bad) => {
-                            out.push(char::REPLACEMENT_CHARACTER);
-                            self.pending.drain(..valid + bad);
-                        }
-                        None => {
-                            self.pending.drain(..valid);
-                            return out;
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// What was held back, at the end (an incomplete character is U+FFFD).
-    pub fn finish(&mut self) -> String {
-        let out = String::from_utf8_lossy(&self.pending).into_owned();
-        self.pending.clear();
-        out
-    }
-}
-
 /// Token ids to text as they stream, with special tokens as [`TextRender`] says. Shown, a
 /// special ends the byte run before it (an incomplete character there is U+FFFD) and is
 /// written by name; spaced, a space goes between every two neighbouring pieces (a special, or
@@ -107,7 +61,7 @@ impl Utf8Stream {
 #[derive(Clone, Debug, Default)]
 pub struct Detok {
     render: TextRender,
-    bytes: Utf8Stream,
+    bytes: TextStream,
     /// What the last piece was: none yet, text, or a special.
     last: Option<bool>,
 }
@@ -130,14 +84,14 @@ impl Detok {
             match (self.render.specials, special) {
                 (Specials::Skipped, true) => {}
                 (Specials::Skipped, false) => {
-                    out.push_str(&self.bytes.push(self.render.vocab.piece(t)));
+                    out.push_str(&self.bytes.push_bytes(self.render.vocab.piece(t)));
                 }
                 (Specials::Shown { spaced }, false) => {
                     if spaced && self.last == Some(true) {
                         out.push(' ');
                     }
                     self.last = Some(false);
-                    out.push_str(&self.bytes.push(self.render.vocab.piece(t)));
+                    out.push_str(&self.bytes.push_bytes(self.render.vocab.piece(t)));
                 }
                 (Specials::Shown { spaced }, true) => {
                     out.push_str(&self.bytes.finish());
@@ -166,7 +120,7 @@ impl Detok {
             out.push(' ');
         }
         self.last = Some(false);
-        out.push_str(&self.bytes.push(piece));
+        out.push_str(&self.bytes.push_bytes(piece));
         out
     }
 

@@ -110,8 +110,17 @@ async fn grant_role(etcd: &Etcd, user: &str, role: &str) -> Result<(), Status> {
 /// Run once, by the admin whose identity is `admin`, before auth is on.
 ///
 /// # Errors
-/// etcd's status; PERMISSION_DENIED when auth is on already and `admin` is not a superuser.
+/// PERMISSION_DENIED, before anything is written, when `admin` is not an `admin` identity (an
+/// engine's certificate must never become the cluster's superuser); etcd's status otherwise
+/// (PERMISSION_DENIED when auth is on already and `admin` is not a superuser).
 pub async fn init(etcd: &Etcd, keys: &Keys, admin: &PeerId) -> Result<(), Status> {
+    if admin.role != crate::net::tls::PeerRole::Admin {
+        return Err(Status::permission_denied(format!(
+            "etcd init is the admin's: {} is a {} identity, and would become the superuser",
+            user(admin),
+            admin.role.as_str()
+        )));
+    }
     add_user(etcd, "root").await?;
     grant_role(etcd, "root", "root").await?;
     add_user(etcd, &user(admin)).await?;
