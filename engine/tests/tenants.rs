@@ -477,6 +477,53 @@ async fn one_key_cannot_take_every_slot() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A list of k prompts takes k of its key's places, as it takes k of the gateway's: with
+/// `max_inflight_per_key` = 2, a list of 3 prompts is 429 naming the key's bound (before any
+/// engine sees it), a list of 2 is served, and the key's places all come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_list_counts_each_prompt_against_its_key() {
+    let dir = std::env::temp_dir().join(format!("tl-quota-list-{}", std::process::id()));
+    let mut cfg = keyed_gateway(&dir);
+    cfg.gateway.max_inflight_per_key = 2;
+    let c = cluster_of(&cfg, 1, |_| {}).await;
+    let addr = c.gw.http_addr().to_string();
+    let used = c.d[0].runner().pool().lock().counts().used;
+    let (status, v) = complete(
+        &addr,
+        Some("key-a"),
+        &json!({ "prompt": ["a", "b", "c"], "max_tokens": 2 }),
+    )
+    .await;
+    assert_eq!(status, 429, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_inflight_per_key"),
+        "{v}"
+    );
+    assert_eq!(c.d[0].runner().pool().lock().counts().used, used);
+    let (status, v) = complete(
+        &addr,
+        Some("key-a"),
+        &json!({ "prompt": ["a", "b"], "max_tokens": 2 }),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2);
+    let g = std::sync::Arc::clone(c.gw.gateway());
+    assert!(eventually(Duration::from_secs(5), || g.in_flight() == 0).await);
+    let (status, v) = complete(
+        &addr,
+        Some("key-a"),
+        &json!({ "prompt": ["a", "b"], "max_tokens": 2 }),
+    )
+    .await;
+    assert_eq!(status, 200, "the places came back: {v}");
+    settled(&c).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// 4,096 connections trickling their headers from one address take only that address's share
 /// of the public port: a request from another address is served at once. A trickled body is
 /// cut off at the whole-request deadline with 408.
