@@ -820,3 +820,51 @@ async fn a_missing_tenant_header_is_refused() {
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     c.gw.stop().await;
 }
+
+/// One engine with a small pool sets no one's context: a decode engine registered with 8 blocks
+/// takes no request it cannot hold, a 116-token request is still served (by the engine that
+/// holds it), `/v1/models` advertises what that engine holds, and a request past every engine
+/// is refused with 400 `context_length_exceeded`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_small_engine_sets_no_ones_context() {
+    let c = cluster_of(&GatewayConfig::local(), 2, |cfg| {
+        if cfg.engine.id == "D2" {
+            cfg.pool.n_blocks = 8;
+        }
+    })
+    .await;
+    let addr = c.gw.http_addr().to_string();
+    let small = c.d[1].runner().pool().lock().counts().used;
+    let prompt: Vec<u32> = (0..100u32).map(|i| 97 + i % 26).collect();
+    for seed in 0..4u64 {
+        let (status, v) = complete(
+            &addr,
+            None,
+            &json!({ "prompt": prompt, "max_tokens": 16, "seed": seed, "temperature": 0.8 }),
+        )
+        .await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(tokens_of(&v).len(), 16);
+    }
+    assert_eq!(
+        c.d[1].runner().pool().lock().counts().used,
+        small,
+        "the small engine took none of them"
+    );
+    let m: Value = HttpClient::default()
+        .get(&addr, "/v1/models")
+        .await
+        .unwrap()
+        .json();
+    let len = m["data"][0]["max_model_len"].as_u64().unwrap();
+    assert!(len >= 116, "{m}");
+    let (status, v) = complete(
+        &addr,
+        None,
+        &json!({ "prompt": prompt, "max_tokens": len - 99 }),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["type"], "context_length_exceeded", "{v}");
+    settled(&c).await;
+}

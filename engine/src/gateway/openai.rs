@@ -371,8 +371,8 @@ fn over_quota(e: super::tenant::OverQuota, tokens: u64) -> ApiError {
 
 /// Refuses, with 400 `context_length_exceeded`, a request no live worker could ever hold: its
 /// prompt plus `max_tokens` (for n choices, which share the prompt's blocks, the prompt plus n
-/// completions) against the smallest usable context any serving worker reports, so the answer
-/// never depends on where it would be routed. A 429 or 503 would make clients retry for ever.
+/// completions) against the largest usable context a serving worker reports (the route then
+/// takes only engines that hold it). A 429 or 503 would make clients retry for ever.
 fn fits(g: &Gateway, prompt: usize, params: &GenerationParams) -> Result<(), ApiError> {
     let (prefill_room, decode_room) = held_context(g);
     if let Some(room) = prefill_room
@@ -398,7 +398,9 @@ fn fits(g: &Gateway, prompt: usize, params: &GenerationParams) -> Result<(), Api
 }
 
 /// The most a request may hold: on the prefill engines (the prompt), and on the engines that
-/// decode (the whole sequence), each the smallest usable context a live one reports.
+/// decode (the whole sequence), each the largest usable context a live one reports. A request
+/// is routed only to engines that hold it, so one engine with a small pool lowers no one's
+/// limit; it only takes no request it cannot hold.
 fn held_context(g: &Gateway) -> (Option<u32>, Option<u32>) {
     let workers = g.workers();
     let live = || {
@@ -410,11 +412,11 @@ fn held_context(g: &Gateway) -> (Option<u32>, Option<u32>) {
     let prefill = live()
         .filter(|w| w.kv_address.is_empty())
         .map(|w| w.usable_context)
-        .min();
+        .max();
     let decode = live()
         .filter(|w| !w.kv_address.is_empty())
         .map(|w| w.usable_context)
-        .min();
+        .max();
     (prefill, decode)
 }
 

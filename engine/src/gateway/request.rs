@@ -55,6 +55,8 @@ struct Driver<'g> {
     unclaimed: HashMap<LaneId, Unclaimed>,
     /// The request's tenant cache scope.
     scope: u64,
+    /// What it may hold at most.
+    need: Need,
 }
 
 impl Gateway {
@@ -73,6 +75,13 @@ impl Gateway {
     /// client has gone (then after cleaning up, within the policy's `release_wait`).
     pub(super) async fn drive(self: Arc<Self>, job: Job, out: mpsc::Sender<Out>) {
         let scope = job.scope;
+        // What the request may hold at most: its prompt on a prefill engine, and its prompt
+        // plus every choice's tokens on the engine that decodes it.
+        let need = Need {
+            prompt: job.prompt.len() as u64,
+            whole: job.prompt.len() as u64
+                + u64::from(job.choices.n) * u64::from(job.params.max_tokens()),
+        };
         let mut session = Session::new(job, self.request_id(), self.retry_policy());
         let release_wait = session.policy().release_wait;
         let (events, mut rx) = mpsc::channel(EVENT_QUEUE);
@@ -87,6 +96,7 @@ impl Gateway {
             pushed_to: HashMap::new(),
             unclaimed: HashMap::new(),
             scope,
+            need,
         };
         let mut pending: VecDeque<Action> = session.start().into();
         let mut client_gone = false;
@@ -149,6 +159,39 @@ impl Gateway {
             let _ = tokio::time::timeout(grace_end - now, beat).await;
         }
     }
+}
+
+/// The most one request may hold: its prompt, and its prompt plus every choice's tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Need {
+    /// On a prefill engine.
+    pub prompt: u64,
+    /// On the engine that decodes it.
+    pub whole: u64,
+}
+
+/// `workers` less those that report a context too small for this request (a prefill engine
+/// below its prompt, an engine that decodes below the whole): a route never takes them, and
+/// they do not lower what the others serve. The snapshot is shared as it is when every worker
+/// can hold the request (the usual case).
+fn holding(workers: Arc<[WorkerView]>, need: Need) -> Arc<[WorkerView]> {
+    let fits = |w: &WorkerView| {
+        let room = u64::from(w.status.usable_context);
+        let decodes = !w.status.kv_address.is_empty() || w.is(crate::net::role::Role::Both);
+        room == 0 || room >= if decodes { need.whole } else { need.prompt }
+    };
+    if workers.iter().all(fits) {
+        return workers;
+    }
+    for w in workers.iter().filter(|w| !fits(w)) {
+        tracing::debug!(
+            worker = w.status.worker_id.as_str(),
+            usable_context = w.status.usable_context,
+            need = need.whole,
+            "left out of the route: its context is too small for this request"
+        );
+    }
+    workers.iter().filter(|w| fits(w)).cloned().collect()
 }
 
 /// True when some route exists over `workers` (every decode engine taken as holding nothing).
@@ -223,9 +266,12 @@ impl Driver<'_> {
                 model,
             } => {
                 let (g, tx, scope) = (Arc::clone(self.g), self.events.clone(), self.scope);
+                let need = self.need;
                 self.tasks.spawn(
                     async move {
-                        let plan = g.plan_for(&prompt, scope, &exclude, model.as_deref()).await;
+                        let plan = g
+                            .plan_for(&prompt, scope, &exclude, model.as_deref(), need)
+                            .await;
                         let plan = Box::new(plan);
                         let _ = tx.send(Event::Planned { lane, plan }).await;
                     }
@@ -405,9 +451,10 @@ impl Gateway {
         scope: u64,
         exclude: &[String],
         model: Option<&str>,
+        need: Need,
     ) -> super::session::Planned {
         let first = exclude.is_empty() && model.is_some();
-        let workers = self.workers_for(exclude, first).await;
+        let workers = holding(self.workers_for(exclude, first).await, need);
         if let Some(m) = model.filter(|m| !m.is_empty())
             && !workers.iter().any(|w| w.status.model == m)
         {
