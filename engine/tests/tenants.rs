@@ -868,3 +868,29 @@ async fn one_small_engine_sets_no_ones_context() {
     assert_eq!(v["error"]["type"], "context_length_exceeded", "{v}");
     settled(&c).await;
 }
+
+/// A body whose `Content-Length` is over `max_body_bytes` is refused with 413 as soon as the
+/// headers are in, before a byte of it is sent: a client streaming a large upload learns at
+/// once, and the gateway reads nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_content_length_is_refused_before_the_body() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let c = cluster_of(&GatewayConfig::local(), 1, |_| {}).await;
+    let mut s = tokio::net::TcpStream::connect(c.gw.http_addr())
+        .await
+        .unwrap();
+    s.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+          Content-Length: 10000000\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut buf = vec![0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf))
+        .await
+        .expect("an answer before any body was sent")
+        .unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    c.gw.stop().await;
+}

@@ -478,6 +478,18 @@ impl Conn {
                 // that trickles it holds the connection no longer than that.
                 use http_body_util::BodyExt;
                 let (mut parts, body) = req.into_parts();
+                // A body that says it is over the bound is refused before a byte of it is read.
+                let declared = parts
+                    .headers
+                    .get(http::header::CONTENT_LENGTH)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.trim().parse::<u64>().ok());
+                if declared.is_some_and(|n| n > limits.max_body as u64) {
+                    return Ok(refusal(
+                        http::StatusCode::PAYLOAD_TOO_LARGE,
+                        "request body too large",
+                    ));
+                }
                 let limited = http_body_util::Limited::new(body, limits.max_body);
                 let body = match tokio::time::timeout(limits.request_read, limited.collect()).await
                 {
