@@ -234,6 +234,49 @@ async fn a_gateway_without_keys_needs_public_unauthenticated() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// One rule for callers without a key: `public_unauthenticated` serves `/v1/*` to anyone while
+/// no tenant key is configured, admin keys or not (adding one for `/workers` does not close the
+/// public endpoint; tenant keys do, `api_keys_guard_the_public_endpoint`); a wrong key is still
+/// 401, and `/workers` without a key is 401, on a gateway with admin keys and on one with none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn public_unauthenticated_stays_public_beside_admin_keys() {
+    let dir = std::env::temp_dir().join(format!("tl-public-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let admin = dir.join("admin");
+    std::fs::write(&admin, "key-ops\n").unwrap();
+    let mut cfg = GatewayConfig::default();
+    cfg.gateway.public_unauthenticated = true;
+    cfg.gateway.admin_keys_file = admin.display().to_string();
+    let c = cluster_of(&cfg, 1, |_| {}).await;
+    let addr = c.gw.http_addr().to_string();
+    let body = json!({ "prompt": "hi", "max_tokens": 2 });
+    assert_eq!(complete(&addr, None, &body).await.0, 200);
+    assert_eq!(complete(&addr, Some("key-ops"), &body).await.0, 200);
+    assert_eq!(complete(&addr, Some("wrong"), &body).await.0, 401);
+    let http = HttpClient::default();
+    let workers = |h: Vec<(&'static str, &'static str)>| {
+        let (http, addr) = (http.clone(), addr.clone());
+        async move { http.get_with(&addr, "/workers", &h).await.unwrap().status }
+    };
+    assert_eq!(workers(vec![]).await, 401);
+    assert_eq!(
+        workers(vec![("authorization", "Bearer key-ops")]).await,
+        200
+    );
+    settled(&c).await;
+    // No key at all, admin not opened: /workers is 401 without a key there too.
+    let mut open = GatewayConfig::default();
+    open.gateway.public_unauthenticated = true;
+    let gw = tl_engine::gateway::GatewayNode::start(&open).await.unwrap();
+    let r = http
+        .get_with(&gw.http_addr().to_string(), "/workers", &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, 401);
+    gw.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A request no engine could ever hold is refused with 400 `context_length_exceeded` (never a
 /// 429 or 503 that clients retry), before any engine is asked anything; one that fits is
 /// served. The figure is the engines' usable context: the pool after the decode reserve.

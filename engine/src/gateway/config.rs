@@ -7,7 +7,9 @@
 //!                                  # separated); each key is a tenant
 //! admin_keys_file = ""             # admin keys, likewise (or env TL_ADMIN_KEYS): they also see
 //!                                  # tl_route and /workers
-//! public_unauthenticated = false   # no key at all is a start-up error unless this is true
+//! public_unauthenticated = false   # serve /v1/* without a key while no tenant key exists (admin
+//!                                  # keys do not close it); no key at all is a start-up error
+//!                                  # unless this is true
 //! unauthenticated_admin = false    # with no keys: every caller sees tl_route and /workers
 //! tenant_header = ""               # take the tenant from this header (a trusted front sets it)
 //! shared_cache = false             # one tenant for everyone: all requests share cached blocks

@@ -25,6 +25,10 @@ struct Inner {
     tenant_header: String,
     /// Without keys: whether every caller is an admin (a local, single-user gateway).
     open_admin: bool,
+    /// `public_unauthenticated` on a gateway without tenant keys: `/v1/*` serves a caller
+    /// without a key even when admin keys exist (a key, when presented, must be right). Tenant
+    /// keys close the public endpoint: then every `/v1/*` call needs one.
+    public: bool,
 }
 
 /// The keys in force (none: the endpoint is open).
@@ -106,15 +110,17 @@ impl ApiKeys {
         }))
     }
 
-    /// Takes the tenant from `header` (a trusted front's; empty: from the key), and, without
-    /// keys, treats every caller as an admin when `open_admin`.
+    /// Takes the tenant from `header` (a trusted front's; empty: from the key); without keys,
+    /// treats every caller as an admin when `open_admin`; with `public` and no tenant key,
+    /// serves `/v1/*` to callers without a key beside the admin keys.
     #[must_use]
-    pub fn tenants(self, header: &str, open_admin: bool) -> Self {
+    pub fn tenants(self, header: &str, open_admin: bool, public: bool) -> Self {
         let inner = Inner {
             keys: self.0.keys.clone(),
             admin: self.0.admin.clone(),
             tenant_header: header.to_ascii_lowercase(),
             open_admin,
+            public: public && self.0.keys.is_empty(),
         };
         Self(Arc::new(inner))
     }
@@ -195,6 +201,16 @@ pub async fn require_key(State(keys): State<ApiKeys>, mut req: Request, next: Ne
             next.run(req).await
         }
         Some(_) => unauthorized("Incorrect API key provided."),
+        // `public_unauthenticated`: the API serves anyone, as documented, even when admin keys
+        // exist for `/workers`.
+        None if keys.0.public && req.uri().path().starts_with("/v1/") => {
+            let caller = keys.caller(b"", req.headers());
+            req.extensions_mut().insert(Caller {
+                admin: false,
+                ..caller
+            });
+            next.run(req).await
+        }
         None => unauthorized(
             "You didn't provide an API key. Provide it as Authorization: Bearer <key>.",
         ),

@@ -96,7 +96,11 @@ impl Gateway {
             &scope_secret(&cfg.cache_scope_secret_file)?,
             cfg.shared_cache,
         );
-        let api_keys = api_keys.tenants(&cfg.tenant_header, cfg.unauthenticated_admin);
+        let api_keys = api_keys.tenants(
+            &cfg.tenant_header,
+            cfg.unauthenticated_admin,
+            cfg.public_unauthenticated,
+        );
         let quotas = Arc::new(tenant::Quotas::new(
             match cfg.max_inflight_per_key {
                 0 => cfg.max_inflight / 4,

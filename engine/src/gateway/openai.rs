@@ -708,7 +708,12 @@ async fn health(State(g): State<Arc<Gateway>>) -> Response {
 }
 
 async fn workers(State(g): State<Arc<Gateway>>, caller: CallerExt) -> Response {
-    if !caller_of(caller).admin {
+    let caller = caller_of(caller);
+    if !caller.admin {
+        // No key presented: 401, as for any guarded path; a tenant's key: 403.
+        if caller.tenant.is_empty() {
+            return ApiError::unauthorized("/workers needs an admin key").into_response();
+        }
         return ApiError::permission_denied("/workers needs an admin key").into_response();
     }
     let list: Vec<serde_json::Value> = g

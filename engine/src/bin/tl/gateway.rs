@@ -30,8 +30,9 @@ pub(crate) struct GatewayArgs {
     /// `GET /metrics` listen address (plaintext).
     #[arg(long)]
     metrics_listen: Option<String>,
-    /// Serve `/v1/*` without API keys (`[gateway] public_unauthenticated`); without a key and
-    /// without this, the gateway refuses to start.
+    /// Serve `/v1/*` to callers without a key (`[gateway] public_unauthenticated`) while no
+    /// tenant key is configured; admin keys (for `/workers`) do not close it, tenant keys do.
+    /// With no key at all and without this, the gateway refuses to start.
     #[arg(long)]
     public_unauthenticated: bool,
     #[command(flatten)]
