@@ -237,10 +237,14 @@ async fn run(args: &ServeArgs) -> Result<(), ServeError> {
     terminated().await;
     let grace = Duration::from_secs(args.drain_seconds);
     eprintln!("draining (up to {} s)...", args.drain_seconds);
-    let ended = gw.shutdown(grace).await;
+    // The gateway drains first (no new request, those in flight finish or end at the
+    // deadline), then the engines, then the gateway's servers, so no engine beats to a
+    // registry that is gone.
+    let ended = gw.gateway().drain(grace).await;
     for n in nodes {
         n.shutdown(grace).await;
     }
+    gw.stop().await;
     eprintln!("stopped ({ended} requests ended by the drain)");
     Ok(())
 }
