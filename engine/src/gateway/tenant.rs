@@ -72,7 +72,8 @@ impl Quotas {
 
     /// A place for `tenant`'s request of `tokens`, or which bound it meets. A tenant holding
     /// nothing may always start one request, however many tokens, so a large request is slow
-    /// to admit, never refused for ever. No tenant (an open gateway) is not limited here.
+    /// to admit, never refused for ever. The empty tenant (every caller without a key of a
+    /// public gateway) is one tenant like the others: it is never exempt.
     ///
     /// # Errors
     /// The bound the request would pass.
@@ -81,7 +82,7 @@ impl Quotas {
         tenant: &[u8],
         tokens: u64,
     ) -> Result<Held, OverQuota> {
-        if !tenant.is_empty() {
+        {
             let mut m = self.map();
             let (n, held) = m.entry(tenant.to_vec()).or_default();
             if *n >= self.limit {
@@ -122,11 +123,6 @@ impl Held {
     /// # Errors
     /// The bound the request would pass. Its first place stays held until dropped.
     pub fn grow(&mut self, requests: usize, tokens: u64) -> Result<(), OverQuota> {
-        if self.tenant.is_empty() {
-            self.tokens = self.tokens.saturating_add(tokens);
-            self.requests += requests;
-            return Ok(());
-        }
         let q = std::sync::Arc::clone(&self.quotas);
         let mut m = q.map();
         let (n, held) = m.entry(self.tenant.clone()).or_default();
@@ -148,9 +144,6 @@ impl Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
-        if self.tenant.is_empty() {
-            return;
-        }
         let mut m = self.quotas.map();
         if let Some((n, tokens)) = m.get_mut(&self.tenant) {
             *n = n.saturating_sub(self.requests);
@@ -233,7 +226,13 @@ mod tests {
         assert_eq!(q.take(b"a", 0).unwrap_err(), OverQuota::Requests);
         drop((a2, a3, a4, b));
         assert_eq!((q.held_by(b"a"), q.tokens_held_by(b"a")), (0, 0));
-        assert!(q.take(b"", u64::MAX).is_ok(), "no tenant, no bound");
+        // The empty tenant (keyless callers of a public gateway) is bounded like any other.
+        let e1 = q.take(b"", 0).unwrap();
+        let e2 = q.take(b"", 0).unwrap();
+        let e3 = q.take(b"", 0).unwrap();
+        assert_eq!(q.take(b"", 0).unwrap_err(), OverQuota::Requests);
+        drop((e1, e2, e3));
+        assert_eq!(q.held_by(b""), 0);
         // No token bound configured: only the count.
         let open = std::sync::Arc::new(Quotas::new(1, 0));
         let _x = open.take(b"a", u64::MAX).unwrap();
