@@ -29,7 +29,7 @@ use std::path::Path;
 /// As [`LlamaConfig::parse`] and [`gguf::Gguf::config`].
 pub fn config_of(path: &Path) -> Result<LlamaConfig, CheckpointError> {
     if gguf::is_gguf(path) {
-        return gguf::Gguf::open(path)?.config();
+        return gguf_config(path);
     }
     let cpath = path.join("config.json");
     let text = std::fs::read_to_string(&cpath).map_err(|source| CheckpointError::Io {
@@ -37,6 +37,34 @@ pub fn config_of(path: &Path) -> Result<LlamaConfig, CheckpointError> {
         source,
     })?;
     LlamaConfig::parse(&cpath.display().to_string(), &text)
+}
+
+/// A GGUF file's configuration, read once per file as it is on disk (its path, length and
+/// modification time): the file is read whole to parse it, and callers ask for the
+/// configuration often (every KV block shape is derived from it).
+fn gguf_config(path: &Path) -> Result<LlamaConfig, CheckpointError> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock, PoisonError};
+    type Key = (std::path::PathBuf, u64, Option<std::time::SystemTime>);
+    static SEEN: OnceLock<Mutex<HashMap<Key, LlamaConfig>>> = OnceLock::new();
+    let meta = std::fs::metadata(path).map_err(|source| CheckpointError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let key = (path.to_path_buf(), meta.len(), meta.modified().ok());
+    let seen = SEEN.get_or_init(Mutex::default);
+    if let Some(c) = seen
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(&key)
+    {
+        return Ok(c.clone());
+    }
+    let c = gguf::Gguf::open(path)?.config()?;
+    seen.lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(key, c.clone());
+    Ok(c)
 }
 
 /// The name a checkpoint is served under by default: a directory's name, or a GGUF file's
