@@ -20,6 +20,7 @@ use tl_engine::etcd::registry::{EtcdRegistrar, mirror};
 use tl_engine::etcd::{Etcd, Keys, auth};
 use tl_engine::gateway::registry::{RegistryNode, RegistryState};
 use tl_engine::net::clients::RegistryClient;
+use tl_engine::net::role::Role as WRole;
 use tl_engine::net::tls::{PeerId, PeerRole, Tls, issue};
 use tl_engine::node::heartbeat::Heartbeat;
 use tokio_util::sync::CancellationToken;
@@ -124,7 +125,7 @@ impl Backend {
                 t,
             )),
             Backend::Etcd { etcd, .. } => Beater::Etcd(Heartbeat::new(
-                EtcdRegistrar::new(Arc::clone(etcd), Keys::new("/tl"), BEAT_MS),
+                EtcdRegistrar::new(Arc::clone(etcd), Keys::new("/tl"), BEAT_MS).allow_no_auth(true),
                 t,
             )),
         }
@@ -201,12 +202,38 @@ async fn contract(b: Backend) {
     match &b {
         Backend::InProcess(_) => assert_eq!(err.unwrap_err().code(), Code::InvalidArgument),
         // etcd stores any key an engine may write; the gateway's mirror refuses to list it.
-        Backend::Etcd { .. } => {
+        Backend::Etcd { etcd, .. } => {
             let _ = err;
+            // A status written under a role its key does not name (what a decode identity
+            // would write if it could) is not listed either; the same status under its own
+            // role's key is.
+            use prost::Message;
+            let prefill = WorkerStatus {
+                role: PbRole::Prefill as i32,
+                ..status("w9", "10.0.0.9:1", 0)
+            };
+            let bytes = || bytes::Bytes::from(prefill.encode_to_vec());
+            let keys = Keys::new("/tl");
+            etcd.put(&keys.worker(WRole::Decode, "w9"), bytes(), 0)
+                .await
+                .unwrap();
             tokio::time::sleep(Duration::from_millis(500)).await;
             assert!(
                 b.listed(&long).is_none(),
                 "a worker id beyond the bound is not listed"
+            );
+            assert!(
+                b.listed("w9").is_none(),
+                "a prefill status under a decode key was listed"
+            );
+            etcd.put(&keys.worker(WRole::Prefill, "w9"), bytes(), 0)
+                .await
+                .unwrap();
+            assert!(
+                eventually(wait, || b
+                    .listed("w9")
+                    .is_some_and(|w| w.role == PbRole::Prefill as i32))
+                .await
             );
         }
     }
@@ -308,20 +335,33 @@ async fn an_engine_cannot_write_another_engines_key() {
         assert_eq!(e.code(), Code::PermissionDenied, "{what}: {e:?}");
     };
     // Each engine writes its own key, and no other.
-    d1.put(&keys.worker("d1"), v(), 0).await.unwrap();
+    d1.put(&keys.worker(WRole::Decode, "d1"), v(), 0)
+        .await
+        .unwrap();
     denied(
-        d1.put(&keys.worker("d2"), v(), 0).await,
+        d1.put(&keys.worker(WRole::Decode, "d2"), v(), 0).await,
         "d1 writing d2's key",
     );
     denied(
-        d2.put(&keys.worker("d1"), v(), 0).await,
+        d2.put(&keys.worker(WRole::Decode, "d1"), v(), 0).await,
         "d2 writing d1's key",
     );
     denied(
-        d1.put(&keys.worker("d3"), v(), 0).await,
+        d1.put(&keys.worker(WRole::Decode, "d3"), v(), 0).await,
         "d1 writing a key of nobody's",
     );
-    denied(d1.delete(&keys.worker("d2")).await, "d1 deleting d2's key");
+    denied(
+        d1.delete(&keys.worker(WRole::Decode, "d2")).await,
+        "d1 deleting d2's key",
+    );
+    // A decode identity cannot list itself as prefill or both: the key names the role, and
+    // etcd gives its certificate only the decode one.
+    for role in [WRole::Prefill, WRole::Both] {
+        denied(
+            d1.put(&keys.worker(role, "d1"), v(), 0).await,
+            "d1 writing its own id under another role",
+        );
+    }
     // An engine does not drain itself or others, nor read the others' statuses.
     denied(
         d1.put(&keys.drain("d1"), v(), 0).await,
@@ -332,13 +372,13 @@ async fn an_engine_cannot_write_another_engines_key() {
         "d1 writing d2's drain key",
     );
     let e = d1
-        .get(&keys.worker("d2"))
+        .get(&keys.worker(WRole::Decode, "d2"))
         .await
         .expect_err("d1 reading d2's key");
     assert_eq!(e.code(), Code::PermissionDenied);
     // A gateway reads every worker and writes drain keys, but no worker's key.
     denied(
-        gw.put(&keys.worker("d1"), v(), 0).await,
+        gw.put(&keys.worker(WRole::Decode, "d1"), v(), 0).await,
         "the gateway writing d1's key",
     );
     assert_eq!(gw.get_prefix(&keys.workers()).await.unwrap().0.len(), 1);
@@ -364,6 +404,13 @@ async fn an_engine_cannot_write_another_engines_key() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    // So is d1's registrar beating with a role its certificate does not hold.
+    let claims_prefill = WorkerStatus {
+        role: PbRole::Prefill as i32,
+        ..status("d1", "127.0.0.1:1", 0)
+    };
+    let e = reg.beat_once(claims_prefill).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     // A client without a certificate of this CA does not get in at all.
     let other = tmp("other-ca");
     let stranger = Tls::load(
@@ -374,7 +421,9 @@ async fn an_engine_cannot_write_another_engines_key() {
     .unwrap();
     let s = Etcd::new(&urls, Some(&stranger), Duration::from_secs(2)).unwrap();
     assert!(
-        s.put(&keys.worker("d1"), v(), 0).await.is_err(),
+        s.put(&keys.worker(WRole::Decode, "d1"), v(), 0)
+            .await
+            .is_err(),
         "a stranger's certificate was let in"
     );
     // And the one good write stays as d1 left it.
@@ -413,6 +462,7 @@ async fn two_gateways_serve_the_same_engines_through_an_etcd_outage() {
     etcd_installed();
     let mut members = start_cluster(&tmp("two-gateways"), 1, None).unwrap();
     let reg = tl_engine::etcd::RegistrySection {
+        allow_no_auth: true,
         etcd_endpoints: vec![members[0].client_url.clone()],
         stale_ms: 30_000,
         ..Default::default()
@@ -556,7 +606,7 @@ async fn the_registry_survives_losing_one_of_three_etcd_members() {
         stop.clone(),
     ));
     let hb = Heartbeat::new(
-        EtcdRegistrar::new(client(), Keys::new("/tl"), BEAT_MS),
+        EtcdRegistrar::new(client(), Keys::new("/tl"), BEAT_MS).allow_no_auth(true),
         Duration::from_secs(3),
     );
     let listed = |q: u32| {
@@ -630,6 +680,7 @@ async fn an_engine_drains_when_its_key_is_written_not_at_its_next_beat() {
     etcd_installed();
     let members = start_cluster(&tmp("drain"), 1, None).unwrap();
     let reg = tl_engine::etcd::RegistrySection {
+        allow_no_auth: true,
         etcd_endpoints: vec![members[0].client_url.clone()],
         ..Default::default()
     };
@@ -691,14 +742,25 @@ async fn tl_etcd_sets_up_auth_and_grants_identities_as_the_readme_says() {
     let (member, tls) = certs(&dir, &[("ops", PeerRole::Admin), ("d1", PeerRole::Decode)]);
     let members = start_cluster(&dir.join("data"), 1, Some(&member)).unwrap();
     let url = members[0].client_url.as_str();
+    // An engine's init container waits for auth, and gives up at its deadline while it is off.
+    let e = tl_etcd(&dir, url, "d1", &["wait", "--wait-ms", "1200"]).unwrap_err();
+    assert!(e.contains("still off"), "{e}");
     let v = tl_etcd(&dir, url, "ops", &["init"]).unwrap();
     assert_eq!(v["auth"], "enabled");
+    assert_eq!(
+        tl_etcd(&dir, url, "d1", &["wait", "--wait-ms", "5000"]).unwrap()["auth"],
+        "enabled"
+    );
     assert_eq!(v["superuser"], "spiffe://tl/admin/ops");
     // Before its grant, d1 may do nothing; auth is on.
     let d1 = Etcd::new(&[url.to_owned()], Some(&tls[1]), Duration::from_secs(5)).unwrap();
     let keys = Keys::new("/tl");
     let e = d1
-        .put(&keys.worker("d1"), bytes::Bytes::from_static(b"x"), 0)
+        .put(
+            &keys.worker(WRole::Decode, "d1"),
+            bytes::Bytes::from_static(b"x"),
+            0,
+        )
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
@@ -709,10 +771,14 @@ async fn tl_etcd_sets_up_auth_and_grants_identities_as_the_readme_says() {
         &["grant", "--id", "d1", "--role", "decode"],
     )
     .unwrap();
-    assert_eq!(v["role"], "tl-worker-d1");
-    d1.put(&keys.worker("d1"), bytes::Bytes::from_static(b"x"), 0)
-        .await
-        .unwrap();
+    assert_eq!(v["role"], "tl-decode-d1");
+    d1.put(
+        &keys.worker(WRole::Decode, "d1"),
+        bytes::Bytes::from_static(b"x"),
+        0,
+    )
+    .await
+    .unwrap();
     // An engine's certificate cannot grant, nor drain.
     let e = tl_etcd(&dir, url, "d1", &["grant", "--id", "d1", "--role", "admin"]).unwrap_err();
     assert!(e.contains("permission denied"), "{e}");
@@ -738,12 +804,13 @@ async fn an_engine_that_shuts_down_leaves_etcd_at_once() {
     // Beats 2 s apart: the lease (three beats) would keep the key for 6 s.
     c.engine.heartbeat_ms = 2_000;
     c.registry = tl_engine::etcd::RegistrySection {
+        allow_no_auth: true,
         etcd_endpoints: vec![url.clone()],
         ..Default::default()
     };
     let d = EngineNode::start(&c).await.unwrap();
     let etcd = Etcd::new(&[url], None, Duration::from_secs(2)).unwrap();
-    let key = Keys::new(tl_engine::etcd::DEFAULT_PREFIX).worker("D1");
+    let key = Keys::new(tl_engine::etcd::DEFAULT_PREFIX).worker(Role::Decode, "D1");
     let mut listed = false;
     for _ in 0..100 {
         if etcd.get(&key).await.unwrap().is_some() {
@@ -760,4 +827,48 @@ async fn an_engine_that_shuts_down_leaves_etcd_at_once() {
         "the key outlived a graceful shutdown"
     );
     assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_refuses_an_etcd_whose_auth_is_off_unless_allowed() {
+    use tl_engine::node::EngineNode;
+    etcd_installed();
+    let members = start_cluster(&tmp("no-auth"), 1, None).unwrap();
+    let url = members[0].client_url.clone();
+    let mut c = common::engine_cfg("D1", WRole::Decode, "");
+    c.registry = tl_engine::etcd::RegistrySection {
+        etcd_endpoints: vec![url.clone()],
+        ..Default::default()
+    };
+    let e = EngineNode::start(&c)
+        .await
+        .err()
+        .expect("an engine started on an etcd without auth");
+    assert!(e.to_string().contains("auth off"), "{e}");
+    // The registrar checks again before each new registration (an etcd that did not answer
+    // at start), and writes nothing.
+    let etcd = Arc::new(Etcd::new(&[url], None, Duration::from_secs(2)).unwrap());
+    let reg = Heartbeat::new(
+        EtcdRegistrar::new(Arc::clone(&etcd), Keys::new("/tl"), BEAT_MS),
+        Duration::from_secs(2),
+    );
+    let e = reg
+        .beat_once(status("D1", "127.0.0.1:1", 0))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    let keys = Keys::new("/tl");
+    assert!(etcd.get_prefix(&keys.workers()).await.unwrap().0.is_empty());
+    // The flag lets it run.
+    c.registry.allow_no_auth = true;
+    let d = EngineNode::start(&c).await.unwrap();
+    let key = keys.worker(WRole::Decode, "D1");
+    assert!(
+        eventually_async(Duration::from_secs(10), || async {
+            etcd.get(&key).await.unwrap().is_some()
+        })
+        .await,
+        "the allowed engine never registered"
+    );
+    d.shutdown(Duration::from_millis(100)).await;
 }

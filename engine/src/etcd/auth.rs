@@ -6,7 +6,7 @@
 //!
 //! | identity | etcd role | may |
 //! |---|---|---|
-//! | an engine `ID` | `tl-worker-ID` | write `<prefix>/workers/ID`; read `<prefix>/drain/ID` |
+//! | an engine `ROLE/ID` | `tl-ROLE-ID` | write `<prefix>/workers/ROLE/ID`; read `<prefix>/drain/ID` |
 //! | a gateway | `tl-gateway` | read `<prefix>/workers/*`; write `<prefix>/drain/*` |
 //! | an admin | `root` | everything |
 
@@ -15,6 +15,7 @@ use kvwire_grpc::etcd::{self as pb, path};
 use tonic::{Code, Status};
 
 use super::{Etcd, Keys};
+use crate::net::role::Role;
 use crate::net::tls::{PeerId, PeerRole};
 
 /// The etcd role of every gateway.
@@ -24,6 +25,30 @@ pub const GATEWAY_ROLE: &str = "tl-gateway";
 #[must_use]
 pub fn user(id: &PeerId) -> String {
     id.uri()
+}
+
+/// Whether etcd's auth is on, as a caller that is not a superuser sees it: a key outside every
+/// grant is refused with auth on and read with auth off. (etcd 3.4, Debian's, has no
+/// `AuthStatus` call.) A superuser reads it either way, so this answers `false` for one.
+///
+/// # Errors
+/// etcd's status when it could not be asked (unreachable, timed out).
+pub async fn is_on(etcd: &Etcd, keys: &Keys) -> Result<bool, Status> {
+    match etcd.get(&keys.auth_probe()).await {
+        Ok(_) => Ok(false),
+        Err(s) if s.code() == Code::PermissionDenied => Ok(true),
+        Err(s) => Err(s),
+    }
+}
+
+/// The refusal of an engine that finds etcd's auth off and may not run so.
+#[must_use]
+pub fn off_refused(endpoints: &str) -> Status {
+    Status::failed_precondition(format!(
+        "etcd at {endpoints} has its auth off, so any identity could write any worker's key: \
+         an admin runs `tl etcd init` first (or set [registry] allow_no_auth = true, \
+         --etcd-allow-no-auth, for a test)"
+    ))
 }
 
 /// An answer that says the thing exists already: setting up twice is not an error.
@@ -150,9 +175,21 @@ pub async fn grant(etcd: &Etcd, keys: &Keys, id: &PeerId) -> Result<String, Stat
             ));
         }
         PeerRole::Prefill | PeerRole::Decode | PeerRole::Both => {
-            let role = format!("tl-worker-{}", id.id);
+            // The key names the certificate's role: a decode identity cannot list itself as
+            // prefill, because etcd refuses it the prefill key.
+            let worker = Role::try_from(id.role).map_err(|_| {
+                Status::internal("a worker certificate role without a registry role")
+            })?;
+            let role = format!("tl-{}-{}", worker.name(), id.id);
             add_role(etcd, &role).await?;
-            permit(etcd, &role, pb::PERM_READWRITE, &keys.worker(&id.id), false).await?;
+            permit(
+                etcd,
+                &role,
+                pb::PERM_READWRITE,
+                &keys.worker(worker, &id.id),
+                false,
+            )
+            .await?;
             permit(etcd, &role, pb::PERM_READ, &keys.drain(&id.id), false).await?;
             role
         }

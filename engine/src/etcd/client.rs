@@ -97,6 +97,16 @@ impl Etcd {
         self.timeout
     }
 
+    /// The client URLs, comma separated (for messages).
+    #[must_use]
+    pub fn endpoints(&self) -> String {
+        self.members
+            .iter()
+            .map(|(u, _)| u.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
     /// The member calls start from, and its channel.
     fn member(&self, offset: usize) -> (usize, &(String, Channel)) {
         let i = (self.current.load(Ordering::Relaxed) + offset) % self.members.len();

@@ -1,6 +1,6 @@
 //! The worker registry on etcd v3: a small client of etcd's gRPC API (the messages are
 //! hand-written in [`kvwire_grpc::etcd`], no codegen), the engine's side (a lease, its status
-//! under `<prefix>/workers/<id>`, its drain key), the gateway's side (a watched mirror of the
+//! under `<prefix>/workers/<role>/<id>`, its drain key), the gateway's side (a watched mirror of the
 //! workers), and the users and roles that keep each identity to its own keys.
 //!
 //! | job | file |
@@ -18,6 +18,8 @@ pub mod registry;
 
 use serde::Deserialize;
 
+use crate::net::role::Role;
+
 pub use self::client::{Etcd, EtcdError};
 
 /// `[registry]`: where the worker registry lives. No endpoints: the gateway's own in-process
@@ -32,6 +34,10 @@ pub struct RegistrySection {
     /// How long a gateway routes on its last snapshot when it cannot reach etcd; after that it
     /// knows no engine until etcd answers again.
     pub stale_ms: u64,
+    /// Lets an engine register on an etcd whose auth is off. Off (the default), the engine
+    /// refuses: with auth off any identity may write any worker's key, and the first to run
+    /// `auth enable` becomes etcd's superuser. For tests and private single-host setups.
+    pub allow_no_auth: bool,
 }
 
 impl Default for RegistrySection {
@@ -40,6 +46,7 @@ impl Default for RegistrySection {
             etcd_endpoints: Vec::new(),
             prefix: DEFAULT_PREFIX.to_owned(),
             stale_ms: DEFAULT_STALE_MS,
+            allow_no_auth: false,
         }
     }
 }
@@ -88,10 +95,27 @@ impl Keys {
         format!("{}/workers/", self.prefix)
     }
 
-    /// The key of worker `id`'s status.
+    /// The key of worker `id`'s status, under the role it registers as. The role is part of
+    /// the key so that etcd's permissions bind it: an engine's certificate may write only the
+    /// key of its own role and id, and a gateway lists a key only with the role it names.
     #[must_use]
-    pub fn worker(&self, id: &str) -> String {
-        format!("{}/workers/{id}", self.prefix)
+    pub fn worker(&self, role: Role, id: &str) -> String {
+        format!("{}/workers/{}/{id}", self.prefix, role.name())
+    }
+
+    /// The role and id a worker key names, or `None` for a key that is not one.
+    #[must_use]
+    pub fn worker_of<'k>(&self, key: &'k str) -> Option<(Role, &'k str)> {
+        let rest = key.strip_prefix(&self.workers())?;
+        let (role, id) = rest.split_once('/')?;
+        Some((role.parse().ok()?, id))
+    }
+
+    /// A key no identity but a superuser may read once auth is on: reading it tells whether
+    /// auth is on ([`auth::is_on`]).
+    #[must_use]
+    pub fn auth_probe(&self) -> String {
+        format!("{}/auth-probe", self.prefix)
     }
 
     /// Every drain key starts with this.

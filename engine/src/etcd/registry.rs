@@ -3,7 +3,7 @@
 //! gateway's [`RegistryState`] equal to what etcd holds).
 //!
 //! An engine holds a lease of three beats, keeps its `WorkerStatus` (protobuf bytes) under
-//! `<prefix>/workers/<id>` attached to it, and writes it again only when it changed, at most
+//! `<prefix>/workers/<role>/<id>` attached to it, and writes it again only when it changed, at most
 //! once a beat. A key written by an admin or a gateway under `<prefix>/drain/<id>` asks it to
 //! drain. A dead engine's key goes with its lease; a gateway learns it from its watch.
 
@@ -19,6 +19,7 @@ use tonic::Status;
 
 use super::{Etcd, Keys};
 use crate::gateway::registry::RegistryState;
+use crate::net::role::Role;
 use crate::node::heartbeat::Registry;
 
 /// The lease TTL for a beat interval: three beats, in whole seconds, at least one.
@@ -43,6 +44,7 @@ pub struct EtcdRegistrar {
     keys: Keys,
     ttl_s: i64,
     lease: tokio::sync::Mutex<Lease>,
+    require_auth: bool,
 }
 
 impl EtcdRegistrar {
@@ -54,7 +56,17 @@ impl EtcdRegistrar {
             keys,
             ttl_s: lease_ttl_s(heartbeat_ms),
             lease: tokio::sync::Mutex::new(Lease::default()),
+            require_auth: true,
         }
+    }
+
+    /// Registers on an etcd whose auth is off too (`[registry] allow_no_auth`); by default
+    /// every new registration first checks that auth is on, and fails with
+    /// FAILED_PRECONDITION when it is not.
+    #[must_use]
+    pub fn allow_no_auth(mut self, allow: bool) -> Self {
+        self.require_auth = !allow;
+        self
     }
 
     /// Renews the lease, takes a new one when it is gone, writes the status when it changed,
@@ -68,8 +80,17 @@ impl EtcdRegistrar {
             tracing::warn!(lease = l.id, "the registry lease expired; registering anew");
             *l = Lease::default();
         }
-        let key = self.keys.worker(&status.worker_id);
+        let role = Role::from_wire(status.role).ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "worker role {} is not a registry role",
+                status.role
+            ))
+        })?;
+        let key = self.keys.worker(role, &status.worker_id);
         if l.id == 0 {
+            if self.require_auth && !super::auth::is_on(&self.etcd, &self.keys).await? {
+                return Err(super::auth::off_refused(&self.etcd.endpoints()));
+            }
             // One id, one live process: a key another address holds under a live lease is
             // left alone until that lease ends (three missed beats of the other process).
             if let Some(kv) = self.etcd.get(&key).await?
@@ -198,13 +219,21 @@ pub async fn watch_drain(
 }
 
 /// A worker's status as read from its key: `None` (and a warning) for one that does not
-/// decode, that names another worker than its key, or that breaks the registry's bounds.
+/// decode, that names another worker or another role than its key, or that breaks the
+/// registry's bounds. The key's role is the one etcd let the writer's certificate write, so a
+/// status that claims another role is not listed.
 fn status_of(keys: &Keys, kv: &KeyValue) -> Option<WorkerStatus> {
     let key = String::from_utf8_lossy(&kv.key);
-    let id = key.strip_prefix(&keys.workers())?;
+    let listed = keys.worker_of(&key);
     let s = WorkerStatus::decode(kv.value.as_ref()).ok();
-    match s {
-        Some(s) if s.worker_id == id && RegistryState::within_bounds(&s).is_ok() => Some(s),
+    match (listed, s) {
+        (Some((role, id)), Some(s))
+            if s.worker_id == id
+                && Role::from_wire(s.role) == Some(role)
+                && RegistryState::within_bounds(&s).is_ok() =>
+        {
+            Some(s)
+        }
         _ => {
             tracing::warn!(key = %key, "ignoring a worker key whose value is not its own status");
             None
@@ -275,7 +304,7 @@ async fn follow(
                         }
                         EVENT_DELETE => {
                             let key = String::from_utf8_lossy(&kv.key);
-                            if let Some(id) = key.strip_prefix(&keys.workers()) {
+                            if let Some((_, id)) = keys.worker_of(&key) {
                                 state.mirror_remove(id);
                             }
                         }

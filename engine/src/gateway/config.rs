@@ -57,7 +57,7 @@
 //!
 //! [registry]                       # the workers from etcd as well (see crate::etcd)
 //! etcd_endpoints = []              # etcd client URLs (https:// with [tls]); empty: none
-//! prefix = "/tl"                   # <prefix>/workers/<id>, <prefix>/drain/<id>
+//! prefix = "/tl"                   # <prefix>/workers/<role>/<id>, <prefix>/drain/<id>
 //! stale_ms = 15000                 # route on the last snapshot this long without etcd
 //!
 //! [planner]                        # moves engines of role both between prefill and decode

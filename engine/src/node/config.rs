@@ -62,6 +62,7 @@
 //! [registry]                    # the worker registry on etcd, instead of gateway_registry
 //! etcd_endpoints = []           # etcd client URLs (https:// with [tls]); empty: not on etcd
 //! prefix = "/tl"                # the keys live under <prefix>/workers/ and <prefix>/drain/
+//! allow_no_auth = false         # register on an etcd whose auth is off (tests only)
 //!
 //! [limits]                      # see net/limits.rs: every bound a peer meets, and drain_ms
 //!

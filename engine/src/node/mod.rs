@@ -404,6 +404,30 @@ impl EngineNode {
             )?;
             addrs.http = advertised(http, advertise)?;
         }
+        // An etcd whose auth is off is refused at start when it answers now; one that does not
+        // answer yet is checked again before the first registration.
+        if cfg.registry.on_etcd() && !cfg.registry.allow_no_auth {
+            let etcd = crate::etcd::Etcd::new(
+                &cfg.registry.etcd_endpoints,
+                tls.as_ref(),
+                Duration::from_secs(2),
+            )
+            .map_err(|e| invalid(&e))?;
+            let keys = crate::etcd::Keys::new(&cfg.registry.prefix);
+            match crate::etcd::auth::is_on(&etcd, &keys).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    let s = crate::etcd::auth::off_refused(&etcd.endpoints());
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::PermissionDenied,
+                        s.message().to_owned(),
+                    ));
+                }
+                Err(e) => {
+                    tracing::warn!(code = ?e.code(), error = e.message(), "etcd did not answer at start; its auth is checked again before registering");
+                }
+            }
+        }
         // The heartbeat and the registry's client (its channel's task too) on the control
         // runtime: a beat is never late because the data plane's workers are busy.
         let on_etcd = on_control(ctl, || -> std::io::Result<_> {
@@ -427,7 +451,10 @@ impl EngineNode {
                         life.token().clone(),
                     ));
                 }
-                let registry = Arc::new(crate::etcd::registry::EtcdRegistrar::new(etcd, keys, ms));
+                let registry = Arc::new(
+                    crate::etcd::registry::EtcdRegistrar::new(etcd, keys, ms)
+                        .allow_no_auth(cfg.registry.allow_no_auth),
+                );
                 on_etcd = Some(Arc::clone(&registry));
                 let target = cfg.registry.etcd_endpoints.join(",");
                 let hb = Arc::new(Heartbeat::new(registry, timeout).named(&target));

@@ -319,6 +319,8 @@ fn start(a: &DrillArgs, dir: &Path) -> Result<Fleet, String> {
             &cfg.to_string_lossy(),
             "--etcd-endpoints",
             &endpoints,
+            // The drill's etcd is a private single-host one, without auth.
+            "--etcd-allow-no-auth",
         ]
         .map(str::to_owned);
         engines.push(Proc::start(

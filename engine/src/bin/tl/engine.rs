@@ -43,6 +43,10 @@ pub(crate) struct EngineArgs {
     /// (`[registry] etcd_endpoints`).
     #[arg(long, value_name = "URL[,URL...]")]
     etcd_endpoints: Option<String>,
+    /// Register on an etcd whose auth is off (`[registry] allow_no_auth`): tests and private
+    /// single-host setups only. Without it such an etcd is refused.
+    #[arg(long)]
+    etcd_allow_no_auth: bool,
     /// The host peers reach this engine at (advertised with the bound ports); needed when
     /// listening on 0.0.0.0.
     #[arg(long)]
@@ -80,6 +84,9 @@ impl EngineArgs {
         set(&mut c.engine.gateway_registry, &self.gateway_registry);
         if let Some(e) = &self.etcd_endpoints {
             c.registry.set_endpoints(e);
+        }
+        if self.etcd_allow_no_auth {
+            c.registry.allow_no_auth = true;
         }
         set(&mut c.engine.advertise_address, &self.advertise_address);
         if let Some(m) = &self.model {

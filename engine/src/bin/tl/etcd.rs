@@ -1,6 +1,7 @@
 //! `tl etcd`: an admin's tool for the registry on etcd. `init` sets up etcd's auth (run once,
 //! with the admin's certificate, before auth is on); `grant` lets one identity in with the
-//! role its certificate names; `drain` asks a worker to drain. Each prints one JSON line.
+//! role its certificate names; `wait` waits until auth is on (an engine's init
+//! container); `drain` asks a worker to drain. Each prints one JSON line.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -67,6 +68,9 @@ pub(crate) enum EtcdCmd {
         #[arg(long)]
         role: String,
     },
+    /// Wait, for at most `--wait-ms`, until etcd's auth is on as the caller's certificate sees
+    /// it: an engine's init container, so that no engine starts before `tl etcd init`.
+    Wait(EtcdTarget),
     /// Ask a worker to drain (`--undo`: withdraw the request).
     Drain {
         #[command(flatten)]
@@ -124,6 +128,23 @@ pub(crate) fn etcd(cmd: &EtcdCmd) -> ExitCode {
                 let granted =
                     patiently(target.wait_ms, || auth::grant(&etcd, &keys, &peer)).await?;
                 Ok(serde_json::json!({"user": auth::user(&peer), "role": granted}))
+            }
+            EtcdCmd::Wait(t) => {
+                let (etcd, keys, _) = client(t)?;
+                let end = std::time::Instant::now() + Duration::from_millis(t.wait_ms);
+                loop {
+                    let on = patiently(t.wait_ms, || auth::is_on(&etcd, &keys)).await?;
+                    if on {
+                        break Ok(serde_json::json!({"auth": "enabled"}));
+                    }
+                    if std::time::Instant::now() >= end {
+                        break Err(format!(
+                            "etcd's auth was still off after {} ms: an admin runs `tl etcd init`",
+                            t.wait_ms
+                        ));
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
             }
             EtcdCmd::Drain { target, id, undo } => {
                 let (etcd, keys, _) = client(target)?;
