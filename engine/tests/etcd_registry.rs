@@ -840,10 +840,9 @@ async fn an_engine_refuses_an_etcd_whose_auth_is_off_unless_allowed() {
         etcd_endpoints: vec![url.clone()],
         ..Default::default()
     };
-    let e = EngineNode::start(&c)
-        .await
-        .err()
-        .expect("an engine started on an etcd without auth");
+    let Err(e) = EngineNode::start(&c).await else {
+        panic!("an engine started on an etcd without auth");
+    };
     assert!(e.to_string().contains("auth off"), "{e}");
     // The registrar checks again before each new registration (an etcd that did not answer
     // at start), and writes nothing.

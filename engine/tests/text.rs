@@ -407,3 +407,134 @@ async fn a_template_that_loops_or_floods_is_refused_and_the_gateway_stays_up() {
     c.gw.stop().await;
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A template that grows a string without writing it (`x ~ x`, forty times over) would take
+/// terabytes, past fuel and the output bound: in its render process it ends that process at
+/// `template_memory_mib`, and one that runs too long is killed at `template_timeout_ms`. Each is
+/// a bound refused by name; the next render starts a new process and is served.
+#[test]
+fn a_template_past_its_memory_or_time_ends_its_render_process_only() {
+    use tl_engine::gateway::sandbox::{Sandbox, SandboxLimits};
+    use tl_llama::text::{ChatTemplate, RenderBounds};
+    use tl_llama::{Message, TextError};
+    let source = "{% set ns = namespace(x='xxxxxxxx') %}\
+        {% if messages[0]['content'] == 'grow' %}{% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}\
+        {% elif messages[0]['content'] == 'slow' %}{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}\
+        {% endif %}[{{ messages[0]['content'] }}]";
+    let template = ChatTemplate::new(
+        source.into(),
+        None,
+        None,
+        RenderBounds {
+            fuel: 1 << 40,
+            max_bytes: 1 << 20,
+        },
+    )
+    .unwrap();
+    let say = |s: &str| {
+        vec![Message {
+            role: "user".into(),
+            content: s.into(),
+        }]
+    };
+    let limits = |memory_mib, ms| SandboxLimits {
+        exe: env!("CARGO_BIN_EXE_tl").into(),
+        memory_mib,
+        timeout: std::time::Duration::from_millis(ms),
+    };
+    let s = Sandbox::new(&template, limits(128, 20_000));
+    assert_eq!(s.render(&say("hi"), true).unwrap(), "[hi]");
+    assert_eq!(s.idle(), 1, "a render process is kept for the next render");
+    match s.render(&say("grow"), true) {
+        Err(TextError::Bound(m)) => assert!(m.contains("memory bound of 128 MiB"), "{m}"),
+        other => panic!("a doubling template gave {other:?}"),
+    }
+    assert_eq!(s.idle(), 0, "the process that ran past its memory is gone");
+    assert_eq!(s.render(&say("again"), true).unwrap(), "[again]");
+    let s = Sandbox::new(&template, limits(128, 300));
+    assert_eq!(s.render(&say("hi"), true).unwrap(), "[hi]");
+    let t = std::time::Instant::now();
+    match s.render(&say("slow"), true) {
+        Err(TextError::Bound(m)) => assert!(m.contains("time bound of 300 ms"), "{m}"),
+        other => panic!("a 10^8-step template gave {other:?}"),
+    }
+    assert!(t.elapsed() < std::time::Duration::from_secs(10));
+    assert_eq!(s.render(&say("after"), true).unwrap(), "[after]");
+    // The template's own errors pass through unchanged.
+    let bad = ChatTemplate::new(
+        "{{ raise_exception('no system role') }}".into(),
+        None,
+        None,
+        RenderBounds::default(),
+    )
+    .unwrap();
+    match Sandbox::new(&bad, limits(128, 5_000)).render(&say("hi"), true) {
+        Err(TextError::Template(m)) => assert!(m.contains("no system role"), "{m}"),
+        other => panic!("raise_exception gave {other:?}"),
+    }
+}
+
+/// Through the gateway: a chat whose template grows without bound is a 400 on `messages`
+/// naming the memory bound, the gateway stays up and serves the next chat, and the pools are
+/// as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_that_takes_all_memory_is_refused_and_the_gateway_stays_up() {
+    let dir = checkpoint("grow");
+    let cfg_path = dir.join("tokenizer_config.json");
+    let mut tc: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    tc["chat_template"] = json!(
+        "{% set ns = namespace(x='xxxxxxxx') %}{% if messages[0]['content'] == 'grow' %}\
+         {% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}{% endif %}\
+         {{ messages[0]['content'] }}"
+    );
+    std::fs::write(&cfg_path, tc.to_string()).unwrap();
+    let path = dir.display().to_string();
+    let gw = GatewayConfig {
+        gateway: GatewaySection {
+            model_path: path.clone(),
+            template_memory_mib: 64,
+            render_worker: Some(env!("CARGO_BIN_EXE_tl").into()),
+            ..GatewaySection::local()
+        },
+        ..GatewayConfig::local()
+    };
+    let c = cluster_of(&gw, 1, |cfg| {
+        cfg.model.kind = "llama".into();
+        cfg.model.path = path.clone();
+        cfg.model.threads = 1;
+        cfg.pool.block_tokens = 16;
+        cfg.pool.n_blocks = 64;
+    })
+    .await;
+    let used = |n: &tl_engine::node::EngineNode| n.runner().pool().lock().counts().used;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let chat = |content: &str| {
+        json!({"messages": [{"role": "user", "content": content}], "max_tokens": 2}).to_string()
+    };
+    let before = (used(&c.p), used(&c.d[0]));
+    for _ in 0..2 {
+        let r = http
+            .post(&addr, "/v1/chat/completions", &[], chat("grow"))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+        let v: Value = r.json();
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.contains("memory bound of 64 MiB"), "{m}");
+        assert_eq!(v["error"]["param"], "messages");
+        assert_eq!(http.get(&addr, "/health").await.unwrap().status, 200);
+    }
+    assert_eq!(
+        (used(&c.p), used(&c.d[0])),
+        before,
+        "a refusal changed a pool"
+    );
+    let r = http
+        .post(&addr, "/v1/chat/completions", &[], chat("hello"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    c.gw.stop().await;
+    std::fs::remove_dir_all(&dir).unwrap();
+}

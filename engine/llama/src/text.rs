@@ -73,7 +73,7 @@ impl std::io::Write for Bounded {
 }
 
 /// One chat message.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Message {
     /// `system`, `user`, `assistant`, ...
     pub role: String,
@@ -81,12 +81,131 @@ pub struct Message {
     pub content: String,
 }
 
+/// A checkpoint's chat template, parsed, with the BOS and EOS strings it is given and the
+/// bounds each render runs within. It is all a render needs, so a process of its own can
+/// rebuild it from [`source`](Self::source), [`bos`](Self::bos) and [`eos`](Self::eos).
+pub struct ChatTemplate {
+    env: minijinja::Environment<'static>,
+    source: String,
+    bos: Option<String>,
+    eos: Option<String>,
+    bounds: RenderBounds,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bytes", &self.source.len())
+            .field("bounds", &self.bounds)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChatTemplate {
+    /// Parses `source` (a broken template is refused here, never at a request).
+    ///
+    /// # Errors
+    /// A template minijinja cannot parse.
+    pub fn new(
+        source: String,
+        bos: Option<String>,
+        eos: Option<String>,
+        bounds: RenderBounds,
+    ) -> Result<Self, TextError> {
+        let mut env = chat_env_base();
+        env.set_fuel(Some(bounds.fuel));
+        env.add_template_owned("chat", source.clone())
+            .map_err(|e| TextError::Template(e.to_string()))?;
+        Ok(Self {
+            env,
+            source,
+            bos,
+            eos,
+            bounds,
+        })
+    }
+
+    /// The template's text.
+    #[must_use]
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The `bos_token` it is given.
+    #[must_use]
+    pub fn bos(&self) -> Option<&str> {
+        self.bos.as_deref()
+    }
+
+    /// The `eos_token` it is given.
+    #[must_use]
+    pub fn eos(&self) -> Option<&str> {
+        self.eos.as_deref()
+    }
+
+    /// The bounds each render runs within.
+    #[must_use]
+    pub fn bounds(&self) -> RenderBounds {
+        self.bounds
+    }
+
+    /// The same template rendered within `bounds`.
+    #[must_use]
+    pub fn with_bounds(mut self, bounds: RenderBounds) -> Self {
+        self.bounds = bounds;
+        self.env.set_fuel(Some(bounds.fuel));
+        self
+    }
+
+    /// `messages` rendered as `apply_chat_template(..., tokenize=False)` renders them, with
+    /// `bos_token`, `eos_token` and `add_generation_prompt` defined and `raise_exception`
+    /// failing the render with the template's message. A render that runs out of
+    /// instructions or writes more than `max_bytes` is stopped and refused
+    /// ([`TextError::Bound`]). Memory a template takes without writing it (a string doubled
+    /// in a loop) is not bounded here: a process of its own bounds that.
+    ///
+    /// # Errors
+    /// A template that fails on these messages, or one past a bound.
+    pub fn render(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String, TextError> {
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| TextError::Template(e.to_string()))?;
+        let mut out = Bounded {
+            out: Vec::new(),
+            left: self.bounds.max_bytes,
+            over: false,
+        };
+        let ctx = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos.clone().unwrap_or_default(),
+            eos_token => self.eos.clone().unwrap_or_default(),
+        };
+        match tmpl.render_captured_to(ctx, &mut out) {
+            Ok(_) => String::from_utf8(out.out)
+                .map_err(|_| TextError::Template("rendered text that is not UTF-8".into())),
+            Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => Err(TextError::Bound(
+                format!("ran past its bound of {} instructions", self.bounds.fuel),
+            )),
+            Err(_) if out.over => Err(TextError::Bound(format!(
+                "rendered past its bound of {} bytes",
+                self.bounds.max_bytes
+            ))),
+            Err(e) => Err(TextError::Template(e.to_string())),
+        }
+    }
+}
+
 /// A checkpoint's tokenizer, special tokens, chat template and EOS ids.
 pub struct Text {
     tok: tokenizers::Tokenizer,
-    /// The chat template, parsed at load, with its instruction bound set.
-    template: Option<minijinja::Environment<'static>>,
-    bounds: RenderBounds,
+    /// The chat template, parsed at load, with its bounds set.
+    template: Option<ChatTemplate>,
     bos: Option<String>,
     eos: Option<String>,
     eos_ids: Vec<u32>,
@@ -202,12 +321,12 @@ impl Text {
             }
         }
         // Parsed once here: a broken template is refused at load, and no request parses it.
-        let bounds = RenderBounds::default();
-        let template = template.map(|t| chat_env(t, bounds.fuel)).transpose()?;
+        let template = template
+            .map(|t| ChatTemplate::new(t, bos.clone(), eos.clone(), RenderBounds::default()))
+            .transpose()?;
         Ok(Self {
             tok,
             template,
-            bounds,
             bos,
             eos,
             eos_ids,
@@ -228,15 +347,20 @@ impl Text {
         let parts = crate::gguf::text_parts(&g).map_err(|e| file(e.to_string()))?;
         let tok = tokenizers::Tokenizer::from_bytes(parts.tokenizer.as_bytes())
             .map_err(|e| file(format!("the tokenizer rebuilt from its metadata: {e}")))?;
-        let bounds = RenderBounds::default();
         let template = parts
             .template
-            .map(|t| chat_env(t, bounds.fuel))
+            .map(|t| {
+                ChatTemplate::new(
+                    t,
+                    parts.bos.clone(),
+                    parts.eos.clone(),
+                    RenderBounds::default(),
+                )
+            })
             .transpose()?;
         Ok(Self {
             tok,
             template,
-            bounds,
             bos: parts.bos,
             eos: parts.eos,
             eos_ids: parts.eos_ids,
@@ -292,24 +416,17 @@ impl Text {
     /// The same text side with its templates run within `bounds`.
     #[must_use]
     pub fn with_bounds(mut self, bounds: RenderBounds) -> Self {
-        self.bounds = bounds;
-        if let Some(env) = &mut self.template {
-            env.set_fuel(Some(bounds.fuel));
-        }
+        self.template = self.template.map(|t| t.with_bounds(bounds));
         self
     }
 
-    /// The bounds its template renders within.
+    /// The chat template, if the checkpoint has one.
     #[must_use]
-    pub fn bounds(&self) -> RenderBounds {
-        self.bounds
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.template.as_ref()
     }
 
-    /// `messages` through the chat template, as `apply_chat_template(..., tokenize=False)`
-    /// renders them, with `bos_token`, `eos_token` and `add_generation_prompt` defined and
-    /// `raise_exception` failing the render with the template's message. The render runs
-    /// within [`bounds`](Self::bounds): a template that runs out of instructions or writes
-    /// more than `max_bytes` is stopped and refused ([`TextError::Bound`]).
+    /// `messages` through the chat template ([`ChatTemplate::render`]).
     ///
     /// # Errors
     /// No template, one that fails on these messages, or one past a bound.
@@ -318,36 +435,10 @@ impl Text {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<String, TextError> {
-        let env = self
-            .template
+        self.template
             .as_ref()
-            .ok_or_else(|| TextError::Template("the checkpoint has no chat template".into()))?;
-        let tmpl = env
-            .get_template("chat")
-            .map_err(|e| TextError::Template(e.to_string()))?;
-        let mut out = Bounded {
-            out: Vec::new(),
-            left: self.bounds.max_bytes,
-            over: false,
-        };
-        let ctx = minijinja::context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos.clone().unwrap_or_default(),
-            eos_token => self.eos.clone().unwrap_or_default(),
-        };
-        match tmpl.render_captured_to(ctx, &mut out) {
-            Ok(_) => String::from_utf8(out.out)
-                .map_err(|_| TextError::Template("rendered text that is not UTF-8".into())),
-            Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => Err(TextError::Bound(
-                format!("ran past its bound of {} instructions", self.bounds.fuel),
-            )),
-            Err(_) if out.over => Err(TextError::Bound(format!(
-                "rendered past its bound of {} bytes",
-                self.bounds.max_bytes
-            ))),
-            Err(e) => Err(TextError::Template(e.to_string())),
-        }
+            .ok_or_else(|| TextError::Template("the checkpoint has no chat template".into()))?
+            .render(messages, add_generation_prompt)
     }
 
     /// What each token id stands for as text: its bytes as the tokenizer's decoder writes them
@@ -433,15 +524,6 @@ fn chat_env_base() -> minijinja::Environment<'static> {
         },
     );
     env
-}
-
-/// `template` parsed in [`chat_env_base`], as `chat`, with `fuel` instructions a render.
-fn chat_env(template: String, fuel: u64) -> Result<minijinja::Environment<'static>, TextError> {
-    let mut env = chat_env_base();
-    env.set_fuel(Some(fuel));
-    env.add_template_owned("chat", template)
-        .map_err(|e| TextError::Template(e.to_string()))?;
-    Ok(env)
 }
 
 /// The special tokens a chat template writes whose names say they end something (`<|im_end|>`,

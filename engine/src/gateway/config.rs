@@ -43,6 +43,8 @@
 //!                                  # vocabulary and context; "": the fake model's byte tokenizer
 //! template_fuel = 5000000          # instructions one chat-template render may run; beyond 400
 //! template_max_bytes = 16777216    # bytes one render may write; beyond 400
+//! template_memory_mib = 512        # memory one render may take in its own process; beyond 400
+//! template_timeout_ms = 2000       # time one render may take in its own process; beyond 400
 //! prep_threads = 0                 # templates and tokenizing run at most this many at a time,
 //!                                  # off the async workers (0: the cores, at least 2)
 //!
@@ -158,6 +160,15 @@ pub struct GatewaySection {
     /// Templates and tokenizing running at once, on the blocking pool (0: the cores, at
     /// least 2).
     pub prep_threads: usize,
+    /// Memory one chat-template render may take, in its own process (MiB).
+    pub template_memory_mib: u64,
+    /// How long one chat-template render may take, in its own process (milliseconds).
+    pub template_timeout_ms: u64,
+    /// The executable that renders templates in processes of their own (`tl`, which
+    /// `tl gateway` and `tl serve` set to themselves). `None`: templates render in the
+    /// gateway's process, bounded in instructions and bytes but not in memory.
+    #[serde(skip)]
+    pub render_worker: Option<std::path::PathBuf>,
 }
 
 impl Default for GatewaySection {
@@ -192,6 +203,9 @@ impl Default for GatewaySection {
             template_fuel: 5_000_000,
             template_max_bytes: 16 << 20,
             prep_threads: 0,
+            template_memory_mib: 512,
+            template_timeout_ms: 2_000,
+            render_worker: None,
         }
     }
 }
@@ -300,6 +314,18 @@ impl GatewayConfig {
                 1 << 30,
             )?;
             in_range("gateway.prep_threads", g.prep_threads, 0, 1_024)?;
+            in_range(
+                "gateway.template_memory_mib",
+                g.template_memory_mib,
+                16,
+                1 << 20,
+            )?;
+            in_range(
+                "gateway.template_timeout_ms",
+                g.template_timeout_ms,
+                10,
+                DAY_MS,
+            )?;
             in_range(
                 "gateway.request_timeout_ms",
                 g.request_timeout_ms,

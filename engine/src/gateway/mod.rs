@@ -14,6 +14,7 @@
 //! | one request's life: the task that performs them | [`request`] |
 //! | the OpenAI HTTP handlers | [`openai`] |
 //! | API keys on the public endpoint | [`keys`] |
+//! | chat templates rendered in processes bounded in memory and time | [`sandbox`] |
 
 pub mod config;
 pub mod index;
@@ -24,6 +25,7 @@ pub mod planner;
 pub mod registry;
 pub mod request;
 pub mod routed;
+pub mod sandbox;
 pub mod session;
 pub mod tenant;
 pub mod text;
@@ -383,6 +385,11 @@ impl GatewayNode {
                         fuel: g.template_fuel,
                         max_bytes: g.template_max_bytes,
                     },
+                    g.render_worker.clone().map(|exe| sandbox::SandboxLimits {
+                        exe,
+                        memory_mib: g.template_memory_mib,
+                        timeout: Duration::from_millis(g.template_timeout_ms),
+                    }),
                 )
                 .map_err(|e| invalid(&e))?,
             ))

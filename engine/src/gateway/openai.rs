@@ -169,8 +169,7 @@ impl Prep {
             Prep::Chat(messages) => match text {
                 Some(t) if t.text.has_chat_template() => {
                     let s = t
-                        .text
-                        .render_chat(&messages, true)
+                        .render_chat(&messages)
                         .map_err(|e| ApiError::bad_field("messages", e))?;
                     let ids = t
                         .text

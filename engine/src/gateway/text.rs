@@ -6,7 +6,8 @@
 //!
 //! Templates and tokenizing are CPU work a request's body decides, so they never run on the
 //! async workers: [`Prep`] runs them on the blocking pool, at most `prep_threads` at a time,
-//! after the key's admission, and each template render is bounded in instructions and bytes.
+//! after the key's admission, and each template render is bounded in instructions and bytes,
+//! and (in a render process of its own, [`super::sandbox`]) in memory and time.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -25,6 +26,8 @@ pub struct GatewayText {
     pub limits: Limits,
     /// The checkpoint's context length (`max_position_embeddings`), for `/v1/models`.
     pub max_model_len: u32,
+    /// Where its template renders: in processes of their own, or (`None`) in this one.
+    pub sandbox: Option<super::sandbox::Sandbox>,
 }
 
 /// Why a checkpoint's text side cannot be served.
@@ -41,7 +44,11 @@ impl GatewayText {
     ///
     /// # Errors
     /// A checkpoint the loader refuses, naming the file, key or field.
-    pub fn load(path: &str, bounds: tl_llama::text::RenderBounds) -> Result<Self, TextLoadError> {
+    pub fn load(
+        path: &str,
+        bounds: tl_llama::text::RenderBounds,
+        sandbox: Option<super::sandbox::SandboxLimits>,
+    ) -> Result<Self, TextLoadError> {
         let err = |why: String| TextLoadError {
             path: path.to_owned(),
             why,
@@ -53,7 +60,12 @@ impl GatewayText {
             .with_bounds(bounds);
         let vocab = Arc::new(text.vocab());
         let max_model_len = u32::try_from(cfg.max_positions).unwrap_or(u32::MAX);
+        let sandbox = match (text.chat_template(), sandbox) {
+            (Some(t), Some(limits)) => Some(super::sandbox::Sandbox::new(t, limits)),
+            _ => None,
+        };
         Ok(Self {
+            sandbox,
             vocab,
             text: Arc::new(text),
             limits: Limits {
@@ -62,5 +74,22 @@ impl GatewayText {
             },
             max_model_len,
         })
+    }
+}
+
+impl GatewayText {
+    /// `messages` through the checkpoint's chat template, with a generation prompt: in a
+    /// render process when there is a sandbox, in this one otherwise. Blocking.
+    ///
+    /// # Errors
+    /// No template, one that fails on these messages, or one past a bound.
+    pub fn render_chat(
+        &self,
+        messages: &[tl_llama::Message],
+    ) -> Result<String, tl_llama::TextError> {
+        match &self.sandbox {
+            Some(s) => s.render(messages, true),
+            None => self.text.render_chat(messages, true),
+        }
     }
 }

@@ -64,6 +64,8 @@ pub(crate) fn gateway(args: &GatewayArgs, log_format: LogFormat) -> ExitCode {
     if args.public_unauthenticated {
         cfg.gateway.public_unauthenticated = true;
     }
+    // Chat templates render in processes of this same binary, bounded in memory and time.
+    cfg.gateway.render_worker = std::env::current_exe().ok();
     args.tls.apply(&mut cfg.tls, &mut cfg.allow_insecure);
     if let Err(e) = cfg.validate() {
         eprintln!("error: {e}");

@@ -138,6 +138,14 @@ fn keep_large_buffers_warm() {
 fn keep_large_buffers_warm() {}
 
 fn main() -> ExitCode {
+    // A gateway's chat-template render process: no CLI, no logs, no allocator settings.
+    if std::env::args_os().nth(1).as_deref()
+        == Some(std::ffi::OsStr::new(
+            tl_engine::gateway::sandbox::WORKER_ARG,
+        ))
+    {
+        return tl_engine::gateway::sandbox::worker_main();
+    }
     // Before any thread or allocation setting: this may start the program again.
     copies::reexec_if_needed();
     keep_large_buffers_warm();

@@ -160,6 +160,8 @@ async fn run(args: &ServeArgs) -> Result<(), ServeError> {
             model_path: args.model.display().to_string(),
             api_keys_file: keys_file,
             public_unauthenticated: keyless,
+            // Chat templates render in processes of this binary, bounded in memory and time.
+            render_worker: std::env::current_exe().ok(),
             ..GatewaySection::default()
         },
         tls: Some(issue(&certs.0, "gw", PeerRole::Gateway, &[])?.section()),
