@@ -538,3 +538,45 @@ async fn a_template_that_takes_all_memory_is_refused_and_the_gateway_stays_up() 
     c.gw.stop().await;
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Tokenizing is CPU a request's body decides: four 1.9 MB text prompts at once are tokenized
+/// on the blocking pool (after the key's admission), so `/health` keeps answering at once on
+/// the two async workers, and each prompt is then refused as longer than the context, with the
+/// pools as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_text_prompts_are_tokenized_off_the_async_workers() {
+    let dir = checkpoint("huge");
+    let c = llama_cluster(&dir).await;
+    let used = |n: &tl_engine::node::EngineNode| n.runner().pool().lock().counts().used;
+    let before = (used(&c.p), used(&c.d[0]));
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let prompt = "a few words, again and again. ".repeat(1_900_000 / 30);
+    let body = json!({"prompt": prompt, "max_tokens": 2}).to_string();
+    let big: Vec<_> = (0..4)
+        .map(|_| {
+            let (http, addr, body) = (http.clone(), addr.clone(), body.clone());
+            tokio::spawn(async move { http.post(&addr, "/v1/completions", &[], body).await })
+        })
+        .collect();
+    let mut slowest = std::time::Duration::ZERO;
+    while !big.iter().all(tokio::task::JoinHandle::is_finished) {
+        let t = std::time::Instant::now();
+        assert_eq!(http.get(&addr, "/health").await.unwrap().status, 200);
+        slowest = slowest.max(t.elapsed());
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(
+        slowest < std::time::Duration::from_millis(300),
+        "/health took {slowest:?} while prompts were tokenized"
+    );
+    for b in big {
+        let r = b.await.unwrap().unwrap();
+        assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+        let v: Value = r.json();
+        assert_eq!(v["error"]["type"], "context_length_exceeded", "{v}");
+    }
+    assert_eq!((used(&c.p), used(&c.d[0])), before);
+    c.gw.stop().await;
+    std::fs::remove_dir_all(&dir).unwrap();
+}
