@@ -11,7 +11,10 @@ use serde::de::{self, DeserializeSeed, IntoDeserializer, MapAccess, Visitor};
 
 /// The repository's root.
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_owned()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_owned()
 }
 
 fn read(rel: &str) -> String {
@@ -38,7 +41,10 @@ struct Fields<'a> {
 impl<'de> MapAccess<'de> for Fields<'_> {
     type Error = Error;
 
-    fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> Result<Option<K::Value>, Error> {
+    fn next_key_seed<K: DeserializeSeed<'de>>(
+        &mut self,
+        seed: K,
+    ) -> Result<Option<K::Value>, Error> {
         let Some(f) = self.fields.get(self.next) else {
             return Ok(None);
         };
@@ -54,7 +60,10 @@ impl<'de> MapAccess<'de> for Fields<'_> {
             format!("{}.{f}", self.path)
         };
         self.out.borrow_mut().insert(path.clone());
-        seed.deserialize(Keys { path, out: self.out })
+        seed.deserialize(Keys {
+            path,
+            out: self.out,
+        })
     }
 }
 
@@ -62,7 +71,10 @@ struct NoItems;
 
 impl<'de> de::SeqAccess<'de> for NoItems {
     type Error = Error;
-    fn next_element_seed<T: DeserializeSeed<'de>>(&mut self, _: T) -> Result<Option<T::Value>, Error> {
+    fn next_element_seed<T: DeserializeSeed<'de>>(
+        &mut self,
+        _: T,
+    ) -> Result<Option<T::Value>, Error> {
         Ok(None)
     }
 }
@@ -137,10 +149,18 @@ impl<'de> de::Deserializer<'de> for Keys<'_> {
     fn deserialize_unit<V: Visitor<'de>>(self, v: V) -> Result<V::Value, Error> {
         v.visit_unit()
     }
-    fn deserialize_unit_struct<V: Visitor<'de>>(self, _: &'static str, v: V) -> Result<V::Value, Error> {
+    fn deserialize_unit_struct<V: Visitor<'de>>(
+        self,
+        _: &'static str,
+        v: V,
+    ) -> Result<V::Value, Error> {
         v.visit_unit()
     }
-    fn deserialize_newtype_struct<V: Visitor<'de>>(self, _: &'static str, v: V) -> Result<V::Value, Error> {
+    fn deserialize_newtype_struct<V: Visitor<'de>>(
+        self,
+        _: &'static str,
+        v: V,
+    ) -> Result<V::Value, Error> {
         v.visit_newtype_struct(self)
     }
     fn deserialize_seq<V: Visitor<'de>>(self, v: V) -> Result<V::Value, Error> {
@@ -220,14 +240,14 @@ fn documented() -> BTreeSet<String> {
             };
             continue;
         }
-        if let (Some(s), Some(rest)) = (&section, line.strip_prefix("| `")) {
-            if let Some((key, _)) = rest.split_once('`') {
-                out.insert(if s.is_empty() {
-                    key.to_owned()
-                } else {
-                    format!("{s}.{key}")
-                });
-            }
+        if let (Some(s), Some(rest)) = (&section, line.strip_prefix("| `"))
+            && let Some((key, _)) = rest.split_once('`')
+        {
+            out.insert(if s.is_empty() {
+                key.to_owned()
+            } else {
+                format!("{s}.{key}")
+            });
         }
     }
     out
@@ -237,16 +257,28 @@ fn documented() -> BTreeSet<String> {
 fn every_configuration_key_is_documented() {
     let engine = keys_of::<tl_engine::node::config::Config>();
     let gateway = keys_of::<tl_engine::gateway::config::GatewayConfig>();
-    assert!(engine.contains("engine.role") && engine.contains("limits.max_pushes"), "{engine:?}");
+    assert!(
+        engine.contains("engine.role") && engine.contains("limits.max_pushes"),
+        "{engine:?}"
+    );
     assert!(gateway.contains("gateway.max_inflight"), "{gateway:?}");
     let docs = documented();
-    let missing: Vec<_> = engine.union(&gateway).filter(|k| !docs.contains(*k)).collect();
-    assert!(missing.is_empty(), "keys missing from docs/configuration.md: {missing:?}");
+    let missing: Vec<_> = engine
+        .union(&gateway)
+        .filter(|k| !docs.contains(*k))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "keys missing from docs/configuration.md: {missing:?}"
+    );
     let stale: Vec<_> = docs
         .iter()
         .filter(|k| !engine.contains(*k) && !gateway.contains(*k))
         .collect();
-    assert!(stale.is_empty(), "docs/configuration.md documents keys no configuration has: {stale:?}");
+    assert!(
+        stale.is_empty(),
+        "docs/configuration.md documents keys no configuration has: {stale:?}"
+    );
 }
 
 /// The source files of the workspace's crates, relative to the root.
@@ -288,9 +320,15 @@ fn every_source_file_is_in_the_architecture_table() {
     let files = source_files();
     assert!(files.len() > 100, "{}", files.len());
     let missing: Vec<_> = files.difference(&listed).collect();
-    assert!(missing.is_empty(), "files missing from docs/architecture.md: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "files missing from docs/architecture.md: {missing:?}"
+    );
     let gone: Vec<_> = listed.difference(&files).collect();
-    assert!(gone.is_empty(), "docs/architecture.md lists files that are gone: {gone:?}");
+    assert!(
+        gone.is_empty(),
+        "docs/architecture.md lists files that are gone: {gone:?}"
+    );
 }
 
 /// The subcommands `tl ARGS --help` lists.
@@ -341,7 +379,10 @@ fn every_tl_command_is_in_the_readmes_table() {
             }
         }
     }
-    assert!(missing.is_empty(), "commands missing from the README's table: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "commands missing from the README's table: {missing:?}"
+    );
 }
 
 /// Every relative link target of `text` (a markdown file at `at`), without its anchor.
@@ -394,12 +435,18 @@ fn every_relative_link_resolves() {
         for l in links(&text) {
             checked += 1;
             if !page.parent().unwrap().join(&l).exists() {
-                broken.push(format!("{}: {l}", page.strip_prefix(root()).unwrap().display()));
+                broken.push(format!(
+                    "{}: {l}",
+                    page.strip_prefix(root()).unwrap().display()
+                ));
             }
         }
     }
     assert!(checked > 30, "{checked} links");
-    assert!(broken.is_empty(), "links that resolve to nothing: {broken:#?}");
+    assert!(
+        broken.is_empty(),
+        "links that resolve to nothing: {broken:#?}"
+    );
 }
 
 #[test]
@@ -408,6 +455,9 @@ fn the_readme_is_short_and_cites_no_missing_contract() {
     let lines = readme.lines().count();
     assert!(lines <= 600, "the README has {lines} lines");
     for page in ["README.md", "SECURITY.md"] {
-        assert!(!read(page).contains("CONTRACTS"), "{page} cites a document outside the repository");
+        assert!(
+            !read(page).contains("CONTRACTS"),
+            "{page} cites a document outside the repository"
+        );
     }
 }

@@ -16,13 +16,14 @@ use std::time::{Duration, Instant};
 use common::{etcd_installed, eventually, eventually_async};
 use kvwire_grpc::pb::control::{Role as PbRole, WorkerStatus};
 use tl_engine::etcd::member::{Member, MemberTls, start_cluster};
-use tl_engine::etcd::registry::{EtcdRegistrar, mirror};
 use tl_engine::etcd::{Etcd, Keys, auth};
+use tl_engine::gateway::mirror::mirror;
 use tl_engine::gateway::registry::{RegistryNode, RegistryState};
 use tl_engine::net::clients::RegistryClient;
 use tl_engine::net::role::Role as WRole;
 use tl_engine::net::tls::{PeerId, PeerRole, Tls, issue};
 use tl_engine::node::heartbeat::Heartbeat;
+use tl_engine::node::registrar::EtcdRegistrar;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
 
@@ -86,7 +87,7 @@ impl Backend {
             Arc::new(move |id: String, drain: bool| {
                 let e = Arc::clone(&e);
                 tokio::spawn(async move {
-                    tl_engine::etcd::registry::set_drain(&e, &Keys::new("/tl"), &id, drain)
+                    tl_engine::etcd::drain::set_drain(&e, &Keys::new("/tl"), &id, drain)
                         .await
                         .unwrap();
                 });
@@ -382,7 +383,7 @@ async fn an_engine_cannot_write_another_engines_key() {
         "the gateway writing d1's key",
     );
     assert_eq!(gw.get_prefix(&keys.workers()).await.unwrap().0.len(), 1);
-    tl_engine::etcd::registry::set_drain(&gw, &keys, "d1", true)
+    tl_engine::etcd::drain::set_drain(&gw, &keys, "d1", true)
         .await
         .unwrap();
     // The engine's registrar works within its rights: lease, key, drain key read.

@@ -7,16 +7,7 @@ use kvwire::{Crc32c, Shape, f16, fnv1a64};
 use crate::pool::{BlockId, PoolError, SharedKv};
 use crate::rng::Pcg32;
 
-/// Byte tokens 0..=255, then these specials.
-pub const BOS: u32 = 256;
-/// End of sequence (the fake model never samples it on purpose; it is just a vocabulary entry).
-pub const EOS: u32 = 257;
-/// Padding.
-pub const PAD: u32 = 258;
-/// Unknown.
-pub const UNK: u32 = 259;
-/// The byte-level vocabulary: 256 bytes and 4 specials.
-pub const BYTE_VOCAB: u32 = 260;
+pub use crate::vocab::{BOS, BYTE_VOCAB, EOS, PAD, UNK};
 
 /// Errors a model step can hit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]

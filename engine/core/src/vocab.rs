@@ -6,7 +6,16 @@
 
 use std::sync::{Arc, OnceLock};
 
-use crate::model::BYTE_VOCAB;
+/// Byte tokens 0..=255, then these specials.
+pub const BOS: u32 = 256;
+/// End of sequence (the fake model never samples it on purpose; it is just a vocabulary entry).
+pub const EOS: u32 = 257;
+/// Padding.
+pub const PAD: u32 = 258;
+/// Unknown.
+pub const UNK: u32 = 259;
+/// The byte-level vocabulary: 256 bytes and 4 specials.
+pub const BYTE_VOCAB: u32 = 260;
 
 /// Each token's bytes and whether it is special, for a vocabulary of [`len`](Self::len) ids.
 #[derive(Clone, PartialEq, Eq)]

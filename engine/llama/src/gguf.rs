@@ -1030,7 +1030,7 @@ pub fn text_parts(g: &Gguf) -> Result<TextParts, CheckpointError> {
             .enumerate()
             .filter(|(_, (_, ty))| **ty == 3)
             .map(|(id, (tok, _))| (id as u32, (*tok).to_owned()));
-        for id in crate::text::end_of_turn(t, controls) {
+        for id in crate::turns::end_of_turn(t, controls) {
             if !eos_ids.contains(&id) {
                 eos_ids.push(id);
             }

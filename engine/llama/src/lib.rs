@@ -15,6 +15,7 @@ pub mod init;
 pub mod kernels;
 pub mod model;
 pub mod text;
+mod turns;
 pub mod weights;
 
 pub use config::{CheckpointError, LlamaConfig};

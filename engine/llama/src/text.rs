@@ -314,7 +314,7 @@ impl Text {
                 .into_iter()
                 .filter(|(_, a)| a.special)
                 .map(|(id, a)| (id, a.content));
-            for id in end_of_turn(t, specials) {
+            for id in crate::turns::end_of_turn(t, specials) {
                 if !eos_ids.contains(&id) {
                     eos_ids.push(id);
                 }
@@ -524,24 +524,6 @@ fn chat_env_base() -> minijinja::Environment<'static> {
         },
     );
     env
-}
-
-/// The special tokens a chat template writes whose names say they end something (`<|im_end|>`,
-/// `<|eot_id|>`, `<|end|>`, `<end_of_turn>`): a turn the model writes ends with one.
-pub(crate) fn end_of_turn(
-    template: &str,
-    specials: impl IntoIterator<Item = (u32, String)>,
-) -> Vec<u32> {
-    let mut out: Vec<u32> = specials
-        .into_iter()
-        .filter(|(_, name)| {
-            let lower = name.to_ascii_lowercase();
-            template.contains(name.as_str()) && (lower.contains("end") || lower.contains("eot"))
-        })
-        .map(|(id, _)| id)
-        .collect();
-    out.sort_unstable();
-    out
 }
 
 /// The `type`s of a tokenizer decoder and of the decoders a `Sequence` holds.

@@ -1,20 +1,21 @@
 //! The worker registry on etcd v3: a small client of etcd's gRPC API (the messages are
-//! hand-written in [`kvwire_grpc::etcd`], no codegen), the engine's side (a lease, its status
-//! under `<prefix>/workers/<role>/<id>`, its drain key), the gateway's side (a watched mirror of the
-//! workers), and the users and roles that keep each identity to its own keys.
+//! hand-written in [`kvwire_grpc::etcd`], no codegen), the keys of a deployment, drain requests,
+//! and the users and roles that keep each identity to its own keys. The engine's registration
+//! is `node::registrar`, the gateway's mirror `gateway::mirror`: both use this module, and it
+//! uses neither.
 //!
 //! | job | file |
 //! |---|---|
 //! | `[registry]`: endpoints, prefix, `stale_ms` | [`RegistrySection`] |
 //! | the client: endpoints tried in turn, every call bounded | [`client`] |
-//! | an engine's lease and key; a gateway's mirror | [`registry`] |
+//! | drain requests, and an engine's watch on its own | [`drain`] |
 //! | users and roles (`tl etcd init`, `tl etcd grant`) | [`auth`] |
 //! | etcd members started by tests and drills | [`member`] |
 
 pub mod auth;
 pub mod client;
+pub mod drain;
 pub mod member;
-pub mod registry;
 
 use serde::Deserialize;
 

@@ -19,6 +19,7 @@
 pub mod config;
 pub mod index;
 pub mod keys;
+pub mod mirror;
 pub mod openai;
 pub mod plan;
 pub mod planner;
@@ -291,7 +292,7 @@ fn mirror_etcd(
     cfg: &GatewayConfig,
     tls: Option<&Tls>,
 ) -> Result<(), crate::etcd::EtcdError> {
-    use crate::etcd::{Etcd, Keys, registry};
+    use crate::etcd::{Etcd, Keys, drain};
     let etcd = Arc::new(Etcd::new(
         &cfg.registry.etcd_endpoints,
         tls,
@@ -305,14 +306,14 @@ fn mirror_etcd(
         Arc::new(move |id: String, drain: bool| {
             let (e, k) = (Arc::clone(&e), k.clone());
             rt.spawn(async move {
-                if let Err(s) = registry::set_drain(&e, &k, &id, drain).await {
+                if let Err(s) = drain::set_drain(&e, &k, &id, drain).await {
                     tracing::warn!(worker = %id, error = %s, "cannot write the drain key to etcd");
                 }
             });
         }),
         Instant::now(),
     );
-    life.spawn(registry::mirror(
+    life.spawn(mirror::mirror(
         etcd,
         keys,
         Arc::clone(state),

@@ -63,7 +63,7 @@ pub struct RegistryState {
     beats: tokio::sync::Notify,
     /// Beats refused because another address holds the worker id's lease.
     conflicts: std::sync::atomic::AtomicU64,
-    /// Set when the workers come from etcd ([`crate::etcd::registry::mirror`]).
+    /// Set when the workers come from etcd ([`super::mirror::mirror`]).
     mirror: Mutex<Option<Mirror>>,
     /// The last snapshot routing took, and when: shared by the requests that route within
     /// [`SHARED_SNAPSHOT_FOR`] of it, dropped by any change to the workers.

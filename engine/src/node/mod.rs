@@ -16,6 +16,7 @@ pub mod control;
 pub mod front;
 pub mod heartbeat;
 pub mod prefill;
+pub mod registrar;
 pub mod runner;
 pub mod state;
 pub mod store;
@@ -91,7 +92,7 @@ pub struct EngineNode {
     thread: EngineThread,
     /// On etcd: the registrar whose lease a graceful shutdown revokes, so that gateways drop
     /// this engine at once rather than when the lease runs out.
-    etcd: Option<Arc<crate::etcd::registry::EtcdRegistrar>>,
+    etcd: Option<Arc<registrar::EtcdRegistrar>>,
     /// The control plane's runtime (`engine.control_threads`); last, so it ends after the
     /// tasks above that run on it.
     _control: Option<ControlRuntime>,
@@ -443,7 +444,7 @@ impl EngineNode {
                 let keys = crate::etcd::Keys::new(&cfg.registry.prefix);
                 {
                     let s = Arc::clone(&state);
-                    life.spawn(crate::etcd::registry::watch_drain(
+                    life.spawn(crate::etcd::drain::watch_drain(
                         Arc::clone(&etcd),
                         keys.clone(),
                         cfg.engine.id.clone(),
@@ -452,7 +453,7 @@ impl EngineNode {
                     ));
                 }
                 let registry = Arc::new(
-                    crate::etcd::registry::EtcdRegistrar::new(etcd, keys, ms)
+                    registrar::EtcdRegistrar::new(etcd, keys, ms)
                         .allow_no_auth(cfg.registry.allow_no_auth),
                 );
                 on_etcd = Some(Arc::clone(&registry));

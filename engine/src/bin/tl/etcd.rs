@@ -6,7 +6,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use tl_engine::etcd::{Etcd, Keys, auth, registry};
+use tl_engine::etcd::{Etcd, Keys, auth, drain};
 use tl_engine::net::tls::{PeerId, Tls};
 
 use crate::run::TlsArgs;
@@ -148,10 +148,7 @@ pub(crate) fn etcd(cmd: &EtcdCmd) -> ExitCode {
             }
             EtcdCmd::Drain { target, id, undo } => {
                 let (etcd, keys, _) = client(target)?;
-                patiently(target.wait_ms, || {
-                    registry::set_drain(&etcd, &keys, id, !undo)
-                })
-                .await?;
+                patiently(target.wait_ms, || drain::set_drain(&etcd, &keys, id, !undo)).await?;
                 Ok(serde_json::json!({"worker": id, "drain": !undo}))
             }
         }
