@@ -6,15 +6,19 @@
 //!   the request state machine and the OpenAI handlers;
 //! - [`api`]: the typed OpenAI HTTP API and its one SSE codec, shared by both;
 //! - [`net`]: servers and their one shutdown mechanism, and the clients of other processes;
-//! - [`toml_file`]: reading a configuration file, for both.
+//! - [`etcd`]: the registry on etcd: client, keys, drain requests, users and roles;
+//! - [`telemetry`]: metrics, traces and logs;
+//! - [`toml_file`]: reading a configuration file, for both;
+//! - [`copies`] and [`sched`]: process-wide settings (glibc's copy threshold, thread priority).
 //!
-//! The `tl` binary (`src/bin/tl/`) is built on these; it is not library API.
+//! The `tl` binary (`engine/cli`) and the benchmarks and drills (`engine/lab`) are built on these.
 // One module, `sched`, holds unsafe code (two libc calls rustix does not offer), each with its
 // reason.
 #![deny(unsafe_code)]
 #![deny(missing_docs)]
 
 pub mod api;
+pub mod copies;
 pub mod etcd;
 pub mod gateway;
 pub mod net;

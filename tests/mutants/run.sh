@@ -21,15 +21,15 @@ s02|kvwire|reader_rules|envelope_reader_rules
 s03|kvwire|reader_rules|envelope_reader_rules
 s04|kvwire|reader_rules|envelope_reader_rules
 s05|tl-engine-core|--lib|rng::tests::resume_rng_hands_off_the_draws
-s06|tl-engine|transfer|has_blocks_takes_no_reference
+s06|tl|transfer|has_blocks_takes_no_reference
 s07|kvwire-grpc|receiver|push_accepts_dedups_and_refuses
 s08|kvwire-grpc|receiver|push_accepts_dedups_and_refuses
 s09|kvwire-grpc|receiver|push_accepts_dedups_and_refuses
-s10|tl-engine|disagg|disaggregated_equals_colocated
-s11|tl-engine|transfer|bytes_moved_are_missing_blocks_plus_tail
-s12|tl-engine|transfer|transfer_reset_frees_both_sides
-s13|tl-engine|disagg|prefill_rpc_validation_and_info
-s14|tl-engine|heartbeat|beat_once_counts_failures_and_drain
+s10|tl|disagg|disaggregated_equals_colocated
+s11|tl|transfer|bytes_moved_are_missing_blocks_plus_tail
+s12|tl|transfer|transfer_reset_frees_both_sides
+s13|tl|disagg|prefill_rpc_validation_and_info
+s14|tl|heartbeat|beat_once_counts_failures_and_drain
 '
 
 scratch=$(mktemp -d)

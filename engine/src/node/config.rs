@@ -342,6 +342,18 @@ impl Config {
         }
     }
 
+    /// `--model`: `fake`, or a checkpoint (a GGUF file or a directory) served as a Llama-family
+    /// model.
+    pub fn set_model(&mut self, model: &str) {
+        if model == "fake" {
+            self.model.kind = "fake".into();
+            self.model.path.clear();
+        } else {
+            self.model.kind = "llama".into();
+            self.model.path = model.to_owned();
+        }
+    }
+
     /// Checks ranges.
     ///
     /// # Errors
