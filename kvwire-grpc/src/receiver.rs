@@ -172,7 +172,7 @@ pub struct ReceiverStats {
     pub has_blocks_answered: u64,
 }
 
-/// What one receiver lets its peers hold at once (CONTRACTS section 8). Every bound is checked
+/// What one receiver lets its peers hold at once (spec/limits.md). Every bound is checked
 /// before anything is looked up or imported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReceiverLimits {

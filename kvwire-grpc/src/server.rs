@@ -19,7 +19,7 @@ use crate::pb::kv::{
 };
 use crate::receiver::{KvReceiver, PushState};
 
-/// Deadlines and message limits of the `KvTransfer` service (CONTRACTS section 8).
+/// Deadlines and message limits of the `KvTransfer` service (spec/limits.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ServiceLimits {
     /// A push stream with no chunk for this long is undone (DEADLINE_EXCEEDED).
@@ -336,7 +336,7 @@ async fn import(
     Ok(push)
 }
 
-/// HTTP/2 bounds of a server (CONTRACTS section 8).
+/// HTTP/2 bounds of a server (spec/limits.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct H2Limits {
     /// Streams one connection may have open at once.

@@ -9,8 +9,7 @@ use std::sync::Arc;
 use bytes::BufMut;
 use kvwire::Shape;
 
-/// A block's index in the pool.
-pub type BlockId = u32;
+pub use kvwire::{BlockId, BlockKey};
 
 /// Why the store refused.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -32,47 +31,6 @@ impl StoreError {
     /// Wraps a pool's own error.
     pub fn pool(e: impl std::error::Error + Send + Sync + 'static) -> Self {
         Self::Pool(Arc::new(e))
-    }
-}
-
-/// What names a block in a cache. The chained hash (contract section 2) is only the index: two
-/// different token blocks can share it, and a collision is found in minutes. A cached block
-/// answers for a key only when its stored `tokens` equal these exactly, its parent is the block
-/// found for the previous position (so the whole prefix is compared, not just this block), and
-/// it lives in the same tenant `scope`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BlockKey<'a> {
-    /// The tenant scope (0: shared).
-    pub scope: u64,
-    /// The chained v1 hash: the index.
-    pub hash: u64,
-    /// The block's tokens: the identity.
-    pub tokens: &'a [u32],
-    /// The block holding the previous position's tokens; `None` for a prompt's first block.
-    pub parent: Option<BlockId>,
-}
-
-impl BlockKey<'static> {
-    /// No name: a block imported this way is never found by a lookup (a sender's own blocks,
-    /// which it names by id).
-    pub const ANON: BlockKey<'static> = BlockKey {
-        scope: 0,
-        hash: 0,
-        tokens: &[],
-        parent: None,
-    };
-}
-
-impl<'a> BlockKey<'a> {
-    /// A prompt's first block in the shared scope.
-    #[must_use]
-    pub fn first(hash: u64, tokens: &'a [u32]) -> Self {
-        Self {
-            scope: 0,
-            hash,
-            tokens,
-            parent: None,
-        }
     }
 }
 

@@ -1,4 +1,5 @@
-//! Block names: FNV-1a 64 chained over a parent hash and the block's token ids.
+//! Block names: FNV-1a 64 chained over a parent hash and the block's token ids, and the key a
+//! cache finds a block by ([`BlockKey`]), of which the name is only the index.
 
 /// FNV-1a 64 offset basis.
 pub const FNV_OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
@@ -63,6 +64,50 @@ pub fn prompt_hashes(tokens: &[u32], block_tokens: usize) -> Vec<u64> {
             parent
         })
         .collect()
+}
+
+/// Where a cache holds a block: a slot of its pool.
+pub type BlockId = u32;
+
+/// What names a block in a cache. The chained hash is only the index: two different token
+/// blocks can share it, and a collision is found in minutes. A cached block answers for a key
+/// only when its stored `tokens` equal these exactly, its parent is the block found for the
+/// previous position (so the whole prefix is compared, not only this block), and it lives in
+/// the same tenant `scope`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockKey<'a> {
+    /// The tenant scope (0: shared).
+    pub scope: u64,
+    /// The chained hash: the index.
+    pub hash: u64,
+    /// The block's tokens: the identity.
+    pub tokens: &'a [u32],
+    /// The block holding the previous position's tokens; `None` for a prompt's first block.
+    pub parent: Option<BlockId>,
+}
+
+impl BlockKey<'static> {
+    /// No name: a block imported this way is never found by a lookup (a sender's own blocks,
+    /// which it names by id).
+    pub const ANON: BlockKey<'static> = BlockKey {
+        scope: 0,
+        hash: 0,
+        tokens: &[],
+        parent: None,
+    };
+}
+
+impl<'a> BlockKey<'a> {
+    /// A prompt's first block in the shared scope.
+    #[must_use]
+    pub fn first(hash: u64, tokens: &'a [u32]) -> Self {
+        Self {
+            scope: 0,
+            hash,
+            tokens,
+            parent: None,
+        }
+    }
 }
 
 #[cfg(test)]

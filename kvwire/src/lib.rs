@@ -12,7 +12,9 @@ mod write;
 
 pub use crc::{CRC32C_RESIDUE, Crc32c, CrcImpl, UnknownCrcImpl, crc32c, crc32c_impl, set_crc_impl};
 pub use format::{Dims, Formats, Shape, WireFormat};
-pub use hash::{FNV_OFFSET_BASIS, FNV_PRIME, block_hash, fnv1a64, prompt_hashes};
+pub use hash::{
+    BlockId, BlockKey, FNV_OFFSET_BASIS, FNV_PRIME, block_hash, fnv1a64, prompt_hashes,
+};
 pub use header::{HEADER_LEN, Header, MAGIC, RECORD_HEAD_LEN, RecordHead, TRAILER_LEN};
 pub use payload::{Kv, PlaneError, Pos};
 pub use read::{Envelope, ErrorKind, ReadError, Reader, Record, Records};

@@ -1,4 +1,4 @@
-//! What one peer can take (CONTRACTS section 8), against real engines on 127.0.0.1:0: stalled
+//! What one peer can take (spec/limits.md), against real engines on 127.0.0.1:0: stalled
 //! and vanished pushes are undone, running sequences keep their reserve, the registry bounds
 //! hostile heartbeats, and a drain honours the handles pushed before it. Every case ends with
 //! the pool back at its baseline.

@@ -1,5 +1,5 @@
-//! Trust: mutual TLS on every internal port, authorization by certificate role (CONTRACTS
-//! section 7), heartbeats that speak only for their own identity, API keys on the public
+//! Trust: mutual TLS on every internal port, authorization by certificate role
+//! (spec/identities.md), heartbeats that speak only for their own identity, API keys on the public
 //! endpoint, and secure-by-default listen addresses. Every refusal leaves the pools unchanged.
 
 mod common;

@@ -34,8 +34,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuar
 
 use kvwire::Shape;
 
-/// A block's index in the pool.
-pub type BlockId = u32;
+pub use kvwire::{BlockId, BlockKey};
 
 const NIL: u32 = u32::MAX;
 
@@ -103,20 +102,6 @@ impl Meta {
         generation: 0,
         known: 0,
     };
-}
-
-/// What names a block: the index (`scope`, `hash`) and the identity (`tokens` and `parent`).
-/// See the module's introduction.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BlockKey<'a> {
-    /// The tenant scope (0: shared).
-    pub scope: u64,
-    /// The chained v1 hash of the block.
-    pub hash: u64,
-    /// The block's tokens, compared exactly.
-    pub tokens: &'a [u32],
-    /// The block of the previous position; `None` for a prompt's first block.
-    pub parent: Option<BlockId>,
 }
 
 /// Counts of the pool's blocks by state.

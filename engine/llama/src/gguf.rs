@@ -97,9 +97,22 @@ pub enum GgmlType {
     Q6K,
 }
 
+/// A ggml type this loader does not read: its name and id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Unread {
+    name: &'static str,
+    id: u32,
+}
+
+impl std::fmt::Display for Unread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (ggml type {})", self.name, self.id)
+    }
+}
+
 impl GgmlType {
-    /// The type of ggml's id `id`, or its name when it is one this loader does not read.
-    fn of(id: u32) -> Result<Self, String> {
+    /// The type of ggml's id `id`, or the one this loader does not read.
+    fn of(id: u32) -> Result<Self, Unread> {
         Ok(match id {
             0 => Self::F32,
             1 => Self::F16,
@@ -129,7 +142,7 @@ impl GgmlType {
                     39 => "MXFP4",
                     _ => "unknown",
                 };
-                return Err(format!("{name} (ggml type {other})"));
+                return Err(Unread { name, id: other });
             }
         })
     }
@@ -710,7 +723,7 @@ fn parse(
         }
         let kind = GgmlType::of(r.u32(&what)?).map_err(|t| CheckpointError::Dtype {
             name: name.clone(),
-            dtype: t,
+            dtype: t.to_string(),
         })?;
         let offset = r.u64(&what)?;
         let count = dims

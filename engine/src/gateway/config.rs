@@ -216,13 +216,13 @@ impl Default for GatewaySection {
 pub struct GatewayConfig {
     /// `[gateway]`.
     pub gateway: GatewaySection,
-    /// `[tls]`: mutual TLS on the registry and toward the engines (CONTRACTS section 7).
+    /// `[tls]`: mutual TLS on the registry and toward the engines (spec/identities.md).
     pub tls: Option<TlsSection>,
     /// Without `[tls]`, listen on non-loopback addresses anyway.
     pub allow_insecure: bool,
-    /// `[limits]`: what one peer can take (CONTRACTS section 8).
+    /// `[limits]`: what one peer can take (spec/limits.md).
     pub limits: LimitsSection,
-    /// `[telemetry]`: where spans are exported (CONTRACTS section 9).
+    /// `[telemetry]`: where spans are exported (spec/telemetry.md).
     pub telemetry: crate::telemetry::TelemetrySection,
     /// `[registry]`: the workers from etcd (`etcd_endpoints`, `prefix`, `stale_ms`); none:
     /// only the engines that beat to this gateway's own registry.
@@ -271,6 +271,9 @@ pub enum GatewayConfigError {
     /// A value is out of range.
     #[error("invalid gateway configuration: {0}")]
     Invalid(String),
+    /// A key's value is out of its range.
+    #[error("invalid gateway configuration: {0}")]
+    Setting(#[from] crate::net::limits::InvalidSetting),
 }
 
 impl GatewayConfig {
@@ -303,7 +306,7 @@ impl GatewayConfig {
     /// The first problem.
     pub fn validate(&self) -> Result<(), GatewayConfigError> {
         let g = &self.gateway;
-        let ranges = || -> Result<(), String> {
+        let ranges = || -> Result<(), crate::net::limits::InvalidSetting> {
             const DAY_MS: u64 = 86_400_000;
             in_range("gateway.max_inflight", g.max_inflight, 1, 1 << 20)?;
             in_range("gateway.template_fuel", g.template_fuel, 1_000, 1 << 40)?;
@@ -362,17 +365,16 @@ impl GatewayConfig {
             // NaN compares false both ways: refused by the range too.
             let p = g.load_penalty_tokens;
             if p.is_nan() {
-                return Err(format!(
-                    "gateway.load_penalty_tokens = {p} is out of range: it must be in 0..=1000000"
+                return Err(crate::net::limits::InvalidSetting::new(
+                    "gateway.load_penalty_tokens",
+                    format!("= {p} is out of range: it must be in 0..=1000000"),
                 ));
             }
             in_range("gateway.load_penalty_tokens", p, 0.0, 1e6)?;
             self.limits.validate()
         };
-        ranges().map_err(GatewayConfigError::Invalid)?;
-        self.planner
-            .validate()
-            .map_err(GatewayConfigError::Invalid)?;
+        ranges()?;
+        self.planner.validate()?;
         if g.id.is_empty() {
             return Err(GatewayConfigError::Invalid(
                 "gateway.id must not be empty".into(),

@@ -233,7 +233,7 @@ impl Gateway {
         let ended = self.in_flight();
         tracing::warn!(ended, "drain time is up: ending the requests still running");
         self.drain.cut.cancel();
-        // The process must be gone within drain_ms plus a second (CONTRACTS section 8): what a
+        // The process must be gone within drain_ms plus a second (spec/limits.md): what a
         // request cannot release by then ends with its lease on the engine.
         let wait = self
             .retry_policy()

@@ -22,6 +22,7 @@
 //! after the move, keep one move from calling for its reverse. With several gateways, enable it
 //! on one: each planner acts on what it sees, and two would compete.
 
+use crate::net::limits::InvalidSetting;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -74,27 +75,36 @@ impl PlannerSection {
     ///
     /// # Errors
     /// The first value out of range, named.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         if !(self.smoothing > 0.0 && self.smoothing <= 1.0) {
-            return Err(format!(
-                "planner.smoothing {} is not in (0, 1]",
-                self.smoothing
+            return Err(InvalidSetting::new(
+                "planner.smoothing",
+                format!("{} is not in (0, 1]", self.smoothing),
             ));
         }
         if self.interval_ms == 0 {
-            return Err("planner.interval_ms must be at least 1".into());
+            return Err(InvalidSetting::new(
+                "planner.interval_ms",
+                "must be at least 1",
+            ));
         }
         let finite_pos = |x: f64| x.is_finite() && x >= 0.0;
         if !finite_pos(self.prefill_queue_high)
             || !finite_pos(self.prefill_queue_low)
             || !finite_pos(self.decode_running_high)
         {
-            return Err("planner marks must be finite and not negative".into());
+            return Err(InvalidSetting::new(
+                "planner",
+                "marks must be finite and not negative",
+            ));
         }
         if self.prefill_queue_low >= self.prefill_queue_high {
-            return Err(format!(
-                "planner.prefill_queue_low {} must be below prefill_queue_high {}",
-                self.prefill_queue_low, self.prefill_queue_high
+            return Err(InvalidSetting::new(
+                "planner.prefill_queue_low",
+                format!(
+                    "{} must be below prefill_queue_high {}",
+                    self.prefill_queue_low, self.prefill_queue_high
+                ),
             ));
         }
         Ok(())

@@ -406,7 +406,7 @@ pub const HEARTBEAT_MS_RANGE: std::ops::RangeInclusive<u32> = 100..=60_000;
 /// Workers a registry holds by default (`[limits] registry_max_workers`).
 pub const DEFAULT_MAX_WORKERS: usize = 1024;
 
-/// Who may call the WorkerRegistry (CONTRACTS section 7). A heartbeat must also speak for its
+/// Who may call the WorkerRegistry (spec/identities.md). A heartbeat must also speak for its
 /// own certificate (checked in the handler, which alone sees the message).
 pub const POLICY: Table = &[
     (

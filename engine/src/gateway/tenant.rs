@@ -3,7 +3,7 @@
 //! A request's tenant is its API key, or, behind a trusted front, the value of
 //! `[gateway] tenant_header`. Its cache scope is a keyed digest of the tenant and the request's
 //! `cache_salt`: engines cache, find, report and deduplicate blocks only within one scope
-//! (CONTRACTS section 10), so two tenants never share a block, a HasBlocks answer or a dedup,
+//! (spec/block-identity.md), so two tenants never share a block, a HasBlocks answer or a dedup,
 //! and one tenant's requests share as before. Scope 0 is the shared scope: every request of a
 //! `shared_cache` deployment (one tenant for everyone) without a salt.
 //!
@@ -102,9 +102,9 @@ impl Quotas {
         })
     }
 
-    /// Requests `tenant` has in flight.
-    #[must_use]
-    pub fn held_by(&self, tenant: &[u8]) -> usize {
+    /// Requests `tenant` has in flight (what the tests check).
+    #[cfg(test)]
+    fn held_by(&self, tenant: &[u8]) -> usize {
         self.map().get(tenant).map_or(0, |h| h.0)
     }
 

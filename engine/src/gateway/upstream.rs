@@ -52,7 +52,7 @@ impl Upstream {
         tc.call_timeout = has_blocks_timeout.max(Duration::from_millis(1));
         tc.max_channels = max_channels;
         // A WatchBlocks stream lives as long as its engine: pings find a peer that went silent
-        // (CONTRACTS section 8's keepalive defaults).
+        // (spec/limits.md's keepalive defaults).
         tc.keepalive = Some((Duration::from_secs(10), Duration::from_secs(20)));
         let http = match tls {
             Some(t) => HttpClient::tls_verifying(

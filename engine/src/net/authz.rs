@@ -1,6 +1,6 @@
 //! Authorization by role, decided in one place per server: a table of (method or route, roles
 //! allowed) checked against the caller's certificate identity before any handler runs
-//! (CONTRACTS section 7). gRPC servers consult a [`RolePolicy`] through `kvwire_grpc`'s
+//! (spec/identities.md). gRPC servers consult a [`RolePolicy`] through `kvwire_grpc`'s
 //! [`Dispatch`](kvwire_grpc::glue::Dispatch); HTTP servers through [`require_roles`]. A refused
 //! call gets PERMISSION_DENIED or 403 and touches nothing. Without mutual TLS there is no
 //! identity and no check: such a process only listens on loopback (secure by default).

@@ -1,4 +1,4 @@
-//! `[limits]`: what one peer can take, for every process (CONTRACTS section 8). Every key is
+//! `[limits]`: what one peer can take, for every process (spec/limits.md). Every key is
 //! optional; the defaults are the contract's.
 //!
 //! ```toml
@@ -129,13 +129,35 @@ pub fn in_range<T: PartialOrd + std::fmt::Display>(
     v: T,
     lo: T,
     hi: T,
-) -> Result<(), String> {
+) -> Result<(), InvalidSetting> {
     if v < lo || v > hi {
-        return Err(format!(
-            "{key} = {v} is out of range: it must be in {lo}..={hi}"
+        return Err(InvalidSetting::new(
+            key,
+            format!("= {v} is out of range: it must be in {lo}..={hi}"),
         ));
     }
     Ok(())
+}
+
+/// A setting a process refuses to start with: the key, and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{key} {why}")]
+pub struct InvalidSetting {
+    /// The key, dotted (`limits.max_pushes`).
+    pub key: String,
+    /// What is wrong with its value, as a sentence that follows the key.
+    pub why: String,
+}
+
+impl InvalidSetting {
+    /// `key`, refused because of `why`.
+    #[must_use]
+    pub fn new(key: impl Into<String>, why: impl Into<String>) -> Self {
+        Self {
+            key: key.into(),
+            why: why.into(),
+        }
+    }
 }
 
 impl LimitsSection {
@@ -144,7 +166,7 @@ impl LimitsSection {
     ///
     /// # Errors
     /// The first key out of range, with its range.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         const DAY_MS: u64 = 86_400_000;
         in_range("limits.max_pushes", self.max_pushes, 1, 1 << 16)?;
         in_range("limits.push_idle_ms", self.push_idle_ms, 1, DAY_MS)?;

@@ -460,17 +460,6 @@ impl Tls {
             ))
     }
 
-    /// tonic's client TLS settings for a channel to an engine: as [`tonic_client`](Self::tonic_client),
-    /// verifying the server against `peer_name` when one is configured.
-    #[must_use]
-    pub fn tonic_peer_client(&self) -> tonic::transport::ClientTlsConfig {
-        let c = self.tonic_client();
-        match &self.peer_name {
-            Some(n) => c.domain_name(n.clone()),
-            None => c,
-        }
-    }
-
     pub(crate) fn roots(&self) -> Arc<RootCertStore> {
         Arc::clone(&self.roots)
     }

@@ -103,13 +103,13 @@ pub struct Config {
     pub model: ModelSection,
     /// `[pool]`.
     pub pool: PoolSection,
-    /// `[tls]`: mutual TLS on every port and connection (CONTRACTS section 7).
+    /// `[tls]`: mutual TLS on every port and connection (spec/identities.md).
     pub tls: Option<TlsSection>,
     /// Without `[tls]`, listen on non-loopback addresses anyway.
     pub allow_insecure: bool,
-    /// `[limits]`: what one peer can take (CONTRACTS section 8).
+    /// `[limits]`: what one peer can take (spec/limits.md).
     pub limits: LimitsSection,
-    /// `[telemetry]`: where spans are exported (CONTRACTS section 9).
+    /// `[telemetry]`: where spans are exported (spec/telemetry.md).
     pub telemetry: crate::telemetry::TelemetrySection,
     /// `[registry]`: the worker registry on etcd (`etcd_endpoints`), instead of the
     /// gateway's own (`[engine] gateway_registry`).
@@ -283,6 +283,9 @@ pub enum ConfigError {
     /// A value is out of range.
     #[error("invalid configuration: {0}")]
     Invalid(String),
+    /// A key's value is out of its range.
+    #[error("invalid configuration: {0}")]
+    Setting(#[from] crate::net::limits::InvalidSetting),
 }
 
 /// Why a colocated reference run could not be made.
@@ -378,8 +381,7 @@ impl Config {
                     0,
                     99,
                 )
-            })
-            .map_err(ConfigError::Invalid)?;
+            })?;
         if let Some(s) = self.engine.serving
             && self.engine.role != Role::Both
             && s != self.engine.role
@@ -430,8 +432,7 @@ impl Config {
             .and_then(|()| {
                 crate::net::limits::in_range("pool.block_tokens", self.pool.block_tokens, 1, 4096)
             })
-            .and_then(|()| self.limits.validate())
-            .map_err(ConfigError::Invalid)?;
+            .and_then(|()| self.limits.validate())?;
         let bytes = self
             .shape()
             .payload_bytes()

@@ -21,7 +21,7 @@ use super::state::NodeState;
 use crate::net::authz::{ANY, Table};
 use crate::net::tls::PeerRole;
 
-/// Who may call EngineControl (CONTRACTS section 7): Info is open to every role.
+/// Who may call EngineControl (spec/identities.md): Info is open to every role.
 pub const POLICY: Table = &[
     (path::PREFILL, &[PeerRole::Gateway, PeerRole::Admin]),
     (path::CANCEL, &[PeerRole::Gateway, PeerRole::Admin]),

@@ -47,7 +47,7 @@ use crate::net::server::{Lifecycle, bind, serve_grpc, serve_http, serve_router};
 use crate::net::tls::{PeerRole, Tls};
 use crate::telemetry::metrics::{self, KvObserver, Metrics, SharedMetrics};
 
-/// Who may call KvTransfer (CONTRACTS section 7).
+/// Who may call KvTransfer (spec/identities.md).
 pub const KV_POLICY: Table = &[
     (
         kvwire_grpc::pb::kv::path::HAS_BLOCKS,

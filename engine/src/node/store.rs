@@ -5,7 +5,7 @@
 
 use kvwire::Shape;
 use kvwire_grpc::{BlockId, KvStore, StoreError};
-use tl_engine_core::pool::{BlockKey, PoolError, SharedKv};
+use tl_engine_core::pool::{PoolError, SharedKv};
 
 /// A [`SharedKv`] serving the KV transfer. Imports leave `reserve` blocks free or evictable,
 /// so a running sequence never fails for want of a block a push took.
@@ -29,16 +29,6 @@ impl PoolStore {
     }
 }
 
-/// The transfer's block key as the pool's (the core does not know the transfer crate).
-fn core_key(k: kvwire_grpc::BlockKey<'_>) -> BlockKey<'_> {
-    BlockKey {
-        scope: k.scope,
-        hash: k.hash,
-        tokens: k.tokens,
-        parent: k.parent,
-    }
-}
-
 fn store_error(e: PoolError) -> StoreError {
     match e {
         PoolError::Exhausted { .. } => StoreError::Exhausted,
@@ -59,7 +49,7 @@ impl KvStore for PoolStore {
     }
 
     fn take_ref(&self, key: kvwire_grpc::BlockKey<'_>) -> Option<BlockId> {
-        self.0.lock().lookup_ref(core_key(key))
+        self.0.lock().lookup_ref(key)
     }
 
     fn import(
@@ -69,7 +59,7 @@ impl KvStore for PoolStore {
         payload: &[u8],
     ) -> Result<BlockId, StoreError> {
         self.0
-            .import(core_key(key), fill, payload, self.1)
+            .import(key, fill, payload, self.1)
             .map_err(store_error)
     }
 

@@ -1,4 +1,4 @@
-//! Prometheus metrics of one process, with CONTRACTS section 9's names, served as text on
+//! Prometheus metrics of one process, with the names of spec/telemetry.md, served as text on
 //! `GET /metrics` of a listener of their own.
 //!
 //! The hot path pays a few atomic adds per push or request: counters and histograms are

@@ -1,5 +1,5 @@
 //! What an operator sees of a process: logs (`tracing`, on stderr, filtered by `RUST_LOG`, text
-//! or JSON) and Prometheus metrics ([`metrics`]). The names are CONTRACTS section 9.
+//! or JSON) and Prometheus metrics ([`metrics`]). The names are spec/telemetry.md's.
 
 pub mod export;
 pub mod metrics;

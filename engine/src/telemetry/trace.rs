@@ -1,5 +1,5 @@
 //! Traces: `tracing` spans exported through OpenTelemetry, with the W3C `traceparent` carried in
-//! gRPC metadata and HTTP headers (CONTRACTS section 9). Span kinds and names are set with the
+//! gRPC metadata and HTTP headers (spec/telemetry.md). Span kinds and names are set with the
 //! `otel.kind` and `otel.name` fields `tracing-opentelemetry` reads.
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
