@@ -318,6 +318,20 @@ fn client(channel: Channel, limits: MessageLimits) -> tonic::client::Grpc<Channe
         .max_encoding_message_size(limits.max_encode)
 }
 
+/// A client of `channel` once it is ready for a call, and `req` carrying the trace context.
+async fn ready<Req>(
+    channel: Channel,
+    limits: MessageLimits,
+    mut req: Request<Req>,
+) -> Result<(tonic::client::Grpc<Channel>, Request<Req>), Status> {
+    inject_context(req.metadata_mut().as_mut());
+    let mut grpc = client(channel, limits);
+    grpc.ready()
+        .await
+        .map_err(|e| Status::unavailable(format!("channel not ready: {e}")))?;
+    Ok((grpc, req))
+}
+
 /// Calls a unary method.
 ///
 /// # Errors
@@ -332,12 +346,7 @@ where
     Req: prost::Message + Send + Sync + 'static,
     Resp: prost::Message + Default + Send + Sync + 'static,
 {
-    let mut req = req;
-    inject_context(req.metadata_mut().as_mut());
-    let mut grpc = client(channel, limits);
-    grpc.ready()
-        .await
-        .map_err(|e| Status::unavailable(format!("channel not ready: {e}")))?;
+    let (mut grpc, req) = ready(channel, limits, req).await?;
     let codec = ProstCodec::<Req, Resp>::default();
     grpc.unary(req, PathAndQuery::from_static(path), codec)
         .await
@@ -358,12 +367,7 @@ where
     Req: prost::Message + Send + Sync + 'static,
     Resp: prost::Message + Default + Send + Sync + 'static,
 {
-    let mut req = req;
-    inject_context(req.metadata_mut().as_mut());
-    let mut grpc = client(channel, limits);
-    grpc.ready()
-        .await
-        .map_err(|e| Status::unavailable(format!("channel not ready: {e}")))?;
+    let (mut grpc, req) = ready(channel, limits, req).await?;
     let codec = ProstCodec::<Req, Resp>::default();
     grpc.server_streaming(req, PathAndQuery::from_static(path), codec)
         .await

@@ -10,6 +10,10 @@
 //! - [`server`]: the `KvTransfer` service and [`serve_kv`].
 //! - [`socket`]: KV sockets whose reads and writes are capped ([`socket::READ_CAP`],
 //!   [`socket::WRITE_CAP`]), and the dialler of capped writes `GrpcTransport` uses.
+//! - [`frames`]: a client-streaming call read frame by frame, without tonic's copy.
+//! - [`lane`]: the receiver's threads for checking and copying pushed blocks, off the async
+//!   workers.
+//! - [`etcd`]: hand-written prost messages for the part of etcd's v3 API the registry uses.
 //!
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]

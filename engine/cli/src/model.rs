@@ -4,7 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use tl_engine_core::model::{BOS, BYTE_VOCAB, EOS};
-use tl_llama::init::{InitShape, write_checkpoint};
+use tl_llama::LlamaConfig;
+use tl_llama::init::write_checkpoint;
 use tl_llama::kernels::DType;
 
 /// `tl model` commands.
@@ -57,8 +58,8 @@ pub(crate) struct InitArgs {
 
 /// The tiny shape every demo and test uses.
 #[must_use]
-pub(crate) fn tiny() -> InitShape {
-    InitShape::tiny(BYTE_VOCAB as usize)
+pub(crate) fn tiny() -> LlamaConfig {
+    LlamaConfig::tiny(BYTE_VOCAB as usize)
 }
 
 /// Runs `tl model`.
@@ -67,7 +68,7 @@ pub(crate) fn model(cmd: &ModelCmd) -> ExitCode {
     let ModelCmd::Init(a) = cmd;
     let shape = match a.shape {
         ShapeName::Tiny => tiny(),
-        ShapeName::Smollm2_135m => InitShape::smollm2_135m(),
+        ShapeName::Smollm2_135m => LlamaConfig::smollm2_135m(),
     };
     let dtype = match a.dtype {
         DtypeName::Bf16 => DType::Bf16,

@@ -111,8 +111,7 @@ fn engine_config(
     block_bytes: u64,
 ) -> Result<Config, ServeError> {
     let mut c = Config::for_worker(id, role, registry);
-    c.model.kind = "llama".into();
-    c.model.path = args.model.display().to_string();
+    c.set_model(&args.model.display().to_string());
     if let Some(name) = &args.served_model_name {
         c.model.name.clone_from(name);
     }
@@ -151,7 +150,7 @@ async fn run(args: &ServeArgs) -> Result<(), ServeError> {
         .as_ref()
         .map(|p| p.display().to_string())
         .unwrap_or_default();
-    let keyless = tl_engine::gateway::keys::ApiKeys::load(&keys_file, "")
+    let keyless = tl_engine::gateway::api_keys::ApiKeys::load(&keys_file, "")
         .map_err(|e| ServeError::Model(format!("--api-key-file: {e}")))?
         .is_open();
     let gw_cfg = GatewayConfig {

@@ -280,7 +280,7 @@ async fn openai_client_round_trip() {
     let dir = tokio::task::spawn_blocking(client_dir).await.unwrap();
     assert!(dir.exists());
     let c = common::cluster(2).await;
-    let model = Config::default().model.kind;
+    let model = Config::default().model.kind.name().to_owned();
     let base_url = format!("http://{}/v1", c.gw.http_addr());
 
     let (t, max) = (0.8f32, 24);
@@ -429,7 +429,7 @@ async fn langchain_completions_llm_sends_prompt_lists() {
         .await
         .unwrap();
     let c = common::cluster(2).await;
-    let model = Config::default().model.kind;
+    let model = Config::default().model.kind.name().to_owned();
     let max = 12;
     let prompts = ["hello", "The quick brown fox", "Dîtes-moi"];
     let plan = json!({

@@ -437,8 +437,7 @@ async fn disaggregated_equals_colocated_on_the_real_model_across_processes() {
     let (p, d) = (engine("prefill", "P"), engine("decode", "D"));
     let ctl = ControlClient::new(&p.addr("grpc")).unwrap();
     let mut cfg = Config::default();
-    cfg.model.kind = "llama".into();
-    cfg.model.path = model.clone();
+    cfg.set_model(&model);
     let prompts: [Vec<u32>; 2] = [
         b"the quick brown fox"
             .iter()

@@ -258,7 +258,7 @@ async fn role_change_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_planner_moves_a_decode_engine_to_a_queueing_prefill() {
     let mut gcfg = GatewayConfig::local();
-    gcfg.planner = tl_engine::gateway::planner::PlannerSection {
+    gcfg.planner = tl_engine::gateway::roles::PlannerSection {
         enabled: true,
         interval_ms: 50,
         // The first move waits one cooldown of watching; no second is possible (one decode

@@ -10,12 +10,13 @@ use serde_json::{Value, json};
 use tl_engine::gateway::GatewayNode;
 use tl_engine::gateway::config::{GatewayConfig, GatewaySection};
 use tl_engine::net::clients::HttpClient;
-use tl_llama::init::{InitShape, write_checkpoint};
+use tl_llama::LlamaConfig;
+use tl_llama::init::write_checkpoint;
 use tl_llama::kernels::DType;
 
 fn checkpoint(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("tl-text-{name}-{}", std::process::id()));
-    write_checkpoint(&dir, &InitShape::tiny(260), DType::Bf16, 3, 1, 257, 256).unwrap();
+    write_checkpoint(&dir, &LlamaConfig::tiny(260), DType::Bf16, 3, 1, 257, 256).unwrap();
     dir
 }
 
@@ -33,8 +34,7 @@ fn gateway(dir: &std::path::Path) -> GatewayConfig {
 async fn llama_cluster(dir: &std::path::Path) -> common::Cluster {
     let path = dir.display().to_string();
     cluster_of(&gateway(dir), 1, |cfg| {
-        cfg.model.kind = "llama".into();
-        cfg.model.path = path.clone();
+        cfg.set_model(&path);
         cfg.model.threads = 1;
         cfg.pool.block_tokens = 16;
         cfg.pool.n_blocks = 256;
@@ -333,8 +333,7 @@ async fn a_template_that_loops_or_floods_is_refused_and_the_gateway_stays_up() {
         ..GatewayConfig::local()
     };
     let c = cluster_of(&gw, 1, |cfg| {
-        cfg.model.kind = "llama".into();
-        cfg.model.path = path.clone();
+        cfg.set_model(&path);
         cfg.model.threads = 1;
         cfg.pool.block_tokens = 16;
         cfg.pool.n_blocks = 64;
@@ -499,8 +498,7 @@ async fn a_template_that_takes_all_memory_is_refused_and_the_gateway_stays_up() 
         ..GatewayConfig::local()
     };
     let c = cluster_of(&gw, 1, |cfg| {
-        cfg.model.kind = "llama".into();
-        cfg.model.path = path.clone();
+        cfg.set_model(&path);
         cfg.model.threads = 1;
         cfg.pool.block_tokens = 16;
         cfg.pool.n_blocks = 64;

@@ -34,8 +34,7 @@ fn text() -> &'static tl_llama::Text {
 fn engine_tweak(path: &Path) -> impl Fn(&mut Config) + use<> {
     let path = path.display().to_string();
     move |cfg: &mut Config| {
-        cfg.model.kind = "llama".into();
-        cfg.model.path = path.clone();
+        cfg.set_model(&path);
         cfg.model.threads = 1;
         cfg.pool.block_tokens = 16;
         cfg.pool.n_blocks = 64;

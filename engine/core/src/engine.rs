@@ -9,9 +9,10 @@
 //! cancel, or on an error, its references are released (full blocks stay cached for reuse).
 //!
 //! A prefill-only request ([`Mode::PrefillOnly`], the prefill role) stops after the first token
-//! and hands its blocks out in [`Event::Prefilled`]; [`Engine::resume`] starts a sequence from
+//! and hands its blocks out in [`StepEvent::Prefilled`]; [`Engine::resume`] starts a sequence from
 //! such blocks (the decode role) with the generator resumed where the prefill left it.
 
+use crate::cost::CostModel;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
@@ -129,7 +130,7 @@ pub struct Resume {
 pub enum Mode {
     /// Generate `max_tokens` tokens here.
     Generate,
-    /// Prefill, sample the first token, emit [`Event::Prefilled`].
+    /// Prefill, sample the first token, emit [`StepEvent::Prefilled`].
     PrefillOnly,
 }
 
@@ -203,7 +204,7 @@ pub enum FinishReason {
 
 /// What a step produced.
 #[derive(Debug)]
-pub enum Event {
+pub enum StepEvent {
     /// A token of one choice; `index` 0 is the first token of its completion.
     Token {
         /// The request (the id `submit` or `resume` returned).
@@ -344,42 +345,6 @@ impl Seq {
 
     fn generated(&self) -> u32 {
         (self.tokens.len() - self.prompt_len) as u32
-    }
-}
-
-/// Optional simulated compute cost, applied by the caller of [`Engine::step`] as a sleep after
-/// the step (never by spinning), so several engines sharing few cores do not distort each other.
-///
-/// It behaves as a GPU engine does: a step that decodes pays once for reading the weights
-/// (`decode_per_step`, whatever the batch) and then per sequence for reading its KV
-/// (`decode_per_seq`); prefill pays per token computed. One step's parts add up, so a long
-/// prefill in a colocated step stalls every decode of that step, as it does on a GPU.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct CostModel {
-    /// Simulated time per prompt token prefilled (cached prefix tokens cost nothing).
-    pub prefill_per_token: Duration,
-    /// Simulated time per running sequence per decode step.
-    pub decode_per_seq: Duration,
-    /// Simulated time of a step that decodes at least one sequence, once per step: reading the
-    /// weights, which batching shares.
-    pub decode_per_step: Duration,
-}
-
-impl CostModel {
-    /// Llama-3-8B in bf16 on one H100 SXM, from its published shape and the GPU's datasheet:
-    /// - per decode step, the weights read once: 8.03e9 parameters x 2 bytes = 16.06 GB over
-    ///   3.35 TB/s of HBM3 = 4.79 ms;
-    /// - per sequence, its KV read: 2 (K and V) x 32 layers x 8 KV heads x 128 x 2 bytes =
-    ///   128 KiB a token, at a typical 1,024-token context 134 MB = 40 us;
-    /// - per prompt token prefilled, compute-bound: 2 x 8.03e9 = 16.1 GFLOP over 989 TFLOP/s
-    ///   of dense bf16 at 50% utilisation = 32 us.
-    #[must_use]
-    pub fn llama3_8b_h100() -> Self {
-        Self {
-            prefill_per_token: Duration::from_micros(32),
-            decode_per_seq: Duration::from_micros(40),
-            decode_per_step: Duration::from_micros(4_790),
-        }
     }
 }
 
@@ -651,7 +616,7 @@ impl Engine {
     /// Later it recomputes its KV, reusing whatever of it is still cached, and decodes on from
     /// its own generator: its tokens are exactly those it would have produced. Only a request
     /// alone in the engine that still finds no block fails.
-    pub fn step(&mut self) -> (Vec<Event>, StepStats) {
+    pub fn step(&mut self) -> (Vec<StepEvent>, StepStats) {
         let mut events = Vec::new();
         let mut stats = StepStats::default();
         let mut batch = Vec::with_capacity(self.running.len());
@@ -664,7 +629,7 @@ impl Engine {
             let group = seq.group;
             match self.open_resumed(seq, &mut events) {
                 Ok(choices) => batch.extend(choices),
-                Err(error) => events.push(Event::Failed { seq: group, error }),
+                Err(error) => events.push(StepEvent::Failed { seq: group, error }),
             }
         }
         let mut preempted = self.make_room(&mut batch);
@@ -702,7 +667,7 @@ impl Engine {
                 }
                 Err(error) => {
                     failed.push(seq.group);
-                    events.push(Event::Failed {
+                    events.push(StepEvent::Failed {
                         seq: seq.group,
                         error,
                     });
@@ -728,7 +693,7 @@ impl Engine {
                 for (mut seq, logits) in ready.into_iter().zip(all) {
                     stats.decoded += 1;
                     let (token, logprobs) = self.finish_decode(&mut seq, &logits);
-                    events.push(Event::Token {
+                    events.push(StepEvent::Token {
                         seq: seq.group,
                         choice: seq.choice,
                         token,
@@ -747,7 +712,7 @@ impl Engine {
                 for seq in &ready {
                     if !failed.contains(&seq.group) {
                         failed.push(seq.group);
-                        events.push(Event::Failed {
+                        events.push(StepEvent::Failed {
                             seq: seq.group,
                             error: SeqError::Model(error),
                         });
@@ -815,7 +780,7 @@ impl Engine {
                         let group = seq.group;
                         self.waiting.retain(|s| s.group != group);
                         self.running.retain(|s| s.group != group);
-                        events.push(Event::Failed { seq: group, error });
+                        events.push(StepEvent::Failed { seq: group, error });
                         continue;
                     }
                 }
@@ -834,7 +799,7 @@ impl Engine {
                         break;
                     }
                 }
-                Err(error) => events.push(Event::Failed {
+                Err(error) => events.push(StepEvent::Failed {
                     seq: seq.group,
                     error,
                 }),
@@ -906,7 +871,7 @@ impl Engine {
 
     /// A resumed request's first step: the prompt's last step is recomputed from the
     /// transferred blocks when its logits are needed (other choices, log-probabilities).
-    fn open_resumed(&self, seq: Seq, events: &mut Vec<Event>) -> Result<Vec<Seq>, SeqError> {
+    fn open_resumed(&self, seq: Seq, events: &mut Vec<StepEvent>) -> Result<Vec<Seq>, SeqError> {
         let logits = if seq.fanout > 0 || seq.logprobs.is_some() {
             Some(
                 self.model
@@ -925,7 +890,7 @@ impl Engine {
         &self,
         mut first: Seq,
         logits: Option<&[f32]>,
-        events: &mut Vec<Event>,
+        events: &mut Vec<StepEvent>,
     ) -> Result<Vec<Seq>, SeqError> {
         let fanout = std::mem::take(&mut first.fanout);
         let mut choices = Vec::with_capacity(fanout as usize + 1);
@@ -1034,7 +999,7 @@ impl Engine {
         mut p: Partial,
         left: &mut Option<usize>,
         stats: &mut StepStats,
-        events: &mut Vec<Event>,
+        events: &mut Vec<StepEvent>,
     ) {
         let b = self.model.shape().block_tokens() as usize;
         let len = p.seq.prompt_len;
@@ -1043,7 +1008,7 @@ impl Engine {
             Some(l) => (p.written + (l / b).max(1) * b).min(len),
         };
         if let Err(error) = self.fill_range(&p.seq, &p.blocks, &p.hashes, len, p.written, to) {
-            events.push(Event::Failed {
+            events.push(StepEvent::Failed {
                 seq: p.seq.group,
                 error,
             });
@@ -1064,7 +1029,7 @@ impl Engine {
     /// A prompt whose KV is all written: its logits, its first token sampled (appended to
     /// `seq.tokens`), then its choices start decoding, or (prefill only) its blocks are handed
     /// over in a [`PrefillOutput`].
-    fn prefilled(&mut self, p: Partial, events: &mut Vec<Event>) {
+    fn prefilled(&mut self, p: Partial, events: &mut Vec<StepEvent>) {
         let Partial {
             mut seq,
             blocks,
@@ -1080,7 +1045,7 @@ impl Engine {
             {
                 Ok(l) => l,
                 Err(e) => {
-                    events.push(Event::Failed {
+                    events.push(StepEvent::Failed {
                         seq: seq.group,
                         error: SeqError::Model(e),
                     });
@@ -1108,7 +1073,7 @@ impl Engine {
                     Blocks::new(self.pool.clone(), Vec::new()),
                 ),
             };
-            events.push(Event::Prefilled {
+            events.push(StepEvent::Prefilled {
                 seq: seq.group,
                 output,
             });
@@ -1124,7 +1089,7 @@ impl Engine {
                     }
                 }
             }
-            Err(error) => events.push(Event::Failed { seq: group, error }),
+            Err(error) => events.push(StepEvent::Failed { seq: group, error }),
         }
     }
 
@@ -1323,7 +1288,7 @@ impl Engine {
             let (events, _) = self.step();
             for e in events {
                 match e {
-                    Event::Token {
+                    StepEvent::Token {
                         seq,
                         choice,
                         token,
@@ -1334,7 +1299,7 @@ impl Engine {
                         g.tokens.push(token);
                         g.logprobs.extend(logprobs);
                     }
-                    Event::Finished {
+                    StepEvent::Finished {
                         seq,
                         choice,
                         reason,
@@ -1342,7 +1307,7 @@ impl Engine {
                         out[choice as usize].finish = Some(reason);
                         open -= 1;
                     }
-                    Event::Failed { seq, error } if seq == id => return Err(error.into()),
+                    StepEvent::Failed { seq, error } if seq == id => return Err(error.into()),
                     _ => {}
                 }
             }
@@ -1385,8 +1350,8 @@ pub struct Generated {
 }
 
 /// The event of `seq` ending.
-fn finished(seq: &Seq, reason: FinishReason) -> Event {
-    Event::Finished {
+fn finished(seq: &Seq, reason: FinishReason) -> StepEvent {
+    StepEvent::Finished {
         seq: seq.group,
         choice: seq.choice,
         reason,
@@ -1395,9 +1360,9 @@ fn finished(seq: &Seq, reason: FinishReason) -> Event {
 
 /// The event announcing `seq`'s first token, with its log-probabilities under `logits` when
 /// asked for.
-fn first_token(seq: &Seq, logits: Option<&[f32]>) -> Event {
+fn first_token(seq: &Seq, logits: Option<&[f32]>) -> StepEvent {
     let token = seq.tokens[seq.prompt_len];
-    Event::Token {
+    StepEvent::Token {
         seq: seq.group,
         choice: seq.choice,
         token,

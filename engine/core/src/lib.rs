@@ -4,6 +4,7 @@
 //! - [`copy`]: the import's copy into the pool, with stores that skip reading the destination.
 //! - [`pool`]: the paged KV block pool, its prefix index and LRU, and the [`pool::Blocks`] guard.
 //! - [`engine`]: sequences, prefill with prefix reuse, the continuous-batching step, resume.
+//! - [`cost`]: the simulated compute cost of a step (a GPU's shape, slept on CPUs).
 //! - [`scheduler`]: the admission policy (which waiting requests a step prefills).
 //! - [`model`]: the [`model::Model`] trait and the deterministic fake model.
 //! - [`sampler`] and [`rng`]: sampling exactly as `spec/pcg32.md` says, and PCG32 with its
@@ -16,6 +17,7 @@
 #![deny(missing_docs)]
 
 pub mod copy;
+pub mod cost;
 pub mod engine;
 pub mod logprobs;
 pub mod model;

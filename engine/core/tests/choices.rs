@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use kvwire::Shape;
 use tl_engine_core::engine::{
-    Choices, Engine, Event, Generated, Mode, PrefillOutput, Request, Resume, SeqId,
+    Choices, Engine, Generated, Mode, PrefillOutput, Request, Resume, SeqId, StepEvent,
 };
 use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
 use tl_engine_core::pool::{BlockId, BlockKey, Blocks, KvPool, SharedKv};
@@ -58,11 +58,11 @@ fn drive(e: &mut Engine, id: SeqId, n: u32) -> Vec<Generated> {
 }
 
 /// Adds request `id`'s tokens among `events` to `out`; returns the choices that ended.
-fn absorb(out: &mut [Generated], id: SeqId, events: Vec<Event>) -> u32 {
+fn absorb(out: &mut [Generated], id: SeqId, events: Vec<StepEvent>) -> u32 {
     let mut ended = 0;
     for ev in events {
         match ev {
-            Event::Token {
+            StepEvent::Token {
                 seq,
                 choice,
                 token,
@@ -72,7 +72,7 @@ fn absorb(out: &mut [Generated], id: SeqId, events: Vec<Event>) -> u32 {
                 out[choice as usize].tokens.push(token);
                 out[choice as usize].logprobs.extend(logprobs);
             }
-            Event::Finished {
+            StepEvent::Finished {
                 seq,
                 choice,
                 reason,
@@ -80,7 +80,7 @@ fn absorb(out: &mut [Generated], id: SeqId, events: Vec<Event>) -> u32 {
                 out[choice as usize].finish = Some(reason);
                 ended += 1;
             }
-            Event::Failed { seq, error } if seq == id => panic!("{error}"),
+            StepEvent::Failed { seq, error } if seq == id => panic!("{error}"),
             _ => {}
         }
     }
@@ -92,7 +92,7 @@ fn prefill(e: &mut Engine, prompt: &[u32], s: Sampling, seed: u64) -> PrefillOut
     r.mode = Mode::PrefillOnly;
     let id = e.submit(r).unwrap();
     for ev in e.step().0 {
-        if let Event::Prefilled { seq, output } = ev
+        if let StepEvent::Prefilled { seq, output } = ev
             && seq == id
         {
             return output;
@@ -142,7 +142,7 @@ fn n_choices_fork_from_one_prefill() {
             let firsts: Vec<u32> = events
                 .iter()
                 .filter_map(|ev| match ev {
-                    Event::Token {
+                    StepEvent::Token {
                         seq,
                         choice,
                         index: 0,
@@ -281,7 +281,7 @@ fn fails_and_frees(e: &mut Engine, id: SeqId) {
     assert!(
         events
             .iter()
-            .any(|ev| matches!(ev, Event::Failed { seq, .. } if *seq == id)),
+            .any(|ev| matches!(ev, StepEvent::Failed { seq, .. } if *seq == id)),
         "{events:?}"
     );
     assert!(e.is_idle());

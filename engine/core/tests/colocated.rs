@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use kvwire::Shape;
-use tl_engine_core::engine::{Engine, Event, Mode, PrefillOutput, Request, Resume};
+use tl_engine_core::engine::{Engine, Mode, PrefillOutput, Request, Resume, StepEvent};
 use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
 use tl_engine_core::pool::{BlockKey, Blocks, KvPool, SharedKv};
 use tl_engine_core::sampler::{Sampling, SamplingRequest};
@@ -47,7 +47,7 @@ fn prefill(e: &mut Engine, prompt: &[u32], s: Sampling, seed: u64) -> PrefillOut
         .unwrap();
     let (events, _) = e.step();
     for ev in events {
-        if let Event::Prefilled { output, .. } = ev {
+        if let StepEvent::Prefilled { output, .. } = ev {
             return output;
         }
     }
@@ -252,14 +252,14 @@ fn continuous_batching_interleaves_and_frees() {
     assert!(
         events
             .iter()
-            .any(|ev| matches!(ev, Event::Token { seq, .. } if *seq == b))
+            .any(|ev| matches!(ev, StepEvent::Token { seq, .. } if *seq == b))
     );
     let (events, stats) = e.step();
     assert_eq!(stats.decoded, 2);
     assert_eq!(
         events
             .iter()
-            .filter(|ev| matches!(ev, Event::Token { .. }))
+            .filter(|ev| matches!(ev, StepEvent::Token { .. }))
             .count(),
         2
     );
@@ -281,7 +281,7 @@ fn continuous_batching_interleaves_and_frees() {
     let mut got = Vec::new();
     while !e2.is_idle() {
         for ev in e2.step().0 {
-            if let Event::Token { seq, token, .. } = ev
+            if let StepEvent::Token { seq, token, .. } = ev
                 && seq == bid
             {
                 got.push(token);
@@ -491,8 +491,8 @@ fn stop_ends_the_sequence_at_the_matching_step() {
             let mut done = None;
             for ev in events {
                 match ev {
-                    Event::Token { seq, token, .. } if seq == id => got.push(token),
-                    Event::Finished { seq, reason, .. } if seq == id => done = Some(reason),
+                    StepEvent::Token { seq, token, .. } if seq == id => got.push(token),
+                    StepEvent::Finished { seq, reason, .. } if seq == id => done = Some(reason),
                     _ => {}
                 }
             }
@@ -534,14 +534,14 @@ fn interleaved(
         for ev in events {
             let of = |seq| ids.iter().position(|&id| id == Some(seq)).unwrap();
             match ev {
-                Event::Token {
+                StepEvent::Token {
                     seq, choice, token, ..
                 } => {
                     let i = of(seq);
                     tokens[i][choice as usize].push(token);
                     got.push(i);
                 }
-                Event::Finished { seq, .. } => done[of(seq)] += 1,
+                StepEvent::Finished { seq, .. } => done[of(seq)] += 1,
                 other => panic!("{other:?}"),
             }
         }
@@ -611,7 +611,7 @@ fn chunked_prefill_equals_whole_prefill() {
     let mut out = None;
     for _ in 0..100 {
         for ev in chunked.step().0 {
-            if let Event::Prefilled { output, .. } = ev {
+            if let StepEvent::Prefilled { output, .. } = ev {
                 out = Some(output);
             }
         }

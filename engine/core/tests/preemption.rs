@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvwire::Shape;
-use tl_engine_core::engine::{Choices, Engine, Event, Generated, Mode, Request, SeqError};
+use tl_engine_core::engine::{Choices, Engine, Generated, Mode, Request, SeqError, StepEvent};
 use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
 use tl_engine_core::pool::{KvPool, PoolError, SharedKv};
 use tl_engine_core::sampler::{Sampling, SamplingRequest};
@@ -65,7 +65,7 @@ fn run_all(e: &mut Engine) -> (Completions, Vec<(u64, SeqError)>) {
 fn step_into(e: &mut Engine, out: &mut Completions, failed: &mut Vec<(u64, SeqError)>) {
     for ev in e.step().0 {
         match ev {
-            Event::Token {
+            StepEvent::Token {
                 seq,
                 choice,
                 token,
@@ -81,13 +81,13 @@ fn step_into(e: &mut Engine, out: &mut Completions, failed: &mut Vec<(u64, SeqEr
                 g.tokens.push(token);
                 g.logprobs.extend(logprobs);
             }
-            Event::Finished {
+            StepEvent::Finished {
                 seq,
                 choice,
                 reason,
             } => out.entry((seq, choice)).or_default().finish = Some(reason),
-            Event::Failed { seq, error } => failed.push((seq, error)),
-            Event::Prefilled { .. } => panic!("no prefill-only request here"),
+            StepEvent::Failed { seq, error } => failed.push((seq, error)),
+            StepEvent::Prefilled { .. } => panic!("no prefill-only request here"),
         }
     }
 }
@@ -191,8 +191,8 @@ fn cancelling_a_preempted_request_frees_nothing_twice() {
     while !e.is_idle() {
         for ev in e.step().0 {
             match ev {
-                Event::Failed { seq, error } => panic!("{seq}: {error}"),
-                Event::Finished { seq, .. } => {
+                StepEvent::Failed { seq, error } => panic!("{seq}: {error}"),
+                StepEvent::Finished { seq, .. } => {
                     assert_ne!(seq, ids[2], "the cancelled request ran on");
                     ended += 1;
                 }

@@ -6,43 +6,16 @@ use std::path::Path;
 
 use tl_engine_core::rng::Pcg32;
 
-use crate::config::CheckpointError;
+use crate::config::{CheckpointError, LlamaConfig, Rope};
 use crate::kernels::DType;
 
-/// The shape of a checkpoint to make.
-#[derive(Clone, Debug, PartialEq)]
-pub struct InitShape {
-    /// Width.
-    pub hidden: usize,
-    /// MLP width.
-    pub intermediate: usize,
-    /// Layers.
-    pub layers: usize,
-    /// Query heads.
-    pub heads: usize,
-    /// KV heads.
-    pub kv_heads: usize,
-    /// Per-head width.
-    pub head_dim: usize,
-    /// Vocabulary.
-    pub vocab: usize,
-    /// Output projection tied to the embedding.
-    pub tied: bool,
-    /// Q, K, V biases (written as a Qwen2 checkpoint).
-    pub qkv_bias: bool,
-    /// RoPE base.
-    pub rope_theta: f64,
-    /// Longest sequence.
-    pub max_positions: usize,
-    /// Llama 3 RoPE scaling `(factor, low, high, original)`.
-    pub llama3_rope: Option<(f64, f64, f64, usize)>,
-}
-
-impl InitShape {
+/// The shapes of checkpoints this module makes, as the validated configuration they load as.
+impl LlamaConfig {
     /// A model small enough for every test: 2 layers, width 64, 4 query and 2 KV heads.
     #[must_use]
     pub fn tiny(vocab: usize) -> Self {
         Self {
+            architecture: "LlamaForCausalLM".into(),
             hidden: 64,
             intermediate: 160,
             layers: 2,
@@ -54,7 +27,10 @@ impl InitShape {
             qkv_bias: false,
             rope_theta: 10_000.0,
             max_positions: 2048,
-            llama3_rope: None,
+            rope: Rope::Default,
+            rms_eps: 1e-5,
+            eos: Vec::new(),
+            bos: None,
         }
     }
 
@@ -62,6 +38,7 @@ impl InitShape {
     #[must_use]
     pub fn smollm2_135m() -> Self {
         Self {
+            architecture: "LlamaForCausalLM".into(),
             hidden: 576,
             intermediate: 1536,
             layers: 30,
@@ -73,7 +50,10 @@ impl InitShape {
             qkv_bias: false,
             rope_theta: 100_000.0,
             max_positions: 8192,
-            llama3_rope: None,
+            rope: Rope::Default,
+            rms_eps: 1e-5,
+            eos: Vec::new(),
+            bos: None,
         }
     }
 
@@ -96,7 +76,7 @@ impl InitShape {
             "head_dim": self.head_dim,
             "vocab_size": self.vocab,
             "hidden_act": "silu",
-            "rms_norm_eps": 1e-5,
+            "rms_norm_eps": self.rms_eps,
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_positions,
             "tie_word_embeddings": self.tied,
@@ -104,10 +84,17 @@ impl InitShape {
             "eos_token_id": eos,
             "torch_dtype": "bfloat16",
         });
-        if let Some((factor, low, high, orig)) = self.llama3_rope {
+        if let Rope::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } = self.rope
+        {
             v["rope_scaling"] = serde_json::json!({
-                "rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                "high_freq_factor": high, "original_max_position_embeddings": orig,
+                "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_max_position_embeddings,
             });
         }
         serde_json::to_string_pretty(&v).unwrap_or_default()
@@ -188,7 +175,7 @@ pub const BYTE_SPECIALS: [&str; 4] = ["<|im_start|>", "<|im_end|>", "<|pad|>", "
 /// When a file cannot be written.
 pub fn write_checkpoint(
     dir: &Path,
-    shape: &InitShape,
+    shape: &LlamaConfig,
     dtype: DType,
     seed: u64,
     shards: usize,

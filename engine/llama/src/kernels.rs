@@ -9,7 +9,8 @@ use half::f16;
 
 /// Which matrix-multiply kernels a model runs. Both are batch-invariant; they differ in speed
 /// and in what else they promise.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Kernels {
     /// The `gemm` crate's f32 micro-kernels (FMA, chosen at run time for the CPU), driven so
     /// that no row's reduction order depends on its batch (see [`matmul_gemm`]). Fast; the

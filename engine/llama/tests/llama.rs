@@ -5,11 +5,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvwire::Shape;
-use tl_engine_core::engine::{Choices, Engine, Event, Mode, PrefillOutput, Request, Resume};
+use tl_engine_core::engine::{Choices, Engine, Mode, PrefillOutput, Request, Resume, StepEvent};
 use tl_engine_core::model::Model;
 use tl_engine_core::pool::{BlockKey, Blocks, KvPool, SharedKv};
 use tl_engine_core::sampler::{Sampling, SamplingRequest};
-use tl_llama::init::{InitShape, write_checkpoint};
+use tl_llama::LlamaConfig;
+use tl_llama::init::write_checkpoint;
 use tl_llama::kernels::DType;
 use tl_llama::model::Row;
 use tl_llama::{CheckpointError, Llama};
@@ -40,7 +41,7 @@ impl Drop for Dir {
     }
 }
 
-fn tiny(name: &str, shape: &InitShape, dtype: DType, shards: usize) -> Dir {
+fn tiny(name: &str, shape: &LlamaConfig, dtype: DType, shards: usize) -> Dir {
     let d = Dir::new(name);
     write_checkpoint(&d.0, shape, dtype, 7, shards, 257, 256).unwrap();
     d
@@ -150,13 +151,18 @@ fn rel_err(a: &[f32], b: &[serde_json::Value]) -> f64 {
 
 #[test]
 fn llama_logits_match_the_reference() {
-    let mut qwen = InitShape::tiny(VOCAB);
+    let mut qwen = LlamaConfig::tiny(VOCAB);
     qwen.qkv_bias = true;
     qwen.tied = true;
-    qwen.llama3_rope = Some((8.0, 1.0, 4.0, 64));
+    qwen.rope = tl_llama::config::Rope::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 64.0,
+    };
     qwen.rope_theta = 500_000.0;
     let cases = [
-        ("llama-bf16", InitShape::tiny(VOCAB), DType::Bf16),
+        ("llama-bf16", LlamaConfig::tiny(VOCAB), DType::Bf16),
         ("qwen2-f16-llama3-rope", qwen, DType::F16),
     ];
     for (name, shape, dtype) in cases {
@@ -199,7 +205,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 
 #[test]
 fn real_model_is_batch_invariant() {
-    let dir = tiny("invariant", &InitShape::tiny(VOCAB), DType::Bf16, 1);
+    let dir = tiny("invariant", &LlamaConfig::tiny(VOCAB), DType::Bf16, 1);
     let m = load(&dir.0);
     let prompt: Vec<u32> = (0..21).map(|i| (i * 29 + 5) % 256).collect();
     let alone = all_logits(&m, &prompt);
@@ -293,7 +299,7 @@ fn real_model_is_batch_invariant() {
     while !e.is_idle() {
         for ev in e.step().0 {
             match ev {
-                Event::Token {
+                StepEvent::Token {
                     seq,
                     token,
                     logprobs,
@@ -302,8 +308,8 @@ fn real_model_is_batch_invariant() {
                     got.tokens.push(token);
                     got.logprobs.extend(logprobs);
                 }
-                Event::Finished { seq, reason, .. } if seq == id => got.finish = Some(reason),
-                Event::Failed { error, .. } => panic!("{error}"),
+                StepEvent::Finished { seq, reason, .. } if seq == id => got.finish = Some(reason),
+                StepEvent::Failed { error, .. } => panic!("{error}"),
                 _ => {}
             }
         }
@@ -333,7 +339,7 @@ fn disaggregated(
         .unwrap();
     let mut out: Option<PrefillOutput> = None;
     for ev in p.step().0 {
-        if let Event::Prefilled { seq, output } = ev
+        if let StepEvent::Prefilled { seq, output } = ev
             && seq == sid
         {
             out = Some(output);
@@ -377,8 +383,8 @@ fn disaggregated(
 
 #[test]
 fn a_sharded_checkpoint_loads_as_one() {
-    let one = tiny("one", &InitShape::tiny(VOCAB), DType::Bf16, 1);
-    let three = tiny("three", &InitShape::tiny(VOCAB), DType::Bf16, 3);
+    let one = tiny("one", &LlamaConfig::tiny(VOCAB), DType::Bf16, 1);
+    let three = tiny("three", &LlamaConfig::tiny(VOCAB), DType::Bf16, 3);
     assert!(three.0.join("model.safetensors.index.json").exists());
     assert!(three.0.join("model-00003-of-00003.safetensors").exists());
     let p = &prompts()[1];
@@ -398,7 +404,7 @@ fn a_sharded_checkpoint_loads_as_one() {
 
 #[test]
 fn malformed_checkpoints_are_refused_by_name() {
-    let shape = InitShape::tiny(VOCAB);
+    let shape = LlamaConfig::tiny(VOCAB);
     let err = |dir: &Dir| {
         Llama::load(&dir.0, "x", B, 1, 1024)
             .unwrap_err()
@@ -494,7 +500,7 @@ fn safetensors_view(bytes: &[u8]) -> Vec<u8> {
 /// each has alone.
 #[test]
 fn preemption_and_choices_stay_exact_on_the_real_model() {
-    let dir = tiny("preempt", &InitShape::tiny(VOCAB), DType::Bf16, 1);
+    let dir = tiny("preempt", &LlamaConfig::tiny(VOCAB), DType::Bf16, 1);
     let m = load(&dir.0);
     let reqs: Vec<Request> = (0..3u64)
         .map(|i| {
@@ -526,7 +532,7 @@ fn preemption_and_choices_stay_exact_on_the_real_model() {
     while !e.is_idle() {
         for ev in e.step().0 {
             match ev {
-                Event::Token {
+                StepEvent::Token {
                     seq,
                     choice,
                     token,
@@ -537,13 +543,13 @@ fn preemption_and_choices_stay_exact_on_the_real_model() {
                     g.tokens.push(token);
                     g.logprobs.extend(logprobs);
                 }
-                Event::Finished {
+                StepEvent::Finished {
                     seq,
                     choice,
                     reason,
                 } => got.entry((seq, choice)).or_default().finish = Some(reason),
-                Event::Failed { error, .. } => panic!("{error}"),
-                Event::Prefilled { .. } => {}
+                StepEvent::Failed { error, .. } => panic!("{error}"),
+                StepEvent::Prefilled { .. } => {}
             }
         }
     }
@@ -565,7 +571,7 @@ fn preemption_and_choices_stay_exact_on_the_real_model() {
 /// bits, where a mapped file would have faulted (SIGBUS) on a page it no longer has.
 #[test]
 fn a_checkpoint_truncated_while_served_changes_nothing() {
-    let dir = tiny("truncated", &InitShape::tiny(VOCAB), DType::Bf16, 1);
+    let dir = tiny("truncated", &LlamaConfig::tiny(VOCAB), DType::Bf16, 1);
     let m = load(&dir.0);
     let prompt = [1u32, 2, 3, 4, 5, 6];
     let before = all_logits(&m, &prompt);

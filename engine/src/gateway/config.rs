@@ -63,7 +63,7 @@
 //! stale_ms = 15000                 # route on the last snapshot this long without etcd
 //!
 //! [planner]                        # moves engines of role both between prefill and decode
-//! enabled = false                  #   (see gateway::planner; enable on one gateway only)
+//! enabled = false                  #   (see gateway::roles; enable on one gateway only)
 //! interval_ms = 250                # how often it looks
 //! cooldown_ms = 3000               # at least this long between two moves
 //! prefill_queue_high = 3.0         # Prefill calls per prefill engine: a decode engine moves
@@ -228,7 +228,7 @@ pub struct GatewayConfig {
     /// only the engines that beat to this gateway's own registry.
     pub registry: crate::etcd::RegistrySection,
     /// `[planner]`: moving engines of role both between prefill and decode (off by default).
-    pub planner: super::planner::PlannerSection,
+    pub planner: super::roles::PlannerSection,
 }
 
 impl GatewaySection {

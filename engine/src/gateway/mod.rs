@@ -13,18 +13,22 @@
 //! | one request's life: its decisions, with no I/O | [`session`] |
 //! | one request's life: the task that performs them | [`request`] |
 //! | the OpenAI HTTP handlers | [`openai`] |
-//! | API keys on the public endpoint | [`keys`] |
+//! | API keys on the public endpoint | [`api_keys`] |
+//! | the tenant of a request, its cache scope and its quotas | [`tenant`] |
+//! | the served checkpoint's text side: tokenizer, template | [`text`] |
+//! | the role planner: engines of role both moved between prefill and decode | [`roles`] |
+//! | the registry on etcd, mirrored | [`mirror`] |
 //! | chat templates rendered in processes bounded in memory and time | [`sandbox`] |
 
+pub mod api_keys;
 pub mod config;
 pub mod index;
-pub mod keys;
 pub mod mirror;
 pub mod openai;
 pub mod plan;
-pub mod planner;
 pub mod registry;
 pub mod request;
+pub mod roles;
 pub mod routed;
 pub mod sandbox;
 pub mod session;
@@ -68,7 +72,7 @@ pub struct Gateway {
     fleet: std::sync::Mutex<Option<(Arc<plan::Fleet>, Option<u64>)>>,
     /// Counts plans: spreads colocated requests over equal `both` engines.
     spread: std::sync::atomic::AtomicU64,
-    api_keys: keys::ApiKeys,
+    api_keys: api_keys::ApiKeys,
     scopes: tenant::Scopes,
     quotas: Arc<tenant::Quotas>,
     metrics: SharedMetrics,
@@ -92,7 +96,7 @@ impl Gateway {
         registry: Arc<RegistryState>,
         cfg: GatewaySection,
         tls: Option<&Tls>,
-        api_keys: keys::ApiKeys,
+        api_keys: api_keys::ApiKeys,
         limits: &LimitsSection,
     ) -> Result<Self, TlsError> {
         let scopes = tenant::Scopes::new(
@@ -350,8 +354,8 @@ impl GatewayNode {
             .map_err(|e| invalid(&e))?;
         cfg.validate().map_err(|e| invalid(&e))?;
         let g = &cfg.gateway;
-        let api_keys =
-            keys::ApiKeys::load(&g.api_keys_file, &g.admin_keys_file).map_err(|e| invalid(&e))?;
+        let api_keys = api_keys::ApiKeys::load(&g.api_keys_file, &g.admin_keys_file)
+            .map_err(|e| invalid(&e))?;
         if api_keys.is_open() && !g.public_unauthenticated {
             return Err(invalid(&format!(
                 "no API key configured ({} and TL_API_KEYS hold none): set keys, or \
@@ -411,7 +415,7 @@ impl GatewayNode {
             ));
         }
         if cfg.planner.enabled {
-            life.spawn(planner::run(
+            life.spawn(roles::run(
                 Arc::clone(&gateway),
                 cfg.planner.clone(),
                 life.token().clone(),
@@ -521,7 +525,7 @@ mod tests {
                 ..GatewaySection::default()
             },
             None,
-            keys::ApiKeys::default(),
+            api_keys::ApiKeys::default(),
             &LimitsSection::default(),
         )
         .unwrap();

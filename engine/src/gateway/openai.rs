@@ -21,7 +21,7 @@ use tracing::Instrument;
 
 use super::Gateway;
 use super::request::{Job, Out};
-use super::tenant::{Caller, MAX_CACHE_SALT};
+use super::tenant::{EndUser, MAX_CACHE_SALT};
 use super::text::GatewayText;
 use crate::api::render::{self, ChoiceEvent, ChoiceSource};
 use crate::api::{
@@ -51,7 +51,7 @@ pub fn router(g: Arc<Gateway>) -> axum::Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             g.api_keys.clone(),
-            super::keys::require_key,
+            super::api_keys::require_key,
         ))
         .layer(axum::middleware::from_fn_with_state(
             Arc::clone(&g.metrics),
@@ -101,10 +101,10 @@ impl Meter {
 }
 
 /// The request's caller; the key middleware sets it on every request.
-type CallerExt = Option<axum::Extension<Caller>>;
+type EndUserExt = Option<axum::Extension<EndUser>>;
 
-fn caller_of(c: CallerExt) -> Caller {
-    c.map(|axum::Extension(c)| c).unwrap_or(Caller {
+fn caller_of(c: EndUserExt) -> EndUser {
+    c.map(|axum::Extension(c)| c).unwrap_or(EndUser {
         tenant: Vec::new(),
         admin: false,
     })
@@ -112,7 +112,7 @@ fn caller_of(c: CallerExt) -> Caller {
 
 async fn completions(
     State(g): State<Arc<Gateway>>,
-    caller: CallerExt,
+    caller: EndUserExt,
     headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
@@ -243,7 +243,7 @@ fn request_span(
 
 async fn chat(
     State(g): State<Arc<Gateway>>,
-    caller: CallerExt,
+    caller: EndUserExt,
     headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
@@ -271,7 +271,7 @@ async fn chat(
 /// choices.
 async fn start(
     g: Arc<Gateway>,
-    caller: Caller,
+    caller: EndUser,
     prep: Prep,
     mut params: GenerationParams,
     flavor: Flavor,
@@ -706,7 +706,7 @@ async fn health(State(g): State<Arc<Gateway>>) -> Response {
         .into_response()
 }
 
-async fn workers(State(g): State<Arc<Gateway>>, caller: CallerExt) -> Response {
+async fn workers(State(g): State<Arc<Gateway>>, caller: EndUserExt) -> Response {
     let caller = caller_of(caller);
     if !caller.admin {
         // No key presented: 401, as for any guarded path; a tenant's key: 403.

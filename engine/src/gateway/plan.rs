@@ -13,6 +13,7 @@
 //! - with no prefill engine or no decode engine, a `both` engine serves it colocated;
 //! - else nothing can.
 
+use crate::telemetry::metrics::RouteReason;
 use std::collections::HashMap;
 use std::fmt;
 
@@ -86,14 +87,14 @@ impl Plan {
 /// The label of a plan's routing decision (`tl_route_decisions_total{reason}`, the `route`
 /// span's `reason`).
 #[must_use]
-pub fn reason_label(plan: &Plan) -> &'static str {
+pub fn reason_label(plan: &Plan) -> RouteReason {
     match (plan.decode.first(), &plan.fallback) {
         (Some(d), _) if plan.prefill.is_some() => match d.reason {
-            Reason::PrefixHit { .. } => "prefix_hit",
-            Reason::ByLoad => "by_load",
+            Reason::PrefixHit { .. } => RouteReason::PrefixHit,
+            Reason::ByLoad => RouteReason::ByLoad,
         },
-        (_, Some(_)) => "colocated",
-        _ => "none",
+        (_, Some(_)) => RouteReason::Colocated,
+        _ => RouteReason::None,
     }
 }
 

@@ -25,7 +25,7 @@ use super::Gateway;
 use super::plan::{WorkerView, decode_candidates, has_blocks_targets, plan};
 use super::routed::RoutedGuard;
 use super::session::{
-    Action, Event, LaneId, LossCause, PrefillFailure, RetryPolicy, Session, Unservable,
+    Action, LaneId, LossCause, PrefillFailure, RetryPolicy, Session, SessionEvent, Unservable,
 };
 use super::upstream::{OpenError, Unclaimed};
 use crate::api::CompletionRequest;
@@ -41,7 +41,7 @@ const EVENT_QUEUE: usize = 64;
 struct Driver<'g> {
     g: &'g Arc<Gateway>,
     out: mpsc::Sender<Out>,
-    events: mpsc::Sender<Event>,
+    events: mpsc::Sender<SessionEvent>,
     tasks: JoinSet<()>,
     /// Each lane's relayed stream.
     streams: HashMap<LaneId, AbortHandle>,
@@ -118,12 +118,12 @@ impl Gateway {
                 Some(e) = rx.recv() => e,
                 () = out.closed(), if !client_gone => {
                     client_gone = true;
-                    Event::ClientGone
+                    SessionEvent::ClientGone
                 }
                 // The gateway's drain ran out: the request ends with an error naming it.
                 () = self.drain.cut.cancelled(), if !drained => {
                     drained = true;
-                    Event::Drain
+                    SessionEvent::Drain
                 }
                 () = sleep_until(cleanup_by), if cleanup_by.is_some() => {
                     // What is left ends with its lease.
@@ -215,7 +215,7 @@ impl Driver<'_> {
     fn lane_task<F>(
         &mut self,
         lane: LaneId,
-        task: impl FnOnce(Arc<Gateway>, mpsc::Sender<Event>) -> F,
+        task: impl FnOnce(Arc<Gateway>, mpsc::Sender<SessionEvent>) -> F,
     ) where
         F: Future<Output = ()> + Send + 'static,
     {
@@ -225,9 +225,9 @@ impl Driver<'_> {
     }
 
     /// Keeps the driver's books on an event before the session sees it.
-    async fn observe(&mut self, event: &Event) {
+    async fn observe(&mut self, event: &SessionEvent) {
         match event {
-            Event::Prefilled { lane, handle } => {
+            SessionEvent::Prefilled { lane, handle } => {
                 self.prefilling.remove(lane);
                 if let Some(d) = self.pushed_to.get(lane) {
                     self.unclaimed.insert(
@@ -240,11 +240,11 @@ impl Driver<'_> {
                     );
                 }
             }
-            Event::PrefillFailed { lane, .. } => {
+            SessionEvent::PrefillFailed { lane, .. } => {
                 self.counted.remove(lane);
                 self.prefilling.remove(lane);
             }
-            Event::Opened { lane } => {
+            SessionEvent::Opened { lane } => {
                 // A 200 means the decode engine claimed the handle; from here, dropping the
                 // stream is what frees its blocks.
                 if let Some(u) = self.unclaimed.remove(lane) {
@@ -257,7 +257,7 @@ impl Driver<'_> {
 
     /// Performs one action; an event it brings at once (the client gone, an unusable address)
     /// comes back for the session.
-    async fn perform(&mut self, action: Action) -> Option<Event> {
+    async fn perform(&mut self, action: Action) -> Option<SessionEvent> {
         match action {
             Action::Plan {
                 lane,
@@ -273,7 +273,7 @@ impl Driver<'_> {
                             .plan_for(&prompt, scope, &exclude, model.as_deref(), need)
                             .await;
                         let plan = Box::new(plan);
-                        let _ = tx.send(Event::Planned { lane, plan }).await;
+                        let _ = tx.send(SessionEvent::Planned { lane, plan }).await;
                     }
                     .in_current_span(),
                 );
@@ -282,11 +282,9 @@ impl Driver<'_> {
                 self.g
                     .metrics
                     .route_decisions
-                    .get_or_create(&crate::telemetry::metrics::Reason {
-                        reason: reason.to_owned(),
-                    })
+                    .get_or_create(&crate::telemetry::metrics::Reason { reason })
                     .inc();
-                tracing::debug!(reason, "routed");
+                tracing::debug!(reason = reason.label(), "routed");
             }
             Action::Prefill {
                 lane,
@@ -295,7 +293,7 @@ impl Driver<'_> {
                 request,
             } => {
                 let Ok(ctl) = self.g.upstream.control(&prefill.grpc_address) else {
-                    return Some(Event::PrefillFailed {
+                    return Some(SessionEvent::PrefillFailed {
                         lane,
                         failure: PrefillFailure::Unreachable,
                     });
@@ -318,12 +316,12 @@ impl Driver<'_> {
                         // the engine drops the prefill and its push.
                         let answer = tokio::time::timeout(deadline, ctl.prefill(request)).await;
                         let e = match answer {
-                            Err(_) => Event::PrefillFailed {
+                            Err(_) => SessionEvent::PrefillFailed {
                                 lane,
                                 failure: PrefillFailure::TimedOut,
                             },
-                            Ok(Ok(handle)) => Event::Prefilled { lane, handle },
-                            Ok(Err(s)) => Event::PrefillFailed {
+                            Ok(Ok(handle)) => SessionEvent::Prefilled { lane, handle },
+                            Ok(Err(s)) => SessionEvent::PrefillFailed {
                                 lane,
                                 failure: PrefillFailure::Status {
                                     code: s.code(),
@@ -356,7 +354,7 @@ impl Driver<'_> {
                         Ok(Err(_)) => return lost(&tx, lane, LossCause::Reset).await,
                         Err(_) => return lost(&tx, lane, LossCause::Stall).await,
                     };
-                    if tx.send(Event::Opened { lane }).await.is_ok() {
+                    if tx.send(SessionEvent::Opened { lane }).await.is_ok() {
                         relay(events, &tx, lane, quiet).await;
                     }
                 });
@@ -378,7 +376,7 @@ impl Driver<'_> {
             }
             Action::Emit(o) => {
                 if self.out.send(o).await.is_err() {
-                    return Some(Event::ClientGone);
+                    return Some(SessionEvent::ClientGone);
                 }
             }
             Action::Release { lane, wait } => {
@@ -420,7 +418,7 @@ impl Driver<'_> {
                 tracing::warn!(
                     lane,
                     worker = %worker,
-                    cause = cause.as_str(),
+                    cause = cause.label(),
                     tokens_sent,
                     "decode stream lost"
                 );
@@ -430,8 +428,12 @@ impl Driver<'_> {
                     .metrics
                     .failovers
                     .get_or_create(&crate::telemetry::metrics::FailoverLabels {
-                        cause: cause.as_str(),
-                        outcome: if resumed { "resumed" } else { "gave_up" },
+                        cause,
+                        outcome: if resumed {
+                            crate::telemetry::metrics::FailoverOutcome::Resumed
+                        } else {
+                            crate::telemetry::metrics::FailoverOutcome::GaveUp
+                        },
                     })
                     .inc();
             }
@@ -465,7 +467,7 @@ impl Gateway {
             && exclude.is_empty()
             && let Some(p) = self.plan_from_index(prompt, scope, &workers)
         {
-            route_span.record("reason", super::plan::reason_label(&p));
+            route_span.record("reason", super::plan::reason_label(&p).label());
             return Ok((p, HashMap::new()));
         }
         let (holds, cached) = self
@@ -478,7 +480,7 @@ impl Gateway {
             .instrument(route_span.clone())
             .await;
         let p = plan(&workers, &cached, &self.routed.snapshot(), self.policy());
-        route_span.record("reason", super::plan::reason_label(&p));
+        route_span.record("reason", super::plan::reason_label(&p).label());
         Ok((p, holds))
     }
 }
@@ -555,7 +557,7 @@ impl Gateway {
         scope: u64,
         targets: &[&WorkerStatus],
         from_index: bool,
-    ) -> (super::session::Holds, HashMap<String, usize>) {
+    ) -> (super::session::FleetHolds, HashMap<String, usize>) {
         let mut cached = HashMap::new();
         let ask: Vec<&WorkerStatus> = if from_index {
             // Engines of one block size share one hashing of the prompt.
@@ -619,8 +621,8 @@ impl Gateway {
     }
 }
 
-async fn lost(tx: &mpsc::Sender<Event>, lane: LaneId, cause: LossCause) {
-    let _ = tx.send(Event::StreamLost { lane, cause }).await;
+async fn lost(tx: &mpsc::Sender<SessionEvent>, lane: LaneId, cause: LossCause) {
+    let _ = tx.send(SessionEvent::StreamLost { lane, cause }).await;
 }
 
 /// Opens a colocated stream on `target` and relays it.
@@ -629,7 +631,7 @@ async fn colocated(
     target: &WorkerStatus,
     scope: u64,
     request: &CompletionRequest,
-    tx: &mpsc::Sender<Event>,
+    tx: &mpsc::Sender<SessionEvent>,
     lane: LaneId,
     quiet: Duration,
 ) {
@@ -647,7 +649,7 @@ async fn colocated(
                 _ => None,
             };
             let _ = tx
-                .send(Event::OpenFailed {
+                .send(SessionEvent::OpenFailed {
                     lane,
                     status,
                     message: e.to_string(),
@@ -661,24 +663,29 @@ async fn colocated(
 /// Forwards an engine's stream as events of `lane` until it ends, breaks or goes quiet for
 /// `quiet`. The task is aborted when the lane closes; dropping `events` closes the engine's
 /// request, which cancels what is left of it.
-async fn relay(mut events: EventStream, tx: &mpsc::Sender<Event>, lane: LaneId, quiet: Duration) {
+async fn relay(
+    mut events: EventStream,
+    tx: &mpsc::Sender<SessionEvent>,
+    lane: LaneId,
+    quiet: Duration,
+) {
     loop {
         let e = match tokio::time::timeout(quiet, events.next()).await {
-            Err(_) => Event::StreamLost {
+            Err(_) => SessionEvent::StreamLost {
                 lane,
                 cause: LossCause::Stall,
             },
-            Ok(Some(Ok(StreamEvent::Chunk(chunk)))) => Event::Chunk { lane, chunk },
-            Ok(Some(Ok(StreamEvent::Error(error)))) => Event::EngineError { lane, error },
+            Ok(Some(Ok(StreamEvent::Chunk(chunk)))) => SessionEvent::Chunk { lane, chunk },
+            Ok(Some(Ok(StreamEvent::Error(error)))) => SessionEvent::EngineError { lane, error },
             // An engine ends a stream after the chunks with its finish reasons; a [DONE] before
             // them, a broken stream or its end is a stream cut short (the session ignores it
             // once the lane is done).
-            Ok(Some(Ok(StreamEvent::Done)) | Some(Err(_)) | None) => Event::StreamLost {
+            Ok(Some(Ok(StreamEvent::Done)) | Some(Err(_)) | None) => SessionEvent::StreamLost {
                 lane,
                 cause: LossCause::Reset,
             },
         };
-        let end = !matches!(e, Event::Chunk { .. });
+        let end = !matches!(e, SessionEvent::Chunk { .. });
         if tx.send(e).await.is_err() || end {
             return;
         }

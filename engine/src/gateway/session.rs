@@ -1,5 +1,5 @@
 //! One request's life in the gateway as a state machine with no I/O: [`Session`] takes
-//! [`Event`]s (the planner answered, a Prefill returned or failed, a chunk of a decode stream,
+//! [`SessionEvent`]s (the planner answered, a Prefill returned or failed, a chunk of a decode stream,
 //! a stream lost or silent, the client gone, the gateway draining) and returns [`Action`]s
 //! (plan, prefill, resume, emit to the client, release a handle, cancel a Prefill, close a
 //! stream, finish). [`super::request`] performs the actions and feeds back what they bring; every
@@ -117,25 +117,7 @@ impl Default for RetryPolicy {
 /// A lane: one engine's stream and the choices it serves.
 pub type LaneId = usize;
 
-/// Why a decode engine counts as lost.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LossCause {
-    /// Its stream broke, ended early, or the resume was refused or could not connect.
-    Reset,
-    /// It sent nothing within the stall timeout.
-    Stall,
-}
-
-impl LossCause {
-    /// The label of `tl_failovers_total{cause}` and of messages.
-    #[must_use]
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LossCause::Reset => "reset",
-            LossCause::Stall => "stall",
-        }
-    }
-}
+pub use crate::telemetry::metrics::LossCause;
 
 /// Why a Prefill did not return a handle.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -161,15 +143,15 @@ pub enum Unservable {
 }
 
 /// The decode engines' HasBlocks answers, by worker id.
-pub type Holds = HashMap<String, DecodeHolds>;
+pub type FleetHolds = HashMap<String, DecodeHolds>;
 
 /// The planner's answer: the plan, and the HasBlocks answer of each decode engine that gave
 /// one (handed to the Prefill that pushes there).
-pub type Planned = Result<(Plan, Holds), Unservable>;
+pub type Planned = Result<(Plan, FleetHolds), Unservable>;
 
 /// What happened, as the driver saw it.
 #[derive(Debug)]
-pub enum Event {
+pub enum SessionEvent {
     /// The planner's answer to [`Action::Plan`].
     Planned {
         /// The lane.
@@ -237,7 +219,7 @@ pub enum Event {
 #[derive(Debug, PartialEq)]
 pub enum Action {
     /// Plan `prompt` over the live workers less `exclude` (lost engines), asking HasBlocks;
-    /// answer with [`Event::Planned`]. `model` on the request's first plan only: the model
+    /// answer with [`SessionEvent::Planned`]. `model` on the request's first plan only: the model
     /// asked for ("" when none), which a live worker must serve; while the gateway is young the
     /// first plan waits for engines to register.
     Plan {
@@ -252,11 +234,11 @@ pub enum Action {
     },
     /// Count a routing decision (`tl_route_decisions_total{reason}`).
     Routed {
-        /// The reason's label.
-        reason: &'static str,
+        /// Why it went where it did.
+        reason: crate::telemetry::metrics::RouteReason,
     },
-    /// Call Prefill on `prefill`, pushing to `decode`; answer with [`Event::Prefilled`] or
-    /// [`Event::PrefillFailed`]. The request counts on `decode` from here until the lane closes.
+    /// Call Prefill on `prefill`, pushing to `decode`; answer with [`SessionEvent::Prefilled`] or
+    /// [`SessionEvent::PrefillFailed`]. The request counts on `decode` from here until the lane closes.
     Prefill {
         /// The lane.
         lane: LaneId,
@@ -268,7 +250,7 @@ pub enum Action {
         request: PrefillRequest,
     },
     /// Resume the lane's handle on its decode engine's front and relay the stream; answer with
-    /// [`Event::Opened`], then chunks, or [`Event::StreamLost`] (also when opening takes longer
+    /// [`SessionEvent::Opened`], then chunks, or [`SessionEvent::StreamLost`] (also when opening takes longer
     /// than `quiet`, or nothing arrives for that long).
     Resume {
         /// The lane.
@@ -283,7 +265,7 @@ pub enum Action {
         quiet: Duration,
     },
     /// Open a colocated stream on `target` and relay it; answer with chunks,
-    /// [`Event::OpenFailed`] or [`Event::StreamLost`].
+    /// [`SessionEvent::OpenFailed`] or [`SessionEvent::StreamLost`].
     Colocated {
         /// The lane.
         lane: LaneId,
@@ -294,7 +276,7 @@ pub enum Action {
         /// Silence that ends the stream.
         quiet: Duration,
     },
-    /// Send this to the client; a client that has gone comes back as [`Event::ClientGone`].
+    /// Send this to the client; a client that has gone comes back as [`SessionEvent::ClientGone`].
     Emit(Out),
     /// Release the lane's unclaimed handle: now (`wait`) or in the background (a partitioned
     /// engine must not hold up a failover).
@@ -485,13 +467,15 @@ impl Session {
     }
 
     /// Takes one event; returns what to do, in order.
-    pub fn on(&mut self, event: Event) -> Vec<Action> {
+    pub fn on(&mut self, event: SessionEvent) -> Vec<Action> {
         let mut a = Vec::new();
         match event {
-            Event::Planned { lane, plan } => self.planned(lane, *plan, &mut a),
-            Event::Prefilled { lane, handle } => self.prefilled(lane, handle, &mut a),
-            Event::PrefillFailed { lane, failure } => self.prefill_failed(lane, failure, &mut a),
-            Event::Opened { lane } => {
+            SessionEvent::Planned { lane, plan } => self.planned(lane, *plan, &mut a),
+            SessionEvent::Prefilled { lane, handle } => self.prefilled(lane, handle, &mut a),
+            SessionEvent::PrefillFailed { lane, failure } => {
+                self.prefill_failed(lane, failure, &mut a)
+            }
+            SessionEvent::Opened { lane } => {
                 if let Some(l) = self.lanes.get_mut(lane)
                     && let Phase::Resuming { decode } = &l.phase
                 {
@@ -502,26 +486,26 @@ impl Session {
                     };
                 }
             }
-            Event::OpenFailed {
+            SessionEvent::OpenFailed {
                 lane,
                 status,
                 message,
             } => self.open_failed(lane, status, &message, &mut a),
-            Event::Chunk { lane, chunk } => self.chunk(lane, *chunk, &mut a),
-            Event::EngineError { lane, error } => {
+            SessionEvent::Chunk { lane, chunk } => self.chunk(lane, *chunk, &mut a),
+            SessionEvent::EngineError { lane, error } => {
                 if self.live(lane) {
                     self.emit(&mut a, Out::Choice(ChoiceEvent::Broken(error)));
                     self.finish(&mut a);
                 }
             }
-            Event::StreamLost { lane, cause } => self.stream_lost(lane, cause, &mut a),
-            Event::ClientGone => {
+            SessionEvent::StreamLost { lane, cause } => self.stream_lost(lane, cause, &mut a),
+            SessionEvent::ClientGone => {
                 if !self.gone {
                     self.gone = true;
                     self.close_all(&mut a);
                 }
             }
-            Event::Drain => {
+            SessionEvent::Drain => {
                 if !self.is_closing() {
                     let detail = ErrorDetail {
                         message: "the gateway is draining: this request was ended before it \
@@ -1144,7 +1128,7 @@ impl Session {
                 a,
                 Out::Choice(ChoiceEvent::Broken(engine_detail(format!(
                     "engine stream lost ({})",
-                    cause.as_str()
+                    cause.label()
                 )))),
             );
             self.finish(a);
@@ -1200,7 +1184,7 @@ impl Session {
             if self.lanes[t].failovers >= self.policy.max_failovers {
                 let msg = format!(
                     "decode engine lost ({}) after {} tokens, and {} failovers were allowed",
-                    cause.as_str(),
+                    cause.label(),
                     self.choices[c as usize].sent.len(),
                     self.lanes[t].failovers
                 );
@@ -1236,7 +1220,7 @@ impl Session {
         });
         let msg = format!(
             "decode engine lost ({}) after {sent} tokens; {why}",
-            cause.as_str()
+            cause.label()
         );
         self.emit(a, Out::Choice(ChoiceEvent::Broken(engine_detail(msg))));
         self.finish(a);
@@ -1297,12 +1281,12 @@ mod tests {
     }
 
     /// A plan: prefill engine P, these decode engines in order, and an optional `both` engine.
-    fn plan(decode: &[&str], fallback: Option<&str>) -> Event {
+    fn plan(decode: &[&str], fallback: Option<&str>) -> SessionEvent {
         plan_for(0, decode, fallback)
     }
 
-    fn plan_for(lane: LaneId, decode: &[&str], fallback: Option<&str>) -> Event {
-        Event::Planned {
+    fn plan_for(lane: LaneId, decode: &[&str], fallback: Option<&str>) -> SessionEvent {
+        SessionEvent::Planned {
             lane,
             plan: Box::new(Ok((
                 Plan {
@@ -1325,15 +1309,15 @@ mod tests {
     }
 
     /// As [`plan`], with a second prefill engine P2 to try when P fails.
-    fn plan_with_spare(decode: &[&str], fallback: Option<&str>) -> Event {
-        let Event::Planned { lane, plan } = plan_for(0, decode, fallback) else {
+    fn plan_with_spare(decode: &[&str], fallback: Option<&str>) -> SessionEvent {
+        let SessionEvent::Planned { lane, plan } = plan_for(0, decode, fallback) else {
             unreachable!()
         };
         let Ok((mut p, holds)) = *plan else {
             unreachable!()
         };
         p.prefill_spare = Some(worker("P2", PbRole::Prefill));
-        Event::Planned {
+        SessionEvent::Planned {
             lane,
             plan: Box::new(Ok((p, holds))),
         }
@@ -1358,16 +1342,16 @@ mod tests {
             .collect()
     }
 
-    fn no_prefill(lane: LaneId) -> Event {
-        Event::Planned {
+    fn no_prefill(lane: LaneId) -> SessionEvent {
+        SessionEvent::Planned {
             lane,
             plan: Box::new(Ok((Plan::default(), HashMap::new()))),
         }
     }
 
     /// A Prefill's handle: first token `first`, `draws` draws consumed in all.
-    fn handle(lane: LaneId, first: u32, draws: u32, seed: u64) -> Event {
-        Event::Prefilled {
+    fn handle(lane: LaneId, first: u32, draws: u32, seed: u64) -> SessionEvent {
+        SessionEvent::Prefilled {
             lane,
             handle: KvHandle {
                 handle_id: format!("h{lane}-{first}"),
@@ -1379,8 +1363,8 @@ mod tests {
         }
     }
 
-    fn failed(lane: LaneId, code: Code) -> Event {
-        Event::PrefillFailed {
+    fn failed(lane: LaneId, code: Code) -> SessionEvent {
+        SessionEvent::PrefillFailed {
             lane,
             failure: PrefillFailure::Status {
                 code,
@@ -1390,8 +1374,8 @@ mod tests {
     }
 
     /// A chunk of the lane's stream: (engine choice index, tokens, finish).
-    fn chunk(lane: LaneId, parts: &[(u32, &[u32], Option<Finish>)]) -> Event {
-        Event::Chunk {
+    fn chunk(lane: LaneId, parts: &[(u32, &[u32], Option<Finish>)]) -> SessionEvent {
+        SessionEvent::Chunk {
             lane,
             chunk: Box::new(Completion {
                 id: "c".into(),
@@ -1414,8 +1398,8 @@ mod tests {
         }
     }
 
-    fn lost(lane: LaneId, cause: LossCause) -> Event {
-        Event::StreamLost { lane, cause }
+    fn lost(lane: LaneId, cause: LossCause) -> SessionEvent {
+        SessionEvent::StreamLost { lane, cause }
     }
 
     /// Each action in a line short enough to read in a table.
@@ -1431,7 +1415,7 @@ mod tests {
                 prompt.len(),
                 if model.is_some() { " first" } else { "" }
             ),
-            Action::Routed { reason } => format!("routed {reason}"),
+            Action::Routed { reason } => format!("routed {}", reason.label()),
             Action::Prefill {
                 lane,
                 prefill,
@@ -1502,13 +1486,10 @@ mod tests {
                 worker,
                 cause,
                 tokens_sent,
-            } => format!(
-                "lost {lane} {worker} {} after {tokens_sent}",
-                cause.as_str()
-            ),
+            } => format!("lost {lane} {worker} {} after {tokens_sent}", cause.label()),
             Action::Failover { cause, resumed } => format!(
                 "failover {} {}",
-                cause.as_str(),
+                cause.label(),
                 if *resumed { "resumed" } else { "gave_up" }
             ),
             Action::Finish => "finish".into(),
@@ -1542,13 +1523,13 @@ mod tests {
         job: Job,
         policy: RetryPolicy,
         /// Each event, and the actions it must give, in order.
-        steps: Vec<(Event, &'static [&'static str])>,
+        steps: Vec<(SessionEvent, &'static [&'static str])>,
         /// The session is over at the end.
         over: bool,
     }
 
     /// The request's first step: planned on P with `decode` (D1 first), its Prefill to D1.
-    fn routed(decode: &[&str]) -> (Event, &'static [&'static str]) {
+    fn routed(decode: &[&str]) -> (SessionEvent, &'static [&'static str]) {
         (
             plan(decode, None),
             &[
@@ -1560,7 +1541,7 @@ mod tests {
 
     /// The request planned on P with D1 then D2, prefilled onto D1 (first token 100, `draws`
     /// draws), and its stream on D1 opened: the steps every failover case starts with.
-    fn opened(draws: u32) -> Vec<(Event, &'static [&'static str])> {
+    fn opened(draws: u32) -> Vec<(SessionEvent, &'static [&'static str])> {
         vec![
             routed(&["D1", "D2"]),
             (
@@ -1571,14 +1552,14 @@ mod tests {
                     "resume 0 h0-100 on D1 len=10 n=1 max=8 seed=Some(7)",
                 ],
             ),
-            (Event::Opened { lane: 0 }, &[]),
+            (SessionEvent::Opened { lane: 0 }, &[]),
         ]
     }
 
     fn with(
-        mut head: Vec<(Event, &'static [&'static str])>,
-        tail: Vec<(Event, &'static [&'static str])>,
-    ) -> Vec<(Event, &'static [&'static str])> {
+        mut head: Vec<(SessionEvent, &'static [&'static str])>,
+        tail: Vec<(SessionEvent, &'static [&'static str])>,
+    ) -> Vec<(SessionEvent, &'static [&'static str])> {
         head.extend(tail);
         head
     }
@@ -1620,7 +1601,7 @@ mod tests {
                         &["routed colocated", "colocated 0 on B"],
                     ),
                     (
-                        Event::OpenFailed {
+                        SessionEvent::OpenFailed {
                             lane: 0,
                             status: Some(421),
                             message: "wrong role".into(),
@@ -1647,14 +1628,14 @@ mod tests {
                         ],
                     ),
                     (
-                        Event::PrefillFailed {
+                        SessionEvent::PrefillFailed {
                             lane: 0,
                             failure: PrefillFailure::TimedOut,
                         },
                         &["prefill 0 r-1 to D1 len=10 seed=Some(7) max=8 offset=0 via P2"],
                     ),
                     (
-                        Event::PrefillFailed {
+                        SessionEvent::PrefillFailed {
                             lane: 0,
                             failure: PrefillFailure::Unreachable,
                         },
@@ -1707,7 +1688,7 @@ mod tests {
                             "resume 0 h0-100 on D1 len=10 n=1 max=8 seed=Some(7)",
                         ],
                     ),
-                    (Event::Opened { lane: 0 }, &[]),
+                    (SessionEvent::Opened { lane: 0 }, &[]),
                     (
                         lost(0, LossCause::Reset),
                         &[
@@ -1761,7 +1742,7 @@ mod tests {
                                 "resume 0 h0-103 on D2 len=13 n=1 max=5 seed=Some(7)",
                             ],
                         ),
-                        (Event::Opened { lane: 0 }, &[]),
+                        (SessionEvent::Opened { lane: 0 }, &[]),
                         // The new engine's first token is the handle's: skipped.
                         (chunk(0, &[(0, &[103, 104], None)]), &["token 0:104"]),
                     ],
@@ -1920,7 +1901,7 @@ mod tests {
                             "resume 0 h0-120 on D1 len=10 n=1 max=8 seed=Some(7)",
                         ],
                     ),
-                    (Event::Opened { lane: 0 }, &[]),
+                    (SessionEvent::Opened { lane: 0 }, &[]),
                     // 'x' is the last token D1 sends; 'y' is the failover Prefill's first.
                     (
                         chunk(0, &[(0, &[120, u32::from(b'x')], None)]),
@@ -1965,7 +1946,7 @@ mod tests {
                             "resume 0 h0-100 on D1 len=10 n=3 max=8 seed=Some(7)",
                         ],
                     ),
-                    (Event::Opened { lane: 0 }, &[]),
+                    (SessionEvent::Opened { lane: 0 }, &[]),
                     (
                         chunk(
                             0,
@@ -2031,7 +2012,7 @@ mod tests {
                             plan(&["D2"], None),
                             &["prefill 0 r-1 to D2 len=11 seed=Some(7) max=7 offset=0"],
                         ),
-                        (Event::ClientGone, &["cancel 0 r-1"]),
+                        (SessionEvent::ClientGone, &["cancel 0 r-1"]),
                         // The push had finished: the handle still arrives, and goes back.
                         (handle(0, 101, 0, SEED), &["release 0"]),
                     ],
@@ -2045,7 +2026,7 @@ mod tests {
                 steps: with(
                     opened(0),
                     vec![
-                        (Event::ClientGone, &["close 0"]),
+                        (SessionEvent::ClientGone, &["close 0"]),
                         (chunk(0, &[(0, &[100, 101], None)]), &[]),
                     ],
                 ),
@@ -2081,7 +2062,7 @@ mod tests {
                                 "resume 0 h0-101 on D2 len=11 n=1 max=7 seed=Some(7)",
                             ],
                         ),
-                        (Event::Opened { lane: 0 }, &[]),
+                        (SessionEvent::Opened { lane: 0 }, &[]),
                         (
                             lost(0, LossCause::Stall),
                             &[
@@ -2138,7 +2119,7 @@ mod tests {
                         ],
                     ),
                     (
-                        Event::Drain,
+                        SessionEvent::Drain,
                         &[
                             "broken the gateway is draining: this request was ended before it finished",
                             "close 0",
@@ -2156,7 +2137,7 @@ mod tests {
                 steps: vec![
                     routed(&["D1"]),
                     (
-                        Event::Drain,
+                        SessionEvent::Drain,
                         &[
                             "fail 503 the gateway is draining: this request was ended before it finished",
                             "cancel 0 r-0",
@@ -2226,11 +2207,11 @@ mod tests {
         // (an older gateway's) leaves the prefill engine to ask.
         let mut s = Session::new(job(1, 0.0, false, &[]), "r".into(), RetryPolicy::default());
         s.start();
-        let Event::Planned { plan, .. } = plan(&["D1"], None) else {
+        let SessionEvent::Planned { plan, .. } = plan(&["D1"], None) else {
             unreachable!()
         };
         let Ok((p, _)) = *plan else { unreachable!() };
-        let a = s.on(Event::Planned {
+        let a = s.on(SessionEvent::Planned {
             lane: 0,
             plan: Box::new(Ok((p, HashMap::new()))),
         });

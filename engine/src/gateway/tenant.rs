@@ -16,7 +16,7 @@ use ring::hmac;
 
 /// Who called, as the key middleware found it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Caller {
+pub struct EndUser {
     /// The tenant: the API key, or the trusted tenant header's value (empty: no tenant, an
     /// unauthenticated public endpoint).
     pub tenant: Vec<u8>,

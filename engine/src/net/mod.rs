@@ -2,8 +2,11 @@
 //! ([`server`]), and the clients of the other processes ([`clients`]).
 
 pub mod authz;
+pub mod certs;
 pub mod clients;
+pub mod crypto;
 pub mod dial;
+pub mod identity;
 pub mod limits;
 pub mod probes;
 pub mod role;

@@ -1,126 +1,28 @@
-//! Mutual TLS between the processes of a deployment, and who each peer is.
+//! Mutual TLS between the processes of a deployment: the `[tls]` section, and the rustls and
+//! tonic configurations built from it.
 //!
 //! Every internal port serves TLS 1.3 only and requires a client certificate that chains to the
 //! deployment's CA; every outgoing connection presents the process's own certificate and
-//! verifies the server against the same CA. A peer's identity is the SPIFFE URI SAN of its
-//! certificate, `spiffe://tl/ROLE/ID` ([`PeerId`]); what it may call is decided by its role.
-//!
-//! [`issue`] is `tl certs`: a development CA made on first use, and role certificates signed by
-//! it. Production deployments bring their own (cert-manager, SPIRE); only the URI SAN matters.
+//! verifies the server against the same CA. Who a peer is lives in [`super::identity`], the
+//! library under rustls in [`super::crypto`], and `tl certs` in [`super::certs`]; their names
+//! are re-exported here.
 
-use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose, SanType,
-};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use serde::Deserialize;
 
-/// What a peer is, as its certificate says.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum PeerRole {
-    /// The gateway.
-    Gateway,
-    /// A prefill engine.
-    Prefill,
-    /// A decode engine.
-    Decode,
-    /// An engine with both roles.
-    Both,
-    /// An operator's tool.
-    Admin,
-    /// An etcd member (the registry's store): a server certificate, allowed no call here.
-    Etcd,
-}
-
-impl PeerRole {
-    /// Every role.
-    pub const ALL: [PeerRole; 6] = [
-        PeerRole::Gateway,
-        PeerRole::Prefill,
-        PeerRole::Decode,
-        PeerRole::Both,
-        PeerRole::Admin,
-        PeerRole::Etcd,
-    ];
-
-    /// The role's name in a SPIFFE id.
-    #[must_use]
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PeerRole::Gateway => "gateway",
-            PeerRole::Prefill => "prefill",
-            PeerRole::Decode => "decode",
-            PeerRole::Both => "both",
-            PeerRole::Admin => "admin",
-            PeerRole::Etcd => "etcd",
-        }
-    }
-}
-
-impl std::str::FromStr for PeerRole {
-    type Err = TlsError;
-
-    fn from_str(s: &str) -> Result<Self, TlsError> {
-        PeerRole::ALL
-            .into_iter()
-            .find(|r| r.as_str() == s)
-            .ok_or_else(|| TlsError::Role(s.to_owned()))
-    }
-}
-
-/// A peer's identity: `spiffe://tl/ROLE/ID`.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct PeerId {
-    /// Its role.
-    pub role: PeerRole,
-    /// Its id (a worker id, or a gateway's or operator's name).
-    pub id: String,
-}
-
-const SPIFFE_PREFIX: &str = "spiffe://tl/";
-
-impl PeerId {
-    /// The SPIFFE URI.
-    #[must_use]
-    pub fn uri(&self) -> String {
-        format!("{SPIFFE_PREFIX}{}/{}", self.role.as_str(), self.id)
-    }
-
-    /// Parses `spiffe://tl/ROLE/ID`.
-    #[must_use]
-    pub fn parse(uri: &str) -> Option<Self> {
-        let (role, id) = uri.strip_prefix(SPIFFE_PREFIX)?.split_once('/')?;
-        if id.is_empty() || id.contains('/') {
-            return None;
-        }
-        Some(Self {
-            role: role.parse().ok()?,
-            id: id.to_owned(),
-        })
-    }
-
-    /// The identity in a DER certificate: its one `spiffe://tl/` URI SAN.
-    #[must_use]
-    pub fn from_cert(der: &[u8]) -> Option<Self> {
-        use x509_parser::extensions::GeneralName;
-        let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
-        let san = cert.subject_alternative_name().ok()??;
-        let mut ids = san.value.general_names.iter().filter_map(|n| match n {
-            GeneralName::URI(u) => PeerId::parse(u),
-            _ => None,
-        });
-        let id = ids.next()?;
-        // Two identities in one certificate is one too many.
-        ids.next().is_none().then_some(id)
-    }
-}
+pub use super::certs::{Issued, RESERVED_IDS, issue, issue_with};
+pub(crate) use super::crypto::provider;
+use super::crypto::public_provider;
+pub use super::crypto::{
+    TlsCrypto, UnknownTlsCrypto, crypto, install_process_default, random_hex, set_crypto,
+};
+pub use super::identity::{PeerId, PeerRole};
 
 /// Why TLS could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -185,7 +87,7 @@ pub struct TlsSection {
     pub crypto: Option<TlsCrypto>,
 }
 
-fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+pub(crate) fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
     std::fs::read(path).map_err(|source| TlsError::Io {
         path: path.display().to_string(),
         source,
@@ -208,128 +110,6 @@ fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
         return Err(pem_error(path, "no certificate"));
     }
     Ok(certs)
-}
-
-/// The cryptography library under rustls, for every TLS connection the process serves or
-/// makes: [`set_crypto`] chooses it once at start, before any configuration is built.
-///
-/// aws-lc's AES-GCM has a VAES/AVX-512 path that ring 0.17 lacks: on an Intel Xeon of family 6
-/// model 207 (Emerald Rapids) it sealed 16 KiB records at 19.5 GB/s against ring's 12.6 and
-/// opened them at 17.5 against 12.4 (README). So it is the default; ring stays selectable.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum TlsCrypto {
-    /// aws-lc-rs (the default).
-    #[default]
-    AwsLc,
-    /// ring.
-    Ring,
-}
-
-impl TlsCrypto {
-    /// Its name as [`FromStr`](std::str::FromStr) takes it.
-    #[must_use]
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::AwsLc => "aws-lc",
-            Self::Ring => "ring",
-        }
-    }
-}
-
-impl std::fmt::Display for TlsCrypto {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// A name that is not one of [`TlsCrypto`]'s.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{0:?}: expected aws-lc or ring")]
-pub struct UnknownTlsCrypto(pub String);
-
-impl std::str::FromStr for TlsCrypto {
-    type Err = UnknownTlsCrypto;
-
-    fn from_str(s: &str) -> Result<Self, UnknownTlsCrypto> {
-        match s {
-            "aws-lc" => Ok(Self::AwsLc),
-            "ring" => Ok(Self::Ring),
-            other => Err(UnknownTlsCrypto(other.to_owned())),
-        }
-    }
-}
-
-/// 0 aws-lc, 1 ring.
-static CRYPTO: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-/// Chooses the library under every TLS configuration built from now on.
-pub fn set_crypto(c: TlsCrypto) {
-    let v = match c {
-        TlsCrypto::AwsLc => 0,
-        TlsCrypto::Ring => 1,
-    };
-    CRYPTO.store(v, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// The library [`set_crypto`] chose.
-#[must_use]
-pub fn crypto() -> TlsCrypto {
-    match CRYPTO.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => TlsCrypto::AwsLc,
-        _ => TlsCrypto::Ring,
-    }
-}
-
-/// Library `c`'s own provider: its suites, key exchanges and signature checks, as it orders them.
-fn library(c: TlsCrypto) -> rustls::crypto::CryptoProvider {
-    match c {
-        TlsCrypto::AwsLc => rustls::crypto::aws_lc_rs::default_provider(),
-        TlsCrypto::Ring => rustls::crypto::ring::default_provider(),
-    }
-}
-
-/// [`provider`] with the library's TLS 1.2 suites after its own, for the public endpoint, whose
-/// clients may still speak only TLS 1.2. The internal ports stay TLS 1.3 only.
-fn public_provider() -> Arc<rustls::crypto::CryptoProvider> {
-    let mut p = Arc::unwrap_or_clone(provider());
-    p.cipher_suites.extend(
-        library(crypto())
-            .cipher_suites
-            .into_iter()
-            .filter(|s| s.version().version == rustls::ProtocolVersion::TLSv1_2),
-    );
-    Arc::new(p)
-}
-
-/// Makes the chosen library's provider the process default, which rustls falls back on for a
-/// configuration built without one (tonic's client TLS, used by the registry's etcd client). With
-/// both libraries compiled in, rustls cannot pick a default by itself. False when a default was
-/// already installed.
-pub fn install_process_default() -> bool {
-    rustls::crypto::CryptoProvider::install_default(Arc::unwrap_or_clone(provider())).is_ok()
-}
-
-/// The chosen library's provider, TLS 1.3 suites only, AES-128-GCM first: a KV push is bulk
-/// data, and 128-bit AES is about a third cheaper per byte than 256-bit (10 rounds, not 14) at
-/// the same GCM cost.
-pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    provider_for(crypto())
-}
-
-/// [`provider`] with library `c`.
-fn provider_for(c: TlsCrypto) -> Arc<rustls::crypto::CryptoProvider> {
-    use rustls::CipherSuite::{TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384};
-    let mut p = library(c);
-    p.cipher_suites
-        .retain(|s| s.version().version == rustls::ProtocolVersion::TLSv1_3);
-    // Stable: anything after the two AES suites (ChaCha20-Poly1305) keeps the library's order.
-    p.cipher_suites.sort_by_key(|s| match s.suite() {
-        TLS13_AES_128_GCM_SHA256 => 0,
-        TLS13_AES_256_GCM_SHA384 => 1,
-        _ => 2,
-    });
-    Arc::new(p)
 }
 
 /// A process's TLS material, loaded once: its identity and the rustls configurations of its
@@ -508,203 +288,10 @@ impl PublicTls {
     }
 }
 
-/// `N` bytes from the operating system's secure random source, in lowercase hex.
-#[must_use]
-pub fn random_hex<const N: usize>() -> String {
-    let mut b = [0u8; N];
-    if rustls::crypto::ring::default_provider()
-        .secure_random
-        .fill(&mut b)
-        .is_err()
-    {
-        // No OS randomness at all: fall back to the process's keyed hash, still not a counter.
-        for chunk in b.chunks_mut(8) {
-            let r = tl_engine_core::rng::entropy_seed().to_le_bytes();
-            chunk.copy_from_slice(&r[..chunk.len()]);
-        }
-    }
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-/// The files `tl certs` wrote.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Issued {
-    /// The CA certificate.
-    pub ca: PathBuf,
-    /// The new certificate.
-    pub cert: PathBuf,
-    /// Its key.
-    pub key: PathBuf,
-}
-
-impl Issued {
-    /// As a `[tls]` section.
-    #[must_use]
-    pub fn section(&self) -> TlsSection {
-        TlsSection {
-            ca: self.ca.clone(),
-            cert: self.cert.clone(),
-            key: self.key.clone(),
-            peer_name: None,
-            crypto: None,
-        }
-    }
-}
-
-/// Creates `path` holding `text` with `mode`, never following a symlink planted there and
-/// never writing over an existing file (`O_EXCL | O_NOFOLLOW`): a private key is 0600 from its
-/// first byte, not chmod'ed after.
-fn create(path: &Path, text: &str, mode: u32) -> Result<(), TlsError> {
-    use std::io::Write;
-    let io = |source| TlsError::Io {
-        path: path.display().to_string(),
-        source,
-    };
-    let mut opts = std::fs::OpenOptions::new();
-    opts.write(true).create_new(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        opts.mode(mode).custom_flags(libc_nofollow());
-    }
-    #[cfg(not(unix))]
-    let _ = mode;
-    let mut f = opts.open(path).map_err(io)?;
-    f.write_all(text.as_bytes()).map_err(io)?;
-    f.sync_all().map_err(io)
-}
-
-/// `O_NOFOLLOW`, where this build knows it. `create_new` is `O_CREAT | O_EXCL`, which already
-/// fails on any existing path, a symlink (even a dangling one) included; this says so twice.
-#[cfg(unix)]
-fn libc_nofollow() -> i32 {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        libc::O_NOFOLLOW
-    }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    {
-        0
-    }
-}
-
-fn write(path: &Path, text: &str) -> Result<(), TlsError> {
-    create(path, text, 0o644)
-}
-
-/// Writes a private key readable by its owner only.
-fn write_key(path: &Path, text: &str) -> Result<(), TlsError> {
-    create(path, text, 0o600)
-}
-
-/// Ids `tl certs` will not issue: their files would be the CA's.
-pub const RESERVED_IDS: &[&str] = &["ca"];
-
-/// `tl certs`: makes `dir/ca.pem` and `dir/ca.key` on first use (a self-signed CA), then
-/// `dir/ID.pem` and `dir/ID.key`, a leaf signed by it with URI SAN `spiffe://tl/ROLE/ID`, DNS SAN
-/// `localhost`, IP SAN `127.0.0.1`, and each of `hosts` (a DNS name or an IP).
-///
-/// # Errors
-/// I/O errors, or an id that cannot be part of a SPIFFE id.
-pub fn issue(dir: &Path, id: &str, role: PeerRole, hosts: &[String]) -> Result<Issued, TlsError> {
-    issue_with(dir, id, role, hosts, false)
-}
-
-/// [`issue`], re-issuing over an existing certificate of `id` when `force` (its old files are
-/// removed first, a symlink as a link, never followed); without it, an existing `ID.pem` or
-/// `ID.key` is an error. A reserved id ([`RESERVED_IDS`]) is always refused.
-///
-/// # Errors
-/// As [`issue`], and an existing certificate without `force`.
-pub fn issue_with(
-    dir: &Path,
-    id: &str,
-    role: PeerRole,
-    hosts: &[String],
-    force: bool,
-) -> Result<Issued, TlsError> {
-    let me = PeerId {
-        role,
-        id: id.to_owned(),
-    };
-    if PeerId::parse(&me.uri()).as_ref() != Some(&me) {
-        return Err(TlsError::NoIdentity(format!("id {id:?}")));
-    }
-    if RESERVED_IDS.contains(&id) {
-        return Err(TlsError::NoIdentity(format!(
-            "id {id:?} is reserved: its files would replace the CA's"
-        )));
-    }
-    let (cert_path, key_path) = (dir.join(format!("{id}.pem")), dir.join(format!("{id}.key")));
-    for p in [&cert_path, &key_path] {
-        if std::fs::symlink_metadata(p).is_ok() {
-            if !force {
-                return Err(TlsError::Io {
-                    path: p.display().to_string(),
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::AlreadyExists,
-                        "already exists; pass --force to issue it again",
-                    ),
-                });
-            }
-            std::fs::remove_file(p).map_err(|source| TlsError::Io {
-                path: p.display().to_string(),
-                source,
-            })?;
-        }
-    }
-    std::fs::create_dir_all(dir).map_err(|source| TlsError::Io {
-        path: dir.display().to_string(),
-        source,
-    })?;
-    let (ca_pem, ca_key) = (dir.join("ca.pem"), dir.join("ca.key"));
-    if !ca_pem.exists() {
-        let key = KeyPair::generate()?;
-        let mut p = CertificateParams::new(Vec::<String>::new())?;
-        p.distinguished_name
-            .push(DnType::CommonName, "tl development CA");
-        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let cert = p.self_signed(&key)?;
-        write_key(&ca_key, &key.serialize_pem())?;
-        write(&ca_pem, &cert.pem())?;
-    }
-    let key_text = String::from_utf8_lossy(&read(&ca_key)?).into_owned();
-    let ca_signing = KeyPair::from_pem(&key_text)?;
-    let ca_text = String::from_utf8_lossy(&read(&ca_pem)?).into_owned();
-    let issuer = Issuer::from_ca_cert_pem(&ca_text, ca_signing)?;
-
-    let mut p = CertificateParams::new(vec!["localhost".to_owned()])?;
-    p.distinguished_name.push(DnType::CommonName, me.uri());
-    p.subject_alt_names
-        .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
-    for h in hosts {
-        p.subject_alt_names.push(match h.parse::<IpAddr>() {
-            Ok(ip) => SanType::IpAddress(ip),
-            Err(_) => SanType::DnsName(h.as_str().try_into()?),
-        });
-    }
-    p.subject_alt_names
-        .push(SanType::URI(me.uri().as_str().try_into()?));
-    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-    p.extended_key_usages = vec![
-        ExtendedKeyUsagePurpose::ServerAuth,
-        ExtendedKeyUsagePurpose::ClientAuth,
-    ];
-    let key = KeyPair::generate()?;
-    let cert = p.signed_by(&key, &issuer)?;
-    write_key(&key_path, &key.serialize_pem())?;
-    write(&cert_path, &cert.pem())?;
-    Ok(Issued {
-        ca: ca_pem,
-        cert: cert_path,
-        key: key_path,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::net::crypto::provider_for;
 
     /// `tl certs` never writes over the CA, never follows a planted symlink, creates keys
     /// 0600 from the start, and re-issues only when forced.

@@ -84,7 +84,7 @@ use crate::net::limits::LimitsSection;
 use crate::net::tls::TlsSection;
 use crate::toml_file::{self, FileError};
 
-use tl_engine_core::engine::CostModel;
+use tl_engine_core::cost::CostModel;
 use tl_engine_core::model::{BYTE_VOCAB, FakeModel, Model};
 
 /// A loaded checkpoint's identity: directory, name, B, threads, context.
@@ -195,7 +195,7 @@ impl Default for EngineSection {
 #[serde(default, deny_unknown_fields)]
 pub struct ModelSection {
     /// Model kind: `fake`, or `llama` (a checkpoint at `path`).
-    pub kind: String,
+    pub kind: ModelKind,
     /// The checkpoint of a `llama` model, a GGUF file or a Hugging Face directory (setting it
     /// makes the kind `llama`).
     pub path: String,
@@ -204,7 +204,7 @@ pub struct ModelSection {
     /// Threads of the llama kernels (0: every core).
     pub threads: usize,
     /// The llama matrix-multiply kernels: `gemm` or `portable`.
-    pub kernels: String,
+    pub kernels: tl_llama::kernels::Kernels,
     /// Vocabulary size.
     pub vocab: u32,
     /// L.
@@ -222,17 +222,51 @@ pub struct ModelSection {
     /// Simulated microseconds once per step that decodes (the weights' read).
     pub decode_us_per_step: u64,
     /// A named cost model the three figures above default to ("": none; "llama-3-8b-h100").
-    pub cost_preset: String,
+    pub cost_preset: CostPreset,
+}
+
+/// `[model] kind`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// The deterministic fake model (`spec/fake-model.md`), named `fake`.
+    #[default]
+    Fake,
+    /// A Llama-family checkpoint at `[model] path`.
+    Llama,
+}
+
+impl ModelKind {
+    /// Its configuration name, which is also the fake model's served name.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Fake => "fake",
+            Self::Llama => "llama",
+        }
+    }
+}
+
+/// `[model] cost_preset`: a named simulated cost model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+pub enum CostPreset {
+    /// None: the three figures alone (0, the default, is no cost).
+    #[default]
+    #[serde(rename = "")]
+    None,
+    /// Llama-3-8B on an H100 ([`CostModel::llama3_8b_h100`]).
+    #[serde(rename = "llama-3-8b-h100")]
+    Llama3_8bH100,
 }
 
 impl Default for ModelSection {
     fn default() -> Self {
         Self {
-            kind: "fake".into(),
+            kind: ModelKind::Fake,
             path: String::new(),
             name: String::new(),
             threads: 0,
-            kernels: "gemm".into(),
+            kernels: tl_llama::kernels::Kernels::Gemm,
             vocab: BYTE_VOCAB,
             n_layers: 2,
             n_kv_heads: 1,
@@ -241,7 +275,7 @@ impl Default for ModelSection {
             prefill_us_per_token: 0,
             decode_us_per_seq: 0,
             decode_us_per_step: 0,
-            cost_preset: String::new(),
+            cost_preset: CostPreset::None,
         }
     }
 }
@@ -349,10 +383,10 @@ impl Config {
     /// model.
     pub fn set_model(&mut self, model: &str) {
         if model == "fake" {
-            self.model.kind = "fake".into();
+            self.model.kind = ModelKind::Fake;
             self.model.path.clear();
         } else {
-            self.model.kind = "llama".into();
+            self.model.kind = ModelKind::Llama;
             self.model.path = model.to_owned();
         }
     }
@@ -394,28 +428,17 @@ impl Config {
             )));
         }
         let m = &self.model;
-        if !matches!(m.cost_preset.as_str(), "" | "llama-3-8b-h100") {
-            return Err(ConfigError::Invalid(format!(
-                "model.cost_preset {:?}: expected \"\" or \"llama-3-8b-h100\"",
-                m.cost_preset
-            )));
-        }
-        match (m.kind.as_str(), m.path.is_empty()) {
-            ("fake", true) => {}
-            ("fake" | "llama", false) => {
+        match (m.kind, m.path.is_empty()) {
+            (ModelKind::Fake, true) => {}
+            (_, false) => {
                 // The checkpoint is checked whole (config, every tensor) before anything else.
                 self.build_model()?;
             }
-            ("llama", true) => {
+            (ModelKind::Llama, true) => {
                 return Err(ConfigError::Invalid(
                     "model.kind \"llama\" needs model.path, a GGUF file or checkpoint directory"
                         .into(),
                 ));
-            }
-            (other, _) => {
-                return Err(ConfigError::Invalid(format!(
-                    "model.kind {other:?}: expected \"fake\" or \"llama\""
-                )));
             }
         }
         if m.vocab == 0 || m.max_context == 0 {
@@ -516,7 +539,7 @@ impl Config {
         let m = &self.model;
         if m.path.is_empty() {
             return Ok(Arc::new(FakeModel::new(
-                m.kind.clone(),
+                m.kind.name(),
                 self.shape(),
                 m.vocab,
                 m.max_context,
@@ -532,12 +555,7 @@ impl Config {
             0 => std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
             n => n,
         };
-        let kernels = tl_llama::kernels::Kernels::parse(&m.kernels).ok_or_else(|| {
-            ConfigError::Invalid(format!(
-                "model.kernels {:?}: expected \"gemm\" or \"portable\"",
-                m.kernels
-            ))
-        })?;
+        let kernels = m.kernels;
         let key = (
             dir.to_path_buf(),
             name.clone(),
@@ -641,9 +659,9 @@ impl Config {
     /// The simulated compute cost.
     #[must_use]
     pub fn cost(&self) -> CostModel {
-        let base = match self.model.cost_preset.as_str() {
-            "llama-3-8b-h100" => CostModel::llama3_8b_h100(),
-            _ => CostModel::default(),
+        let base = match self.model.cost_preset {
+            CostPreset::Llama3_8bH100 => CostModel::llama3_8b_h100(),
+            CostPreset::None => CostModel::default(),
         };
         let or = |us: u64, d: Duration| if us > 0 { Duration::from_micros(us) } else { d };
         CostModel {
@@ -732,8 +750,8 @@ mod tests {
         // A key set above 0 overrides the preset; an unknown preset is refused.
         c.model.decode_us_per_step = 1_000;
         assert_eq!(c.cost().decode_per_step, Duration::from_millis(1));
-        c.model.cost_preset = "a100-maybe".into();
-        assert!(c.validate().is_err());
+        let e = toml::from_str::<Config>("[model]\ncost_preset = \"a100-maybe\"\n").unwrap_err();
+        assert!(e.to_string().contains("llama-3-8b-h100"), "{e}");
     }
 
     /// A pool sized past the machine's memory (65,536 KV heads pass every per-field bound) is

@@ -9,6 +9,9 @@
 //! | the KV receiver (KvTransfer) over the pool | decode, both | [`store`], `kvwire_grpc` |
 //! | the decode front (`/v1/completions`) | decode, both | [`front`] |
 //! | the heartbeat | when a registry is configured | [`heartbeat`] |
+//! | the registration on etcd | when the registry is on etcd | [`registrar`] |
+//! | WatchBlocks: the blocks this engine holds, as a stream | decode, both | [`blocks`] |
+//! | the configuration | every role | [`config`] |
 
 pub mod blocks;
 pub mod config;

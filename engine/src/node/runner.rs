@@ -13,7 +13,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tl_engine_core::engine::{
-    Engine, Event, FinishReason, PrefillOutput, PrefillProgress, Request, Resume, SeqError, SeqId,
+    Engine, FinishReason, PrefillOutput, PrefillProgress, Request, Resume, SeqError, SeqId,
+    StepEvent,
 };
 use tl_engine_core::logprobs::TokenLogprobs;
 use tl_engine_core::model::Model;
@@ -396,7 +397,7 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
         for ev in events {
             // `ends`: the choices this event ends (all of them for a failure).
             let (seq, msg, ends) = match ev {
-                Event::Token {
+                StepEvent::Token {
                     seq,
                     choice,
                     token,
@@ -411,13 +412,15 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
                     };
                     (seq, msg, 0)
                 }
-                Event::Finished {
+                StepEvent::Finished {
                     seq,
                     choice,
                     reason,
                 } => (seq, SeqEvent::Finished { choice, reason }, 1),
-                Event::Failed { seq, error } => (seq, SeqEvent::Failed(error), u32::MAX),
-                Event::Prefilled { seq, output } => (seq, SeqEvent::Prefilled(output), u32::MAX),
+                StepEvent::Failed { seq, error } => (seq, SeqEvent::Failed(error), u32::MAX),
+                StepEvent::Prefilled { seq, output } => {
+                    (seq, SeqEvent::Prefilled(output), u32::MAX)
+                }
             };
             let mut last = false;
             let delivered = subs.get_mut(&seq).is_some_and(|(_, tx, open)| {

@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -57,14 +57,87 @@ pub struct RequestLabels {
     pub status: u16,
 }
 
-/// `{cause, outcome}` of a failover: why the decode stream was lost (`reset`, `stall`) and
-/// whether the request went on elsewhere (`resumed`) or ended with an error (`gave_up`).
+/// A closed set of label values: each value renders as its label.
+macro_rules! label_values {
+    ($(#[$doc:meta])* $name:ident { $($(#[$vdoc:meta])* $variant:ident => $label:literal),+ $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+        pub enum $name {
+            $($(#[$vdoc])* $variant),+
+        }
+
+        impl $name {
+            /// Every value, in order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            /// The label this value renders as.
+            #[must_use]
+            pub fn label(self) -> &'static str {
+                match self {
+                    $($name::$variant => $label),+
+                }
+            }
+        }
+
+        impl EncodeLabelValue for $name {
+            fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
+                EncodeLabelValue::encode(&self.label(), encoder)
+            }
+        }
+    };
+}
+
+label_values! {
+    /// Why a decode engine counts as lost: `tl_failovers_total{cause}`.
+    LossCause {
+        /// Its stream broke, ended early, or the resume was refused or could not connect.
+        Reset => "reset",
+        /// It sent nothing within the stall timeout.
+        Stall => "stall",
+    }
+}
+
+label_values! {
+    /// How a failover ended: `tl_failovers_total{outcome}`.
+    FailoverOutcome {
+        /// The request continued on another decode engine.
+        Resumed => "resumed",
+        /// It could not: the client got an error event.
+        GaveUp => "gave_up",
+    }
+}
+
+label_values! {
+    /// Why the gateway routed a request where it did: `tl_route_decisions_total{reason}`.
+    RouteReason {
+        /// A decode engine holds a prefix of the prompt.
+        PrefixHit => "prefix_hit",
+        /// No engine holds a prefix: the least loaded.
+        ByLoad => "by_load",
+        /// No prefill and decode pair: a `both` engine serves it alone.
+        Colocated => "colocated",
+        /// No engine can serve it.
+        None => "none",
+    }
+}
+
+label_values! {
+    /// Whether an engine took a role change: `tl_role_changes_total{outcome}`.
+    ChangeOutcome {
+        /// It took it.
+        Ok => "ok",
+        /// It refused, or could not be reached.
+        Failed => "failed",
+    }
+}
+
+/// `{cause, outcome}` of a failover.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FailoverLabels {
-    /// `reset` (the stream broke or the engine refused the resume) or `stall`.
-    pub cause: &'static str,
-    /// `resumed` or `gave_up`.
-    pub outcome: &'static str,
+    /// Why the decode stream was lost.
+    pub cause: LossCause,
+    /// Whether the request continued elsewhere.
+    pub outcome: FailoverOutcome,
 }
 
 /// `{role}` of live workers.
@@ -78,19 +151,19 @@ pub struct Role {
 /// `both`) and whether the engine took it (`ok`) or not (`failed`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RoleChange {
-    /// The role it served in.
-    pub from: String,
-    /// The role asked for.
-    pub to: String,
-    /// `ok` or `failed`.
-    pub outcome: String,
+    /// The role it served in (a role's name, or `unspecified`).
+    pub from: &'static str,
+    /// The role asked for (a role's name).
+    pub to: &'static str,
+    /// Whether the engine took it.
+    pub outcome: ChangeOutcome,
 }
 
 /// `{reason}` of a routing decision.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Reason {
-    /// For instance `prefix_hit`.
-    pub reason: String,
+    /// Why the request went where it did.
+    pub reason: RouteReason,
 }
 
 type Refresh = Box<dyn Fn(&Metrics) + Send + Sync>;
@@ -279,18 +352,16 @@ impl Metrics {
                 .get_or_create(&Direction { direction })
                 .inc_by(0);
         }
-        for cause in ["reset", "stall"] {
-            for outcome in ["resumed", "gave_up"] {
+        for &cause in LossCause::ALL {
+            for &outcome in FailoverOutcome::ALL {
                 m.failovers
                     .get_or_create(&FailoverLabels { cause, outcome })
                     .inc_by(0);
             }
         }
-        for reason in ["prefix_hit", "by_load", "colocated", "none"] {
+        for &reason in RouteReason::ALL {
             m.route_decisions
-                .get_or_create(&Reason {
-                    reason: reason.to_owned(),
-                })
+                .get_or_create(&Reason { reason })
                 .inc_by(0);
         }
         m

@@ -10,7 +10,7 @@ use kvwire::Shape;
 use kvwire_grpc::{GrpcTransport, KvReceiver, KvServerHandle, KvStore, TransportConfig, serve_kv};
 use tl_engine::node::EngineNode;
 use tl_engine::node::store::PoolStore;
-use tl_engine_core::engine::{Engine, Event, Mode, PrefillOutput, Request};
+use tl_engine_core::engine::{Engine, Mode, PrefillOutput, Request, StepEvent};
 use tl_engine_core::model::{BYTE_VOCAB, FakeModel};
 use tl_engine_core::pool::{BlockId, KvPool, PoolCounts, SharedKv};
 use tl_engine_core::sampler::Sampling;
@@ -37,7 +37,7 @@ pub fn prefill(e: &mut Engine, prompt: &[u32]) -> PrefillOutput {
     })
     .unwrap();
     for ev in e.step().0 {
-        if let Event::Prefilled { output, .. } = ev {
+        if let StepEvent::Prefilled { output, .. } = ev {
             return output;
         }
     }

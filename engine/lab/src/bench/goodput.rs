@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use tl_engine::api::sse::StreamEvent;
 use tl_engine::api::{CompletionRequest, GenerationParams, Prompt};
 use tl_engine::gateway::GatewayNode;
-use tl_engine::gateway::planner::PlannerSection;
+use tl_engine::gateway::roles::PlannerSection;
 use tl_engine::net::clients::{EventStream, HttpClient};
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, Role};
@@ -181,7 +181,7 @@ struct Costs {
 
 impl Costs {
     fn scaled(k: f64) -> Self {
-        let base = tl_engine_core::engine::CostModel::llama3_8b_h100();
+        let base = tl_engine_core::cost::CostModel::llama3_8b_h100();
         let us = |d: Duration| ((d.as_secs_f64() * 1e6 * k).round() as u64).max(1);
         Self {
             prefill_us_per_token: us(base.prefill_per_token),

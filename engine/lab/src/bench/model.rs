@@ -13,7 +13,8 @@ use tl_engine_core::model::Model;
 use tl_engine_core::pool::{KvPool, SharedKv};
 use tl_engine_core::sampler::Sampling;
 use tl_llama::Llama;
-use tl_llama::init::{InitShape, write_checkpoint};
+use tl_llama::LlamaConfig;
+use tl_llama::init::write_checkpoint;
 use tl_llama::kernels::{DType, Kernels, MatRef, matmul};
 
 use super::{BenchError, round3};
@@ -184,7 +185,7 @@ fn bench(a: &ModelArgs) -> Result<serde_json::Value, BenchError> {
     let (dir, shape_name) = match &a.model {
         Some(d) => (std::path::PathBuf::from(d), d.clone()),
         None => {
-            write_checkpoint(&tmp, &InitShape::smollm2_135m(), DType::Bf16, 1, 1, 2, 1)?;
+            write_checkpoint(&tmp, &LlamaConfig::smollm2_135m(), DType::Bf16, 1, 1, 2, 1)?;
             (
                 tmp.clone(),
                 "smollm2-135m (random weights, bf16)".to_owned(),

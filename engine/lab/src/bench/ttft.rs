@@ -314,13 +314,13 @@ fn prefill_only(
     e: &mut tl_engine_core::engine::Engine,
     req: tl_engine_core::engine::Request,
 ) -> Result<tl_engine_core::engine::PrefillOutput, BenchError> {
-    use tl_engine_core::engine::Event;
+    use tl_engine_core::engine::StepEvent;
     e.submit(req)?;
     Ok(e.step()
         .0
         .into_iter()
         .find_map(|ev| match ev {
-            Event::Prefilled { output, .. } => Some(output),
+            StepEvent::Prefilled { output, .. } => Some(output),
             _ => None,
         })
         .ok_or("prefill produced no output")?)

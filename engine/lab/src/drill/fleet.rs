@@ -24,7 +24,9 @@ use tl_engine::etcd::member::{Member, start_cluster};
 use tl_engine::net::clients::{EventStream, HttpClient};
 
 use super::args::{DrillArgs, Fault};
-use super::parts::{Compose, Proc, colocated, engine_toml, in_use, p99_ms, prompt, scrape};
+use super::parts::{
+    Compose, Proc, Timeline, colocated, engine_toml, in_use, p99_ms, prompt, scrape, start_clients,
+};
 
 /// How one request ended, as its client saw it.
 #[derive(Debug, Clone, PartialEq)]
@@ -443,21 +445,11 @@ pub(crate) async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
         .await
         .ok_or("the engines never appeared on both gateways")?;
 
-    let t0 = Instant::now();
-    let total = Duration::from_secs_f64(a.seconds.max(3.0));
-    let (fault_at, restore_at) = (total / 3, total * 2 / 3);
-    let outcomes = Arc::new(Mutex::new(Vec::new()));
-    let mut clients = tokio::task::JoinSet::new();
-    for i in 0..a.clients.max(2) {
-        clients.spawn(client(
-            i,
-            http.clone(),
-            t0,
-            t0 + total,
-            a.max_tokens,
-            Arc::clone(&outcomes),
-        ));
-    }
+    let line = Timeline::start(a.seconds, 3.0);
+    let (t0, total, fault_at, restore_at) = (line.t0, line.total, line.fault_at, line.restore_at);
+    let (outcomes, mut clients) = start_clients(a.clients.max(2), |i, out| {
+        client(i, http.clone(), t0, line.end(), a.max_tokens, out)
+    });
     tokio::time::sleep_until((t0 + fault_at).into()).await;
     let fault_start = t0.elapsed();
     f.fault(a.fault)?;

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use tl_engine::net::clients::HttpClient;
@@ -342,4 +343,50 @@ impl Drop for Compose {
         }
         let _ = self.run(&["down", "-v", "--timeout", "5"]);
     }
+}
+
+/// A drill's timeline: it runs `total`, takes the fault at a third and restores it at two
+/// thirds, counted from `t0`.
+pub(super) struct Timeline {
+    pub(super) t0: Instant,
+    pub(super) total: Duration,
+    pub(super) fault_at: Duration,
+    pub(super) restore_at: Duration,
+}
+
+impl Timeline {
+    /// A timeline of `seconds` (at least `at_least`), starting now.
+    pub(super) fn start(seconds: f64, at_least: f64) -> Self {
+        let total = Duration::from_secs_f64(seconds.max(at_least));
+        Self {
+            t0: Instant::now(),
+            total,
+            fault_at: total / 3,
+            restore_at: total * 2 / 3,
+        }
+    }
+
+    /// When the clients stop sending.
+    pub(super) fn end(&self) -> Instant {
+        self.t0 + self.total
+    }
+}
+
+/// Starts `n` clients, client `i` running `client(i, outcomes)`, each pushing what it saw into
+/// the one list of outcomes.
+pub(super) fn start_clients<O, F, Fut>(
+    n: usize,
+    client: F,
+) -> (Arc<Mutex<Vec<O>>>, tokio::task::JoinSet<()>)
+where
+    O: Send + 'static,
+    F: Fn(usize, Arc<Mutex<Vec<O>>>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let outcomes = Arc::new(Mutex::new(Vec::new()));
+    let mut clients = tokio::task::JoinSet::new();
+    for i in 0..n {
+        clients.spawn(client(i, Arc::clone(&outcomes)));
+    }
+    (outcomes, clients)
 }

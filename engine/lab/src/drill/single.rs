@@ -530,21 +530,11 @@ pub(super) async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
         .metrics(Who::Gateway)
         .ok_or("the gateway's metrics are not reachable")?;
 
-    let t0 = Instant::now();
-    let total = Duration::from_secs_f64(a.seconds.max(1.0));
-    let (fault_at, restore_at) = (total / 3, total * 2 / 3);
-    let outcomes = Arc::new(Mutex::new(Vec::new()));
-    let mut clients = tokio::task::JoinSet::new();
-    for i in 0..a.clients.max(1) {
-        clients.spawn(client(
-            i,
-            http.clone(),
-            t0,
-            t0 + total,
-            a.max_tokens,
-            Arc::clone(&outcomes),
-        ));
-    }
+    let line = Timeline::start(a.seconds, 1.0);
+    let (t0, _total, fault_at, restore_at) = (line.t0, line.total, line.fault_at, line.restore_at);
+    let (outcomes, mut clients) = start_clients(a.clients.max(1), |i, out| {
+        client(i, http.clone(), t0, line.end(), a.max_tokens, out)
+    });
 
     tokio::time::sleep_until((t0 + fault_at).into()).await;
     // The victim: a decode engine with streams in flight (so that the fault hits requests).

@@ -250,13 +250,17 @@ pub(super) async fn run(
                 .and_then(|r| r),
             Err(e) => Err(tonic::Status::unavailable(e.to_string())),
         };
-        let outcome = if answer.is_ok() { "ok" } else { "failed" };
+        let outcome = if answer.is_ok() {
+            crate::telemetry::metrics::ChangeOutcome::Ok
+        } else {
+            crate::telemetry::metrics::ChangeOutcome::Failed
+        };
         g.metrics
             .role_changes
             .get_or_create(&crate::telemetry::metrics::RoleChange {
-                from: from.to_owned(),
-                to: m.to.name().to_owned(),
-                outcome: outcome.to_owned(),
+                from,
+                to: m.to.name(),
+                outcome,
             })
             .inc();
         match answer {

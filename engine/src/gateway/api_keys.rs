@@ -4,7 +4,7 @@
 //! need `Authorization: Bearer <a key>`, else 401 with an OpenAI-style error body. `/health`
 //! stays open. An admin key is also a tenant key, and sees routing internals.
 //!
-//! Every request leaves the middleware with a [`Caller`] extension: its tenant (the key, or a
+//! Every request leaves the middleware with a [`EndUser`] extension: its tenant (the key, or a
 //! trusted front's `tenant_header`) and whether it is an admin.
 
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use super::tenant::Caller;
+use super::tenant::EndUser;
 use crate::api::ApiError;
 
 #[derive(Default)]
@@ -138,7 +138,7 @@ impl ApiKeys {
     }
 
     /// The caller presenting `key` (already accepted) with these request headers.
-    fn caller(&self, key: &[u8], headers: &axum::http::HeaderMap) -> Caller {
+    fn caller(&self, key: &[u8], headers: &axum::http::HeaderMap) -> EndUser {
         let tenant = match self.0.tenant_header.as_str() {
             "" => key.to_vec(),
             h => headers
@@ -146,7 +146,7 @@ impl ApiKeys {
                 .map(|v| v.as_bytes().to_vec())
                 .unwrap_or_default(),
         };
-        Caller {
+        EndUser {
             tenant,
             admin: if self.is_open() {
                 self.0.open_admin
@@ -163,7 +163,7 @@ fn guarded(path: &str) -> bool {
 }
 
 /// Axum middleware: 401 for a guarded request without a configured key; otherwise the request
-/// goes on with its [`Caller`].
+/// goes on with its [`EndUser`].
 pub async fn require_key(State(keys): State<ApiKeys>, mut req: Request, next: Next) -> Response {
     // Behind a trusted front that names the tenant, a request without the name belongs to no
     // one: it is refused rather than served as the empty tenant (no quota, a shared scope).
@@ -205,7 +205,7 @@ pub async fn require_key(State(keys): State<ApiKeys>, mut req: Request, next: Ne
         // exist for `/workers`.
         None if keys.0.public && req.uri().path().starts_with("/v1/") => {
             let caller = keys.caller(b"", req.headers());
-            req.extensions_mut().insert(Caller {
+            req.extensions_mut().insert(EndUser {
                 admin: false,
                 ..caller
             });
