@@ -122,7 +122,7 @@ pub(crate) fn etcd(cmd: &EtcdCmd) -> ExitCode {
                 let peer = PeerId {
                     role: role
                         .parse()
-                        .map_err(|e: tl_engine::net::tls::TlsError| e.to_string())?,
+                        .map_err(|e: tl_engine::net::tls::UnknownPeerRole| e.to_string())?,
                     id: id.clone(),
                 };
                 let granted =

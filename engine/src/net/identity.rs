@@ -1,8 +1,6 @@
 //! Who a peer is: the one `spiffe://tl/ROLE/ID` URI SAN of its certificate ([`PeerId`]), and
 //! the roles a deployment knows ([`PeerRole`]). What a peer may call is decided by its role.
 
-use super::tls::TlsError;
-
 /// What a peer is, as its certificate says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PeerRole {
@@ -45,14 +43,19 @@ impl PeerRole {
     }
 }
 
-impl std::str::FromStr for PeerRole {
-    type Err = TlsError;
+/// A role name that is not gateway, prefill, decode, both, admin or etcd.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("role {0:?}: expected gateway, prefill, decode, both or admin")]
+pub struct UnknownPeerRole(pub String);
 
-    fn from_str(s: &str) -> Result<Self, TlsError> {
+impl std::str::FromStr for PeerRole {
+    type Err = UnknownPeerRole;
+
+    fn from_str(s: &str) -> Result<Self, UnknownPeerRole> {
         PeerRole::ALL
             .into_iter()
             .find(|r| r.as_str() == s)
-            .ok_or_else(|| TlsError::Role(s.to_owned()))
+            .ok_or_else(|| UnknownPeerRole(s.to_owned()))
     }
 }
 

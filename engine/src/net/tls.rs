@@ -22,7 +22,7 @@ use super::crypto::public_provider;
 pub use super::crypto::{
     TlsCrypto, UnknownTlsCrypto, crypto, install_process_default, random_hex, set_crypto,
 };
-pub use super::identity::{PeerId, PeerRole};
+pub use super::identity::{PeerId, PeerRole, UnknownPeerRole};
 
 /// Why TLS could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -60,8 +60,8 @@ pub enum TlsError {
     #[error("peer_name {0:?} is not a DNS name a certificate can carry")]
     PeerName(String),
     /// Not one of gateway, prefill, decode, both, admin.
-    #[error("role {0:?}: expected gateway, prefill, decode, both or admin")]
-    Role(String),
+    #[error(transparent)]
+    Role(#[from] super::identity::UnknownPeerRole),
 }
 
 /// `[tls]` of every process's TOML: the CA that signs every peer, and this process's certificate
