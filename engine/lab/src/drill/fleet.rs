@@ -25,7 +25,8 @@ use tl_engine::net::clients::{EventStream, HttpClient};
 
 use super::args::{DrillArgs, Fault};
 use super::parts::{
-    Compose, Proc, Timeline, colocated, engine_toml, in_use, p99_ms, prompt, scrape, start_clients,
+    Compose, Proc, Timeline, colocated, engine_toml, in_use, nth_request, p99_ms, scrape,
+    start_clients,
 };
 
 /// How one request ended, as its client saw it.
@@ -140,12 +141,7 @@ async fn client(
     let http = HttpClient::default();
     let mut n = 0;
     while Instant::now() < end {
-        let p = prompt(i, n);
-        let (t, seed) = if (i + n).is_multiple_of(2) {
-            (0.0, 0)
-        } else {
-            (0.8, (i * 10_000 + n) as u64)
-        };
+        let (p, t, seed) = nth_request(i, n);
         let stream = n % 3 != 2;
         n += 1;
         let body = json!({ "prompt": p, "max_tokens": max_tokens, "temperature": t, "seed": seed, "stream": stream })

@@ -390,3 +390,14 @@ where
     }
     (outcomes, clients)
 }
+
+/// Client `i`'s `n`th request: its prompt, and its sampling, greedy and seeded by turns
+/// (temperature, seed).
+pub(super) fn nth_request(i: usize, n: usize) -> (Vec<u32>, f32, u64) {
+    let (t, seed) = if (i + n).is_multiple_of(2) {
+        (0.0, 0)
+    } else {
+        (0.8, (i * 10_000 + n) as u64)
+    };
+    (prompt(i, n), t, seed)
+}

@@ -51,12 +51,7 @@ async fn client(
     let client = HttpClient::default();
     let mut n = 0;
     while Instant::now() < end {
-        let p = prompt(i, n);
-        let (t, seed) = if (i + n).is_multiple_of(2) {
-            (0.0, 0)
-        } else {
-            (0.8, (i * 10_000 + n) as u64)
-        };
+        let (p, t, seed) = nth_request(i, n);
         n += 1;
         let body = json!({ "prompt": p, "max_tokens": max_tokens, "temperature": t, "seed": seed, "stream": true });
         let started = Instant::now();
