@@ -11,6 +11,7 @@
 //!
 //! Keys are `(cache_scope, hash)`: a tenant's prompt only ever matches its own scope's blocks.
 
+use super::worker::WorkerId;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -46,7 +47,7 @@ struct Inner {
     /// Counts every change of an engine's synced state (a route planner that checked every
     /// engine synced at one generation need not check again until the next).
     generation: u64,
-    engines: HashMap<String, Engine>,
+    engines: HashMap<WorkerId, Engine>,
     /// Engines holding each key, by worker id.
     holders: HashMap<Key, Vec<Arc<str>>>,
 }
@@ -106,7 +107,7 @@ impl BlockIndex {
     pub fn apply_within(&self, worker: &str, m: &BlockEvents, cap: usize) -> Applied {
         let mut g = self.lock();
         let inner = &mut *g;
-        let e = inner.engines.entry(worker.to_owned()).or_default();
+        let e = inner.engines.entry(worker.into()).or_default();
         let fresh = m.snapshot && !e.loading;
         let continues = m.snapshot && e.loading && m.epoch == e.epoch && m.seq + 1 == e.next;
         let follows = !m.snapshot && e.synced && m.epoch == e.epoch && m.seq == e.next;
@@ -241,13 +242,13 @@ impl BlockIndex {
         scope: u64,
         hashes: &[u64],
         engines: &[&'a str],
-    ) -> (HashMap<String, usize>, Vec<&'a str>) {
+    ) -> (HashMap<WorkerId, usize>, Vec<&'a str>) {
         let g = self.lock();
         let mut counts = HashMap::new();
         let mut unsynced = Vec::new();
         for &w in engines {
             if g.engines.get(w).is_some_and(|e| e.synced) {
-                counts.insert(w.to_owned(), 0);
+                counts.insert(w.into(), 0);
             } else {
                 unsynced.push(w);
             }

@@ -13,6 +13,7 @@
 //! - with no prefill engine or no decode engine, a `both` engine serves it colocated;
 //! - else nothing can.
 
+use super::worker::WorkerId;
 use crate::telemetry::metrics::RouteReason;
 use std::collections::HashMap;
 use std::fmt;
@@ -118,7 +119,7 @@ pub struct Policy {
 fn pick_colocated<'a>(
     candidates: impl Iterator<Item = &'a WorkerStatus>,
     cached: impl Fn(&str) -> usize,
-    in_flight: &HashMap<String, u32>,
+    in_flight: &HashMap<WorkerId, u32>,
     policy: Policy,
 ) -> Option<WorkerStatus> {
     let mut best: Vec<(&WorkerStatus, f64, u32)> = Vec::new();
@@ -170,7 +171,7 @@ pub fn score(cached_prefix_tokens: usize, load: u32, load_penalty_tokens: f64) -
 /// `spread`-th (by id), never always the lowest id. The spare is the best of the others.
 fn pick_prefill<'a>(
     candidates: impl Iterator<Item = &'a WorkerView>,
-    in_flight: &HashMap<String, u32>,
+    in_flight: &HashMap<WorkerId, u32>,
     spread: u64,
 ) -> (Option<WorkerStatus>, Option<WorkerStatus>) {
     let mut c: Vec<(u32, &WorkerStatus)> = candidates
@@ -245,8 +246,8 @@ pub fn has_blocks_targets(workers: &[WorkerView]) -> Vec<&WorkerStatus> {
 #[must_use]
 pub fn plan(
     workers: &[WorkerView],
-    cached: &HashMap<String, usize>,
-    in_flight: &HashMap<String, u32>,
+    cached: &HashMap<WorkerId, usize>,
+    in_flight: &HashMap<WorkerId, u32>,
     policy: Policy,
 ) -> Plan {
     let (prefill, prefill_spare) = pick_prefill(workers.iter(), in_flight, policy.spread);
@@ -380,7 +381,7 @@ impl Fleet {
 pub fn plan_walk(
     fleet: &Fleet,
     hits: &HashMap<&str, usize>,
-    in_flight: &HashMap<String, u32>,
+    in_flight: &HashMap<WorkerId, u32>,
     policy: Policy,
 ) -> Plan {
     type Scored<'a> = (&'a WorkerStatus, usize, f64);
@@ -392,11 +393,11 @@ pub fn plan_walk(
     let keep = policy.ranked.max(1);
     if policy.load_penalty_tokens != fleet.penalty || fleet.penalty < 0.0 {
         // Not the order the fleet was arranged in: the full scan.
-        let cached: HashMap<String, usize> = fleet
+        let cached: HashMap<WorkerId, usize> = fleet
             .candidates()
             .map(|c| {
                 let k = hits.get(c.worker_id.as_str()).copied().unwrap_or(0);
-                (c.worker_id.clone(), k)
+                (WorkerId::from(&c.worker_id), k)
             })
             .collect();
         return plan(&fleet.snap, &cached, in_flight, policy);
@@ -632,9 +633,9 @@ mod tests {
             },
         ];
         for c in cases {
-            let cached: HashMap<String, usize> =
+            let cached: HashMap<WorkerId, usize> =
                 c.cached.iter().map(|(k, v)| ((*k).into(), *v)).collect();
-            let in_flight: HashMap<String, u32> =
+            let in_flight: HashMap<WorkerId, u32> =
                 c.in_flight.iter().map(|(k, v)| ((*k).into(), *v)).collect();
             let got = plan(&c.workers, &cached, &in_flight, POLICY);
             let id = |w: &Option<WorkerStatus>| w.as_ref().map(|w| w.worker_id.clone());
@@ -690,7 +691,7 @@ mod tests {
                 workers.push(w("B", PbRole::Both, 0, 10));
             }
             let mut hits_owned: Vec<(String, usize)> = Vec::new();
-            let mut in_flight = HashMap::new();
+            let mut in_flight: HashMap<WorkerId, u32> = HashMap::new();
             for i in 0..n {
                 let id = format!("D{i:02}");
                 let mut v = w(&id, PbRole::Decode, next(4) as u32, next(3) as u32);
@@ -702,7 +703,7 @@ mod tests {
                     hits_owned.push((id.clone(), 1 + next(40) as usize));
                 }
                 if next(3) == 0 {
-                    in_flight.insert(id.clone(), next(3) as u32);
+                    in_flight.insert(WorkerId::from(&id), next(3) as u32);
                 }
                 workers.push(v);
             }
@@ -715,11 +716,11 @@ mod tests {
                 spread: next(7),
             };
             let fleet = Fleet::new(workers.clone().into(), policy.load_penalty_tokens);
-            let cached: HashMap<String, usize> = fleet
+            let cached: HashMap<WorkerId, usize> = fleet
                 .candidates()
                 .map(|c| {
                     let k = hits.get(c.worker_id.as_str()).copied().unwrap_or(0);
-                    (c.worker_id.clone(), k)
+                    (WorkerId::from(&c.worker_id), k)
                 })
                 .collect();
             let full = plan(&workers, &cached, &in_flight, policy);
@@ -737,11 +738,11 @@ mod tests {
             w("B2", PbRole::Both, 0, 10),
             w("B3", PbRole::Both, 0, 10),
         ];
-        let mut got: HashMap<String, u32> = HashMap::new();
+        let mut got: HashMap<WorkerId, u32> = HashMap::new();
         for spread in 0..30 {
             let policy = Policy { spread, ..POLICY };
             let p = plan(&workers, &HashMap::new(), &HashMap::new(), policy);
-            *got.entry(p.fallback.unwrap().worker_id).or_default() += 1;
+            *got.entry(p.fallback.unwrap().worker_id.into()).or_default() += 1;
         }
         assert_eq!(
             got.values().copied().collect::<Vec<_>>(),
@@ -749,15 +750,15 @@ mod tests {
             "{got:?}"
         );
         // B1 has a request of this gateway in flight: the others take the next ones.
-        let in_flight = HashMap::from([("B1".to_owned(), 1)]);
+        let in_flight = HashMap::from([(WorkerId::from("B1"), 1)]);
         for spread in 0..6 {
             let policy = Policy { spread, ..POLICY };
             let p = plan(&workers, &HashMap::new(), &in_flight, policy);
             assert_ne!(p.fallback.unwrap().worker_id, "B1");
         }
         // B3 holds 40 blocks of the prompt (160 tokens): worth more than 2 sequences of load.
-        let cached = HashMap::from([("B3".to_owned(), 40)]);
-        let in_flight = HashMap::from([("B3".to_owned(), 2)]);
+        let cached = HashMap::from([(WorkerId::from("B3"), 40)]);
+        let in_flight = HashMap::from([(WorkerId::from("B3"), 2)]);
         let p = plan(&workers, &cached, &in_flight, POLICY);
         assert_eq!(p.fallback.unwrap().worker_id, "B3");
     }
@@ -773,15 +774,15 @@ mod tests {
             w("P2", PbRole::Prefill, 0, 10),
             w("D1", PbRole::Decode, 0, 10),
         ];
-        let cached = HashMap::from([("D1".to_owned(), 0)]);
+        let cached = HashMap::from([(WorkerId::from("D1"), 0)]);
         for step in [1, 2] {
-            let mut got: HashMap<String, u32> = HashMap::new();
+            let mut got: HashMap<WorkerId, u32> = HashMap::new();
             for spread in (0..400).step_by(step) {
                 let policy = Policy { spread, ..POLICY };
                 let p = plan(&workers, &cached, &HashMap::new(), policy);
                 let (a, b) = (p.prefill.unwrap(), p.prefill_spare.unwrap());
                 assert_ne!(a.worker_id, b.worker_id);
-                *got.entry(a.worker_id).or_default() += 1;
+                *got.entry(a.worker_id.into()).or_default() += 1;
             }
             let n = 400 / step as u32;
             for id in ["P1", "P2"] {
@@ -789,7 +790,7 @@ mod tests {
                 assert!(k > n / 4 && k < 3 * n / 4, "step {step}: {got:?}");
             }
         }
-        let busy = HashMap::from([("P1".to_owned(), 1)]);
+        let busy = HashMap::from([(WorkerId::from("P1"), 1)]);
         for spread in 0..8 {
             let p = plan(&workers, &cached, &busy, Policy { spread, ..POLICY });
             assert_eq!(p.prefill.unwrap().worker_id, "P2");

@@ -5,6 +5,7 @@
 //! beats, and tells a worker to drain when an operator asked (SetDrain). A worker that has seen
 //! `drain = true` stays draining. Time is always passed in (`now`), so tests drive it.
 
+use super::worker::WorkerId;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -57,7 +58,7 @@ impl std::fmt::Debug for Mirror {
 /// The registry's state: live workers and drain requests.
 #[derive(Debug, Default)]
 pub struct RegistryState {
-    workers: Mutex<HashMap<String, Entry>>,
+    workers: Mutex<HashMap<WorkerId, Entry>>,
     /// Woken by every beat recorded: a request waiting for engines to register
     /// (`startup_grace_ms`) looks again then, instead of polling.
     beats: tokio::sync::Notify,
@@ -76,12 +77,12 @@ pub const SHARED_SNAPSHOT_FOR: std::time::Duration = std::time::Duration::from_m
 
 impl RegistryState {
     /// The workers, for a change: the shared snapshot is dropped.
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<WorkerId, Entry>> {
         *self.shared_lock() = None;
         self.lock_read()
     }
 
-    fn lock_read(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+    fn lock_read(&self) -> std::sync::MutexGuard<'_, HashMap<WorkerId, Entry>> {
         self.workers
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -114,7 +115,7 @@ impl RegistryState {
         let mut w = self.lock();
         let drain = w.get(&status.worker_id).is_some_and(|e| e.drain);
         w.insert(
-            status.worker_id.clone(),
+            WorkerId::from(&status.worker_id),
             Entry {
                 status,
                 last: now,
@@ -362,7 +363,7 @@ impl RegistryState {
             return;
         }
         w.insert(
-            status.worker_id.clone(),
+            WorkerId::from(&status.worker_id),
             Entry {
                 status,
                 last: now,

@@ -11,6 +11,7 @@
 //! - the request counts on its decode engine ([`RoutedGuard`]) from the Prefill until the
 //!   lane's stream ends.
 
+use super::worker::WorkerId;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -196,9 +197,9 @@ fn holding(workers: Arc<[WorkerView]>, need: Need) -> Arc<[WorkerView]> {
 
 /// True when some route exists over `workers` (every decode engine taken as holding nothing).
 fn servable(workers: &[WorkerView], g: &Gateway) -> bool {
-    let cached: HashMap<String, usize> = decode_candidates(workers)
+    let cached: HashMap<WorkerId, usize> = decode_candidates(workers)
         .into_iter()
-        .map(|w| (w.worker_id.clone(), 0))
+        .map(|w| (WorkerId::from(&w.worker_id), 0))
         .collect();
     !plan(workers, &cached, &HashMap::new(), g.policy()).is_empty()
 }
@@ -557,7 +558,7 @@ impl Gateway {
         scope: u64,
         targets: &[&WorkerStatus],
         from_index: bool,
-    ) -> (super::session::FleetHolds, HashMap<String, usize>) {
+    ) -> (super::session::FleetHolds, HashMap<WorkerId, usize>) {
         let mut cached = HashMap::new();
         let ask: Vec<&WorkerStatus> = if from_index {
             // Engines of one block size share one hashing of the prompt.

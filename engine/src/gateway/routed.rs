@@ -2,15 +2,16 @@
 //! Heartbeats report an engine's load only every `heartbeat_ms`; between beats the route planner
 //! adds these counts, so a burst does not all land on the engine that looked idle.
 
+use super::worker::WorkerId;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Requests in flight per worker id.
 #[derive(Debug, Default)]
-pub struct RoutedLoad(Mutex<HashMap<String, u32>>);
+pub struct RoutedLoad(Mutex<HashMap<WorkerId, u32>>);
 
 impl RoutedLoad {
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, u32>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<WorkerId, u32>> {
         self.0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -20,7 +21,7 @@ impl RoutedLoad {
     /// ends (a timeout drops it mid-way).
     #[must_use]
     pub fn enter(self: &Arc<Self>, worker: &str) -> RoutedGuard {
-        *self.lock().entry(worker.to_owned()).or_insert(0) += 1;
+        *self.lock().entry(worker.into()).or_insert(0) += 1;
         RoutedGuard {
             counts: Arc::clone(self),
             worker: worker.to_owned(),
@@ -35,7 +36,7 @@ impl RoutedLoad {
 
     /// Every count, for the planner.
     #[must_use]
-    pub fn snapshot(&self) -> HashMap<String, u32> {
+    pub fn snapshot(&self) -> HashMap<WorkerId, u32> {
         self.lock().clone()
     }
 }

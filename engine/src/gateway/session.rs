@@ -24,6 +24,7 @@
 //! A *lane* is one engine's stream and the choices it serves: lane 0 serves every choice until
 //! its engine is lost; a failover lane serves one choice.
 
+use super::worker::WorkerId;
 use std::time::Duration;
 
 use kvwire_grpc::pb::control::WorkerStatus;
@@ -143,7 +144,7 @@ pub enum Unservable {
 }
 
 /// The decode engines' HasBlocks answers, by worker id.
-pub type FleetHolds = HashMap<String, DecodeHolds>;
+pub type FleetHolds = HashMap<WorkerId, DecodeHolds>;
 
 /// The planner's answer: the plan, and the HasBlocks answer of each decode engine that gave
 /// one (handed to the Prefill that pushes there).
@@ -373,7 +374,7 @@ struct Prefilling {
     fallback: Option<WorkerStatus>,
     request_id: String,
     /// The decode engines' HasBlocks answers, by worker id.
-    holds: HashMap<String, DecodeHolds>,
+    holds: HashMap<WorkerId, DecodeHolds>,
 }
 
 #[derive(Debug)]
@@ -1325,14 +1326,14 @@ mod tests {
 
     /// Each decode engine's HasBlocks answer: engine `i` (in plan order) holds its first `i`
     /// blocks of 3.
-    fn holds(decode: &[&str]) -> HashMap<String, DecodeHolds> {
+    fn holds(decode: &[&str]) -> HashMap<WorkerId, DecodeHolds> {
         decode
             .iter()
             .enumerate()
             .map(|(i, d)| {
                 let present = (0..3).map(|b| b < i).collect();
                 (
-                    (*d).to_owned(),
+                    WorkerId::from(*d),
                     DecodeHolds {
                         kv_format: 1,
                         present,

@@ -1,6 +1,7 @@
 //! The gateway's clients of the engines: EngineControl and KvTransfer over one channel cache, the
 //! HasBlocks fan-out, and the decode fronts' event streams over HTTP.
 
+use super::worker::WorkerId;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -93,7 +94,7 @@ impl Upstream {
         prompt: &[u32],
         scope: u64,
         decoders: &[&WorkerStatus],
-    ) -> HashMap<String, DecodeHolds> {
+    ) -> HashMap<WorkerId, DecodeHolds> {
         let mut asks = JoinSet::new();
         for w in decoders {
             let kv_format = w.kv_format.max(kvwire_grpc::KV_FORMAT_V1);
@@ -128,7 +129,7 @@ impl Upstream {
             if let Ok((id, kv_format, n, Ok(Ok(present)))) = done
                 && present.len() == n
             {
-                cached.insert(id, DecodeHolds { kv_format, present });
+                cached.insert(id.into(), DecodeHolds { kv_format, present });
             }
         }
         cached

@@ -8,6 +8,57 @@ use kvwire_grpc::pb::control::WorkerStatus;
 
 use crate::net::role::Role;
 
+/// A worker's id as the registry lists it (`WorkerStatus.worker_id`): the key of every map the
+/// gateway keeps per engine. Looked up by `&str`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct WorkerId(String);
+
+impl WorkerId {
+    /// The id as text.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::borrow::Borrow<str> for WorkerId {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
+// A WorkerId hashes and compares as the String it holds, so maps keyed by it are looked up by
+// a status's `worker_id` as it is.
+impl std::borrow::Borrow<String> for WorkerId {
+    fn borrow(&self) -> &String {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for WorkerId {
+    fn from(s: &str) -> Self {
+        Self(s.to_owned())
+    }
+}
+
+impl From<String> for WorkerId {
+    fn from(s: String) -> Self {
+        Self(s)
+    }
+}
+
+impl From<&String> for WorkerId {
+    fn from(s: &String) -> Self {
+        Self(s.clone())
+    }
+}
+
 /// The heartbeat interval a worker that does not say is assumed to use.
 pub const DEFAULT_HEARTBEAT_MS: u32 = 2000;
 
