@@ -9,6 +9,11 @@ use crate::rng::Pcg32;
 
 pub use crate::vocab::{BOS, BYTE_VOCAB, EOS, PAD, UNK};
 
+/// A text the model's tokenizer refused, with the tokenizer's reason.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct TokenizeError(pub String);
+
 /// Errors a model step can hit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -49,8 +54,8 @@ pub trait Model: Send + Sync + fmt::Debug {
     /// the fake model's bytes unless the model says otherwise.
     ///
     /// # Errors
-    /// The tokenizer's refusal, as text.
-    fn tokenize(&self, text: &str) -> Result<Vec<u32>, String> {
+    /// The tokenizer's refusal.
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         Ok(encode_text(text))
     }
     /// Writes the KV of `tokens` at positions `first_pos..first_pos + tokens.len()` into

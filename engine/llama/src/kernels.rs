@@ -197,6 +197,14 @@ fn quads(x: &[f32], w: [&[f32]; 4], k: usize, out: &mut [[f32; 4]]) {
     }
 }
 
+/// A product's sizes: `m` rows of `x`, `k` inputs, `n` outputs (`out` holds `m x n`).
+fn dims(x: &[f32], w: MatRef<'_>, out: &[f32]) -> (usize, usize, usize) {
+    let (k, n) = (w.cols, w.rows);
+    let m = x.len() / k.max(1);
+    debug_assert_eq!(out.len(), m * n);
+    (m, k, n)
+}
+
 /// The portable kernels' [`matmul`]: `out[i][j] = x[i] . w[j] (+ bias[j])` for the `m = x.len() / w.cols` rows of `x`: each weight
 /// row is widened once and used for every row of the batch, so a decode step reads each weight
 /// byte once whatever its batch. The columns are split over up to `threads` threads; each output
@@ -209,9 +217,7 @@ pub fn matmul_portable(
     out: &mut [f32],
     threads: usize,
 ) {
-    let (k, n) = (w.cols, w.rows);
-    let m = x.len() / k;
-    debug_assert_eq!(out.len(), m * n);
+    let (m, k, n) = dims(x, w, out);
     let threads = threads.clamp(1, n.max(1));
     // Small products are not worth a thread.
     let threads = if n * k < 1 << 16 { 1 } else { threads };
@@ -380,9 +386,7 @@ pub fn matmul_gemm(
     out: &mut [f32],
     threads: usize,
 ) {
-    let (k, n) = (w.cols, w.rows);
-    let m = x.len() / k.max(1);
-    debug_assert_eq!(out.len(), m * n);
+    let (m, k, n) = dims(x, w, out);
     if m == 0 || n == 0 {
         return;
     }

@@ -498,9 +498,11 @@ impl Model for Llama {
             .unwrap_or_else(tl_engine_core::vocab::Vocab::bytes)
     }
 
-    fn tokenize(&self, text: &str) -> Result<Vec<u32>, String> {
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, tl_engine_core::model::TokenizeError> {
         match &self.text {
-            Some(t) => t.encode(text, true).map_err(|e| e.to_string()),
+            Some(t) => t
+                .encode(text, true)
+                .map_err(|e| tl_engine_core::model::TokenizeError(e.to_string())),
             None => Ok(tl_engine_core::model::encode_text(text)),
         }
     }

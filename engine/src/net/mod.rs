@@ -1,5 +1,19 @@
-//! Networking shared by the node and the gateway: servers with one shutdown mechanism
-//! ([`server`]), and the clients of the other processes ([`clients`]).
+//! Networking shared by the node and the gateway.
+//!
+//! | job | file |
+//! |---|---|
+//! | servers and long-lived tasks under one shutdown mechanism, with TLS and header deadlines | [`server`] |
+//! | clients of the other processes: EngineControl, the registry, HTTP | [`clients`] |
+//! | outgoing connections that check the server's role | [`dial`] |
+//! | the `[tls]` section, and rustls and tonic configurations | [`tls`] |
+//! | who a peer is: `spiffe://tl/ROLE/ID` | [`identity`] |
+//! | the library under rustls, and secure random bytes | [`crypto`] |
+//! | `tl certs`: a development CA and role certificates | [`certs`] |
+//! | who may call what, by the caller's role | [`authz`] |
+//! | a worker's role in its three spellings | [`role`] |
+//! | `[limits]`: what one peer may take | [`limits`] |
+//! | `/livez`, `/readyz` and `POST /drain` beside `/metrics` | [`probes`] |
+//! | connections that have not yet proven who they are | [`unproven`] |
 
 pub mod authz;
 pub mod certs;
