@@ -13,6 +13,8 @@
 
 use std::process::{Command, Stdio};
 
+use crate::drill::error::DrillError;
+
 /// Namespaces: 0 the prefill engine, 1 and 2 the decode engines.
 pub(crate) const ENGINES: usize = 3;
 
@@ -24,26 +26,29 @@ pub struct Netns {
     made: Vec<String>,
 }
 
-fn ip(args: &[&str]) -> Result<(), String> {
+fn ip(args: &[&str]) -> Result<(), DrillError> {
+    let what = format!("ip {}", args.join(" "));
     let out = Command::new("ip")
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+        .map_err(|e| DrillError::Process {
+            what: what.clone(),
+            why: e.to_string(),
+        })?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        Err(DrillError::Process {
+            what,
+            why: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        })
     }
 }
 
 impl Netns {
     /// Creates the namespaces and links; an error says why they cannot be made here.
-    pub fn create() -> Result<Self, String> {
+    pub fn create() -> Result<Self, DrillError> {
         let pid = std::process::id();
         let mut n = Self {
             tag: format!("tl{}", pid % 100_000),
@@ -122,7 +127,7 @@ impl Netns {
         format!("{}d{i}", self.tag)
     }
 
-    fn exec_ip(&self, k: usize, args: &[&str]) -> Result<(), String> {
+    fn exec_ip(&self, k: usize, args: &[&str]) -> Result<(), DrillError> {
         let ns = self.ns(k);
         let mut all = vec!["netns", "exec", &ns, "ip"];
         all.extend_from_slice(args);
@@ -146,12 +151,12 @@ impl Netns {
 
     /// Cuts the link between the prefill engine and decode engine i at the decode end: the
     /// prefill side keeps its route, so its packets vanish (a partition, not a refusal).
-    pub fn cut(&self, i: usize) -> Result<(), String> {
+    pub fn cut(&self, i: usize) -> Result<(), DrillError> {
         self.exec_ip(i + 1, &["link", "set", &self.d_end(i), "down"])
     }
 
     /// Mends what [`cut`](Self::cut) cut.
-    pub fn mend(&self, i: usize) -> Result<(), String> {
+    pub fn mend(&self, i: usize) -> Result<(), DrillError> {
         self.exec_ip(i + 1, &["link", "set", &self.d_end(i), "up"])
     }
 }

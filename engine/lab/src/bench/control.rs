@@ -138,7 +138,10 @@ async fn probe(
 }
 
 /// One batch of calls for the prober: how many, and where to send their latencies.
-type ProbeJob = (usize, tokio::sync::oneshot::Sender<Result<Samples, String>>);
+type ProbeJob = (
+    usize,
+    tokio::sync::oneshot::Sender<Result<Samples, BenchError>>,
+);
 
 /// Where the bench's calls come from: a thread with a runtime of its own (a caller in another
 /// process: its calls wait for a core, never for the engine's tokio workers), or the bench's
@@ -184,7 +187,8 @@ impl Prober {
                     while let Some((n, reply)) = rx.recv().await {
                         let mut got = Samples::default();
                         let r = probe(&ctl, &t, kv.as_deref(), n, &mut got).await;
-                        let _ = reply.send(r.map(|()| got).map_err(|e| e.to_string()));
+                        let _ = reply
+                            .send(r.map(|()| got).map_err(|e| BenchError::from(e.to_string())));
                     }
                 });
             })?;
@@ -243,7 +247,7 @@ struct Switch {
     stop: Arc<AtomicBool>,
 }
 
-type LoadThread = std::thread::JoinHandle<Result<u64, String>>;
+type LoadThread = std::thread::JoinHandle<Result<u64, BenchError>>;
 
 /// Runs one unit of load after another (`one(n)` for n = 0, 1, ...) while `sw` is active, on a
 /// thread and runtime of its own, as another process would: it shares the machine's cores with
@@ -251,11 +255,11 @@ type LoadThread = std::thread::JoinHandle<Result<u64, String>>;
 /// result is how many units ran.
 fn load_thread<M, F>(sw: &Switch, make: M) -> LoadThread
 where
-    M: FnOnce() -> Result<F, String> + Send + 'static,
-    F: AsyncFnMut(u64) -> Result<(), String>,
+    M: FnOnce() -> Result<F, BenchError> + Send + 'static,
+    F: AsyncFnMut(u64) -> Result<(), BenchError>,
 {
     let sw = sw.clone();
-    std::thread::spawn(move || -> Result<u64, String> {
+    std::thread::spawn(move || -> Result<u64, BenchError> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

@@ -118,11 +118,12 @@ impl Topology {
 }
 
 /// Parses `NAME=gw:1p2d` and the like.
-fn parse_topology(s: &str) -> Result<Topology, String> {
-    let bad = || {
+fn parse_topology(s: &str) -> Result<Topology, BenchError> {
+    let bad = || -> BenchError {
         format!(
             "topology {s:?}: expected NAME=gw:COUNTS, NAME=gwp:COUNTS or NAME=rr:COUNTS (e.g. A=gw:1p2d)"
         )
+        .into()
     };
     let (name, spec) = s.split_once('=').ok_or_else(bad)?;
     let (how, counts) = spec.split_once(':').ok_or_else(bad)?;
@@ -161,12 +162,14 @@ fn parse_topology(s: &str) -> Result<Topology, String> {
     if !gateway && (t.prefill > 0 || t.decode > 0) {
         return Err(format!(
             "topology {s:?}: round-robin over fronts serves with `both` engines only"
-        ));
+        )
+        .into());
     }
     if gateway && t.both == 0 && (t.prefill == 0 || t.decode == 0) {
         return Err(format!(
             "topology {s:?}: needs a prefill and a decode engine, or a both engine"
-        ));
+        )
+        .into());
     }
     Ok(t)
 }

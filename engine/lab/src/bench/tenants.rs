@@ -118,7 +118,7 @@ impl Keyed {
 }
 
 /// Summary of one phase of the light key.
-fn summary(results: &[Result<Timing, String>]) -> serde_json::Value {
+fn summary(results: &[Result<Timing, BenchError>]) -> serde_json::Value {
     let mut ttft: Vec<f64> = Vec::new();
     let mut tpot: Vec<f64> = Vec::new();
     let mut failed = 0;
@@ -131,7 +131,7 @@ fn summary(results: &[Result<Timing, String>]) -> serde_json::Value {
             }
             Err(e) => {
                 failed += 1;
-                first_error.get_or_insert_with(|| e.clone());
+                first_error.get_or_insert_with(|| e.to_string());
             }
         }
     }
@@ -146,7 +146,7 @@ fn summary(results: &[Result<Timing, String>]) -> serde_json::Value {
     })
 }
 
-async fn light_phase(addr: &str, a: &TenantsArgs, salt: usize) -> Vec<Result<Timing, String>> {
+async fn light_phase(addr: &str, a: &TenantsArgs, salt: usize) -> Vec<Result<Timing, BenchError>> {
     let light = Keyed::new("light");
     let mut out = Vec::new();
     for i in 0..a.light_requests {
@@ -156,7 +156,12 @@ async fn light_phase(addr: &str, a: &TenantsArgs, salt: usize) -> Vec<Result<Tim
             1,
             i as u64,
         );
-        out.push(light.run(addr, b).await.map_err(|e| e.to_string()));
+        out.push(
+            light
+                .run(addr, b)
+                .await
+                .map_err(|e| BenchError::from(e.to_string())),
+        );
     }
     out
 }

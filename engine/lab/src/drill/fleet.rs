@@ -24,6 +24,7 @@ use tl_engine::etcd::member::{Member, start_cluster};
 use tl_engine::net::clients::{EventStream, HttpClient};
 
 use super::args::{DrillArgs, Fault};
+use super::error::DrillError;
 use super::parts::{
     Compose, Proc, Timeline, colocated, engine_toml, in_use, nth_request, p99_ms, scrape,
     start_clients,
@@ -264,7 +265,7 @@ impl Drop for Fleet {
     }
 }
 
-fn start(a: &DrillArgs, dir: &Path) -> Result<Fleet, String> {
+fn start(a: &DrillArgs, dir: &Path) -> Result<Fleet, DrillError> {
     let members = if a.fault == Fault::EtcdKill { 3 } else { 1 };
     let etcd = start_cluster(&dir.join("etcd"), members, None)
         .map_err(|e| format!("etcd: {e} (Debian's etcd-server: apt-get install etcd-server)"))?;
@@ -345,7 +346,7 @@ const ENGINES: [&str; 3] = ["prefill", "decode-1", "decode-2"];
 const MEMBERS: [&str; 3] = ["etcd-0", "etcd-1", "etcd-2"];
 
 impl Backend {
-    fn gateways(&self) -> Result<Vec<String>, String> {
+    fn gateways(&self) -> Result<Vec<String>, DrillError> {
         match self {
             Self::Procs(f) => Ok(f.gateways.iter().map(|g| g.addr("http")).collect()),
             Self::Compose(c) => Ok(vec![
@@ -379,7 +380,7 @@ impl Backend {
         }
     }
 
-    fn fault(&mut self, fault: Fault) -> Result<(), String> {
+    fn fault(&mut self, fault: Fault) -> Result<(), DrillError> {
         match self {
             Self::Procs(f) => match fault {
                 Fault::GatewayKill => {
@@ -396,7 +397,7 @@ impl Backend {
         Ok(())
     }
 
-    fn restore(&mut self, fault: Fault) -> Result<(), String> {
+    fn restore(&mut self, fault: Fault) -> Result<(), DrillError> {
         match self {
             Self::Procs(f) => match fault {
                 Fault::GatewayKill => {
@@ -418,7 +419,7 @@ impl Backend {
     }
 }
 
-pub(crate) async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
+pub(crate) async fn run(a: &DrillArgs) -> Result<(Value, bool), DrillError> {
     if !matches!(
         a.fault,
         Fault::GatewayKill | Fault::EtcdKill | Fault::EtcdDown

@@ -10,11 +10,13 @@ use serde_json::Value;
 use crate::run::{block_on, print_json};
 
 pub mod args;
+pub mod error;
 mod fleet;
 mod parts;
 mod single;
 
 pub use args::{DrillArgs, Fault};
+pub use error::DrillError;
 
 /// Runs `tl drill`.
 #[must_use]

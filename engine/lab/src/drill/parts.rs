@@ -16,6 +16,7 @@ use tl_engine_core::rng::stream;
 use tl_engine_core::sampler::SamplingRequest;
 
 use super::args::DrillArgs;
+use super::error::DrillError;
 
 /// A child process of the drill, killed on drop.
 pub struct Proc {
@@ -25,12 +26,16 @@ pub struct Proc {
 }
 
 impl Proc {
-    pub fn start(args: &[&str], log: &Path) -> Result<Self, String> {
+    pub fn start(args: &[&str], log: &Path) -> Result<Self, DrillError> {
         Self::start_in(&[], args, log)
     }
 
     /// `tl args...`, run through `prefix` (for instance `ip netns exec NS`) when given.
-    pub(super) fn start_in(prefix: &[String], args: &[&str], log: &Path) -> Result<Self, String> {
+    pub(super) fn start_in(
+        prefix: &[String],
+        args: &[&str],
+        log: &Path,
+    ) -> Result<Self, DrillError> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let stderr = std::fs::File::create(log).map_err(|e| e.to_string())?;
         let mut cmd = match prefix.split_first() {
@@ -156,7 +161,7 @@ pub fn engine_toml(
     registry: &str,
     listen: &str,
     a: &DrillArgs,
-) -> Result<PathBuf, String> {
+) -> Result<PathBuf, DrillError> {
     let path = dir.join(format!("{id}.toml"));
     let decode = if role == "decode" { a.decode_us } else { 0 };
     // Across a cut link nothing answers: dead peers are found by keepalive within 1.5 s, and a
@@ -178,7 +183,7 @@ pub(super) fn certs(
     id: &str,
     role: &str,
     hosts: &[String],
-) -> Result<Vec<String>, String> {
+) -> Result<Vec<String>, DrillError> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let certs = dir.join("certs");
     let mut cmd = Command::new(exe);
@@ -218,16 +223,21 @@ pub(super) fn bounded(program: &str, seconds: u32) -> Command {
 
 /// Runs a command to completion; its stderr in the error. The runtime's other tasks (the
 /// clients) move to another thread meanwhile.
-pub(super) fn sh(cmd: &mut Command) -> Result<String, String> {
-    let out = tokio::task::block_in_place(|| cmd.stdin(Stdio::null()).output())
-        .map_err(|e| format!("{cmd:?}: {e}"))?;
+pub(super) fn sh(cmd: &mut Command) -> Result<String, DrillError> {
+    let what = format!("{cmd:?}");
+    let out = tokio::task::block_in_place(|| cmd.stdin(Stdio::null()).output()).map_err(|e| {
+        DrillError::Process {
+            what: what.clone(),
+            why: e.to_string(),
+        }
+    })?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
     } else {
-        Err(format!(
-            "{cmd:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        Err(DrillError::Process {
+            what,
+            why: format!("failed: {}", String::from_utf8_lossy(&out.stderr).trim()),
+        })
     }
 }
 
@@ -263,7 +273,7 @@ impl Compose {
         c
     }
 
-    pub(super) fn run(&self, args: &[&str]) -> Result<String, String> {
+    pub(super) fn run(&self, args: &[&str]) -> Result<String, DrillError> {
         sh(self.cmd().args(args))
     }
 
@@ -272,21 +282,21 @@ impl Compose {
         format!("{}_kv", self.project)
     }
 
-    pub(super) fn id(&self, service: &str) -> Result<&str, String> {
+    pub(super) fn id(&self, service: &str) -> Result<&str, DrillError> {
         self.ids
             .get(service)
             .map(String::as_str)
-            .ok_or_else(|| format!("no container for {service}"))
+            .ok_or_else(|| DrillError::Fleet(format!("no container for {service}")))
     }
 
     /// `docker <args...> <service's container>`.
-    pub fn docker(&self, args: &[&str], service: &str) -> Result<String, String> {
+    pub fn docker(&self, args: &[&str], service: &str) -> Result<String, DrillError> {
         sh(bounded("docker", 60).args(args).arg(self.id(service)?))
     }
 
     /// `docker <args...> <each service's container>`, in one command (killing three
     /// containers one `docker` call after the other takes seconds).
-    pub fn docker_all(&self, args: &[&str], services: &[&str]) -> Result<String, String> {
+    pub fn docker_all(&self, args: &[&str], services: &[&str]) -> Result<String, DrillError> {
         let ids = services
             .iter()
             .map(|s| self.id(s))
@@ -302,7 +312,7 @@ impl Compose {
         (!p.ends_with(":0")).then_some(p)
     }
 
-    pub fn up(image: &str, etcd_image: &str) -> Result<Self, String> {
+    pub fn up(image: &str, etcd_image: &str) -> Result<Self, DrillError> {
         let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
         let file = PathBuf::from(format!("{root}/deploy/compose.yaml"));
         sh(bounded("docker", 60).args(["image", "inspect", image]))

@@ -16,6 +16,7 @@ use tl_engine::api::sse::StreamEvent;
 use tl_engine::net::clients::{EventStream, HttpClient};
 
 use super::args::{DrillArgs, Fault};
+use super::error::DrillError;
 use super::parts::*;
 
 /// One request as the client saw it.
@@ -198,9 +199,11 @@ enum Cluster {
 }
 
 impl Cluster {
-    async fn start(a: &DrillArgs) -> Result<Self, String> {
+    async fn start(a: &DrillArgs) -> Result<Self, DrillError> {
         if a.fault == Fault::Partition && !a.compose && !a.netns {
-            return Err("--fault partition needs --compose or --netns".into());
+            return Err(DrillError::Unsupported(
+                "--fault partition needs --compose or --netns",
+            ));
         }
         if a.compose {
             return Ok(Self::Compose(Compose::up(&a.image, &a.etcd_image)?));
@@ -287,7 +290,7 @@ impl Cluster {
         registry_port: &str,
         net: Option<&crate::netns::Netns>,
         a: &DrillArgs,
-    ) -> Result<Proc, String> {
+    ) -> Result<Proc, DrillError> {
         let (id, role) = [("P", "prefill"), ("D1", "decode"), ("D2", "decode")][k];
         let (listen, registry, prefix) = match net {
             Some(n) => (n.engine_ip(k), n.root_ip(k), n.exec(k)),
@@ -340,7 +343,7 @@ impl Cluster {
         }
     }
 
-    fn fault(&mut self, i: usize, f: Fault) -> Result<(), String> {
+    fn fault(&mut self, i: usize, f: Fault) -> Result<(), DrillError> {
         match self {
             Self::Procs {
                 d,
@@ -361,10 +364,12 @@ impl Cluster {
                     (Fault::Sigstop, _) => d[i].signal("STOP"),
                     (Fault::Partition, Some(n)) => n.cut(i)?,
                     (Fault::Partition, None) => {
-                        return Err("--fault partition needs --compose or --netns".into());
+                        return Err(DrillError::Unsupported(
+                            "--fault partition needs --compose or --netns",
+                        ));
                     }
                     (Fault::GatewayKill | Fault::EtcdKill | Fault::EtcdDown, _) => {
-                        return Err("this fault needs --gateways 2".into());
+                        return Err(DrillError::Unsupported("this fault needs --gateways 2"));
                     }
                 }
                 Ok(())
@@ -373,7 +378,7 @@ impl Cluster {
                 let service = ["decode-1", "decode-2"][i];
                 match f {
                     Fault::GatewayKill | Fault::EtcdKill | Fault::EtcdDown => {
-                        Err("this fault needs --gateways 2".into())
+                        Err(DrillError::Unsupported("this fault needs --gateways 2"))
                     }
                     Fault::RegistryRestart => c
                         .docker(&["kill", "-s", "KILL"], "gateway")
@@ -389,7 +394,7 @@ impl Cluster {
         }
     }
 
-    fn restore(&mut self, i: usize, f: Fault, a: &DrillArgs) -> Result<(), String> {
+    fn restore(&mut self, i: usize, f: Fault, a: &DrillArgs) -> Result<(), DrillError> {
         match self {
             Self::Procs {
                 d,
@@ -406,10 +411,12 @@ impl Cluster {
                     (Fault::Sigstop, _) => d[i].signal("CONT"),
                     (Fault::Partition, Some(n)) => n.mend(i)?,
                     (Fault::Partition, None) => {
-                        return Err("--fault partition needs --compose or --netns".into());
+                        return Err(DrillError::Unsupported(
+                            "--fault partition needs --compose or --netns",
+                        ));
                     }
                     (Fault::GatewayKill | Fault::EtcdKill | Fault::EtcdDown, _) => {
-                        return Err("this fault needs --gateways 2".into());
+                        return Err(DrillError::Unsupported("this fault needs --gateways 2"));
                     }
                 }
                 Ok(())
@@ -418,7 +425,7 @@ impl Cluster {
                 let service = ["decode-1", "decode-2"][i];
                 match f {
                     Fault::GatewayKill | Fault::EtcdKill | Fault::EtcdDown => {
-                        Err("this fault needs --gateways 2".into())
+                        Err(DrillError::Unsupported("this fault needs --gateways 2"))
                     }
                     Fault::RegistryRestart => Ok(String::new()),
                     Fault::Kill => c.docker(&["start"], service),
@@ -510,7 +517,7 @@ async fn busy_decoder(c: &Cluster, http: &str) -> usize {
     best.0
 }
 
-pub(super) async fn run(a: &DrillArgs) -> Result<(Value, bool), String> {
+pub(super) async fn run(a: &DrillArgs) -> Result<(Value, bool), DrillError> {
     let mut cluster = Cluster::start(a).await?;
     let http = cluster.http();
     let heartbeat_ms = if a.compose { 500 } else { a.heartbeat_ms };
