@@ -215,10 +215,37 @@ pub struct SplitEnvelope {
 }
 
 impl SplitEnvelope {
+    /// The split envelope of the block `head` names (from [`full_block_head`]) and `payload`:
+    /// its CRC-32C read over the head and the payload once.
+    #[must_use]
+    pub fn of(head: [u8; SPLIT_HEAD_LEN], payload: &[u8]) -> Self {
+        let mut crc = Crc32c::new();
+        crc.update(&head);
+        for piece in payload.chunks(PIECE) {
+            crc.update(piece);
+        }
+        Self {
+            head,
+            crc: crc.finish(),
+        }
+    }
+
     /// The envelope's length: head, payload and trailer.
     #[must_use]
     pub fn len(&self, payload: usize) -> usize {
         SPLIT_HEAD_LEN + payload + TRAILER_LEN
+    }
+
+    /// Seals the envelope in place: `buf` holds the payload between [`SPLIT_HEAD_LEN`] bytes of
+    /// room before it and [`TRAILER_LEN`] after it; the head goes before and the CRC after, so
+    /// `buf` becomes the whole envelope, byte for byte what [`write_envelope`] writes.
+    ///
+    /// # Panics
+    /// When `buf` is shorter than the head and the trailer together.
+    pub fn place(&self, buf: &mut [u8]) {
+        let n = buf.len();
+        buf[..SPLIT_HEAD_LEN].copy_from_slice(&self.head);
+        buf[n - TRAILER_LEN..].copy_from_slice(&self.crc.to_le_bytes());
     }
 }
 
@@ -282,15 +309,7 @@ pub fn split_full(shape: &Shape, record: RecordIn<'_>) -> Result<SplitEnvelope, 
         });
     }
     let head = full_block_head(shape, record.hash, record.fill)?;
-    let mut crc = Crc32c::new();
-    crc.update(&head);
-    for piece in record.payload.chunks(PIECE) {
-        crc.update(piece);
-    }
-    Ok(SplitEnvelope {
-        head,
-        crc: crc.finish(),
-    })
+    Ok(SplitEnvelope::of(head, record.payload))
 }
 
 fn header(shape: &Shape, n_blocks: u32) -> Header {

@@ -32,7 +32,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use kvwire::Shape;
+use kvwire::{Shape, SplitEnvelope};
 
 pub use kvwire::{BlockId, BlockKey};
 
@@ -194,41 +194,31 @@ impl Slabs {
         let sealed_with = |slab: &Slab| slab.sealed && slab.bytes[..HEAD_ROOM] == head[..];
         // The CRC is computed under the read lock (readers of the block, the model among them,
         // are not held up); the write lock is taken only to put 44 bytes in place.
-        let (version, crc) = {
+        let (version, computed) = {
             let slab = lock
                 .read()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             if sealed_with(&slab) {
                 return Ok(SealedEnvelope(Arc::clone(&slab)));
             }
-            (slab.version, envelope_crc(head, slab.payload()))
+            (slab.version, SplitEnvelope::of(*head, slab.payload()))
         };
         let mut guard = lock
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if !sealed_with(&guard) {
             // Written since it was read (rare): the CRC again, of what is there now.
-            let crc = if guard.version == version {
-                crc
+            let envelope = if guard.version == version {
+                computed
             } else {
-                envelope_crc(head, guard.payload())
+                SplitEnvelope::of(*head, guard.payload())
             };
             let slab = Arc::make_mut(&mut *guard);
-            let n = slab.bytes.len();
-            slab.bytes[..HEAD_ROOM].copy_from_slice(head);
-            slab.bytes[n - TAIL_ROOM..].copy_from_slice(&crc.to_le_bytes());
+            envelope.place(&mut slab.bytes);
             slab.sealed = true;
         }
         Ok(SealedEnvelope(Arc::clone(&guard)))
     }
-}
-
-/// The CRC-32C of a one-record envelope with this head and payload.
-fn envelope_crc(head: &[u8], payload: &[u8]) -> u32 {
-    let mut crc = kvwire::Crc32c::new();
-    crc.update(head);
-    crc.update(payload);
-    crc.finish()
 }
 
 /// One block's bytes, read-locked (other readers may share it; a writer waits).
