@@ -133,7 +133,10 @@ pub(crate) fn etcd(cmd: &EtcdCmd) -> ExitCode {
                 let (etcd, keys, _) = client(t)?;
                 let end = std::time::Instant::now() + Duration::from_millis(t.wait_ms);
                 loop {
-                    let on = patiently(t.wait_ms, || auth::is_on(&etcd, &keys)).await?;
+                    // One deadline for the whole wait, unreachable members included.
+                    let left = end.saturating_duration_since(std::time::Instant::now());
+                    let left_ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX);
+                    let on = patiently(left_ms, || auth::is_on(&etcd, &keys)).await?;
                     if on {
                         break Ok(serde_json::json!({"auth": "enabled"}));
                     }

@@ -236,6 +236,16 @@ async fn contract(b: Backend) {
                     .is_some_and(|w| w.role == PbRole::Prefill as i32))
                 .await
             );
+            // The decode key going away leaves the prefill listing alone; its own key's does not.
+            etcd.delete(&keys.worker(WRole::Decode, "w9"))
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert!(b.listed("w9").is_some(), "another role's key took w9 away");
+            etcd.delete(&keys.worker(WRole::Prefill, "w9"))
+                .await
+                .unwrap();
+            assert!(eventually(wait, || b.listed("w9").is_none()).await);
         }
     }
     // A drain request from the gateway reaches the engine at a later beat, and stays.

@@ -101,8 +101,9 @@ async fn follow(
                         }
                         EVENT_DELETE => {
                             let key = String::from_utf8_lossy(&kv.key);
-                            if let Some((_, id)) = keys.worker_of(&key) {
-                                state.mirror_remove(id);
+                            if let Some((role, id)) = keys.worker_of(&key) {
+                                let role = kvwire_grpc::pb::control::Role::from(role) as i32;
+                                state.mirror_remove_as(id, role);
                             }
                         }
                         _ => {}

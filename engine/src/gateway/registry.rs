@@ -380,6 +380,15 @@ impl RegistryState {
         self.lock().remove(worker_id);
     }
 
+    /// Forgets `worker_id` only while it is listed with `role` (a registry `Role` as on the
+    /// wire): the key of another role under the same id going away leaves it listed.
+    pub fn mirror_remove_as(&self, worker_id: &str, role: i32) {
+        let mut w = self.lock();
+        if w.get(worker_id).is_some_and(|e| e.status.role == role) {
+            w.remove(worker_id);
+        }
+    }
+
     /// etcd's workers as read at once: they replace every mirrored one.
     pub fn mirror_replace(&self, statuses: Vec<WorkerStatus>, now: Instant) {
         self.lock().retain(|_, e| !e.leased);
