@@ -54,6 +54,15 @@ struct Ask {
     add_generation_prompt: bool,
 }
 
+/// A render's outcome, and whether the child retires after it: one whose address space grew
+/// past half its budget (a heap that a large render left mapped) ends, so that the next render,
+/// maybe another tenant's, never starts with less than half the memory bound left.
+#[derive(Serialize, Deserialize)]
+struct Reply {
+    answer: Answer,
+    retire: bool,
+}
+
 /// A render's outcome.
 #[derive(Serialize, Deserialize)]
 enum Answer {
@@ -152,8 +161,13 @@ pub fn worker_main() -> ExitCode {
             Err(TextError::Bound(m)) => Answer::Bound(m),
             Err(e) => Answer::Template(e.to_string()),
         };
-        if write_frame(&mut output, &answer).is_err() {
+        let half = base.saturating_add(init.memory_mib.saturating_mul(1 << 19));
+        let retire = vm_size().is_none_or(|now| now > half);
+        if write_frame(&mut output, &Reply { answer, retire }).is_err() {
             return ExitCode::from(2);
+        }
+        if retire {
+            return ExitCode::SUCCESS;
         }
     }
 }
@@ -323,8 +337,10 @@ impl Sandbox {
             read_frame(&mut w.stdout)
         });
         match answer {
-            Ok(Some(a)) if !timed_out => {
-                if let Ok(mut v) = self.idle.lock() {
+            Ok(Some(Reply { answer: a, retire })) if !timed_out => {
+                if retire {
+                    w.end();
+                } else if let Ok(mut v) = self.idle.lock() {
                     v.push(w);
                 }
                 match a {
