@@ -7,15 +7,21 @@
 
 use half::f16;
 
-/// Which matrix-multiply kernels a model runs. Both are batch-invariant; they differ in speed
+use crate::workers::Workers;
+
+/// Which matrix-multiply kernels a model runs. All are batch-invariant; they differ in speed
 /// and in what else they promise.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Kernels {
-    /// The `gemm` crate's f32 micro-kernels (FMA, chosen at run time for the CPU), driven so
-    /// that no row's reduction order depends on its batch (see [`matmul_gemm`]). Fast; the
-    /// bits are the same on every machine with the same CPU features.
+    /// This crate's own vector kernels ([`crate::simd`]): bf16 and f32 weights read in place,
+    /// one written order per output (sixteen fused lanes, a fixed tree), on kept threads. The
+    /// same bits on every CPU, with or without AVX2.
     #[default]
+    Simd,
+    /// The `gemm` crate's f32 micro-kernels (FMA, chosen at run time for the CPU), driven so
+    /// that no row's reduction order depends on its batch (see [`matmul_gemm`]). The bits are
+    /// the same on every machine with the same CPU features.
     Gemm,
     /// The plain Rust kernels ([`matmul_portable`]): no FMA, one written order, so the same
     /// bits on every CPU (a fleet of mixed CPUs stays exact), at a fraction of the speed.
@@ -27,6 +33,7 @@ impl Kernels {
     #[must_use]
     pub fn parse(s: &str) -> Option<Self> {
         match s {
+            "simd" => Some(Self::Simd),
             "gemm" => Some(Self::Gemm),
             "portable" => Some(Self::Portable),
             _ => None,
@@ -37,24 +44,26 @@ impl Kernels {
     #[must_use]
     pub fn name(self) -> &'static str {
         match self {
+            Self::Simd => "simd",
             Self::Gemm => "gemm",
             Self::Portable => "portable",
         }
     }
 }
 
-/// `out[i][j] = x[i] . w[j] (+ bias[j])` with `kernels`.
+/// `out[i][j] = x[i] . w[j] (+ bias[j])` with `kernels` on `workers`.
 pub fn matmul(
     kernels: Kernels,
     x: &[f32],
     w: MatRef<'_>,
     bias: Option<&[f32]>,
     out: &mut [f32],
-    threads: usize,
+    workers: &Workers,
 ) {
     match kernels {
-        Kernels::Gemm => matmul_gemm(x, w, bias, out, threads),
-        Kernels::Portable => matmul_portable(x, w, bias, out, threads),
+        Kernels::Simd => crate::simd::matmul_simd(x, w, bias, out, workers),
+        Kernels::Gemm => matmul_gemm(x, w, bias, out, workers.threads()),
+        Kernels::Portable => matmul_portable(x, w, bias, out, workers.threads()),
     }
 }
 
@@ -509,12 +518,19 @@ mod tests {
         let x: Vec<f32> = (0..9 * k)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
             .collect();
-        for kernels in [Kernels::Gemm, Kernels::Portable] {
+        for kernels in [Kernels::Simd, Kernels::Gemm, Kernels::Portable] {
             let mut alone = vec![0f32; n];
-            matmul(kernels, &x[4 * k..5 * k], w, None, &mut alone, 1);
+            matmul(
+                kernels,
+                &x[4 * k..5 * k],
+                w,
+                None,
+                &mut alone,
+                &Workers::new(1),
+            );
             for threads in [1, 2, 3] {
                 let mut batch = vec![0f32; 9 * n];
-                matmul(kernels, &x, w, None, &mut batch, threads);
+                matmul(kernels, &x, w, None, &mut batch, &Workers::new(threads));
                 assert_eq!(
                     batch[4 * n..5 * n]
                         .iter()

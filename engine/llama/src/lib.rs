@@ -14,9 +14,11 @@ pub mod gguf;
 pub mod init;
 pub mod kernels;
 pub mod model;
+pub mod simd;
 pub mod text;
 mod turns;
 pub mod weights;
+pub mod workers;
 
 pub use config::{CheckpointError, LlamaConfig};
 pub use model::Llama;

@@ -44,7 +44,7 @@ pub struct Llama {
     final_norm: Vec<f32>,
     layers: Vec<Layer>,
     inv_freq: Vec<f64>,
-    threads: usize,
+    workers: std::sync::Arc<crate::workers::Workers>,
     kernels: Kernels,
     max_context: u32,
     /// What its token ids stand for, from its tokenizer (none: the byte vocabulary).
@@ -167,14 +167,14 @@ impl Llama {
             lm_head,
             final_norm,
             layers,
-            threads: threads.max(1),
+            workers: std::sync::Arc::new(crate::workers::Workers::new(threads)),
             kernels: Kernels::default(),
             vocab: None,
             text: None,
         })
     }
 
-    /// The same model on other matrix-multiply kernels (the default is [`Kernels::Gemm`]).
+    /// The same model on other matrix-multiply kernels (the default is [`Kernels::Simd`]).
     #[must_use]
     pub fn with_kernels(mut self, kernels: Kernels) -> Self {
         self.kernels = kernels;
@@ -209,6 +209,11 @@ impl Llama {
     /// # Errors
     /// A token outside the vocabulary, or a block table that does not cover a position.
     pub fn forward(&self, pool: &SharedKv, rows: &[Row<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.workers.run(|| self.forward_here(pool, rows))
+    }
+
+    /// [`Self::forward`] on the calling thread.
+    fn forward_here(&self, pool: &SharedKv, rows: &[Row<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         let b = self.shape.block_tokens() as usize;
         for r in rows {
             if r.token as usize >= self.cfg.vocab {
@@ -224,10 +229,10 @@ impl Llama {
         let (h, d) = (self.cfg.hidden, self.cfg.head_dim);
         let (nq, nkv) = (self.cfg.heads, self.cfg.kv_heads);
         let m = rows.len();
-        let t = self.threads;
         let kern = self.kernels;
+        let workers = &*self.workers;
         let mul = |x: &[f32], w: kernels::MatRef<'_>, b: Option<&[f32]>, out: &mut [f32]| {
-            matmul(kern, x, w, b, out, t);
+            matmul(kern, x, w, b, out, workers);
         };
         // The residual stream, one row per position.
         let mut x = vec![0f32; m * h];
@@ -284,6 +289,8 @@ impl Llama {
                 )?;
             }
             // The rows of one sequence (one block table) share one widening of its K and V.
+            let mut groups = Vec::new();
+            let mut owner = vec![0usize; m];
             let mut i = 0;
             while i < m {
                 let table = rows[i].blocks;
@@ -292,18 +299,27 @@ impl Llama {
                     j += 1;
                 }
                 let n = rows[i..j].iter().map(|r| r.pos + 1).max().unwrap_or(0);
-                let (keys, vals) = self.gather(pool, l, table, n)?;
-                for (r, a) in rows[i..j].iter().zip(i..j) {
-                    self.attend(
-                        &keys,
-                        &vals,
-                        r.pos + 1,
-                        &q[a * nq * d..(a + 1) * nq * d],
-                        &mut att[a * nq * d..(a + 1) * nq * d],
-                    );
-                }
+                owner[i..j].fill(groups.len());
+                groups.push(self.gather(pool, l, table, n)?);
                 i = j;
             }
+            // Each row's attention is computed whole by one thread, in the one order of
+            // `attend`; the rows are split over the threads by how many positions they read.
+            let parts = split_rows(&mut att, nq * d, rows, workers.threads());
+            workers.each(parts, |(a0, dst)| {
+                crate::simd::vectorized(|| {
+                    for (a, out) in (a0..).zip(dst.chunks_exact_mut(nq * d)) {
+                        let (keys, vals) = &groups[owner[a]];
+                        self.attend(
+                            keys,
+                            vals,
+                            rows[a].pos + 1,
+                            &q[a * nq * d..(a + 1) * nq * d],
+                            out,
+                        );
+                    }
+                });
+            });
             mul(&att, w.get(layer.o), None, &mut o);
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
@@ -398,6 +414,7 @@ impl Llama {
 
     /// Attention of one row over positions `0..n` of `keys` and `vals` (from [`Self::gather`]):
     /// each query head against its KV head (GQA), softmax and weighted sum in position order.
+    #[inline(always)]
     fn attend(&self, keys: &[f32], vals: &[f32], n: usize, q: &[f32], out: &mut [f32]) {
         let (d, nkv) = (self.cfg.head_dim, self.cfg.kv_heads);
         let group = self.cfg.heads / nkv;
@@ -450,6 +467,32 @@ impl Llama {
         }
         Ok(())
     }
+}
+
+/// `att` (`width` floats per row) cut into up to `threads` runs of whole rows, each reading
+/// about as many cached positions as the others, with the index of each run's first row.
+fn split_rows<'a>(
+    att: &'a mut [f32],
+    width: usize,
+    rows: &[Row<'_>],
+    threads: usize,
+) -> Vec<(usize, &'a mut [f32])> {
+    let total: usize = rows.iter().map(|r| r.pos + 1).sum();
+    let share = total.div_ceil(threads.max(1)).max(1);
+    let mut parts = Vec::with_capacity(threads);
+    let mut rest = att;
+    let (mut start, mut cost) = (0, 0);
+    for (a, r) in rows.iter().enumerate() {
+        cost += r.pos + 1;
+        if cost >= share || a + 1 == rows.len() {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut((a + 1 - start) * width);
+            parts.push((start, head));
+            rest = tail;
+            start = a + 1;
+            cost = 0;
+        }
+    }
+    parts
 }
 
 /// The row of a sequence's last token (its KV written when `write`), its logits wanted.

@@ -41,9 +41,10 @@
 //!                               # vocab come from it
 //! name = ""                     # the served model name ("": the file's or directory's name)
 //! threads = 0                   # threads of the llama kernels (0: every core)
-//! kernels = "gemm"              # "gemm": the gemm crate's FMA kernels (fast; the same bits
-//!                               # on CPUs with the same features); "portable": plain Rust,
-//!                               # the same bits on every CPU (a mixed fleet), slower
+//! kernels = "simd"              # "simd": the engine's own vector kernels (bf16 read in
+//!                               # place, one written order: the same bits on every CPU);
+//!                               # "gemm": the gemm crate's FMA kernels; "portable": plain
+//!                               # Rust without FMA, slower
 //! vocab = 260                   # byte-level tokenizer: 256 bytes + 4 specials
 //! n_layers = 2                  # L
 //! n_kv_heads = 1                # H
@@ -203,7 +204,7 @@ pub struct ModelSection {
     pub name: String,
     /// Threads of the llama kernels (0: every core).
     pub threads: usize,
-    /// The llama matrix-multiply kernels: `gemm` or `portable`.
+    /// The llama matrix-multiply kernels: `simd`, `gemm` or `portable`.
     pub kernels: tl_llama::kernels::Kernels,
     /// Vocabulary size.
     pub vocab: u32,
@@ -266,7 +267,7 @@ impl Default for ModelSection {
             path: String::new(),
             name: String::new(),
             threads: 0,
-            kernels: tl_llama::kernels::Kernels::Gemm,
+            kernels: tl_llama::kernels::Kernels::Simd,
             vocab: BYTE_VOCAB,
             n_layers: 2,
             n_kv_heads: 1,
