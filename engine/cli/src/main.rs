@@ -180,7 +180,15 @@ fn main() -> ExitCode {
             BenchCmd::Serve(args) => tl_lab::bench::serve::serve(&args),
             BenchCmd::Control(args) => tl_lab::bench::control::control(&args),
             BenchCmd::Tenants(args) => tl_lab::bench::tenants::tenants(&args),
-            BenchCmd::Model(args) => tl_lab::bench::model::model(&args),
+            BenchCmd::Model(mut args) => {
+                if !args.no_peer {
+                    match fetch::resolve(&args.peer) {
+                        Ok(path) => args.peer = path,
+                        Err(e) => args.peer_error = Some(e),
+                    }
+                }
+                tl_lab::bench::model::model(&args)
+            }
             BenchCmd::Route(args) => tl_lab::bench::route::route(&args),
             BenchCmd::Goodput(args) => tl_lab::bench::goodput::goodput(&args),
         },

