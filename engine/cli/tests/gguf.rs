@@ -148,7 +148,22 @@ fn export(g: &Gguf, dir: &Path, bf16: bool) {
     let owned: Vec<Exported<'_>> = entries
         .iter()
         .map(|(name, dtype, shape, bytes)| {
-            if bf16 && *dtype == DType::F32 && shape.len() == 2 {
+            if dtype.block_values() > 1 {
+                // A block type the engine reads in place: exported as its values in f32.
+                let mut v = vec![0f32; shape.iter().product()];
+                tl_llama::kernels::widen(bytes, *dtype, &mut v);
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                if bf16 && shape.len() == 2 {
+                    (
+                        (*name).to_owned(),
+                        DType::Bf16,
+                        shape.to_vec(),
+                        to_bf16(&bytes).into(),
+                    )
+                } else {
+                    ((*name).to_owned(), DType::F32, shape.to_vec(), bytes.into())
+                }
+            } else if bf16 && *dtype == DType::F32 && shape.len() == 2 {
                 (
                     (*name).to_owned(),
                     DType::Bf16,
@@ -167,6 +182,7 @@ fn export(g: &Gguf, dir: &Path, bf16: bool) {
                 DType::F32 => safetensors::Dtype::F32,
                 DType::F16 => safetensors::Dtype::F16,
                 DType::Bf16 => safetensors::Dtype::BF16,
+                other => unreachable!("{other:?} was exported as f32"),
             };
             let v = safetensors::tensor::TensorView::new(d, shape.clone(), bytes).unwrap();
             (name.clone(), v)

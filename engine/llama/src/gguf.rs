@@ -2,8 +2,9 @@
 //! header, the metadata and the tensor infos parsed with every length, count, offset and size
 //! checked against the file before anything is read or allocated; the hyper-parameters of the
 //! `llama` and `qwen2` architectures read from their keys into the same [`LlamaConfig`] a
-//! `config.json` gives; the tensors dequantized at load (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-//! Q4_K, Q5_K, Q6_K, following ggml's block layouts) into memory the file cannot take away;
+//! `config.json` gives; the tensors copied at load into memory the file cannot take away, F32,
+//! F16, BF16, Q8_0, Q4_0 and Q4_1 as they are (the kernels read them in place), Q4_K, Q5_K and
+//! Q6_K dequantized to f32 following ggml's block layouts;
 //! and the tokenizer rebuilt from `tokenizer.ggml.*` as a `tokenizers` tokenizer.
 //!
 //! **RoPE order.** llama.cpp rotates the `llama` architecture's Q and K in adjacent pairs, so
@@ -548,8 +549,8 @@ impl Gguf {
         Ok(c)
     }
 
-    /// Every tensor the model needs, under its Hugging Face name, dequantized (quantized types
-    /// to f32; F32, F16 and BF16 kept as they are) and copied out of the file, with the Q and
+    /// Every tensor the model needs, under its Hugging Face name, copied out of the file (F32,
+    /// F16, BF16, Q8_0, Q4_0 and Q4_1 as they are, the K-quants dequantized to f32), with the Q and
     /// K rows of a `llama` file put back in Hugging Face's order.
     ///
     /// # Errors
@@ -577,6 +578,10 @@ impl Gguf {
                 GgmlType::F32 => (DType::F32, bytes.to_vec()),
                 GgmlType::F16 => (DType::F16, bytes.to_vec()),
                 GgmlType::Bf16 => (DType::Bf16, bytes.to_vec()),
+                // The block types the kernels read in place stay as they are.
+                GgmlType::Q8_0 => (DType::Q8_0, bytes.to_vec()),
+                GgmlType::Q4_0 => (DType::Q4_0, bytes.to_vec()),
+                GgmlType::Q4_1 => (DType::Q4_1, bytes.to_vec()),
                 q => {
                     let mut v = vec![0f32; rows * cols];
                     dequantize(q, bytes, &mut v);
@@ -598,7 +603,7 @@ impl Gguf {
                         want: vec![h * cfg.head_dim, cols],
                     });
                 }
-                data = unpermute_rows(&data, cfg.head_dim, cols * dtype.size());
+                data = unpermute_rows(&data, cfg.head_dim, dtype.row_bytes(cols));
             }
             let shape = if t.dims.len() == 1 {
                 vec![cols]
@@ -839,28 +844,9 @@ pub fn dequantize(kind: GgmlType, bytes: &[u8], out: &mut [f32]) {
             GgmlType::F32 => y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
             GgmlType::F16 => y[0] = h(b, 0),
             GgmlType::Bf16 => y[0] = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
-            GgmlType::Q8_0 => {
-                let d = h(b, 0);
-                for (o, &q) in y.iter_mut().zip(&b[2..34]) {
-                    *o = f32::from(q as i8) * d;
-                }
-            }
-            GgmlType::Q4_0 => {
-                let d = h(b, 0);
-                for j in 0..16 {
-                    let q = b[2 + j];
-                    y[j] = (i32::from(q & 0xF) - 8) as f32 * d;
-                    y[j + 16] = (i32::from(q >> 4) - 8) as f32 * d;
-                }
-            }
-            GgmlType::Q4_1 => {
-                let (d, m) = (h(b, 0), h(b, 2));
-                for j in 0..16 {
-                    let q = b[4 + j];
-                    y[j] = f32::from(q & 0xF) * d + m;
-                    y[j + 16] = f32::from(q >> 4) * d + m;
-                }
-            }
+            GgmlType::Q8_0 => crate::kernels::dequantize_block(DType::Q8_0, b, y),
+            GgmlType::Q4_0 => crate::kernels::dequantize_block(DType::Q4_0, b, y),
+            GgmlType::Q4_1 => crate::kernels::dequantize_block(DType::Q4_1, b, y),
             GgmlType::Q4K => {
                 let (d, dmin) = (h(b, 0), h(b, 2));
                 let scales = &b[4..16];

@@ -158,6 +158,8 @@ fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
             .iter()
             .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
             .collect(),
+        // Refused by `write_checkpoint` before anything is encoded.
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => Vec::new(),
     }
 }
 
@@ -203,6 +205,13 @@ pub fn write_checkpoint(
         DType::Bf16 => safetensors::Dtype::BF16,
         DType::F16 => safetensors::Dtype::F16,
         DType::F32 => safetensors::Dtype::F32,
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+            return Err(CheckpointError::Unsupported {
+                field: "dtype",
+                value: format!("{dtype:?}"),
+                why: "safetensors holds element types only".into(),
+            });
+        }
     };
     let tensors = shape.tensors();
     let shards = shards.clamp(1, tensors.len());

@@ -67,7 +67,26 @@ pub fn matmul(
     }
 }
 
-/// A checkpoint dtype the kernels read.
+/// Several products of the same rows `x` with `kernels`: with `simd` their output rows are
+/// split over the threads together (one hand-over for all); the others run one by one.
+pub fn matmul_many(
+    kernels: Kernels,
+    x: &[f32],
+    products: &mut [crate::simd::Product<'_, '_>],
+    workers: &Workers,
+) {
+    match kernels {
+        Kernels::Simd => crate::simd::matmul_many(x, products, workers),
+        _ => {
+            for p in products {
+                matmul(kernels, x, p.w, p.bias, p.out, workers);
+            }
+        }
+    }
+}
+
+/// A checkpoint dtype the kernels read: an element type, or one of ggml's block-quantized types
+/// (32 values a block), read as they are and dequantized where they are used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {
     /// bfloat16.
@@ -76,15 +95,77 @@ pub enum DType {
     F16,
     /// IEEE binary32.
     F32,
+    /// ggml's Q8_0: an f16 scale `d`, then 32 signed bytes `q`; a value is `q * d`.
+    Q8_0,
+    /// ggml's Q4_0: an f16 scale `d`, then 16 bytes of 4-bit `q` (value `j` in the low nibble of
+    /// byte `j`, value `j + 16` in its high nibble); a value is `(q - 8) * d`.
+    Q4_0,
+    /// ggml's Q4_1: f16 `d` and `m`, then 16 bytes of 4-bit `q` as Q4_0; a value is `q * d + m`.
+    Q4_1,
 }
 
 impl DType {
-    /// Bytes per element.
+    /// Bytes per element (an element type), or per block over its values (a block type; use
+    /// [`Self::row_bytes`] for whole rows).
     #[must_use]
     pub fn size(self) -> usize {
         match self {
             DType::Bf16 | DType::F16 => 2,
             DType::F32 => 4,
+            DType::Q8_0 => 34,
+            DType::Q4_0 => 18,
+            DType::Q4_1 => 20,
+        }
+    }
+
+    /// Values per block: 1 for an element type.
+    #[must_use]
+    pub fn block_values(self) -> usize {
+        match self {
+            DType::Bf16 | DType::F16 | DType::F32 => 1,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => 32,
+        }
+    }
+
+    /// Bytes of `values` values (a whole number of blocks).
+    #[must_use]
+    pub fn row_bytes(self, values: usize) -> usize {
+        values / self.block_values() * self.size()
+    }
+}
+
+/// One block of a block type (`bytes` of [`DType::size`]) dequantized into `out` (32 values),
+/// each value's arithmetic in f32 as ggml's reference dequantization writes it.
+#[inline(always)]
+pub fn dequantize_block(dtype: DType, b: &[u8], out: &mut [f32]) {
+    let h = |at: usize| f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32();
+    match dtype {
+        DType::Q8_0 => {
+            let d = h(0);
+            for (o, &q) in out[..32].iter_mut().zip(&b[2..34]) {
+                *o = f32::from(q as i8) * d;
+            }
+        }
+        DType::Q4_0 => {
+            let d = h(0);
+            let (lo, hi) = out[..32].split_at_mut(16);
+            for j in 0..16 {
+                let q = b[2 + j];
+                lo[j] = (i32::from(q & 0xF) - 8) as f32 * d;
+                hi[j] = (i32::from(q >> 4) - 8) as f32 * d;
+            }
+        }
+        DType::Q4_1 => {
+            let (d, m) = (h(0), h(2));
+            let (lo, hi) = out[..32].split_at_mut(16);
+            for j in 0..16 {
+                let q = b[4 + j];
+                lo[j] = f32::from(q & 0xF) * d + m;
+                hi[j] = f32::from(q >> 4) * d + m;
+            }
+        }
+        DType::Bf16 | DType::F16 | DType::F32 => {
+            widen(b, dtype, out);
         }
     }
 }
@@ -105,9 +186,8 @@ pub struct MatRef<'a> {
 impl MatRef<'_> {
     /// Row `r` widened to f32 into `out` (`cols` long).
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
-        let s = self.dtype.size();
-        let b = &self.bytes[r * self.cols * s..(r + 1) * self.cols * s];
-        widen(b, self.dtype, out);
+        let s = self.dtype.row_bytes(self.cols);
+        widen(&self.bytes[r * s..(r + 1) * s], self.dtype, out);
     }
 }
 
@@ -116,6 +196,15 @@ impl MatRef<'_> {
 /// conversions (F16C and friends where the CPU has them); unaligned input element by element.
 pub fn widen(bytes: &[u8], dtype: DType, out: &mut [f32]) {
     use half::slice::HalfFloatSliceExt;
+    if dtype.block_values() > 1 {
+        for (b, o) in bytes
+            .chunks_exact(dtype.size())
+            .zip(out.chunks_exact_mut(32))
+        {
+            dequantize_block(dtype, b, o);
+        }
+        return;
+    }
     let n = out.len().min(bytes.len() / dtype.size());
     let (bytes, out) = (&bytes[..n * dtype.size()], &mut out[..n]);
     match dtype {
@@ -143,6 +232,7 @@ pub fn widen(bytes: &[u8], dtype: DType, out: &mut [f32]) {
                 }
             }
         },
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => unreachable!("block types return above"),
     }
 }
 
@@ -321,10 +411,32 @@ pub fn rope(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// `e^x` in f32, written out so that it is the same bits on every CPU and vectorizes (no call
+/// into the C library, whose `expf` differs between its builds): `x` clamped to [-88, 88],
+/// split as `n ln 2 + r` with `|r| <= ln 2 / 2`, `e^r` by its Taylor polynomial of degree 6
+/// (relative error under 2e-7), scaled by `2^n` through the exponent bits. Below -87.3 the
+/// result is 0 (or a value that small); every step is a plain f32 operation, unfused.
+#[inline(always)]
+#[must_use]
+pub fn exp(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = x.clamp(-88.0, 88.0);
+    let n = (x * std::f32::consts::LOG2_E).round();
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    // n is in [-127, 127]: 2^n is a normal f32 for n >= -126, and 0 for n = -127.
+    let scale = f32::from_bits(((n as i32 + 127).max(0) as u32) << 23);
+    p * scale
+}
+
 /// `silu(gate) * up`, element by element, into `gate`.
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {
-        let s = *g / (1.0 + (-*g).exp());
+        let s = *g / (1.0 + exp(-*g));
         *g = s * u;
     }
 }
@@ -425,12 +537,8 @@ pub fn matmul_gemm(
             if scratch.len() < nw * k {
                 scratch.resize(nw * k, 0.0);
             }
-            let s = w.dtype.size();
-            widen(
-                &w.bytes[j * k * s..e * k * s],
-                w.dtype,
-                &mut scratch[..nw * k],
-            );
+            let s = w.dtype.row_bytes(k);
+            widen(&w.bytes[j * s..e * s], w.dtype, &mut scratch[..nw * k]);
             let mm = gemm_rows(m, nw);
             let xs = if mm == m {
                 x
@@ -603,6 +711,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The written `exp` is within 3e-7 (relative) of the C library's over the range attention
+    /// and SiLU use, exact at 0, and 0 far below.
+    #[test]
+    fn exp_is_close_to_the_c_library_everywhere_it_is_used() {
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(-200.0), 0.0);
+        let mut worst = 0f64;
+        for i in 0..=2_000_000 {
+            let x = -87.0 + 174.0 * f64::from(i) / 2_000_000.0;
+            let got = f64::from(exp(x as f32));
+            let want = f64::from(x as f32).exp();
+            worst = worst.max(((got - want) / want).abs());
+        }
+        assert!(worst < 3e-7, "worst relative error {worst}");
     }
 
     #[test]

@@ -13,6 +13,7 @@ use tl_engine_core::pool::{BlockId, SharedKv};
 
 use crate::config::{CheckpointError, LlamaConfig};
 use crate::kernels::{self, Kernels, matmul, rms_norm};
+use crate::simd::Product;
 use crate::weights::{Tensor, Weights};
 
 /// Prompt rows one prefill pass takes (rounded up to whole blocks).
@@ -264,9 +265,28 @@ impl Llama {
             let mut hn = x.clone();
             rms_norm(&mut hn, &layer.attn_norm, self.cfg.rms_eps);
             let w = &self.weights;
-            mul(&hn, w.get(layer.q), layer.q_bias.as_deref(), &mut q);
-            mul(&hn, w.get(layer.k), layer.k_bias.as_deref(), &mut k);
-            mul(&hn, w.get(layer.v), layer.v_bias.as_deref(), &mut v);
+            kernels::matmul_many(
+                kern,
+                &hn,
+                &mut [
+                    Product {
+                        w: w.get(layer.q),
+                        bias: layer.q_bias.as_deref(),
+                        out: &mut q,
+                    },
+                    Product {
+                        w: w.get(layer.k),
+                        bias: layer.k_bias.as_deref(),
+                        out: &mut k,
+                    },
+                    Product {
+                        w: w.get(layer.v),
+                        bias: layer.v_bias.as_deref(),
+                        out: &mut v,
+                    },
+                ],
+                workers,
+            );
             for i in 0..m {
                 let (c, s) = (
                     &cos[i * half..(i + 1) * half],
@@ -303,18 +323,20 @@ impl Llama {
                 groups.push(self.gather(pool, l, table, n)?);
                 i = j;
             }
-            // Each row's attention is computed whole by one thread, in the one order of
-            // `attend`; the rows are split over the threads by how many positions they read.
-            let parts = split_rows(&mut att, nq * d, rows, workers.threads());
-            workers.each(parts, |(a0, dst)| {
+            // Each head of each row is computed whole by one thread, in the one order of
+            // `attend`; the heads are split over the threads by how many positions they read.
+            let parts = split_heads(&mut att, d, nq, rows, workers.threads());
+            workers.each(parts, |(u0, dst)| {
                 crate::simd::vectorized(|| {
-                    for (a, out) in (a0..).zip(dst.chunks_exact_mut(nq * d)) {
+                    for (u, out) in (u0..).zip(dst.chunks_exact_mut(d)) {
+                        let (a, hq) = (u / nq, u % nq);
                         let (keys, vals) = &groups[owner[a]];
                         self.attend(
                             keys,
                             vals,
                             rows[a].pos + 1,
-                            &q[a * nq * d..(a + 1) * nq * d],
+                            hq,
+                            &q[(a * nq + hq) * d..(a * nq + hq + 1) * d],
                             out,
                         );
                     }
@@ -326,9 +348,24 @@ impl Llama {
             }
             let mut hn = x.clone();
             rms_norm(&mut hn, &layer.mlp_norm, self.cfg.rms_eps);
-            mul(&hn, w.get(layer.gate), None, &mut g);
-            mul(&hn, w.get(layer.up), None, &mut u);
-            kernels::swiglu(&mut g, &u);
+            kernels::matmul_many(
+                kern,
+                &hn,
+                &mut [
+                    Product {
+                        w: w.get(layer.gate),
+                        bias: None,
+                        out: &mut g,
+                    },
+                    Product {
+                        w: w.get(layer.up),
+                        bias: None,
+                        out: &mut u,
+                    },
+                ],
+                workers,
+            );
+            crate::simd::vectorized(|| kernels::swiglu(&mut g, &u));
             mul(&g, w.get(layer.down), None, &mut o);
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
@@ -412,35 +449,37 @@ impl Llama {
         Ok((keys, vals))
     }
 
-    /// Attention of one row over positions `0..n` of `keys` and `vals` (from [`Self::gather`]):
-    /// each query head against its KV head (GQA), softmax and weighted sum in position order.
+    /// Attention of query head `hq` of one row over positions `0..n` of `keys` and `vals`
+    /// (from [`Self::gather`]): against its KV head (GQA), softmax and weighted sum in position
+    /// order.
     #[inline(always)]
-    fn attend(&self, keys: &[f32], vals: &[f32], n: usize, q: &[f32], out: &mut [f32]) {
+    fn attend(&self, keys: &[f32], vals: &[f32], n: usize, hq: usize, qh: &[f32], oh: &mut [f32]) {
         let (d, nkv) = (self.cfg.head_dim, self.cfg.kv_heads);
         let group = self.cfg.heads / nkv;
         let scale = 1.0 / (d as f32).sqrt();
         let mut scores = vec![0f32; n];
         let (keys, vals) = (&keys[..n * nkv * d], &vals[..n * nkv * d]);
-        for (hq, (qh, oh)) in q.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
-            let kv = hq / group;
-            let mut max = f32::NEG_INFINITY;
-            for (p, s) in scores.iter_mut().enumerate() {
-                let kp = &keys[(p * nkv + kv) * d..(p * nkv + kv + 1) * d];
-                *s = kernels::dot(qh, kp) * scale;
-                max = max.max(*s);
-            }
-            let mut sum = 0f32;
-            for s in &mut scores {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            oh.fill(0.0);
-            for (p, s) in scores.iter().enumerate() {
-                let w = s / sum;
-                let vp = &vals[(p * nkv + kv) * d..(p * nkv + kv + 1) * d];
-                for (o, x) in oh.iter_mut().zip(vp) {
-                    *o += w * x;
-                }
+        let kv = hq / group;
+        let mut max = f32::NEG_INFINITY;
+        for (p, s) in scores.iter_mut().enumerate() {
+            let kp = &keys[(p * nkv + kv) * d..(p * nkv + kv + 1) * d];
+            *s = kernels::dot(qh, kp) * scale;
+            max = max.max(*s);
+        }
+        // The exponentials first (a loop that vectorizes), then their sum in position order.
+        for s in &mut scores {
+            *s = kernels::exp(*s - max);
+        }
+        let mut sum = 0f32;
+        for s in &scores {
+            sum += *s;
+        }
+        oh.fill(0.0);
+        for (p, s) in scores.iter().enumerate() {
+            let w = s / sum;
+            let vp = &vals[(p * nkv + kv) * d..(p * nkv + kv + 1) * d];
+            for (o, x) in oh.iter_mut().zip(vp) {
+                *o += w * x;
             }
         }
     }
@@ -469,27 +508,31 @@ impl Llama {
     }
 }
 
-/// `att` (`width` floats per row) cut into up to `threads` runs of whole rows, each reading
-/// about as many cached positions as the others, with the index of each run's first row.
-fn split_rows<'a>(
+/// `att` (`nq` heads of `d` floats per row) cut into up to `threads` runs of whole heads, each
+/// reading about as many cached positions as the others, with the index of each run's first
+/// head (row times `nq` plus head).
+fn split_heads<'a>(
     att: &'a mut [f32],
-    width: usize,
+    d: usize,
+    nq: usize,
     rows: &[Row<'_>],
     threads: usize,
 ) -> Vec<(usize, &'a mut [f32])> {
-    let total: usize = rows.iter().map(|r| r.pos + 1).sum();
+    let units = rows.len() * nq;
+    let cost = |u: usize| rows[u / nq].pos + 1;
+    let total: usize = (0..units).map(cost).sum();
     let share = total.div_ceil(threads.max(1)).max(1);
     let mut parts = Vec::with_capacity(threads);
     let mut rest = att;
-    let (mut start, mut cost) = (0, 0);
-    for (a, r) in rows.iter().enumerate() {
-        cost += r.pos + 1;
-        if cost >= share || a + 1 == rows.len() {
-            let (head, tail) = std::mem::take(&mut rest).split_at_mut((a + 1 - start) * width);
+    let (mut start, mut spent) = (0, 0);
+    for u in 0..units {
+        spent += cost(u);
+        if spent >= share || u + 1 == units {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut((u + 1 - start) * d);
             parts.push((start, head));
             rest = tail;
-            start = a + 1;
-            cost = 0;
+            start = u + 1;
+            spent = 0;
         }
     }
     parts

@@ -288,10 +288,10 @@ impl Weights {
             [r, c] => (*r, *c),
             _ => (0, 0),
         };
-        if bytes.len() != rows * cols * e.dtype.size() {
+        if cols % e.dtype.block_values() != 0 || bytes.len() != rows * e.dtype.row_bytes(cols) {
             return Err(CheckpointError::Shape {
                 name: name.to_owned(),
-                got: vec![bytes.len() / e.dtype.size()],
+                got: vec![bytes.len() / e.dtype.size() * e.dtype.block_values()],
                 want: vec![rows * cols],
             });
         }
