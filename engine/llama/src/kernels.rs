@@ -434,6 +434,7 @@ pub fn exp(x: f32) -> f32 {
 }
 
 /// `silu(gate) * up`, element by element, into `gate`.
+#[inline(always)]
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {
         let s = *g / (1.0 + exp(-*g));

@@ -327,19 +327,14 @@ impl Llama {
             // `attend`; the heads are split over the threads by how many positions they read.
             let parts = split_heads(&mut att, d, nq, rows, workers.threads());
             workers.each(parts, |(u0, dst)| {
-                crate::simd::vectorized(|| {
-                    for (u, out) in (u0..).zip(dst.chunks_exact_mut(d)) {
-                        let (a, hq) = (u / nq, u % nq);
-                        let (keys, vals) = &groups[owner[a]];
-                        self.attend(
-                            keys,
-                            vals,
-                            rows[a].pos + 1,
-                            hq,
-                            &q[(a * nq + hq) * d..(a * nq + hq + 1) * d],
-                            out,
-                        );
-                    }
+                crate::simd::run(Heads {
+                    model: self,
+                    groups: &groups,
+                    owner: &owner,
+                    rows,
+                    q: &q,
+                    first: u0,
+                    out: dst,
                 });
             });
             mul(&att, w.get(layer.o), None, &mut o);
@@ -365,7 +360,10 @@ impl Llama {
                 ],
                 workers,
             );
-            crate::simd::vectorized(|| kernels::swiglu(&mut g, &u));
+            crate::simd::run(Swiglu {
+                gate: &mut g,
+                up: &u,
+            });
             mul(&g, w.get(layer.down), None, &mut o);
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
@@ -505,6 +503,54 @@ impl Llama {
             p.set_fill(id, old.max(fill))?;
         }
         Ok(())
+    }
+}
+
+/// A run of heads' attention (head `first` on), as one vectorized job: a struct whose `call`
+/// is inlined into the AVX2 context, where a closure's body might not be.
+struct Heads<'a, 'r> {
+    model: &'a Llama,
+    groups: &'a [(Vec<f32>, Vec<f32>)],
+    owner: &'a [usize],
+    rows: &'a [Row<'r>],
+    q: &'a [f32],
+    first: usize,
+    out: &'a mut [f32],
+}
+
+impl pulp::NullaryFnOnce for Heads<'_, '_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn call(self) {
+        let (d, nq) = (self.model.cfg.head_dim, self.model.cfg.heads);
+        for (u, out) in (self.first..).zip(self.out.chunks_exact_mut(d)) {
+            let (a, hq) = (u / nq, u % nq);
+            let (keys, vals) = &self.groups[self.owner[a]];
+            self.model.attend(
+                keys,
+                vals,
+                self.rows[a].pos + 1,
+                hq,
+                &self.q[(a * nq + hq) * d..(a * nq + hq + 1) * d],
+                out,
+            );
+        }
+    }
+}
+
+/// [`kernels::swiglu`] as one vectorized job.
+struct Swiglu<'a> {
+    gate: &'a mut [f32],
+    up: &'a [f32],
+}
+
+impl pulp::NullaryFnOnce for Swiglu<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn call(self) {
+        kernels::swiglu(self.gate, self.up);
     }
 }
 

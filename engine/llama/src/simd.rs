@@ -110,6 +110,16 @@ pub struct Product<'a, 'o> {
     pub out: &'o mut [f32],
 }
 
+/// Runs `op` compiled for AVX2 and FMA where the CPU has them, as [`vectorized`]; an `op` whose
+/// `call` is `#[inline(always)]` is inlined there, body and all.
+pub fn run<Op: pulp::NullaryFnOnce>(op: Op) -> Op::Output {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = pulp::x86::V3::try_new() {
+        return simd.vectorize(op);
+    }
+    op.call()
+}
+
 /// `out[i][j] = x[i] . w[j] (+ bias[j])` for the `m = x.len() / w.cols` rows of `x`, each output
 /// in the order of [`dot16`], on `workers`.
 pub fn matmul_simd(
