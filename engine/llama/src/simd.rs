@@ -1,6 +1,6 @@
 //! The `simd` kernels: this model's products written for the CPU's vector unit (AVX2 with FMA,
-//! through `pulp`, chosen at run time), reading bf16 and f32 weights straight from the
-//! checkpoint into registers, and run on the model's kept [`Workers`].
+//! through `pulp`, chosen at run time), reading bf16, f32 and ggml's Q8_0, Q4_0 and Q4_1 weights
+//! straight from the checkpoint into registers, and run on the model's kept [`Workers`].
 //!
 //! **One order for every output.** An output `x . w` keeps sixteen running sums: lane `l` adds
 //! `x[t] * w[t]` for `t = l, l + 16, l + 32, ...` in turn, each step one fused multiply-add. The
@@ -8,7 +8,8 @@
 //! [`combine`]), the `k mod 16` columns past the last full group are added one by one in order
 //! (fused), and the bias last. [`dot16`] writes that order out in plain Rust. Every path below
 //! computes exactly it:
-//! - a small batch reads the weight rows in place, four at a time, each batch row against them;
+//! - a small batch reads the weight rows in place (bf16, f32, Q8_0, Q4_0, Q4_1), one row at a
+//!   time against up to four batch rows, so the weights are one sequential stream;
 //! - a large batch widens a block of weight rows into a per-thread scratch first (exact: a
 //!   bf16, f16 or f32 value is the same f32 either way) and multiplies a tile of batch rows by
 //!   a pair of weight rows;
@@ -261,6 +262,11 @@ pub fn matmul_many(x: &[f32], products: &mut [Product<'_, '_>], workers: &Worker
 /// Outputs `j0..j1` of every batch row, into `dst` (row-major, `j1 - j0` wide), reading the
 /// weight rows in place.
 fn direct(x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, j0: usize, j1: usize, dst: &mut [f32]) {
+    if w.dtype == crate::kernels::DType::F16 {
+        // No f16 conversion in registers here: the rows are widened (exactly) into this
+        // thread's scratch, a block at a time, and read as f32.
+        return direct_f16(x, w, bias, j0, j1, dst);
+    }
     #[cfg(target_arch = "x86_64")]
     if let Some(simd) = pulp::x86::V3::try_new() {
         return simd.vectorize(v3::Direct {
@@ -274,6 +280,45 @@ fn direct(x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, j0: usize, j1: usize, 
         });
     }
     direct_portable(x, w, bias, j0, j1, dst);
+}
+
+/// [`direct`] on f16 weights: blocks of rows widened into this thread's scratch, then read as
+/// f32 (the same values, so the same bits).
+fn direct_f16(
+    x: &[f32],
+    w: MatRef<'_>,
+    bias: Option<&[f32]>,
+    j0: usize,
+    j1: usize,
+    dst: &mut [f32],
+) {
+    let k = w.cols;
+    let m = x.len() / k.max(1);
+    let width = j1 - j0;
+    let block = (BLOCK_FLOATS / k.max(1)).max(1);
+    with_scratch(block * k, |scratch| {
+        let mut piece = Vec::new();
+        let mut j = j0;
+        while j < j1 {
+            let e = (j + block).min(j1);
+            let wide = &mut scratch[..(e - j) * k];
+            widen(&w.bytes[j * k * 2..e * k * 2], w.dtype, wide);
+            let f32s = MatRef {
+                bytes: bytemuck::cast_slice(wide),
+                dtype: crate::kernels::DType::F32,
+                rows: e - j,
+                cols: k,
+            };
+            piece.clear();
+            piece.resize(m * (e - j), 0.0);
+            direct(x, f32s, bias.map(|b| &b[j..e]), 0, e - j, &mut piece);
+            for i in 0..m {
+                dst[i * width + j - j0..i * width + e - j0]
+                    .copy_from_slice(&piece[i * (e - j)..(i + 1) * (e - j)]);
+            }
+            j = e;
+        }
+    });
 }
 
 /// [`direct`] without a vector unit: each weight row widened, then [`dot16`].
@@ -354,11 +399,13 @@ fn widen_fast(bytes: &[u8], dtype: crate::kernels::DType, out: &mut [f32]) {
 mod v3 {
     //! The AVX2 + FMA bodies: the sixteen running sums are two registers of eight.
 
+    use core::arch::x86_64::__m128i;
     use half::f16;
     use pulp::x86::V3;
+
     use pulp::{NullaryFnOnce, f32x8, i32x8, u16x8, u32x8};
 
-    use super::{LANES, combine, tail, with_scratch};
+    use super::{LANES, combine, tail};
     use crate::kernels::{DType, MatRef, widen};
 
     type Sums = (f32x8, f32x8);
@@ -415,48 +462,102 @@ mod v3 {
         (wide(a), wide(b))
     }
 
-    /// Eight bytes as the low half of a 16-byte vector.
-    #[inline(always)]
-    fn eight(b: &[u8]) -> [u8; 16] {
-        let mut a = [0u8; 16];
-        a[..8].copy_from_slice(&b[..8]);
-        a
-    }
-
     /// The values of a Q8_0, Q4_0 or Q4_1 block (`T` 0, 1, 2), dequantized in registers with
     /// the same f32 arithmetic as [`crate::kernels::dequantize_block`] (an exact conversion, then one rounded
     /// multiply, and for Q4_1 one rounded add), so the same values.
     #[inline(always)]
     fn block<const T: u8>(simd: V3, b: &[u8]) -> [Sums; 2] {
-        let h = |at: usize| f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32();
-        let d = simd.splat_f32x8(h(0));
+        let d = simd.splat_f32x8(half_to_f32(u16::from_le_bytes([b[0], b[1]])));
         if T == 0 {
-            let q = |g: usize| -> f32x8 {
-                let v = simd.convert_i8x16_to_i32x8(pulp::cast(eight(&b[2 + 8 * g..])));
-                simd.mul_f32x8(simd.convert_i32x8_to_f32x8(v), d)
-            };
-            return [(q(0), q(1)), (q(2), q(3))];
+            // 32 signed bytes: four groups of eight, each sign-extended to eight lanes.
+            let q0: [u8; 16] = b[2..18].try_into().expect("16 bytes");
+            let q1: [u8; 16] = b[18..34].try_into().expect("16 bytes");
+            let (q0, q1): (__m128i, __m128i) = (pulp::cast(q0), pulp::cast(q1));
+            let (h0, h1) = (
+                simd.sse2._mm_srli_si128::<8>(q0),
+                simd.sse2._mm_srli_si128::<8>(q1),
+            );
+            let v = [
+                signed(simd, q0, d),
+                signed(simd, h0, d),
+                signed(simd, q1, d),
+                signed(simd, h1, d),
+            ];
+            return [(v[0], v[1]), (v[2], v[3])];
         }
-        let qs = if T == 1 { &b[2..18] } else { &b[4..20] };
-        let m = simd.splat_f32x8(if T == 1 { 0.0 } else { h(2) });
+        let at = if T == 1 { 2 } else { 4 };
+        let q: [u8; 16] = b[at..at + 16].try_into().expect("16 bytes");
+        let q: __m128i = pulp::cast(q);
+        let hq = simd.sse2._mm_srli_si128::<8>(q);
+        let (b0, b1): (u32x8, u32x8) = (
+            pulp::cast(simd.avx2._mm256_cvtepu8_epi32(q)),
+            pulp::cast(simd.avx2._mm256_cvtepu8_epi32(hq)),
+        );
         let low = simd.splat_u32x8(0xF);
-        let eight_minus = simd.splat_i32x8(8);
-        let value = |q: u32x8| -> f32x8 {
-            let q: i32x8 = pulp::cast(q);
-            if T == 1 {
-                let q = simd.wrapping_sub_i32x8(q, eight_minus);
-                simd.mul_f32x8(simd.convert_i32x8_to_f32x8(q), d)
-            } else {
-                simd.add_f32x8(simd.mul_f32x8(simd.convert_i32x8_to_f32x8(q), d), m)
+        // Values 0..16 are the low nibbles of bytes 0..16, values 16..32 their high nibbles.
+        let nibbles = [
+            simd.and_u32x8(b0, low),
+            simd.and_u32x8(b1, low),
+            simd.shr_const_u32x8::<4>(b0),
+            simd.shr_const_u32x8::<4>(b1),
+        ];
+        let m = if T == 1 {
+            None
+        } else {
+            Some(simd.splat_f32x8(half_to_f32(u16::from_le_bytes([b[2], b[3]]))))
+        };
+        let v = [
+            nibble(simd, nibbles[0], d, m),
+            nibble(simd, nibbles[1], d, m),
+            nibble(simd, nibbles[2], d, m),
+            nibble(simd, nibbles[3], d, m),
+        ];
+        [(v[0], v[1]), (v[2], v[3])]
+    }
+
+    /// Eight signed bytes (the low half of `q`) times `d`.
+    #[inline(always)]
+    fn signed(simd: V3, q: __m128i, d: f32x8) -> f32x8 {
+        let i: i32x8 = pulp::cast(simd.avx2._mm256_cvtepi8_epi32(q));
+        simd.mul_f32x8(simd.convert_i32x8_to_f32x8(i), d)
+    }
+
+    /// Eight nibbles as Q4_0 (`(q - 8) * d`, no `m`) or Q4_1 (`q * d + m`) values.
+    #[inline(always)]
+    fn nibble(simd: V3, n: u32x8, d: f32x8, m: Option<f32x8>) -> f32x8 {
+        match m {
+            None => {
+                let n = simd.wrapping_sub_i32x8(pulp::cast(n), simd.splat_i32x8(8));
+                simd.mul_f32x8(simd.convert_i32x8_to_f32x8(n), d)
             }
-        };
-        let bytes = |g: usize| -> u32x8 {
-            pulp::cast(simd.convert_u8x16_to_i32x8(pulp::cast(eight(&qs[8 * g..]))))
-        };
-        let (b0, b1) = (bytes(0), bytes(1));
-        let lo = |v: u32x8| value(simd.and_u32x8(v, low));
-        let hi = |v: u32x8| value(simd.shr_const_u32x8::<4>(v));
-        [(lo(b0), lo(b1)), (hi(b0), hi(b1))]
+            Some(m) => {
+                let n = simd.convert_i32x8_to_f32x8(pulp::cast(n));
+                simd.add_f32x8(simd.mul_f32x8(n, d), m)
+            }
+        }
+    }
+
+    #[test]
+    fn every_f16_scale_widens_as_half_does() {
+        for h in 0..=u16::MAX {
+            let (a, b) = (half_to_f32(h), f16::from_bits(h).to_f32());
+            assert!(
+                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                "{h:#x}"
+            );
+        }
+    }
+
+    /// An f16's value as f32 (exact): normal numbers by moving the bits, the rest through
+    /// `half`.
+    #[inline(always)]
+    fn half_to_f32(h: u16) -> f32 {
+        let e = (h >> 10) & 0x1F;
+        if e == 0 || e == 0x1F {
+            return f16::from_bits(h).to_f32();
+        }
+        let sign = u32::from(h & 0x8000) << 16;
+        f32::from_bits(sign | ((u32::from(h & 0x7FFF) + 0x1_C000) << 13))
     }
 
     /// The outputs of `M` batch rows `xs` against one weight row read in place: `D` bytes hold
@@ -464,18 +565,18 @@ mod v3 {
     /// at a time keeps the weights one sequential stream, which the prefetchers follow: four
     /// rows interleaved ran at two thirds of the speed on a Zen 3.)
     #[inline(always)]
-    fn row<const M: usize, const C: usize, const D: usize>(
+    fn row<const M: usize, const K: u8, const D: usize>(
         simd: V3,
         xs: [&[f32]; M],
         row: &[u8],
-        load: impl Fn(&[u8]) -> [Sums; C],
         dtype: DType,
     ) -> [f32; M] {
+        const C: usize = 2;
         let k = xs[0].len();
         let units = k / (LANES * C);
         let mut acc = [zero(simd); M];
         for (u, wc) in row[..units * D].chunks_exact(D).enumerate() {
-            let wv = load(wc);
+            let wv = unit::<K>(simd, wc);
             let at = u * LANES * C;
             for c in 0..C {
                 for i in 0..M {
@@ -531,61 +632,34 @@ mod v3 {
                 dst,
             } = self;
             match w.dtype {
-                DType::Bf16 => {
-                    columns::<1, 32>(simd, x, w, bias, j0, j1, dst, |c| [bf16s(simd, c)]);
-                }
-                DType::F32 => columns::<1, 64>(simd, x, w, bias, j0, j1, dst, |c| [f32s(c)]),
-                DType::Q8_0 => {
-                    columns::<2, 34>(simd, x, w, bias, j0, j1, dst, |b| block::<0>(simd, b));
-                }
-                DType::Q4_0 => {
-                    columns::<2, 18>(simd, x, w, bias, j0, j1, dst, |b| block::<1>(simd, b));
-                }
-                DType::Q4_1 => {
-                    columns::<2, 20>(simd, x, w, bias, j0, j1, dst, |b| block::<2>(simd, b));
-                }
-                DType::F16 => {
-                    // No f16 conversion in registers here: four rows at a time are widened
-                    // (exactly) into this thread's scratch and read as f32.
-                    let k = w.cols;
-                    with_scratch(4 * k, |s| {
-                        let mut j = j0;
-                        while j < j1 {
-                            let e = (j + 4).min(j1);
-                            let s = &mut s[..(e - j) * k];
-                            widen(&w.bytes[j * k * 2..e * k * 2], DType::F16, s);
-                            let wide = MatRef {
-                                bytes: bytemuck::cast_slice(s),
-                                dtype: DType::F32,
-                                rows: e - j,
-                                cols: k,
-                            };
-                            let width = j1 - j0;
-                            let m = x.len() / k;
-                            let mut piece = vec![0f32; m * (e - j)];
-                            columns::<1, 64>(simd, x, wide, None, 0, e - j, &mut piece, |c| {
-                                [f32s(c)]
-                            });
-                            for i in 0..m {
-                                for r in 0..e - j {
-                                    let b = bias.map_or(0.0, |b| b[j + r]);
-                                    // The bias is added last, after the whole sum, as on the
-                                    // other paths.
-                                    dst[i * width + j - j0 + r] = piece[i * (e - j) + r] + b;
-                                }
-                            }
-                            j = e;
-                        }
-                    });
-                }
+                DType::Bf16 => columns::<0, 64>(simd, x, w, bias, j0, j1, dst),
+                DType::F32 => columns::<1, 128>(simd, x, w, bias, j0, j1, dst),
+                DType::Q8_0 => columns::<2, 34>(simd, x, w, bias, j0, j1, dst),
+                DType::Q4_0 => columns::<3, 18>(simd, x, w, bias, j0, j1, dst),
+                DType::Q4_1 => columns::<4, 20>(simd, x, w, bias, j0, j1, dst),
+                DType::F16 => unreachable!("f16 rows are widened before they get here"),
             }
+        }
+    }
+
+    /// Thirty-two values (two groups of sixteen) of a row of kind `K` (bf16, f32, Q8_0, Q4_0,
+    /// Q4_1), widened in registers. A function, not a closure, so that it is always inlined
+    /// into the AVX2 context.
+    #[inline(always)]
+    fn unit<const K: u8>(simd: V3, b: &[u8]) -> [Sums; 2] {
+        match K {
+            0 => [bf16s(simd, &b[..32]), bf16s(simd, &b[32..64])],
+            1 => [f32s(&b[..64]), f32s(&b[64..128])],
+            2 => block::<0>(simd, b),
+            3 => block::<1>(simd, b),
+            _ => block::<2>(simd, b),
         }
     }
 
     /// Outputs `j0..j1` of every batch row of `x` into `dst` (row-major, `j1 - j0` wide).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    fn columns<const C: usize, const D: usize>(
+    fn columns<const K: u8, const D: usize>(
         simd: V3,
         x: &[f32],
         w: MatRef<'_>,
@@ -593,7 +667,6 @@ mod v3 {
         j0: usize,
         j1: usize,
         dst: &mut [f32],
-        load: impl Fn(&[u8]) -> [Sums; C] + Copy,
     ) {
         let k = w.cols;
         let s = w.dtype.row_bytes(k);
@@ -606,11 +679,10 @@ mod v3 {
             let mut put = |i: usize, v: f32| dst[i * width + j - j0] = v + b;
             let mut i = 0;
             while i + 4 <= m {
-                let o = row::<4, C, D>(
+                let o = row::<4, K, D>(
                     simd,
                     [xr(i), xr(i + 1), xr(i + 2), xr(i + 3)],
                     row_of(j),
-                    load,
                     w.dtype,
                 );
                 for (r, v) in o.into_iter().enumerate() {
@@ -619,7 +691,7 @@ mod v3 {
                 i += 4;
             }
             while i < m {
-                let [v] = row::<1, C, D>(simd, [xr(i)], row_of(j), load, w.dtype);
+                let [v] = row::<1, K, D>(simd, [xr(i)], row_of(j), w.dtype);
                 put(i, v);
                 i += 1;
             }
@@ -802,7 +874,7 @@ mod tests {
             .collect()
     }
 
-    /// Every path (rows read in place, four and one at a time; widened blocks, tiles of three,
+    /// Every path (rows read in place against four and one batch rows; widened blocks, tiles of three,
     /// two and one; on 1 to 3 threads; bf16, f16, f32, Q8_0, Q4_0 and Q4_1) is
     /// the order [`dot16`] writes out, bit for bit, for every row of every batch from 1 to 40.
     /// So batch 1 and batch N take the same order: if either path changed its order, the row
