@@ -235,7 +235,7 @@ fn gguf_and_safetensors_agree() {
 
 /// The trained model's logits at its first positions against the independent reference's numpy
 /// path (`parity/llama_ref_np.py`, float64): bf16 weights, f16 K and V; relative error (the
-/// largest logit difference over the largest logit) at most 2e-5 where a position attends only
+/// largest logit difference over the largest logit) at most 1e-4 where a position attends only
 /// to itself, 5e-4 at the 11 first positions.
 #[test]
 fn trained_model_logits_match_the_independent_reference() {
@@ -281,11 +281,14 @@ fn trained_model_logits_match_the_independent_reference() {
             });
             let e = err / scale;
             worst = worst.max(e);
-            // Position 0 attends to itself only: f32 arithmetic against float64, no more. Later
-            // positions also meet K and V values whose f32 and float64 results round to
-            // neighbouring f16 values; over 30 layers that grows to 1-2e-4 by position 10
-            // (measured: 8e-6 at position 0, 1.0e-4 at 4, 2.1e-4 at 10).
-            let bound = if pos == 0 { 2e-5 } else { 5e-4 };
+            // Position 0 attends to itself only, but it too reads its V back from f16: where the
+            // f32 and float64 results of a V value round to neighbouring f16 values, the error
+            // is an f16 step, not f32 arithmetic. Which values do depends on the summation
+            // order: measured 8e-6 at position 0 on the `gemm` kernels, 4.4-5.9e-5 on `simd`
+            // (whose order differs, and whose sums are no less exact). Later positions meet more
+            // such K and V values; over 30 layers that grows to 1-2e-4 by position 10 (measured
+            // on `gemm`: 1.0e-4 at 4, 2.1e-4 at 10).
+            let bound = if pos == 0 { 1e-4 } else { 5e-4 };
             assert!(
                 e <= bound,
                 "prompt {i} position {pos}: relative error {e:e}"
