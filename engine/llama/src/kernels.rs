@@ -428,7 +428,7 @@ pub fn exp(x: f32) -> f32 {
     let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
         + 1.666_666_5e-1)
         * r
-        + 5.000_000_1e-1;
+        + 0.5;
     let e = (p * (r * r) + r) + 1.0;
     // n is in [-127, 127]: 2^n is a normal f32 for n >= -126, and 0 for n = -127.
     let scale = f32::from_bits(((n as i32 + 127).max(0) as u32) << 23);
