@@ -10,6 +10,7 @@
 //! - [`init`]: checkpoints with seeded random weights, for tests and the demo.
 
 pub mod config;
+pub mod dtype;
 pub mod gguf;
 pub mod init;
 pub mod kernels;

@@ -21,7 +21,7 @@
 
 use std::cell::RefCell;
 
-use crate::kernels::{MatRef, widen};
+use crate::dtype::{MatRef, widen};
 use crate::workers::Workers;
 
 /// Running sums per output.
@@ -262,7 +262,7 @@ pub fn matmul_many(x: &[f32], products: &mut [Product<'_, '_>], workers: &Worker
 /// Outputs `j0..j1` of every batch row, into `dst` (row-major, `j1 - j0` wide), reading the
 /// weight rows in place.
 fn direct(x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, j0: usize, j1: usize, dst: &mut [f32]) {
-    if w.dtype == crate::kernels::DType::F16 {
+    if w.dtype == crate::dtype::DType::F16 {
         // No f16 conversion in registers here: the rows are widened (exactly) into this
         // thread's scratch, a block at a time, and read as f32.
         return direct_f16(x, w, bias, j0, j1, dst);
@@ -305,7 +305,7 @@ fn direct_f16(
             widen(&w.bytes[j * k * 2..e * k * 2], w.dtype, wide);
             let f32s = MatRef {
                 bytes: bytemuck::cast_slice(wide),
-                dtype: crate::kernels::DType::F32,
+                dtype: crate::dtype::DType::F32,
                 rows: e - j,
                 cols: k,
             };
@@ -385,8 +385,8 @@ fn widened(x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, j0: usize, j1: usize,
 /// [`widen`], with bf16 written so that it vectorizes (the same values: a bf16 is the top half
 /// of its f32).
 #[inline(always)]
-fn widen_fast(bytes: &[u8], dtype: crate::kernels::DType, out: &mut [f32]) {
-    if dtype == crate::kernels::DType::Bf16 {
+fn widen_fast(bytes: &[u8], dtype: crate::dtype::DType, out: &mut [f32]) {
+    if dtype == crate::dtype::DType::Bf16 {
         for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
             *o = f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16);
         }
@@ -406,7 +406,7 @@ mod v3 {
     use pulp::{NullaryFnOnce, f32x8, i32x8, u16x8, u32x8};
 
     use super::{LANES, combine, tail};
-    use crate::kernels::{DType, MatRef, widen};
+    use crate::dtype::{DType, MatRef, widen};
 
     type Sums = (f32x8, f32x8);
 
@@ -463,7 +463,7 @@ mod v3 {
     }
 
     /// The values of a Q8_0, Q4_0 or Q4_1 block (`T` 0, 1, 2), dequantized in registers with
-    /// the same f32 arithmetic as [`crate::kernels::dequantize_block`] (an exact conversion, then one rounded
+    /// the same f32 arithmetic as [`crate::dtype::dequantize_block`] (an exact conversion, then one rounded
     /// multiply, and for Q4_1 one rounded add), so the same values.
     #[inline(always)]
     fn block<const T: u8>(simd: V3, b: &[u8]) -> [Sums; 2] {
@@ -842,7 +842,7 @@ mod v3 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::DType;
+    use crate::dtype::DType;
 
     fn weights(n: usize, k: usize, dtype: DType) -> Vec<u8> {
         let hash = |i: usize| ((i as u32).wrapping_mul(2_654_435_761) >> 7) as usize;
