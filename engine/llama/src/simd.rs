@@ -76,11 +76,23 @@ fn tail(mut s: f32, x: &[f32], w: &[f32]) -> f32 {
 thread_local! {
     /// A thread's widened weights, kept across products.
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A thread's widened f16 rows ([`direct_f16`]), apart from [`SCRATCH`]: the product it
+    /// then runs may take that one.
+    static F16_ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Runs `f` with this thread's scratch of at least `len` floats.
 fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    SCRATCH.with(|s| {
+    with(&SCRATCH, len, f)
+}
+
+/// Runs `f` with `key`'s buffer of at least `len` floats.
+fn with<R>(
+    key: &'static std::thread::LocalKey<RefCell<Vec<f32>>>,
+    len: usize,
+    f: impl FnOnce(&mut [f32]) -> R,
+) -> R {
+    key.with(|s| {
         let mut s = s.borrow_mut();
         if s.len() < len {
             s.resize(len, 0.0);
@@ -296,7 +308,7 @@ fn direct_f16(
     let m = x.len() / k.max(1);
     let width = j1 - j0;
     let block = (BLOCK_FLOATS / k.max(1)).max(1);
-    with_scratch(block * k, |scratch| {
+    with(&F16_ROWS, block * k, |scratch| {
         let mut piece = Vec::new();
         let mut j = j0;
         while j < j1 {
