@@ -99,25 +99,51 @@ fn install() -> Result<(PathBuf, PathBuf), BenchError> {
     Ok((site, script))
 }
 
+/// How long one converter or llama.cpp run may take before it is killed.
+const PEER_DEADLINE: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Runs the driver script with `args` and returns its standard output; killed past
+/// [`PEER_DEADLINE`]. Its output goes to files (a pipe nobody reads while waiting could fill
+/// and stall it).
 fn python(site: &Path, script: &Path, args: &[String]) -> Result<String, BenchError> {
-    let out = Command::new("python3")
+    let dir = peer_dir();
+    let (out_path, err_path) = (dir.join("last.stdout"), dir.join("last.stderr"));
+    let mut child = Command::new("python3")
         .env("PYTHONPATH", site)
         .env("PYTHONNOUSERSITE", "1")
         .arg(script)
         .args(args)
-        .output()?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
+        .stdout(std::fs::File::create(&out_path)?)
+        .stderr(std::fs::File::create(&err_path)?)
+        .spawn()?;
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if start.elapsed() > PEER_DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!(
+                "llamacpp.py {} did not finish within {} s",
+                args.join(" "),
+                PEER_DEADLINE.as_secs()
+            )
+            .into());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    if !status.success() {
+        let err = std::fs::read_to_string(&err_path).unwrap_or_default();
         let tail: Vec<&str> = err.lines().rev().take(5).collect();
         return Err(format!(
-            "llamacpp.py {} failed ({}): {}",
+            "llamacpp.py {} failed ({status}): {}",
             args.join(" "),
-            out.status,
             tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
         )
         .into());
     }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    Ok(std::fs::read_to_string(&out_path)?)
 }
 
 /// The peer, ready: its packages installed and `source` written as each of [`TYPES`].
