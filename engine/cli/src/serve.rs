@@ -57,9 +57,24 @@ pub(crate) struct ServeArgs {
     /// KV cache holds it).
     #[arg(long)]
     max_model_len: Option<u32>,
-    /// Compute threads of each engine (0: the cores).
+    /// Tokens one engine step computes, decodes and prompt chunks together (vLLM's name):
+    /// a long prompt is prefilled in chunks, so the steps of the engines that share the cores
+    /// keep their pace beside it.
+    #[arg(long, default_value_t = 512)]
+    max_num_batched_tokens: usize,
+    /// Compute threads of the process, which its engines share (0: the cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Requests that may wait for a place on the prefill engines; beyond, 429 with
+    /// Retry-After.
+    #[arg(long, default_value_t = 128)]
+    max_queued: usize,
+    /// The longest a request waits for a place, in seconds; then 429 with Retry-After.
+    #[arg(long, default_value_t = 300)]
+    queue_timeout_seconds: u64,
+    /// The longest one request may take, waiting and streaming included, in seconds (504).
+    #[arg(long, default_value_t = 600)]
+    request_timeout_seconds: u64,
     /// How long SIGTERM waits for requests in flight, in seconds.
     #[arg(long, default_value_t = 30)]
     drain_seconds: u64,
@@ -116,6 +131,7 @@ fn engine_config(
         c.model.name.clone_from(name);
     }
     c.model.threads = args.threads;
+    c.engine.max_step_tokens = args.max_num_batched_tokens;
     c.pool.block_tokens = args.block_tokens;
     c.pool.n_blocks = (args.kv_cache_mib * (1 << 20) / block_bytes.max(1)).max(2) as u32;
     c.tls = Some(issue(certs, id, PeerRole::from(role), &[])?.section());
@@ -161,6 +177,14 @@ async fn run(args: &ServeArgs) -> Result<(), ServeError> {
             public_unauthenticated: keyless,
             // Chat templates render in processes of this binary, bounded in memory and time.
             render_worker: std::env::current_exe().ok(),
+            // Under load a request waits at its turn for a place (429 past these bounds); a
+            // long completion on a busy CPU takes minutes, so the whole request may too.
+            max_queued: args.max_queued,
+            queue_timeout_ms: args.queue_timeout_seconds.saturating_mul(1_000),
+            request_timeout_ms: args.request_timeout_seconds.saturating_mul(1_000),
+            // The engines live in this process: a silent stream is a busy CPU, not a lost
+            // engine, and a failover would only prefill it again.
+            stall_timeout_ms: 30_000,
             ..GatewaySection::default()
         },
         tls: Some(issue(&certs.0, "gw", PeerRole::Gateway, &[])?.section()),

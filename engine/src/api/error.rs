@@ -187,6 +187,15 @@ impl IntoResponse for ApiError {
                 code: Some(self.status.as_u16()),
             },
         };
-        (self.status, Json(body)).into_response()
+        let mut r = (self.status, Json(body)).into_response();
+        // Every 429 says when to come back: load passes in about a second here (a place in
+        // the queue, a slot of the key's), and clients (openai's among them) honour it.
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            r.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
+        r
     }
 }

@@ -17,6 +17,12 @@
 //! http_listen = "127.0.0.1:0"      # the OpenAI-compatible front
 //! registry_listen = "127.0.0.1:0"  # WorkerRegistry (tl.control.v1) for the engines' heartbeats
 //! max_inflight = 256               # requests in flight; beyond it 429
+//! max_queued = 128                 # requests waiting for a place on the prefill engines;
+//!                                  # beyond it 429 with Retry-After
+//! queue_timeout_ms = 60000         # the longest a request waits for a place (over all its
+//!                                  # waits); then 429 with Retry-After
+//! queue_prefill_tokens = 1024      # prompt tokens in prefill at once per engine that
+//!                                  # prefills (one request always, however long)
 //! request_timeout_ms = 60000       # whole request; beyond it 504
 //! has_blocks_timeout_ms = 250      # per decode engine when routing; a slower one is skipped
 //! route_from_index = true          # route from the engines' WatchBlocks streams; HasBlocks
@@ -118,6 +124,14 @@ pub struct GatewaySection {
     pub metrics_listen: String,
     /// Requests in flight before 429.
     pub max_inflight: usize,
+    /// Requests waiting for a place on the prefill engines before 429 (see
+    /// [`super::queue`]).
+    pub max_queued: usize,
+    /// The longest a request waits for a place, over all its waits (milliseconds), before
+    /// 429.
+    pub queue_timeout_ms: u64,
+    /// Prompt tokens in prefill at once, per engine that prefills.
+    pub queue_prefill_tokens: u64,
     /// Request timeout in milliseconds (504).
     pub request_timeout_ms: u64,
     /// HasBlocks timeout per decode engine in milliseconds.
@@ -187,6 +201,9 @@ impl Default for GatewaySection {
             registry_listen: "127.0.0.1:0".into(),
             metrics_listen: "127.0.0.1:0".into(),
             max_inflight: 256,
+            max_queued: 128,
+            queue_timeout_ms: 60_000,
+            queue_prefill_tokens: 1_024,
             request_timeout_ms: 60_000,
             has_blocks_timeout_ms: 250,
             route_from_index: true,
@@ -309,6 +326,14 @@ impl GatewayConfig {
         let ranges = || -> Result<(), crate::net::limits::InvalidSetting> {
             const DAY_MS: u64 = 86_400_000;
             in_range("gateway.max_inflight", g.max_inflight, 1, 1 << 20)?;
+            in_range("gateway.max_queued", g.max_queued, 0, 1 << 20)?;
+            in_range("gateway.queue_timeout_ms", g.queue_timeout_ms, 0, DAY_MS)?;
+            in_range(
+                "gateway.queue_prefill_tokens",
+                g.queue_prefill_tokens,
+                1,
+                1 << 24,
+            )?;
             in_range("gateway.template_fuel", g.template_fuel, 1_000, 1 << 40)?;
             in_range(
                 "gateway.template_max_bytes",

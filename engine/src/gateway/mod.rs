@@ -26,6 +26,7 @@ pub mod index;
 pub mod mirror;
 pub mod openai;
 pub mod plan;
+pub mod queue;
 pub mod registry;
 pub mod request;
 pub mod roles;
@@ -65,6 +66,8 @@ pub struct Gateway {
     /// Templates and tokenizing in progress on the blocking pool (`prep_threads`).
     prep: Arc<Semaphore>,
     routed: Arc<RoutedLoad>,
+    /// Where requests wait for a place on the prefill engines.
+    queue: Arc<queue::WaitQueue>,
     /// The decode engines' blocks, from their streams (`route_from_index`).
     index: Arc<index::BlockIndex>,
     /// The last snapshot arranged for routing from the index, and the index generation at
@@ -115,6 +118,11 @@ impl Gateway {
             },
             cfg.max_tokens_in_flight_per_key,
         ));
+        let queue = Arc::new(queue::WaitQueue::new(queue::QueueLimits {
+            max_queued: cfg.max_queued,
+            prefill_tokens: cfg.queue_prefill_tokens.max(1),
+            timeout: Duration::from_millis(cfg.queue_timeout_ms),
+        }));
         Ok(Self {
             permits: Arc::new(Semaphore::new(cfg.max_inflight.max(1))),
             prep: Arc::new(Semaphore::new(match cfg.prep_threads {
@@ -129,6 +137,7 @@ impl Gateway {
             registry,
             cfg,
             routed: Arc::new(RoutedLoad::default()),
+            queue,
             index: Arc::default(),
             fleet: std::sync::Mutex::default(),
             spread: std::sync::atomic::AtomicU64::new(0),

@@ -24,13 +24,15 @@ use tracing::field::Empty;
 
 use super::Gateway;
 use super::plan::{WorkerView, decode_candidates, has_blocks_targets, plan};
+use super::queue::{Place, QueueError, Ticket};
 use super::routed::RoutedGuard;
 use super::session::{
     Action, LaneId, LossCause, PrefillFailure, RetryPolicy, Session, SessionEvent, Unservable,
 };
 use super::upstream::{OpenError, Unclaimed};
-use crate::api::CompletionRequest;
+use crate::api::render::ChoiceEvent;
 use crate::api::sse::StreamEvent;
+use crate::api::{ApiError, CompletionRequest};
 use crate::net::clients::EventStream;
 
 pub use super::session::{Job, Out};
@@ -58,6 +60,11 @@ struct Driver<'g> {
     scope: u64,
     /// What it may hold at most.
     need: Need,
+    /// Its turn in the gateway's queue.
+    ticket: Ticket,
+    /// Its place on the prefill engines, from the queue until its answer starts (shared with
+    /// a [`Action::Wait`] task, which puts the next one here).
+    place: Arc<std::sync::Mutex<Option<Place>>>,
 }
 
 impl Gateway {
@@ -83,6 +90,23 @@ impl Gateway {
             whole: job.prompt.len() as u64
                 + u64::from(job.choices.n) * u64::from(job.params.max_tokens()),
         };
+        // A place on the prefill engines first: the request waits here, at its turn, while
+        // they are busy (429 past the queue's bounds), and leaves if the client does.
+        let mut ticket = self.queue.ticket();
+        let place = tokio::select! {
+            p = self.place(&mut ticket, need.prompt, None) => p,
+            () = out.closed() => return,
+            () = self.drain.cut.cancelled() => Err(ApiError::unavailable(
+                "the gateway is draining: this request was ended before it started",
+            )),
+        };
+        let place = match place {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = out.send(Out::Choice(ChoiceEvent::Failed(e))).await;
+                return;
+            }
+        };
         let mut session = Session::new(job, self.request_id(), self.retry_policy());
         let release_wait = session.policy().release_wait;
         let (events, mut rx) = mpsc::channel(EVENT_QUEUE);
@@ -98,6 +122,8 @@ impl Gateway {
             unclaimed: HashMap::new(),
             scope,
             need,
+            ticket,
+            place: Arc::new(std::sync::Mutex::new(Some(place))),
         };
         let mut pending: VecDeque<Action> = session.start().into();
         let mut client_gone = false;
@@ -134,6 +160,37 @@ impl Gateway {
             d.observe(&event).await;
             pending.extend(session.on(event));
         }
+    }
+
+    /// A place on the prefill engines for a prompt of `tokens`, at the ticket's turn (see
+    /// [`super::queue`]); `again`: the place a request refused for load gives back, and its
+    /// pause.
+    async fn place(
+        &self,
+        ticket: &mut Ticket,
+        tokens: u64,
+        again: Option<(Place, Duration)>,
+    ) -> Result<Place, ApiError> {
+        let engines = || {
+            self.registry
+                .snapshot_shared(Instant::now())
+                .iter()
+                .filter(|w| !w.status.draining && w.role().is_some_and(|r| r.prefills()))
+                .count()
+        };
+        let waited = Instant::now();
+        let r = self.queue.enter(ticket, tokens, engines, again).await;
+        self.metrics
+            .queue_wait_seconds
+            .observe(waited.elapsed().as_secs_f64());
+        r.map_err(|e| {
+            let outcome = match e {
+                QueueError::Full(_) => "full",
+                QueueError::TimedOut(_) => "timed_out",
+            };
+            tracing::info!(outcome, "no place in the queue: 429");
+            ApiError::rate_limited(e.to_string())
+        })
     }
 
     /// The live workers, less `exclude`. With `first`, while the gateway is young
@@ -375,7 +432,51 @@ impl Driver<'_> {
                     colocated(&g, &target, scope, &request, &tx, lane, quiet).await;
                 });
             }
+            Action::Wait { lane, pause } => {
+                // Nothing of the lane's last try is counted anywhere now.
+                self.counted.remove(&lane);
+                self.prefilling.remove(&lane);
+                let (g, tx, slot) = (
+                    Arc::clone(self.g),
+                    self.events.clone(),
+                    Arc::clone(&self.place),
+                );
+                let (mut ticket, tokens) = (self.ticket, self.need.prompt);
+                self.tasks.spawn(
+                    async move {
+                        let old = slot
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .take();
+                        let again = match old {
+                            Some(p) => Some((p, pause)),
+                            None => {
+                                tokio::time::sleep(pause).await;
+                                None
+                            }
+                        };
+                        let event = match g.place(&mut ticket, tokens, again).await {
+                            Ok(p) => {
+                                *slot
+                                    .lock()
+                                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(p);
+                                SessionEvent::Placed { lane }
+                            }
+                            Err(error) => SessionEvent::Unplaced { lane, error },
+                        };
+                        let _ = tx.send(event).await;
+                    }
+                    .in_current_span(),
+                );
+            }
             Action::Emit(o) => {
+                if matches!(o, Out::Start { .. }) {
+                    // The answer starts: its prefill is over, and its place goes to the next.
+                    self.place
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .take();
+                }
                 if self.out.send(o).await.is_err() {
                     return Some(SessionEvent::ClientGone);
                 }
@@ -438,7 +539,12 @@ impl Driver<'_> {
                     })
                     .inc();
             }
-            Action::Finish => {}
+            Action::Finish => {
+                self.place
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .take();
+            }
         }
         None
     }

@@ -210,6 +210,18 @@ pub enum SessionEvent {
         /// Why.
         cause: LossCause,
     },
+    /// The lane has a place again after [`Action::Wait`]: plan it.
+    Placed {
+        /// The lane.
+        lane: LaneId,
+    },
+    /// The lane got no place after [`Action::Wait`] (the queue was full or its deadline passed).
+    Unplaced {
+        /// The lane.
+        lane: LaneId,
+        /// The answer for the client (429 with `Retry-After`).
+        error: ApiError,
+    },
     /// The client went away.
     ClientGone,
     /// The gateway is draining and its deadline passed: end what is left.
@@ -232,6 +244,16 @@ pub enum Action {
         exclude: Vec<String>,
         /// The model, on the first plan.
         model: Option<String>,
+    },
+    /// The fleet refused the lane for load (every decode engine's pool full or busy, the prefill
+    /// engine's deadline missed while it lives): give its place back, wait in the gateway's
+    /// queue at its old turn, at least `pause`, for a place again; answer with
+    /// [`SessionEvent::Placed`] or [`SessionEvent::Unplaced`].
+    Wait {
+        /// The lane.
+        lane: LaneId,
+        /// The least wait before the next try.
+        pause: Duration,
     },
     /// Count a routing decision (`tl_route_decisions_total{reason}`).
     Routed {
@@ -411,6 +433,8 @@ pub struct Session {
     gone: bool,
     /// [`Action::Finish`] was returned.
     finished: bool,
+    /// Times the request went back to the queue, refused for load.
+    waits: u32,
 }
 
 impl Session {
@@ -436,6 +460,7 @@ impl Session {
             started: false,
             gone: false,
             finished: false,
+            waits: 0,
         }
     }
 
@@ -500,6 +525,27 @@ impl Session {
                 }
             }
             SessionEvent::StreamLost { lane, cause } => self.stream_lost(lane, cause, &mut a),
+            SessionEvent::Placed { lane } => {
+                if self.live(lane) {
+                    a.push(Action::Plan {
+                        lane,
+                        prompt: self.lane_prompt(lane),
+                        exclude: Vec::new(),
+                        model: Some(self.job.params.model().unwrap_or_default().to_owned()),
+                    });
+                } else if let Some(l) = self.lanes.get_mut(lane) {
+                    l.phase = Phase::Over;
+                }
+            }
+            SessionEvent::Unplaced { lane, error } => {
+                if self.live(lane) {
+                    self.lanes[lane].phase = Phase::Over;
+                    self.emit(&mut a, Out::Choice(ChoiceEvent::Failed(error)));
+                    self.finish(&mut a);
+                } else if let Some(l) = self.lanes.get_mut(lane) {
+                    l.phase = Phase::Over;
+                }
+            }
             SessionEvent::ClientGone => {
                 if !self.gone {
                     self.gone = true;
@@ -585,7 +631,8 @@ impl Session {
                     });
                 }
                 Phase::Streaming { .. } => a.push(Action::Close { lane: i }),
-                Phase::Planning | Phase::Over => {}
+                // A lane waiting for a plan or a place has nothing to give back.
+                Phase::Planning | Phase::Over => l.phase = Phase::Over,
             }
         }
     }
@@ -647,13 +694,34 @@ impl Session {
                 };
                 self.give_up(lane, &format!("no failover: {why}"), a);
             }
-            _ => self.no_pair(fallback, 0, a),
+            _ => self.no_pair(fallback, 0, false, a),
         }
     }
 
+    /// Lane 0, refused for load before its answer started: back to the gateway's queue, the
+    /// pause doubling from 50 ms to 1 s with each refusal. The queue's deadline bounds it.
+    fn wait(&mut self, a: &mut Vec<Action>) {
+        let pause = Duration::from_millis(50u64 << self.waits.min(5)).min(Duration::from_secs(1));
+        self.waits = self.waits.saturating_add(1);
+        self.lanes[0].phase = Phase::Planning;
+        a.push(Action::Wait { lane: 0, pause });
+    }
+
     /// Lane 0 found no disaggregated pair (or every decode engine refused the push, after
-    /// `retries`): a `both` engine serves it colocated, or nothing can.
-    fn no_pair(&mut self, fallback: Option<WorkerStatus>, retries: u32, a: &mut Vec<Action>) {
+    /// `retries`): a `both` engine serves it colocated; without one, a request the live
+    /// engines refused for load waits in the queue (`refused`), and one that no live engine
+    /// can serve gets 503.
+    fn no_pair(
+        &mut self,
+        fallback: Option<WorkerStatus>,
+        retries: u32,
+        refused: bool,
+        a: &mut Vec<Action>,
+    ) {
+        if fallback.is_none() && refused {
+            self.wait(a);
+            return;
+        }
         let Some(b) = fallback else {
             self.lanes[0].phase = Phase::Over;
             self.emit(
@@ -822,6 +890,8 @@ impl Session {
         l.phase = Phase::Over;
         let first = !self.continuing(lane);
         match refused {
+            // A full pool or a busy engine: the request waits for room, at its turn.
+            Some((Code::ResourceExhausted, _)) if first => self.wait(a),
             Some((code, message)) if first => {
                 self.emit(
                     a,
@@ -836,7 +906,7 @@ impl Session {
                     a,
                 );
             }
-            None if first => self.no_pair(fallback, retries, a),
+            None if first => self.no_pair(fallback, retries, true, a),
             None => self.give_up(
                 lane,
                 &format!("no failover: {retries} decode engines refused the push"),
@@ -1090,6 +1160,11 @@ impl Session {
                 exclude: self.lanes[lane].lost.clone(),
                 model: Some(self.job.params.model().unwrap_or_default().to_owned()),
             });
+            return;
+        }
+        // The engine is full or busy (429, 503): the request waits for room, at its turn.
+        if lane == 0 && !self.started && matches!(status, Some(429 | 503)) {
+            self.wait(a);
             return;
         }
         self.lanes[lane].phase = Phase::Over;
@@ -1493,6 +1568,7 @@ mod tests {
                 cause.label(),
                 if *resumed { "resumed" } else { "gave_up" }
             ),
+            Action::Wait { lane, pause } => format!("wait {lane} {}ms", pause.as_millis()),
             Action::Finish => "finish".into(),
         }
     }
@@ -1859,7 +1935,7 @@ mod tests {
                 over: false,
             },
             Case {
-                name: "every push refused and no both engine: 503",
+                name: "every push refused, no both engine: back to the queue, planned again",
                 job: job(1, 0.0, false, &[]),
                 policy,
                 steps: vec![
@@ -1868,10 +1944,86 @@ mod tests {
                         failed(0, Code::Unavailable),
                         &["prefill 0 r-1 to D2 len=10 seed=Some(7) max=8 offset=0"],
                     ),
+                    // The engines live and refused for load: the request waits, never 503.
+                    (failed(0, Code::DataLoss), &["wait 0 50ms"]),
                     (
-                        failed(0, Code::DataLoss),
-                        &["fail 503 no engine can serve this request now", "finish"],
+                        SessionEvent::Placed { lane: 0 },
+                        &["plan 0 len=10 excl=[] first"],
                     ),
+                    (
+                        plan(&["D2"], None),
+                        &[
+                            "routed by_load",
+                            "prefill 0 r-2 to D2 len=10 seed=Some(7) max=8 offset=0",
+                        ],
+                    ),
+                    // A full pool: waits again, the pause doubled.
+                    (failed(0, Code::ResourceExhausted), &["wait 0 100ms"]),
+                    // The queue's deadline passed: 429 (with Retry-After), never 503.
+                    (
+                        SessionEvent::Unplaced {
+                            lane: 0,
+                            error: ApiError::rate_limited("no place"),
+                        },
+                        &["fail 429 no place", "finish"],
+                    ),
+                ],
+                over: true,
+            },
+            Case {
+                name: "no prefill engine in the plan and no both engine: 503",
+                job: job(1, 0.0, false, &[]),
+                policy,
+                steps: vec![(
+                    SessionEvent::Planned {
+                        lane: 0,
+                        plan: Box::new(Ok((
+                            Plan {
+                                prefill: None,
+                                decode: Vec::new(),
+                                fallback: None,
+                                prefill_spare: None,
+                            },
+                            FleetHolds::new(),
+                        ))),
+                    },
+                    &[
+                        "routed none",
+                        "fail 503 no engine can serve this request now",
+                        "finish",
+                    ],
+                )],
+                over: true,
+            },
+            Case {
+                name: "a full fallback engine (429) sends the request back to the queue",
+                job: job(1, 0.0, false, &[]),
+                policy,
+                steps: vec![
+                    (
+                        SessionEvent::Planned {
+                            lane: 0,
+                            plan: Box::new(Ok((
+                                Plan {
+                                    prefill: None,
+                                    decode: Vec::new(),
+                                    fallback: Some(worker("B", PbRole::Both)),
+                                    prefill_spare: None,
+                                },
+                                FleetHolds::new(),
+                            ))),
+                        },
+                        &["routed colocated", "colocated 0 on B"],
+                    ),
+                    (
+                        SessionEvent::OpenFailed {
+                            lane: 0,
+                            status: Some(429),
+                            message: "busy".into(),
+                        },
+                        &["wait 0 50ms"],
+                    ),
+                    (SessionEvent::ClientGone, &[]),
                 ],
                 over: true,
             },

@@ -336,6 +336,8 @@ pub struct HttpResponse {
     pub status: u16,
     /// Body bytes.
     pub body: Bytes,
+    /// Its headers.
+    pub headers: http::HeaderMap,
 }
 
 impl HttpResponse {
@@ -389,8 +391,13 @@ impl HttpClient {
 
     async fn whole(resp: http::Response<hyper::body::Incoming>) -> Result<HttpResponse, HttpError> {
         let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
         let body = resp.into_body().collect().await?.to_bytes();
-        Ok(HttpResponse { status, body })
+        Ok(HttpResponse {
+            status,
+            body,
+            headers,
+        })
     }
 
     /// POSTs `body` to `http://{addr}{path}` with extra headers and reads the whole response.

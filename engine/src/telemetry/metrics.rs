@@ -195,6 +195,8 @@ pub struct Metrics {
     pub ttft_seconds: Histogram,
     /// Time per output token after the first, per request.
     pub tpot_seconds: Histogram,
+    /// Time a request waited in the gateway's queue for a place, per wait.
+    pub queue_wait_seconds: Histogram,
     /// Heartbeats that failed.
     pub heartbeat_failures: Counter,
     /// Live workers in the registry, by role.
@@ -243,6 +245,7 @@ impl Metrics {
             requests: Family::default(),
             ttft_seconds: seconds_histogram(),
             tpot_seconds: seconds_histogram(),
+            queue_wait_seconds: seconds_histogram(),
             heartbeat_failures: Counter::default(),
             workers: Family::default(),
             route_decisions: Family::default(),
@@ -307,6 +310,11 @@ impl Metrics {
             "tl_time_per_output_token_seconds",
             "Time per output token after the first",
             m.tpot_seconds.clone(),
+        );
+        r.register(
+            "tl_gateway_queue_wait_seconds",
+            "Time a request waited in the gateway's queue for a place",
+            m.queue_wait_seconds.clone(),
         );
         r.register(
             "tl_heartbeat_failures",
