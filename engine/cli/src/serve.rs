@@ -190,6 +190,12 @@ async fn run(args: &ServeArgs) -> Result<(), ServeError> {
         tls: Some(issue(&certs.0, "gw", PeerRole::Gateway, &[])?.section()),
         // The public endpoint may face a network; the internal links are mutual TLS.
         allow_insecure: true,
+        // One client (a benchmark, an agent) may hold as many connections as requests fit in
+        // flight; past that share it is answered 429, not dropped.
+        limits: tl_engine::net::limits::LimitsSection {
+            http_max_conns_per_ip: 256,
+            ..Default::default()
+        },
         ..GatewayConfig::default()
     };
     let gw = GatewayNode::start(&gw_cfg).await?;

@@ -204,10 +204,30 @@ fn same_text_per_prompt(got: &[(usize, Got)]) {
     }
 }
 
+/// The process's compute threads, by name (`tl-compute-N`, the model's kept threads).
+fn compute_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.starts_with("tl-compute"))
+        .count()
+}
+
 #[test]
 fn sixty_four_streams_on_small_pools_all_complete() {
     let s = serve(&[]);
     let got = load(&s, 0..STREAMS);
+    // One compute budget for the process: its three engines share the cores' threads, never
+    // a set each.
+    if std::path::Path::new("/proc/self/task").exists() {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        let n = compute_threads(s.child.id());
+        assert!(n <= cores, "{n} compute threads on {cores} cores");
+        assert!(
+            cores == 1 || n == cores,
+            "{n} compute threads on {cores} cores"
+        );
+    }
     let failed: Vec<_> = got.iter().filter(|(_, g)| g.status != 200).collect();
     assert!(
         failed.is_empty(),

@@ -234,6 +234,8 @@ async fn gateway_metrics_count_requests() {
     assert_eq!(
         moved(&before, &after),
         [
+            // The valid request waited once for its place (the refused one never queued).
+            ("tl_gateway_queue_wait_seconds_count{}".to_owned(), 1.0),
             (
                 "tl_requests_total{endpoint=/v1/completions,status=200}".to_owned(),
                 1.0

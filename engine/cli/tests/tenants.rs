@@ -792,6 +792,68 @@ async fn at_the_connection_cap_the_oldest_silent_connection_makes_way() {
     settled(&c).await;
 }
 
+/// A source over its share of connections is answered, not dropped: its request gets 429 with
+/// `Retry-After` and the connection closes, within a second, and its held connections are
+/// still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_its_share_of_connections_a_source_gets_429_with_retry_after() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut gw = GatewayConfig::local();
+    gw.limits.http_max_conns_per_ip = 2;
+    let c = cluster_of(&gw, 1, |_| {}).await;
+    let addr = c.gw.http_addr();
+    let connect = || async move {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind("127.0.0.7:0".parse().unwrap()).unwrap();
+        sock.connect(addr).await.unwrap()
+    };
+    let body = r#"{"prompt":"hello","max_tokens":2}"#;
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    // Two connections, the share, held open (half a request each).
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = connect().await;
+        s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        held.push(s);
+    }
+    let mut third = connect().await;
+    third.write_all(head.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(2), third.read_to_end(&mut out))
+        .await
+        .expect("the refused connection was not answered and closed")
+        .unwrap();
+    let out = String::from_utf8_lossy(&out).to_lowercase();
+    assert!(out.starts_with("http/1.1 429"), "{out}");
+    assert!(out.contains("retry-after: 1\r\n"), "{out}");
+    assert!(out.contains("\"rate_limit\""), "{out}");
+    // The held ones finish their requests and are served.
+    for mut s in held {
+        let rest = format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(rest.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            got.starts_with(b"HTTP/1.1 200"),
+            "{}",
+            String::from_utf8_lossy(&got)
+        );
+    }
+    settled(&c).await;
+}
+
 /// A prefill engine past the Prefill deadline is replaced by another prefill engine, once,
 /// before any colocated fallback: the request is disaggregated still, with its colocated
 /// tokens, within the deadline plus one prefill.

@@ -112,6 +112,73 @@ pub fn vectorized<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// The instruction set the kernels run on this CPU: `avx2+fma` (x86-64-v3, through `pulp`),
+/// else `portable` ([`dot16`]'s plain Rust). Both give the same bits.
+#[must_use]
+pub fn isa() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if pulp::x86::V3::try_new().is_some() {
+        return "avx2+fma";
+    }
+    "portable"
+}
+
+/// The most f32 fused multiply-adds one thread runs, in FLOP/s (two per lane), over about
+/// `seconds`: twelve independent chains of eight-lane FMAs on registers, as the kernels' own
+/// instruction set runs them (the ceiling their products are held to).
+#[must_use]
+pub fn fma_peak(seconds: f64) -> f64 {
+    use std::hint::black_box;
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = pulp::x86::V3::try_new() {
+        struct Chains(pulp::x86::V3, u64);
+        impl pulp::NullaryFnOnce for Chains {
+            type Output = f32;
+            #[inline(always)]
+            fn call(self) -> f32 {
+                let Chains(simd, rounds) = self;
+                let a = simd.splat_f32x8(black_box(0.999_99));
+                let b = simd.splat_f32x8(black_box(1e-7));
+                let mut acc = [simd.splat_f32x8(1.0); 12];
+                for _ in 0..rounds {
+                    for c in &mut acc {
+                        *c = simd.mul_add_f32x8(*c, a, b);
+                    }
+                }
+                let mut s = 0f32;
+                for c in acc {
+                    let l: [f32; 8] = pulp::cast(c);
+                    s += l.iter().sum::<f32>();
+                }
+                s
+            }
+        }
+        let mut rounds = 1u64 << 16;
+        loop {
+            let t = std::time::Instant::now();
+            black_box(simd.vectorize(Chains(simd, rounds)));
+            let dt = t.elapsed().as_secs_f64();
+            if dt >= seconds || rounds >= 1 << 40 {
+                return (rounds * 12 * 8 * 2) as f64 / dt;
+            }
+            rounds *= 2;
+        }
+    }
+    let t = std::time::Instant::now();
+    let mut acc = [1f32; 12];
+    let mut n = 0u64;
+    while t.elapsed().as_secs_f64() < seconds {
+        for _ in 0..1 << 16 {
+            for c in &mut acc {
+                *c = c.mul_add(black_box(0.999_99), 1e-7);
+            }
+        }
+        n += 1 << 16;
+    }
+    black_box(acc);
+    (n * 12 * 2) as f64 / t.elapsed().as_secs_f64()
+}
+
 /// One product of [`matmul_many`]: `out[i][j] = x[i] . w[j] (+ bias[j])`.
 #[derive(Debug)]
 pub struct Product<'a, 'o> {

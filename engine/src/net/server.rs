@@ -366,6 +366,8 @@ pub fn serve_http(
         .header_read_timeout(limits.header_read);
     let acceptor = tls.map(TlsAcceptor::from);
     let per_ip = Arc::new(PerIp::default());
+    // Connections over a source's share being answered 429 at once.
+    let refusing = Arc::new(tokio::sync::Semaphore::new(REFUSALS_AT_ONCE));
     // Connections that have not yet delivered a whole request, oldest first.
     let unproven = Arc::new(Unproven::default());
     life.spawn(async move {
@@ -375,8 +377,24 @@ pub fn serve_http(
             tokio::select! {
                 accepted = listener.accept() => {
                     let Ok((tcp, peer)) = accepted else { continue };
-                    // One source cannot take every connection: beyond its share, closed.
+                    // One source cannot take every connection: beyond its share, a plain
+                    // HTTP connection is told 429 with Retry-After (read a little, answered,
+                    // closed, within a second, a bounded number at once), so a client under
+                    // load is asked to come back rather than dropped; beyond that bound, or
+                    // over TLS, closed.
                     let Some(slot) = per_ip.take(peer.ip(), limits.per_ip) else {
+                        if acceptor.is_none()
+                            && let Ok(turn) = Arc::clone(&refusing).try_acquire_owned()
+                        {
+                            conns.spawn(async move {
+                                let _turn = turn;
+                                let _ = tokio::time::timeout(
+                                    REFUSAL_TIME,
+                                    refuse_busy(tcp),
+                                )
+                                .await;
+                            });
+                        }
                         continue; // dropping `tcp` closes it
                     };
                     // Each connection is bounded in time (header reads, TLS handshakes); this
@@ -429,6 +447,50 @@ pub fn serve_http(
         drop(conns);
     });
     Ok(addr)
+}
+
+/// Connections over a source's share answered 429 at once, at most (beyond: closed).
+const REFUSALS_AT_ONCE: usize = 64;
+/// The longest one such answer takes, reading included.
+const REFUSAL_TIME: Duration = Duration::from_secs(1);
+
+/// Answers a plain HTTP connection over its source's share: reads what the client has sent
+/// (at most 64 KiB, so that closing does not reset the answer away), then 429 with
+/// `Retry-After` in OpenAI's error shape, and closes.
+async fn refuse_busy(mut tcp: tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = tcp.set_nodelay(true);
+    let mut buf = vec![0u8; 64 << 10];
+    let mut got = 0;
+    // Until the headers' end, a pause, or the buffer's end.
+    while got < buf.len() {
+        match tokio::time::timeout(Duration::from_millis(200), tcp.read(&mut buf[got..])).await {
+            Ok(Ok(n)) if n > 0 => {
+                got += n;
+                if buf[..got].windows(4).any(|w| w == b"\r\n\r\n") {
+                    // The body, if any, follows at once: one more short read.
+                    let _ =
+                        tokio::time::timeout(Duration::from_millis(50), tcp.read(&mut buf[got..]))
+                            .await;
+                    break;
+                }
+            }
+            _ => break,
+        }
+    }
+    let body = serde_json::json!({"error": {
+        "message": "too many connections from this address at once; retry",
+        "type": "rate_limit", "code": 429,
+    }})
+    .to_string();
+    let head = format!(
+        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n\
+         retry-after: 1\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = tcp.write_all(head.as_bytes()).await;
+    let _ = tcp.write_all(body.as_bytes()).await;
+    let _ = tcp.shutdown().await;
 }
 
 /// A refusal before the app saw the request, in OpenAI's error shape; the connection closes.

@@ -162,6 +162,16 @@ fn crate_peak(threads: usize) -> f64 {
     best
 }
 
+/// f32 FMA FLOP/s of `threads` threads running at once (each [`tl_llama::simd::fma_peak`]).
+fn fma_peak_all(threads: usize) -> f64 {
+    std::thread::scope(|s| {
+        let runs: Vec<_> = (0..threads.max(1))
+            .map(|_| s.spawn(|| tl_llama::simd::fma_peak(0.3)))
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap_or(0.0)).sum()
+    })
+}
+
 /// The CPU's model name, family and model, and the vector features the kernels look for.
 fn cpu_class() -> String {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
@@ -235,6 +245,9 @@ fn bench(a: &ModelArgs) -> Result<serde_json::Value, BenchError> {
     let memcpy = memcpy_gbps();
     let roofline_steps = memcpy * 1e9 / bytes as f64;
     let crate_peak = crate_peak(threads);
+    // The arithmetic's own ceiling: f32 FMA on every thread at once, in the kernels'
+    // instruction set.
+    let fma_peak = fma_peak_all(threads);
     let mut sets = serde_json::Map::new();
     for name in &a.kernels {
         let kernels = Kernels::parse(name).ok_or_else(|| {
@@ -249,6 +262,7 @@ fn bench(a: &ModelArgs) -> Result<serde_json::Value, BenchError> {
             kernels,
             threads,
             crate_peak,
+            fma_peak,
         )?;
         sets.insert(name.clone(), r);
     }
@@ -269,6 +283,8 @@ fn bench(a: &ModelArgs) -> Result<serde_json::Value, BenchError> {
         "memcpy_gbps": round3(memcpy),
         "roofline_steps_per_s": round3(roofline_steps),
         "gemm_crate_peak_gflops": round3(crate_peak / 1e9),
+        "isa": tl_llama::simd::isa(),
+        "fma_peak_gflops": round3(fma_peak / 1e9),
         "kernels": sets,
         "llamacpp": llamacpp,
     }))
@@ -384,6 +400,7 @@ fn measure(
     kernels: Kernels,
     threads: usize,
     crate_peak: f64,
+    fma_peak: f64,
 ) -> Result<serde_json::Value, BenchError> {
     let driver = driver_peak(kernels, threads);
     // The gemm set is held to the crate's own best; the portable set to its own.
@@ -392,6 +409,12 @@ fn measure(
         Kernels::Portable | Kernels::Simd => driver,
     };
     let b = a.block_tokens as usize;
+    let c = model.config();
+    let per_token_flops = 2.0
+        * (c.layers
+            * (c.hidden * (c.heads + 2 * c.kv_heads) * c.head_dim
+                + c.heads * c.head_dim * c.hidden
+                + 3 * c.hidden * c.intermediate)) as f64;
 
     let mut decode = serde_json::Map::new();
     let mut batch1 = f64::NAN;
@@ -406,6 +429,7 @@ fn measure(
                 "tokens_per_s": round3(tps),
                 "steps_per_s": round3(steps_per_s),
                 "decode_over_roofline": round3(steps_per_s / roofline_steps),
+                "gflops_over_fma_peak": round3(tps * per_token_flops / fma_peak),
             }),
         );
     }
@@ -414,12 +438,6 @@ fn measure(
         .and_then(|v| v["tokens_per_s"].as_f64())
         .map(|t| round3(t / batch1));
     let secs = a.prefill_tokens as f64 / prefill_rate(&model, a.prefill_tokens, b)?;
-    let c = model.config();
-    let per_token_flops = 2.0
-        * (c.layers
-            * (c.hidden * (c.heads + 2 * c.kv_heads) * c.head_dim
-                + c.heads * c.head_dim * c.hidden
-                + 3 * c.hidden * c.intermediate)) as f64;
     let prefill_flops = per_token_flops * a.prefill_tokens as f64 / secs;
     Ok(serde_json::json!({
         "decode": decode,
@@ -429,6 +447,7 @@ fn measure(
             "tokens_per_s": round3(a.prefill_tokens as f64 / secs),
             "gflops": round3(prefill_flops / 1e9),
             "prefill_over_matmul_peak": round3(prefill_flops / peak),
+            "prefill_over_fma_peak": round3(prefill_flops / fma_peak),
         },
         "driver_square_gflops": round3(driver / 1e9),
         "peak_gflops": round3(peak / 1e9),
