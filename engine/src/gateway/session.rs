@@ -1357,6 +1357,22 @@ mod tests {
     }
 
     /// A plan: prefill engine P, these decode engines in order, and an optional `both` engine.
+    /// A plan with no prefill and decode pair: only `fallback`, a `both` engine, if any.
+    fn unpaired(fallback: Option<&str>) -> SessionEvent {
+        SessionEvent::Planned {
+            lane: 0,
+            plan: Box::new(Ok((
+                Plan {
+                    prefill: None,
+                    decode: Vec::new(),
+                    fallback: fallback.map(|b| worker(b, PbRole::Both)),
+                    prefill_spare: None,
+                },
+                FleetHolds::new(),
+            ))),
+        }
+    }
+
     fn plan(decode: &[&str], fallback: Option<&str>) -> SessionEvent {
         plan_for(0, decode, fallback)
     }
@@ -1975,18 +1991,7 @@ mod tests {
                 job: job(1, 0.0, false, &[]),
                 policy,
                 steps: vec![(
-                    SessionEvent::Planned {
-                        lane: 0,
-                        plan: Box::new(Ok((
-                            Plan {
-                                prefill: None,
-                                decode: Vec::new(),
-                                fallback: None,
-                                prefill_spare: None,
-                            },
-                            FleetHolds::new(),
-                        ))),
-                    },
+                    unpaired(None),
                     &[
                         "routed none",
                         "fail 503 no engine can serve this request now",
@@ -2001,18 +2006,7 @@ mod tests {
                 policy,
                 steps: vec![
                     (
-                        SessionEvent::Planned {
-                            lane: 0,
-                            plan: Box::new(Ok((
-                                Plan {
-                                    prefill: None,
-                                    decode: Vec::new(),
-                                    fallback: Some(worker("B", PbRole::Both)),
-                                    prefill_spare: None,
-                                },
-                                FleetHolds::new(),
-                            ))),
-                        },
+                        unpaired(Some("B")),
                         &["routed colocated", "colocated 0 on B"],
                     ),
                     (
