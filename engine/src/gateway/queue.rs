@@ -195,12 +195,13 @@ impl WaitQueue {
             let now = Instant::now();
             let paused = not_before.is_some_and(|t| now < t);
             if !paused {
-                let mut s = self.lock();
-                let head = s.waiting.first() == Some(&ticket.id);
+                // Read before the lock: the registry's snapshot is not held under it.
                 let budget = self
                     .limits
                     .prefill_tokens
                     .saturating_mul(engines().max(1) as u64);
+                let mut s = self.lock();
+                let head = s.waiting.first() == Some(&ticket.id);
                 if head && (s.held == 0 || s.tokens.saturating_add(tokens) <= budget) {
                     s.tokens = s.tokens.saturating_add(tokens);
                     s.held += 1;
@@ -236,6 +237,15 @@ mod tests {
         }))
     }
 
+    /// Yields until `n` requests wait (at most 5 s), instead of sleeping a fixed time.
+    async fn until_waiting(q: &WaitQueue, n: usize) {
+        let end = Instant::now() + Duration::from_secs(5);
+        while q.waiting() != n {
+            assert!(Instant::now() < end, "{} waiting, not {n}", q.waiting());
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
     async fn enter(q: &Arc<WaitQueue>, tokens: u64, engines: usize) -> Result<Place, QueueError> {
         let mut t = q.ticket();
         q.enter(&mut t, tokens, || engines, None).await
@@ -256,8 +266,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
             q3.enter(&mut t3, 30, || 1, None).await.map(|p| p.tokens)
         });
-        tokio::time::sleep(Duration::from_millis(60)).await;
-        assert_eq!(q.waiting(), 2);
+        until_waiting(&q, 2).await;
         assert!(!second.is_finished() && !third.is_finished());
         drop(a);
         assert_eq!(second.await.unwrap(), Ok(60));
@@ -286,7 +295,7 @@ mod tests {
         let held = enter(&q, 10, 1).await.unwrap();
         let q2 = Arc::clone(&q);
         let waiter = tokio::spawn(async move { enter(&q2, 10, 1).await.map(|_| ()) });
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        until_waiting(&q, 1).await;
         // One waits already: a newcomer is refused at once.
         assert_eq!(enter(&q, 10, 1).await.map(|_| ()), Err(QueueError::Full(1)));
         assert_eq!(waiter.await.unwrap(), Err(QueueError::TimedOut(150)));
@@ -304,7 +313,7 @@ mod tests {
         let q2 = Arc::clone(&q);
         let waiter =
             tokio::spawn(async move { q2.enter(&mut later, 10, || 1, None).await.map(|_| ()) });
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        until_waiting(&q, 1).await;
         // The first was refused for load and comes back with its place and a pause: it is let
         // in although one waits already (max_queued 1), the later one does not pass it while
         // it pauses, and it gets the place after the pause.
