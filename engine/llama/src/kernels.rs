@@ -15,7 +15,7 @@ use crate::workers::Workers;
 pub enum Kernels {
     /// This crate's own vector kernels ([`crate::simd`]): bf16 and f32 weights read in place,
     /// one written order per output (sixteen fused lanes, a fixed tree), on kept threads. The
-    /// same bits on every CPU, with or without AVX2.
+    /// same bits on every CPU, with AVX-512, AVX2 or neither.
     #[default]
     Simd,
     /// The `gemm` crate's f32 micro-kernels (FMA, chosen at run time for the CPU), driven so

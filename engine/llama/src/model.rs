@@ -458,12 +458,7 @@ impl Llama {
         let mut scores = vec![0f32; n];
         let (keys, vals) = (&keys[..n * nkv * d], &vals[..n * nkv * d]);
         let kv = hq / group;
-        let mut max = f32::NEG_INFINITY;
-        for (p, s) in scores.iter_mut().enumerate() {
-            let kp = &keys[(p * nkv + kv) * d..(p * nkv + kv + 1) * d];
-            *s = kernels::dot(qh, kp) * scale;
-            max = max.max(*s);
-        }
+        let max = crate::simd::scores(qh, keys, nkv * d, kv * d, scale, &mut scores);
         // The exponentials first (a loop that vectorizes), then their sum in position order.
         for s in &mut scores {
             *s = kernels::exp(*s - max);

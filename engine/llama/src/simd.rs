@@ -1,6 +1,7 @@
-//! The `simd` kernels: this model's products written for the CPU's vector unit (AVX2 with FMA,
-//! through `pulp`, chosen at run time), reading bf16, f32 and ggml's Q8_0, Q4_0 and Q4_1 weights
-//! straight from the checkpoint into registers, and run on the model's kept [`Workers`].
+//! The `simd` kernels: this model's products written for the CPU's vector unit (AVX-512F, or
+//! AVX2 with FMA through `pulp`, chosen at run time: [`Isa`]), reading bf16, f32 and ggml's
+//! Q8_0, Q4_0 and Q4_1 weights straight from the checkpoint into registers, and run on the
+//! model's kept [`Workers`].
 //!
 //! **One order for every output.** An output `x . w` keeps sixteen running sums: lane `l` adds
 //! `x[t] * w[t]` for `t = l, l + 16, l + 32, ...` in turn, each step one fused multiply-add. The
@@ -12,12 +13,14 @@
 //!   time against up to four batch rows, so the weights are one sequential stream;
 //! - a large batch widens a block of weight rows into a per-thread scratch first (exact: a
 //!   bf16, f16 or f32 value is the same f32 either way) and multiplies a tile of batch rows by
-//!   a pair of weight rows;
+//!   a few weight rows (three by two with AVX2; six by four, packed, with AVX-512);
 //! - the work is split over threads by output rows, never across a reduction.
 //!
 //! So a row's outputs are the same bits whatever its batch, its place in the batch, the split,
-//! or the thread count, and the same on every x86-64 CPU with AVX2 and on any other CPU (whose
-//! path is [`dot16`] itself). `simd_matches_the_written_order` holds each path to [`dot16`].
+//! or the thread count, and the same on every x86-64 CPU with AVX-512 or AVX2 and on any other
+//! CPU (whose path is [`dot16`] itself): a prefill engine on AVX-512 and a decode engine on
+//! AVX2 give the same tokens. `simd_matches_the_written_order` holds every path this CPU runs
+//! to [`dot16`]; attention's scores ([`scores`]) are held to `kernels::dot` the same way.
 
 use std::cell::RefCell;
 
@@ -112,23 +115,78 @@ pub fn vectorized<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// The instruction set the kernels run on this CPU: `avx2+fma` (x86-64-v3, through `pulp`),
-/// else `portable` ([`dot16`]'s plain Rust). Both give the same bits.
+/// A vector path of these kernels. Every one computes the one order of [`dot16`], so they
+/// give the same bits; they differ only in the instructions that run it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// [`dot16`]'s plain Rust.
+    Portable,
+    /// AVX2 with FMA (x86-64-v3, through `pulp`): each output's sixteen sums are two
+    /// registers of eight.
+    Avx2,
+    /// AVX-512F: each output's sixteen sums are one register of sixteen, with wider tiles
+    /// (thirty-two registers). bf16 and f32 weights; ggml's block types run the AVX2 bodies.
+    Avx512,
+}
+
+impl Isa {
+    /// The fastest path this CPU runs.
+    #[must_use]
+    pub fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if pulp::x86::V3::try_new().is_some() {
+                if v4::available() {
+                    return Self::Avx512;
+                }
+                return Self::Avx2;
+            }
+        }
+        Self::Portable
+    }
+
+    /// Every path this CPU runs, the portable one first.
+    #[must_use]
+    pub fn here() -> Vec<Self> {
+        let mut all = vec![Self::Portable];
+        if Self::best() != Self::Portable {
+            all.push(Self::Avx2);
+        }
+        if Self::best() == Self::Avx512 {
+            all.push(Self::Avx512);
+        }
+        all
+    }
+
+    /// The name a benchmark prints.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Portable => "portable",
+            Self::Avx2 => "avx2+fma",
+            Self::Avx512 => "avx512f",
+        }
+    }
+}
+
+/// The instruction set the kernels run on this CPU: `avx512f` (bf16 and f32 weights; the
+/// block types on AVX2), `avx2+fma` (x86-64-v3, through `pulp`), else `portable` ([`dot16`]'s
+/// plain Rust). All give the same bits.
 #[must_use]
 pub fn isa() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    if pulp::x86::V3::try_new().is_some() {
-        return "avx2+fma";
-    }
-    "portable"
+    Isa::best().name()
 }
 
 /// The most f32 fused multiply-adds one thread runs, in FLOP/s (two per lane), over about
-/// `seconds`: twelve independent chains of eight-lane FMAs on registers, as the kernels' own
-/// instruction set runs them (the ceiling their products are held to).
+/// `seconds`: twelve independent chains of FMAs on registers, as wide as the kernels' own
+/// instruction set ([`isa`]) runs them (the ceiling their products are held to).
 #[must_use]
 pub fn fma_peak(seconds: f64) -> f64 {
     use std::hint::black_box;
+    #[cfg(target_arch = "x86_64")]
+    if Isa::best() == Isa::Avx512 {
+        return v4::fma_peak(seconds);
+    }
     #[cfg(target_arch = "x86_64")]
     if let Some(simd) = pulp::x86::V3::try_new() {
         struct Chains(pulp::x86::V3, u64);
@@ -179,6 +237,67 @@ pub fn fma_peak(seconds: f64) -> f64 {
     (n * 12 * 2) as f64 / t.elapsed().as_secs_f64()
 }
 
+/// Attention scores: `out[p] = dot(q, keys[p * stride + at..][..q.len()]) * scale` for every
+/// position `p < out.len()`, each dot in [`crate::kernels::dot`]'s order (eight running sums,
+/// unfused, the tree `((0+1)+(2+3))+((4+5)+(6+7))`, then the tail), and their maximum (NaNs
+/// skipped, as `f32::max` does). With AVX2 eight positions run at once, their trees summed
+/// by horizontal adds, which add the same pairs; so every path gives the same bits.
+pub fn scores(
+    q: &[f32],
+    keys: &[f32],
+    stride: usize,
+    at: usize,
+    scale: f32,
+    out: &mut [f32],
+) -> f32 {
+    scores_on(Isa::best(), q, keys, stride, at, scale, out)
+}
+
+/// [`scores`] on the path `isa`.
+pub fn scores_on(
+    isa: Isa,
+    q: &[f32],
+    keys: &[f32],
+    stride: usize,
+    at: usize,
+    scale: f32,
+    out: &mut [f32],
+) -> f32 {
+    let d = q.len();
+    let key = |p: usize| &keys[p * stride + at..p * stride + at + d];
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable
+        && d.is_multiple_of(8)
+        && let Some(simd) = pulp::x86::V3::try_new()
+    {
+        done = simd.vectorize(v3::Scores {
+            simd,
+            q,
+            keys,
+            stride,
+            at,
+            scale,
+            out: &mut *out,
+        });
+    }
+    for (p, s) in out.iter_mut().enumerate().skip(done) {
+        *s = crate::kernels::dot(q, key(p)) * scale;
+    }
+    let mut max = [f32::NEG_INFINITY; 8];
+    let mut chunks = out.chunks_exact(8);
+    for c in &mut chunks {
+        for l in 0..8 {
+            max[l] = max[l].max(c[l]);
+        }
+    }
+    let mut m = f32::NEG_INFINITY;
+    for v in max.iter().chain(chunks.remainder()) {
+        m = m.max(*v);
+    }
+    m
+}
+
 /// One product of [`matmul_many`]: `out[i][j] = x[i] . w[j] (+ bias[j])`.
 #[derive(Debug)]
 pub struct Product<'a, 'o> {
@@ -226,6 +345,12 @@ struct Piece<'a, 'd> {
 /// split over the threads together, so they cost one hand-over instead of one each. Each
 /// output is in the order of [`dot16`], as alone.
 pub fn matmul_many(x: &[f32], products: &mut [Product<'_, '_>], workers: &Workers) {
+    matmul_many_on(Isa::best(), x, products, workers);
+}
+
+/// [`matmul_many`] on the vector path `isa` (one this CPU runs: see [`Isa::here`]; a path it
+/// lacks falls back to the next narrower one).
+pub fn matmul_many_on(isa: Isa, x: &[f32], products: &mut [Product<'_, '_>], workers: &Workers) {
     let Some(k) = products.first().map(|p| p.w.cols) else {
         return;
     };
@@ -315,9 +440,9 @@ pub fn matmul_many(x: &[f32], products: &mut [Product<'_, '_>], workers: &Worker
                 dst,
             } = piece;
             if m < WIDEN_FROM_ROWS {
-                direct(x, w, bias, j0, j1, dst);
+                direct(isa, x, w, bias, j0, j1, dst);
             } else {
-                widened(x, w, bias, j0, j1, dst);
+                widened(isa, x, w, bias, j0, j1, dst);
             }
         }
     });
@@ -340,14 +465,29 @@ pub fn matmul_many(x: &[f32], products: &mut [Product<'_, '_>], workers: &Worker
 
 /// Outputs `j0..j1` of every batch row, into `dst` (row-major, `j1 - j0` wide), reading the
 /// weight rows in place.
-fn direct(x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, j0: usize, j1: usize, dst: &mut [f32]) {
-    if w.dtype == crate::dtype::DType::F16 {
+fn direct(
+    isa: Isa,
+    x: &[f32],
+    w: MatRef<'_>,
+    bias: Option<&[f32]>,
+    j0: usize,
+    j1: usize,
+    dst: &mut [f32],
+) {
+    use crate::dtype::DType;
+    if w.dtype == DType::F16 {
         // No f16 conversion in registers here: the rows are widened (exactly) into this
         // thread's scratch, a block at a time, and read as f32.
-        return direct_f16(x, w, bias, j0, j1, dst);
+        return direct_f16(isa, x, w, bias, j0, j1, dst);
     }
     #[cfg(target_arch = "x86_64")]
-    if let Some(simd) = pulp::x86::V3::try_new() {
+    if isa == Isa::Avx512 && matches!(w.dtype, DType::Bf16 | DType::F32) && v4::available() {
+        return v4::direct(x, w, bias, j0, j1, dst);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable
+        && let Some(simd) = pulp::x86::V3::try_new()
+    {
         return simd.vectorize(v3::Direct {
             simd,
             x,
@@ -364,6 +504,7 @@ fn direct(x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, j0: usize, j1: usize, 
 /// [`direct`] on f16 weights: blocks of rows widened into this thread's scratch, then read as
 /// f32 (the same values, so the same bits).
 fn direct_f16(
+    isa: Isa,
     x: &[f32],
     w: MatRef<'_>,
     bias: Option<&[f32]>,
@@ -390,7 +531,7 @@ fn direct_f16(
             };
             piece.clear();
             piece.resize(m * (e - j), 0.0);
-            direct(x, f32s, bias.map(|b| &b[j..e]), 0, e - j, &mut piece);
+            direct(isa, x, f32s, bias.map(|b| &b[j..e]), 0, e - j, &mut piece);
             for i in 0..m {
                 dst[i * width + j - j0..i * width + e - j0]
                     .copy_from_slice(&piece[i * (e - j)..(i + 1) * (e - j)]);
@@ -424,7 +565,15 @@ fn direct_portable(
 
 /// Outputs `j0..j1` of every batch row, into `dst` (row-major, `j1 - j0` wide), widening
 /// blocks of those weight rows into this thread's scratch once for the whole batch.
-fn widened(x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, j0: usize, j1: usize, dst: &mut [f32]) {
+fn widened(
+    isa: Isa,
+    x: &[f32],
+    w: MatRef<'_>,
+    bias: Option<&[f32]>,
+    j0: usize,
+    j1: usize,
+    dst: &mut [f32],
+) {
     let k = w.cols;
     let width = j1 - j0;
     let block = (BLOCK_FLOATS / k.max(1)).clamp(2, width.max(2)) & !1;
@@ -437,7 +586,15 @@ fn widened(x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, j0: usize, j1: usize,
             vectorized(|| widen_fast(&w.bytes[j * s..e * s], w.dtype, ws));
             let ws = &*ws;
             #[cfg(target_arch = "x86_64")]
-            if let Some(simd) = pulp::x86::V3::try_new() {
+            if isa == Isa::Avx512 && v4::available() {
+                v4::widened(x, ws, k, width, j - j0, bias.map(|b| &b[j..e]), dst);
+                j = e;
+                continue;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if isa != Isa::Portable
+                && let Some(simd) = pulp::x86::V3::try_new()
+            {
                 simd.vectorize(v3::Widened {
                     simd,
                     x,
@@ -852,6 +1009,65 @@ mod v3 {
         })
     }
 
+    pub(super) struct Scores<'a> {
+        pub simd: V3,
+        pub q: &'a [f32],
+        pub keys: &'a [f32],
+        pub stride: usize,
+        pub at: usize,
+        pub scale: f32,
+        pub out: &'a mut [f32],
+    }
+
+    impl NullaryFnOnce for Scores<'_> {
+        /// How many positions it scored (whole groups of eight).
+        type Output = usize;
+
+        #[inline(always)]
+        fn call(self) -> usize {
+            let Self {
+                simd,
+                q,
+                keys,
+                stride,
+                at,
+                scale,
+                out,
+            } = self;
+            let d = q.len();
+            let groups = out.len() / 8;
+            let sc = simd.splat_f32x8(scale);
+            let avx = simd.avx;
+            for g in 0..groups {
+                let mut acc = [simd.splat_f32x8(0.0); 8];
+                for c in 0..d / 8 {
+                    let qv: [f32; 8] = q[c * 8..c * 8 + 8].try_into().expect("8 floats");
+                    let qv: f32x8 = pulp::cast(qv);
+                    for (p, a) in acc.iter_mut().enumerate() {
+                        let o = (g * 8 + p) * stride + at + c * 8;
+                        let kv: [f32; 8] = keys[o..o + 8].try_into().expect("8 floats");
+                        // `acc += q * k`, unfused, as `kernels::dot`.
+                        *a = simd.add_f32x8(*a, simd.mul_f32x8(qv, pulp::cast(kv)));
+                    }
+                }
+                // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]: two
+                // rounds give each position's (0+1)+(2+3) in the low half and (4+5)+(6+7) in
+                // the high half; the last add joins the halves.
+                let h = |a: f32x8, b: f32x8| -> f32x8 {
+                    pulp::cast(avx._mm256_hadd_ps(pulp::cast(a), pulp::cast(b)))
+                };
+                let g0 = h(h(acc[0], acc[1]), h(acc[2], acc[3]));
+                let g1 = h(h(acc[4], acc[5]), h(acc[6], acc[7]));
+                let lo = avx._mm256_permute2f128_ps::<0x20>(pulp::cast(g0), pulp::cast(g1));
+                let hi = avx._mm256_permute2f128_ps::<0x31>(pulp::cast(g0), pulp::cast(g1));
+                let sum = simd.add_f32x8(pulp::cast(lo), pulp::cast(hi));
+                let v: [f32; 8] = pulp::cast(simd.mul_f32x8(sum, sc));
+                out[g * 8..g * 8 + 8].copy_from_slice(&v);
+            }
+            groups * 8
+        }
+    }
+
     pub(super) struct Widened<'a> {
         pub simd: V3,
         /// The batch rows.
@@ -918,6 +1134,444 @@ mod v3 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code, clippy::needless_range_loop)]
+mod v4 {
+    //! The AVX-512F bodies: an output's sixteen running sums are one register, lane `l` the
+    //! sum of `l`, so the order is [`dot16`]'s as in the AVX2 bodies. With thirty-two
+    //! registers a tile is six batch rows by four weight rows (twenty-four sums, four weight
+    //! registers, one batch row register).
+    //!
+    //! The crate's one module of hand-written `unsafe`: the AVX-512 intrinsics are not in
+    //! `pulp` on stable Rust. Each inner function is `unsafe` for one reason, that it must run
+    //! on a CPU with AVX-512F; the public ones check that first, and panic without it. Every
+    //! pointer read is inside a slice whose length is checked first.
+
+    use core::arch::x86_64::{
+        __m256i, __m512, _mm_add_ps, _mm_add_ss, _mm_cvtss_f32, _mm_movehl_ps, _mm_shuffle_ps,
+        _mm256_add_ps, _mm256_castpd_ps, _mm256_castps256_ps128, _mm256_extractf128_ps,
+        _mm256_loadu_si256, _mm512_castpd512_pd256, _mm512_castps_pd, _mm512_castsi512_ps,
+        _mm512_cvtepu16_epi32, _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_loadu_ps,
+        _mm512_set1_ps, _mm512_setzero_ps, _mm512_slli_epi32,
+    };
+
+    use super::{LANES, tail};
+    use crate::dtype::{DType, MatRef, widen};
+
+    /// Whether this CPU runs these bodies.
+    pub fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+
+    /// The sixteen sums of a register, lane by lane.
+    #[inline(always)]
+    fn lanes(v: __m512) -> [f32; LANES] {
+        // SAFETY: sixteen f32 lanes are 64 bytes of plain data either way.
+        unsafe { core::mem::transmute::<__m512, [f32; LANES]>(v) }
+    }
+
+    /// [`super::combine`] in registers: lanes `l` and `l + 8` (the two halves), then `l` and
+    /// `l + 4` (the two quarters), then `l` and `l + 2`, then the last two: the same adds of
+    /// the same pairs, so the same bits.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn reduce(v: __m512) -> f32 {
+        let lo = _mm256_castpd_ps(_mm512_castpd512_pd256(_mm512_castps_pd(v)));
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        let t = _mm256_add_ps(lo, hi);
+        let u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t));
+        let w = _mm_add_ps(u, _mm_movehl_ps(u, u));
+        _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps::<1>(w, w)))
+    }
+
+    /// [`super::fma_peak`] on sixteen-lane registers.
+    pub fn fma_peak(seconds: f64) -> f64 {
+        use std::hint::black_box;
+        let mut rounds = 1u64 << 16;
+        loop {
+            let t = std::time::Instant::now();
+            assert!(available(), "AVX-512F");
+            // SAFETY: the CPU has AVX-512F (asserted just above).
+            black_box(unsafe { chains(rounds) });
+            let dt = t.elapsed().as_secs_f64();
+            if dt >= seconds || rounds >= 1 << 40 {
+                return (rounds * 12 * 16 * 2) as f64 / dt;
+            }
+            rounds *= 2;
+        }
+    }
+
+    /// Twelve independent chains of sixteen-lane FMAs, `rounds` steps each.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn chains(rounds: u64) -> f32 {
+        use std::hint::black_box;
+        let a = _mm512_set1_ps(black_box(0.999_99));
+        let b = _mm512_set1_ps(black_box(1e-7));
+        let mut acc = [_mm512_set1_ps(1.0); 12];
+        for _ in 0..rounds {
+            for c in &mut acc {
+                *c = _mm512_fmadd_ps(*c, a, b);
+            }
+        }
+        acc.iter().map(|c| lanes(*c).iter().sum::<f32>()).sum()
+    }
+
+    /// Sixteen weights of a bf16 or f32 row from element `at` on.
+    ///
+    /// # Safety
+    /// AVX-512F, and `row` holds elements `at..at + 16` of `dtype`.
+    #[inline(always)]
+    unsafe fn weights(row: &[u8], dtype: DType, at: usize) -> __m512 {
+        unsafe {
+            if dtype == DType::Bf16 {
+                // A bf16 is the top half of its f32: widen each to 32 bits, move it up 16.
+                let h = _mm256_loadu_si256(row.as_ptr().add(at * 2).cast::<__m256i>());
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+            } else {
+                _mm512_loadu_ps(row.as_ptr().add(at * 4).cast::<f32>())
+            }
+        }
+    }
+
+    /// Outputs `j0..j1` of every batch row of `x` against bf16 or f32 weight rows read in
+    /// place, into `dst` (row-major, `j1 - j0` wide): two weight rows at a time (two chains of
+    /// sums for one batch row), against four batch rows or one.
+    ///
+    /// Panics on a CPU without AVX-512F, or with weights of another type.
+    pub fn direct(
+        x: &[f32],
+        w: MatRef<'_>,
+        bias: Option<&[f32]>,
+        j0: usize,
+        j1: usize,
+        dst: &mut [f32],
+    ) {
+        assert!(available(), "AVX-512F");
+        assert!(matches!(w.dtype, DType::Bf16 | DType::F32));
+        // SAFETY: the CPU has AVX-512F and the weights are bf16 or f32 (asserted just above).
+        unsafe { direct_avx512(x, w, bias, j0, j1, dst) }
+    }
+
+    /// [`direct`], its checks made.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `w` is bf16 or f32.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn direct_avx512(
+        x: &[f32],
+        w: MatRef<'_>,
+        bias: Option<&[f32]>,
+        j0: usize,
+        j1: usize,
+        dst: &mut [f32],
+    ) {
+        let k = w.cols;
+        let s = w.dtype.row_bytes(k);
+        assert!(w.bytes.len() >= j1 * s && x.len().is_multiple_of(k.max(1)));
+        let m = x.len() / k.max(1);
+        let width = j1 - j0;
+        let mut j = j0;
+        while j < j1 {
+            let nr = (j1 - j).min(2);
+            let mut i = 0;
+            while i < m {
+                let mr = if m - i >= 4 { 4 } else { 1 };
+                // SAFETY: AVX-512F, rows `j..j + nr` and batch rows `i..i + mr` exist.
+                unsafe {
+                    match (mr, nr) {
+                        (4, 2) => put(in_place::<4, 2>(x, i, w, j), i, j - j0, width, bias, j, dst),
+                        (4, _) => put(in_place::<4, 1>(x, i, w, j), i, j - j0, width, bias, j, dst),
+                        (_, 2) => put(in_place::<1, 2>(x, i, w, j), i, j - j0, width, bias, j, dst),
+                        _ => put(in_place::<1, 1>(x, i, w, j), i, j - j0, width, bias, j, dst),
+                    }
+                }
+                i += mr;
+            }
+            j += nr;
+        }
+    }
+
+    /// Writes a tile's outputs (batch rows from `i0`, weight rows from `r0`, found at column
+    /// `c0` of `dst`) with their bias (from `b0`).
+    #[inline(always)]
+    fn put<const MR: usize, const NR: usize>(
+        o: [[f32; NR]; MR],
+        i0: usize,
+        c0: usize,
+        width: usize,
+        bias: Option<&[f32]>,
+        b0: usize,
+        dst: &mut [f32],
+    ) {
+        for (i, o) in o.iter().enumerate() {
+            for (r, v) in o.iter().enumerate() {
+                dst[(i0 + i) * width + c0 + r] = v + bias.map_or(0.0, |b| b[b0 + r]);
+            }
+        }
+    }
+
+    /// Batch rows `i0..i0 + MR` of `x` against weight rows `j0..j0 + NR` of `w`, read in place.
+    ///
+    /// # Safety
+    /// AVX-512F; those rows exist; `w` is bf16 or f32.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn in_place<const MR: usize, const NR: usize>(
+        x: &[f32],
+        i0: usize,
+        w: MatRef<'_>,
+        j0: usize,
+    ) -> [[f32; NR]; MR] {
+        let k = w.cols;
+        let s = w.dtype.row_bytes(k);
+        let xs = &x[i0 * k..(i0 + MR) * k];
+        let rows: [&[u8]; NR] = core::array::from_fn(|r| &w.bytes[(j0 + r) * s..(j0 + r + 1) * s]);
+        let full = k / LANES;
+        let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+        for c in 0..full {
+            let at = c * LANES;
+            let mut wv = [_mm512_setzero_ps(); NR];
+            for r in 0..NR {
+                // SAFETY: `at + 16 <= k`, the row's length.
+                wv[r] = unsafe { weights(rows[r], w.dtype, at) };
+            }
+            for i in 0..MR {
+                // SAFETY: `i * k + at + 16 <= MR * k`, the length of `xs`.
+                let xv = unsafe { _mm512_loadu_ps(xs.as_ptr().add(i * k + at)) };
+                for r in 0..NR {
+                    acc[i][r] = _mm512_fmadd_ps(xv, wv[r], acc[i][r]);
+                }
+            }
+        }
+        let done = full * LANES;
+        let mut out = [[0f32; NR]; MR];
+        let mut wt = [0f32; LANES];
+        for r in 0..NR {
+            // The columns past the last full group: widened, then added in order.
+            widen(
+                &rows[r][w.dtype.row_bytes(done)..],
+                w.dtype,
+                &mut wt[..k - done],
+            );
+            for i in 0..MR {
+                let xi = &xs[i * k + done..(i + 1) * k];
+                out[i][r] = tail(reduce(acc[i][r]), xi, &wt[..k - done]);
+            }
+        }
+        out
+    }
+
+    /// Every batch row of `x` against the widened weight rows `ws` (`k` wide), into `dst`
+    /// (rows `width` wide, these outputs from column `at`), plus `bias`: tiles of six batch
+    /// rows by four weight rows, the weight rows read for each tile from this thread's
+    /// scratch.
+    ///
+    /// Panics on a CPU without AVX-512F.
+    pub fn widened(
+        x: &[f32],
+        ws: &[f32],
+        k: usize,
+        width: usize,
+        at: usize,
+        bias: Option<&[f32]>,
+        dst: &mut [f32],
+    ) {
+        assert!(available(), "AVX-512F");
+        // SAFETY: the CPU has AVX-512F (asserted just above).
+        unsafe { widened_avx512(x, ws, k, width, at, bias, dst) }
+    }
+
+    /// [`widened`], its check made.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn widened_avx512(
+        x: &[f32],
+        ws: &[f32],
+        k: usize,
+        width: usize,
+        at: usize,
+        bias: Option<&[f32]>,
+        dst: &mut [f32],
+    ) {
+        assert!(k > 0 && x.len().is_multiple_of(k) && ws.len().is_multiple_of(k));
+        let (m, nb) = (x.len() / k, ws.len() / k);
+        let full = k / LANES;
+        // The weight rows packed four at a time: a group's sixteen values of column group `c`
+        // for each of its rows side by side, so a tile reads one stream, not four.
+        // Both the packed weights and a band's batch rows (copied) start on a cache line, so
+        // no sixteen-float load straddles two lines.
+        super::with(&PACKED, nb * full * LANES + LANES, |packed| {
+            let off = packed.as_ptr().align_offset(64);
+            let packed = &mut packed[off..off + nb * full * LANES];
+            for (g, rows) in ws.chunks(4 * k).enumerate() {
+                let nr = rows.len() / k;
+                let dst = &mut packed[g * 4 * full * LANES..][..nr * full * LANES];
+                for c in 0..full {
+                    for r in 0..nr {
+                        dst[(c * nr + r) * LANES..][..LANES]
+                            .copy_from_slice(&rows[r * k + c * LANES..][..LANES]);
+                    }
+                }
+            }
+            let packed = &*packed;
+            // A band's rows keep the line alignment only if a row is whole lines.
+            let copy = k.is_multiple_of(LANES) && x.as_ptr().align_offset(64) != 0;
+            super::with(&BAND, 6 * k + LANES, |band_rows| {
+                let off = band_rows.as_ptr().align_offset(64);
+                let band_rows = &mut band_rows[off..off + 6 * k];
+                let mut i = 0;
+                while i < m {
+                    let mr = (m - i).min(6);
+                    let (xb, i0) = if copy {
+                        band_rows[..mr * k].copy_from_slice(&x[i * k..(i + mr) * k]);
+                        (&band_rows[..mr * k], 0)
+                    } else {
+                        (x, i)
+                    };
+                    // SAFETY: AVX-512F; batch rows `i0..i0 + mr` of `xb` exist.
+                    unsafe {
+                        match mr {
+                            6 => band::<6>(xb, i0, ws, packed, nb, k, width, at, bias, i, dst),
+                            5 => band::<5>(xb, i0, ws, packed, nb, k, width, at, bias, i, dst),
+                            4 => band::<4>(xb, i0, ws, packed, nb, k, width, at, bias, i, dst),
+                            3 => band::<3>(xb, i0, ws, packed, nb, k, width, at, bias, i, dst),
+                            2 => band::<2>(xb, i0, ws, packed, nb, k, width, at, bias, i, dst),
+                            _ => band::<1>(xb, i0, ws, packed, nb, k, width, at, bias, i, dst),
+                        }
+                    }
+                    i += mr;
+                }
+            });
+        });
+    }
+
+    thread_local! {
+        /// A thread's weight rows packed for [`tile`].
+        static PACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+        /// A thread's copy of a band of batch rows, on a cache line.
+        static BAND: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// Batch rows `i0..i0 + MR` against every weight row of `ws`, four at a time.
+    ///
+    /// # Safety
+    /// AVX-512F; those batch rows exist.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn band<const MR: usize>(
+        x: &[f32],
+        i0: usize,
+        ws: &[f32],
+        packed: &[f32],
+        nb: usize,
+        k: usize,
+        width: usize,
+        at: usize,
+        bias: Option<&[f32]>,
+        out_row: usize,
+        dst: &mut [f32],
+    ) {
+        let mut r = 0;
+        while r < nb {
+            let nr = (nb - r).min(4);
+            let b = bias.map(|b| &b[r..]);
+            // SAFETY: AVX-512F; rows `r..r + nr` of `ws` and the batch rows exist.
+            unsafe {
+                match nr {
+                    4 => put(
+                        tile::<MR, 4>(x, i0, ws, packed, r, k),
+                        out_row,
+                        at + r,
+                        width,
+                        b,
+                        0,
+                        dst,
+                    ),
+                    3 => put(
+                        tile::<MR, 3>(x, i0, ws, packed, r, k),
+                        out_row,
+                        at + r,
+                        width,
+                        b,
+                        0,
+                        dst,
+                    ),
+                    2 => put(
+                        tile::<MR, 2>(x, i0, ws, packed, r, k),
+                        out_row,
+                        at + r,
+                        width,
+                        b,
+                        0,
+                        dst,
+                    ),
+                    _ => put(
+                        tile::<MR, 1>(x, i0, ws, packed, r, k),
+                        out_row,
+                        at + r,
+                        width,
+                        b,
+                        0,
+                        dst,
+                    ),
+                }
+            }
+            r += nr;
+        }
+    }
+
+    /// Batch rows `i0..i0 + MR` of `x` by widened weight rows `r0..r0 + NR` of `ws`.
+    ///
+    /// # Safety
+    /// AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn tile<const MR: usize, const NR: usize>(
+        x: &[f32],
+        i0: usize,
+        ws: &[f32],
+        packed: &[f32],
+        r0: usize,
+        k: usize,
+    ) -> [[f32; NR]; MR] {
+        let xs = &x[i0 * k..(i0 + MR) * k];
+        let wr = &ws[r0 * k..(r0 + NR) * k];
+        let full = k / LANES;
+        // Rows `r0..r0 + NR` are one packed group (`r0` a multiple of four).
+        let wp = &packed[r0 * full * LANES..(r0 + NR) * full * LANES];
+        let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+        for c in 0..full {
+            let at = c * LANES;
+            let mut wv = [_mm512_setzero_ps(); NR];
+            for r in 0..NR {
+                // SAFETY: `(c * NR + r + 1) * 16 <= NR * full * 16`, the length of `wp`.
+                wv[r] = unsafe { _mm512_loadu_ps(wp.as_ptr().add((c * NR + r) * LANES)) };
+            }
+            for i in 0..MR {
+                // SAFETY: `i * k + at + 16 <= MR * k`, the length of `xs`.
+                let xv = unsafe { _mm512_loadu_ps(xs.as_ptr().add(i * k + at)) };
+                for r in 0..NR {
+                    acc[i][r] = _mm512_fmadd_ps(xv, wv[r], acc[i][r]);
+                }
+            }
+        }
+        let f = full * LANES;
+        let mut out = [[0f32; NR]; MR];
+        for i in 0..MR {
+            for r in 0..NR {
+                out[i][r] = tail(
+                    reduce(acc[i][r]),
+                    &xs[i * k + f..(i + 1) * k],
+                    &wr[r * k + f..(r + 1) * k],
+                );
+            }
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -953,9 +1607,11 @@ mod tests {
             .collect()
     }
 
-    /// Every path (rows read in place against four and one batch rows; widened blocks, tiles of three,
-    /// two and one; on 1 to 3 threads; bf16, f16, f32, Q8_0, Q4_0 and Q4_1) is
-    /// the order [`dot16`] writes out, bit for bit, for every row of every batch from 1 to 40.
+    /// Every vector path this CPU runs (portable, AVX2, AVX-512: [`Isa::here`]) and every
+    /// shape within it (rows read in place against four and one batch rows, one or two weight
+    /// rows at once; widened blocks, tiles of one to six batch rows by one to four weight rows;
+    /// on 1 to 3 threads; bf16, f16, f32, Q8_0, Q4_0 and Q4_1) is the order [`dot16`] writes
+    /// out, bit for bit, for every row of every batch from 1 to 40.
     /// So batch 1 and batch N take the same order: if either path changed its order, the row
     /// would differ from [`dot16`] here.
     #[test]
@@ -999,11 +1655,23 @@ mod tests {
                             .collect()
                     })
                     .collect();
-                for threads in [1, 2, 3] {
+                for (isa, threads) in Isa::here()
+                    .into_iter()
+                    .flat_map(|isa| [1, 2, 3].map(|t| (isa, t)))
+                {
                     let workers = Workers::new(threads);
                     for m in (1..=40).filter(|m| *m < 14 || m % 7 == 0 || *m == 40) {
                         let mut out = vec![0f32; m * n];
-                        matmul_simd(&x[..m * k], w, Some(&bias), &mut out, &workers);
+                        matmul_many_on(
+                            isa,
+                            &x[..m * k],
+                            &mut [Product {
+                                w,
+                                bias: Some(&bias),
+                                out: &mut out,
+                            }],
+                            &workers,
+                        );
                         // The same product beside another (its first rows, no bias) in one
                         // call: the same bits, and the other's rows are its own.
                         let (mut with, mut other) = (vec![0f32; m * n], vec![0f32; m * n.min(5)]);
@@ -1012,7 +1680,8 @@ mod tests {
                             bytes: &bytes[..n.min(5) * dtype.row_bytes(k)],
                             ..w
                         };
-                        matmul_many(
+                        matmul_many_on(
+                            isa,
                             &x[..m * k],
                             &mut [
                                 Product {
@@ -1048,7 +1717,109 @@ mod tests {
                                 .collect();
                             assert_eq!(
                                 got, expect[i],
-                                "n {n} k {k} {dtype:?}: row {i} of a batch of {m} on {threads} threads"
+                                "n {n} k {k} {dtype:?}: row {i} of a batch of {m} on {threads} threads, {isa:?}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Attention scores on every path: each the bits of `kernels::dot(q, key) * scale`, and
+    /// the maximum theirs, for head sizes with and without a tail and any count of positions.
+    #[test]
+    fn scores_are_the_written_dot_on_every_path() {
+        for (d, stride, at) in [
+            (64usize, 192usize, 64usize),
+            (16, 16, 0),
+            (24, 48, 24),
+            (20, 40, 0),
+        ] {
+            for n in [1usize, 7, 8, 9, 31, 64, 100] {
+                let keys: Vec<f32> = (0..n * stride)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
+                    .collect();
+                let q: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37).sin()).collect();
+                let want: Vec<u32> = (0..n)
+                    .map(|p| {
+                        let k = &keys[p * stride + at..p * stride + at + d];
+                        (crate::kernels::dot(&q, k) * 0.125).to_bits()
+                    })
+                    .collect();
+                let want_max = want
+                    .iter()
+                    .map(|b| f32::from_bits(*b))
+                    .fold(f32::NEG_INFINITY, f32::max);
+                for isa in Isa::here() {
+                    let mut out = vec![0f32; n];
+                    let max = scores_on(isa, &q, &keys, stride, at, 0.125, &mut out);
+                    let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got, want, "{isa:?} d {d} n {n}");
+                    assert_eq!(max.to_bits(), want_max.to_bits(), "{isa:?} d {d} n {n}");
+                }
+            }
+        }
+    }
+
+    /// Subnormal inputs and products, and sums that overflow, through every path: the same
+    /// bits as [`dot16`] (no path flushes a subnormal to zero or saturates).
+    #[test]
+    fn every_path_keeps_subnormals_and_overflow() {
+        let (n, k) = (6usize, 53usize);
+        let tiny = f32::from_bits(1); // the smallest subnormal
+        let vals = [
+            tiny, -tiny, 1e-39, 3e38, -2.5e38, 1.0, 1e-20, 0.0, -0.0, 7e-45,
+        ];
+        // Even rows only small values (subnormal sums), odd rows every kind (overflow).
+        let x: Vec<f32> = (0..20 * k)
+            .map(|i| {
+                let pick = i * 7 + i / 3;
+                if (i / k) % 2 == 0 {
+                    [tiny, -tiny, 1e-39, 7e-45, 0.0][pick % 5]
+                } else {
+                    vals[pick % vals.len()]
+                }
+            })
+            .collect();
+        for dtype in [DType::Bf16, DType::F32] {
+            let bytes: Vec<u8> = (0..n * k)
+                .flat_map(|i| {
+                    let v = [1e-38f32, 2.0, -1e-30, 1e20, 0.5, f32::from_bits(3)][i % 6];
+                    match dtype {
+                        DType::Bf16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+                        _ => v.to_le_bytes().to_vec(),
+                    }
+                })
+                .collect();
+            let w = MatRef {
+                bytes: &bytes,
+                dtype,
+                rows: n,
+                cols: k,
+            };
+            let mut row = vec![0f32; k];
+            for isa in Isa::here() {
+                for m in [1, 4, 5, 13, 20] {
+                    let mut out = vec![0f32; m * n];
+                    matmul_many_on(
+                        isa,
+                        &x[..m * k],
+                        &mut [Product {
+                            w,
+                            bias: None,
+                            out: &mut out,
+                        }],
+                        &Workers::new(1),
+                    );
+                    for i in 0..m {
+                        for j in 0..n {
+                            w.row_into(j, &mut row);
+                            let want = dot16(&x[i * k..(i + 1) * k], &row);
+                            let got = out[i * n + j];
+                            assert!(
+                                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                                "{isa:?} {dtype:?} batch {m} row {i} out {j}: {got:e} vs {want:e}"
                             );
                         }
                     }
