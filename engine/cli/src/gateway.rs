@@ -65,7 +65,7 @@ pub(crate) fn gateway(args: &GatewayArgs, log_format: LogFormat) -> ExitCode {
         cfg.gateway.public_unauthenticated = true;
     }
     // Chat templates render in processes of this same binary, bounded in memory and time.
-    cfg.gateway.render_worker = std::env::current_exe().ok();
+    cfg.gateway.render_worker = tl_engine::gateway::sandbox::own_executable();
     args.tls.apply(&mut cfg.tls, &mut cfg.allow_insecure);
     if let Err(e) = cfg.validate() {
         eprintln!("error: {e}");

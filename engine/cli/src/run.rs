@@ -6,7 +6,8 @@ use std::process::ExitCode;
 
 pub(crate) use tl_lab::run::{block_on, print_json};
 
-/// Waits for SIGTERM or SIGINT.
+/// Waits for SIGTERM, SIGINT or SIGHUP (a closed terminal: the same drain and clean-up as
+/// SIGTERM, not the default of dying on the spot with the run's files left behind).
 pub async fn terminated() {
     #[cfg(unix)]
     {
@@ -14,11 +15,13 @@ pub async fn terminated() {
         match (
             signal(SignalKind::terminate()),
             signal(SignalKind::interrupt()),
+            signal(SignalKind::hangup()),
         ) {
-            (Ok(mut t), Ok(mut i)) => {
+            (Ok(mut t), Ok(mut i), Ok(mut h)) => {
                 tokio::select! {
                     _ = t.recv() => {}
                     _ = i.recv() => {}
+                    _ = h.recv() => {}
                 }
             }
             _ => {

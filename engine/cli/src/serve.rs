@@ -176,7 +176,7 @@ async fn run(args: &ServeArgs) -> Result<(), ServeError> {
             api_keys_file: keys_file,
             public_unauthenticated: keyless,
             // Chat templates render in processes of this binary, bounded in memory and time.
-            render_worker: std::env::current_exe().ok(),
+            render_worker: tl_engine::gateway::sandbox::own_executable(),
             // Under load a request waits at its turn for a place (429 past these bounds); a
             // long completion on a busy CPU takes minutes, so the whole request may too.
             max_queued: args.max_queued,

@@ -258,14 +258,14 @@ async fn sigterm_exits_within_deadline_whatever_peers_do() {
     .unwrap();
     // 2. Half an HTTP request header, then silence.
     let mut half = tokio::net::TcpStream::connect(&http).await.unwrap();
-    half.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+    half.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Le")
         .await
         .unwrap();
     // 3. A streaming generation whose reader never reads.
     let mut deaf = tokio::net::TcpStream::connect(&http).await.unwrap();
     let body = r#"{"prompt": [1, 2, 3], "max_tokens": 4000, "stream": true, "seed": 1}"#;
     let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     deaf.write_all(req.as_bytes()).await.unwrap();

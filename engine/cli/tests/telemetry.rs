@@ -349,9 +349,9 @@ fn dashboard_queries_name_real_metrics() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn probes_follow_the_drain() {
-    let node = EngineNode::start(&Config::for_worker("D", Role::Decode, ""))
-        .await
-        .unwrap();
+    let mut cfg = Config::for_worker("D", Role::Decode, "");
+    cfg.engine.drain_probe = true;
+    let node = EngineNode::start(&cfg).await.unwrap();
     let m = node.metrics_address().to_owned();
     let http = HttpClient::default();
     assert_eq!(http.get(&m, "/livez").await.unwrap().status, 200);
@@ -369,5 +369,48 @@ async fn probes_follow_the_drain() {
     assert!(String::from_utf8_lossy(&r.body).contains("draining"));
     // Still alive: it keeps serving what it has until stopped.
     assert_eq!(http.get(&m, "/livez").await.unwrap().status, 200);
+    node.shutdown(Duration::from_millis(100)).await;
+}
+
+/// Issue 63, class 1: with the defaults (what `tl serve` runs), nobody on the host, loopback
+/// included, drains an engine through its probe listener; and with the drain probe on, a web
+/// page (a request the browser marks with `Origin`) does not either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_with_the_defaults_cannot_be_drained_over_its_probes() {
+    let node = EngineNode::start(&Config::for_worker("D", Role::Decode, ""))
+        .await
+        .unwrap();
+    let m = node.metrics_address().to_owned();
+    let http = HttpClient::default();
+    for _ in 0..3 {
+        let r = http
+            .post(&m, "/drain?deadline_ms=10", &[], Vec::new())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 403);
+        assert!(String::from_utf8_lossy(&r.body).contains("drain_probe"));
+    }
+    assert!(!node.state().is_draining());
+    assert_eq!(http.get(&m, "/readyz").await.unwrap().status, 200);
+    node.shutdown(Duration::from_millis(100)).await;
+
+    let mut cfg = Config::for_worker("D2", Role::Decode, "");
+    cfg.engine.drain_probe = true;
+    let node = EngineNode::start(&cfg).await.unwrap();
+    let m = node.metrics_address().to_owned();
+    let r = http
+        .post(
+            &m,
+            "/drain?deadline_ms=10",
+            &[
+                ("origin", "http://attacker.example"),
+                ("content-type", "text/plain"),
+            ],
+            Vec::new(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 403);
+    assert!(!node.state().is_draining());
     node.shutdown(Duration::from_millis(100)).await;
 }

@@ -584,7 +584,7 @@ async fn trickled_requests_cannot_lock_out_others() {
         };
         // Headers that never end.
         let _ = s
-            .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
             .await;
         held.push(s);
     }
@@ -594,7 +594,7 @@ async fn trickled_requests_cannot_lock_out_others() {
         sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
         let mut s = sock.connect(addr).await.unwrap();
         let head = format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+            "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
              Content-Length: {len}\r\nConnection: close\r\n\r\n{body}"
         );
         s.write_all(head.as_bytes()).await.unwrap();
@@ -744,7 +744,7 @@ async fn at_the_connection_cap_the_oldest_silent_connection_makes_way() {
     let mut kept = connect_from("127.0.0.9".into()).await;
     let body = r#"{"prompt":"hello","max_tokens":2}"#;
     let head = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\n\r\n{body}",
         body.len()
     );
@@ -757,14 +757,14 @@ async fn at_the_connection_cap_the_oldest_silent_connection_makes_way() {
     for i in 0..96 {
         let mut s = connect_from(format!("127.0.0.{}", 10 + i / 16)).await;
         let _ = s
-            .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
             .await;
         held.push(s);
     }
     let request = || async move {
         let mut s = connect_from("127.0.0.3".into()).await;
         let head = format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+            "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
              Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         );
@@ -809,7 +809,7 @@ async fn over_its_share_of_connections_a_source_gets_429_with_retry_after() {
     };
     let body = r#"{"prompt":"hello","max_tokens":2}"#;
     let head = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
@@ -817,7 +817,7 @@ async fn over_its_share_of_connections_a_source_gets_429_with_retry_after() {
     let mut held = Vec::new();
     for _ in 0..2 {
         let mut s = connect().await;
-        s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
             .await
             .unwrap();
         held.push(s);
@@ -985,7 +985,7 @@ async fn an_oversized_content_length_is_refused_before_the_body() {
         .await
         .unwrap();
     s.write_all(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
           Content-Length: 10000000\r\n\r\n",
     )
     .await
@@ -998,4 +998,122 @@ async fn an_oversized_content_length_is_refused_before_the_body() {
     let head = String::from_utf8_lossy(&buf[..n]);
     assert!(head.starts_with("HTTP/1.1 413"), "{head}");
     c.gw.stop().await;
+}
+
+/// Issue 63, class 2: a keyless gateway on loopback serves no web page. DNS rebinding (a
+/// `Host` naming another site) and a cross-site page's `Origin` get 403, a `text/plain` or
+/// form body 415, each before an engine is asked; an SDK's request (an IP or `localhost` as
+/// `Host`, JSON, no `Origin`) and a loopback page's are served, and the pools are as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_web_page_cannot_use_a_keyless_gateway_on_loopback() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let c = cluster_of(&GatewayConfig::local(), 1, |_| {}).await;
+    let addr = c.gw.http_addr();
+    let raw = |method: &'static str, path: &'static str, headers: String, body: &'static str| async move {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out).await;
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    let body = r#"{"prompt":"hello","max_tokens":2}"#;
+    let json = "Content-Type: application/json\r\n";
+    for (method, path, headers, body, want) in [
+        // DNS rebinding: the page's own name, resolved to 127.0.0.1.
+        (
+            "POST",
+            "/v1/completions",
+            format!("Host: attacker.example:{}\r\n{json}", addr.port()),
+            body,
+            "403",
+        ),
+        (
+            "GET",
+            "/v1/models",
+            format!("Host: attacker.example:{}\r\n", addr.port()),
+            "",
+            "403",
+        ),
+        (
+            "GET",
+            "/workers",
+            "Host: rebind.attacker.example\r\n".to_owned(),
+            "",
+            "403",
+        ),
+        // A cross-site page's "simple" request, and its JSON one.
+        (
+            "POST",
+            "/v1/completions",
+            "Host: localhost\r\nOrigin: http://attacker.example\r\nContent-Type: text/plain\r\n"
+                .to_owned(),
+            body,
+            "403",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            format!("Host: localhost\r\nOrigin: https://attacker.example\r\n{json}"),
+            body,
+            "403",
+        ),
+        // A body that is not JSON, from anywhere.
+        (
+            "POST",
+            "/v1/completions",
+            "Host: localhost\r\nContent-Type: text/plain\r\n".to_owned(),
+            body,
+            "415",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            "Host: localhost\r\nContent-Type: application/x-www-form-urlencoded\r\n".to_owned(),
+            body,
+            "415",
+        ),
+        // What an SDK or curl sends, and a page served from loopback.
+        (
+            "POST",
+            "/v1/completions",
+            format!("Host: 127.0.0.1:{}\r\n{json}", addr.port()),
+            body,
+            "200",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            format!("Host: localhost:{}\r\n{json}", addr.port()),
+            body,
+            "200",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            format!("Host: localhost\r\nOrigin: http://localhost:3000\r\n{json}"),
+            body,
+            "200",
+        ),
+        (
+            "GET",
+            "/v1/models",
+            "Host: localhost\r\n".to_owned(),
+            "",
+            "200",
+        ),
+    ] {
+        let got = raw(method, path, headers.clone(), body).await;
+        assert!(
+            got.starts_with(&format!("HTTP/1.1 {want}")),
+            "{method} {path} with {headers:?}: {got}"
+        );
+        if want != "200" {
+            assert!(got.contains("\"error\""), "an OpenAI-style error: {got}");
+        }
+    }
+    settled(&c).await;
 }

@@ -27,6 +27,10 @@ pub enum TextError {
     /// The chat template went past one of its bounds ([`RenderBounds`]).
     #[error("chat template: {0}")]
     Bound(String),
+    /// The server could not render at all (its render process did not start): a fault of the
+    /// server, never of the request.
+    #[error("the server cannot render chat templates now: {0}")]
+    Server(String),
 }
 
 /// What one render of a chat template may take: a checkpoint's template is code, and a

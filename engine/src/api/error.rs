@@ -101,6 +101,15 @@ impl ApiError {
         Self::new(StatusCode::FORBIDDEN, "permission_denied", message)
     }
 
+    /// 415 `invalid_request_error`: a body of a content type the endpoint does not take.
+    pub fn unsupported_media_type(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            message,
+        )
+    }
+
     /// 404 `not_found`: nothing of that name (a KV handle).
     pub fn not_found(message: impl Into<String>) -> Self {
         Self::new(StatusCode::NOT_FOUND, "not_found", message)

@@ -12,6 +12,10 @@
 //!                                  # unless this is true
 //! unauthenticated_admin = false    # with no keys: every caller sees tl_route and /workers
 //! tenant_header = ""               # take the tenant from this header (a trusted front sets it)
+//! allowed_hosts = []               # Host names served to callers on loopback besides localhost
+//!                                  # and IP addresses (DNS rebinding); ["*"]: any
+//! allowed_origins = []             # browser origins served besides loopback ones; ["*"]: any
+//! json_only = true                 # a POST body must be Content-Type: application/json (415)
 //! shared_cache = false             # one tenant for everyone: all requests share cached blocks
 //! cache_scope_secret_file = ""     # HMAC key of the cache scopes (empty: random at start)
 //! http_listen = "127.0.0.1:0"      # the OpenAI-compatible front
@@ -108,6 +112,14 @@ pub struct GatewaySection {
     /// A request header naming the tenant, set by a trusted front (empty: the API key is the
     /// tenant).
     pub tenant_header: String,
+    /// `Host` names served to callers on loopback besides `localhost` and IP addresses (a web
+    /// page that rebinds its own name to loopback sends its own name); `["*"]`: any.
+    pub allowed_hosts: Vec<String>,
+    /// Browser origins (`scheme://host[:port]`) served besides loopback ones; `["*"]`: any.
+    pub allowed_origins: Vec<String>,
+    /// Refuse a `POST` body that is not `Content-Type: application/json` (415): a web page
+    /// cannot send that cross-site without a preflight.
+    pub json_only: bool,
     /// Every tenant shares one cache scope (a single-tenant deployment); `cache_salt` still
     /// separates.
     pub shared_cache: bool,
@@ -194,6 +206,9 @@ impl Default for GatewaySection {
             public_unauthenticated: false,
             unauthenticated_admin: false,
             tenant_header: String::new(),
+            allowed_hosts: Vec::new(),
+            allowed_origins: Vec::new(),
+            json_only: true,
             shared_cache: false,
             cache_scope_secret_file: String::new(),
             public_tls: None,

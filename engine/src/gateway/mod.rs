@@ -21,6 +21,7 @@
 //! | chat templates rendered in processes bounded in memory and time | [`sandbox`] |
 
 pub mod api_keys;
+pub mod browser;
 pub mod config;
 pub mod index;
 pub mod mirror;

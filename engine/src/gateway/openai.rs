@@ -53,6 +53,15 @@ pub fn router(g: Arc<Gateway>) -> axum::Router {
             g.api_keys.clone(),
             super::api_keys::require_key,
         ))
+        // Before the key: a web page's request is refused whatever it carries.
+        .layer(axum::middleware::from_fn_with_state(
+            super::browser::BrowserPolicy::new(
+                &g.cfg.allowed_hosts,
+                &g.cfg.allowed_origins,
+                g.cfg.json_only,
+            ),
+            super::browser::guard,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             Arc::clone(&g.metrics),
             crate::telemetry::metrics::count_requests,
@@ -168,9 +177,11 @@ impl Prep {
             }
             Prep::Chat(messages) => match text {
                 Some(t) if t.text.has_chat_template() => {
-                    let s = t
-                        .render_chat(&messages)
-                        .map_err(|e| ApiError::bad_field("messages", e))?;
+                    let s = t.render_chat(&messages).map_err(|e| match e {
+                        // The server's fault, not the messages': a 503 the client may retry.
+                        tl_llama::TextError::Server(_) => ApiError::unavailable(e.to_string()),
+                        _ => ApiError::bad_field("messages", e),
+                    })?;
                     let ids = t
                         .text
                         .encode(&s, false)

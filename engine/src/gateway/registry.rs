@@ -562,9 +562,10 @@ pub async fn serve_metrics(
     crate::net::server::serve_http(
         life,
         bind(listen).await?,
-        crate::telemetry::metrics::router(metrics).merge(crate::net::probes::router(Arc::new(
-            crate::net::probes::AlwaysReady,
-        ))),
+        crate::telemetry::metrics::router(metrics).merge(crate::net::probes::router(
+            Arc::new(crate::net::probes::AlwaysReady),
+            false,
+        )),
         None,
         limits.http(),
     )

@@ -232,6 +232,18 @@ fn guarded<T>(
     (r, fired.load(Ordering::SeqCst))
 }
 
+/// The executable render processes start from: on Linux this process's own image
+/// (`/proc/self/exe`, which keeps naming it after a rebuild or an upgrade renamed another file
+/// over its path, or removed it), else the path it was started from.
+#[must_use]
+pub fn own_executable() -> Option<PathBuf> {
+    let image = std::path::Path::new("/proc/self/exe");
+    if cfg!(target_os = "linux") && image.exists() {
+        return Some(image.to_path_buf());
+    }
+    std::env::current_exe().ok()
+}
+
 /// Children that render one template, kept between renders.
 pub struct Sandbox {
     limits: SandboxLimits,
@@ -267,8 +279,11 @@ impl Sandbox {
     }
 
     fn spawn(&self) -> std::io::Result<Worker> {
+        // An empty environment: the gateway's own (its API keys among it) is not the
+        // template's to read.
         let mut child = Command::new(&self.limits.exe)
             .arg(WORKER_ARG)
+            .env_clear()
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -326,7 +341,7 @@ impl Sandbox {
             Some(w) => w,
             None => self
                 .spawn()
-                .map_err(|e| TextError::Template(format!("cannot start a render worker: {e}")))?,
+                .map_err(|e| TextError::Server(format!("cannot start a render worker: {e}")))?,
         };
         let ask = Ask {
             messages: messages.to_vec(),

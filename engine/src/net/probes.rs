@@ -5,8 +5,12 @@
 //! - `GET /readyz`: 200 when it takes new work, 503 with the reason otherwise (a draining
 //!   engine is not ready, so a load balancer stops sending it work).
 //! - `POST /drain?deadline_ms=N`: starts a drain and answers when the work in flight has ended
-//!   or `N` ms (at most 10 minutes) have passed, with `{"remaining": n}`. Only a caller on
-//!   loopback may ask (403 otherwise): it is what a pod's `preStop` hook runs, inside the pod.
+//!   or `N` ms (at most 10 minutes) have passed, with `{"remaining": n}`. It is what a pod's
+//!   `preStop` hook runs, inside the pod, so it is **off unless the operator turns it on**
+//!   (`[engine] drain_probe = true`): a drain cannot be undone, and on a shared host every
+//!   local user, and every web page through the browser, reaches loopback. When on, only a
+//!   caller on loopback may ask, and never a browser (a request with `Origin` or
+//!   `Sec-Fetch-Site`); 403 otherwise.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -75,16 +79,23 @@ impl Probe for AlwaysReady {
     }
 }
 
-/// The probe routes over `probe`.
-pub fn router(probe: Arc<dyn Probe>) -> axum::Router {
+/// The probe routes over `probe`; `POST /drain` answers only when `drain` is on.
+pub fn router(probe: Arc<dyn Probe>, drain: bool) -> axum::Router {
     axum::Router::new()
         .route("/livez", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .route("/drain", post(drain))
-        .with_state(probe)
+        .route("/drain", post(drain_route))
+        .with_state(Probes { probe, drain })
 }
 
-async fn readyz(State(p): State<Arc<dyn Probe>>) -> Response {
+/// The probe routes' state.
+#[derive(Clone)]
+struct Probes {
+    probe: Arc<dyn Probe>,
+    drain: bool,
+}
+
+async fn readyz(State(Probes { probe: p, .. }): State<Probes>) -> Response {
     match p.ready() {
         Ok(()) => "ready\n".into_response(),
         Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response(),
@@ -100,11 +111,23 @@ fn deadline_ms(query: Option<&str>) -> Option<u64> {
         .ok()
 }
 
-async fn drain(
-    State(p): State<Arc<dyn Probe>>,
+async fn drain_route(
+    State(Probes { probe: p, drain }): State<Probes>,
     caller: Option<Extension<Caller>>,
+    headers: axum::http::HeaderMap,
     uri: axum::http::Uri,
 ) -> Response {
+    if !drain {
+        return (
+            StatusCode::FORBIDDEN,
+            "drain over the probe listener is off ([engine] drain_probe = true turns it on)\n",
+        )
+            .into_response();
+    }
+    // A browser names the page's site on every cross-site request; a preStop hook never does.
+    if headers.contains_key(axum::http::header::ORIGIN) || headers.contains_key("sec-fetch-site") {
+        return (StatusCode::FORBIDDEN, "drain is not asked from a browser\n").into_response();
+    }
     if !caller.is_some_and(|Extension(c)| c.addr.ip().is_loopback()) {
         return (
             StatusCode::FORBIDDEN,
@@ -156,11 +179,21 @@ mod tests {
     }
 
     async fn call(app: &mut axum::Router, method: &str, uri: &str, from: &str) -> (u16, String) {
-        let mut req = Request::builder()
-            .method(method)
-            .uri(uri)
-            .body(Body::empty())
-            .unwrap();
+        call_with(app, method, uri, from, &[]).await
+    }
+
+    async fn call_with(
+        app: &mut axum::Router,
+        method: &str,
+        uri: &str,
+        from: &str,
+        headers: &[(&str, &str)],
+    ) -> (u16, String) {
+        let mut req = Request::builder().method(method).uri(uri);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let mut req = req.body(Body::empty()).unwrap();
         req.extensions_mut().insert(Caller {
             addr: from.parse().unwrap(),
             peer: None,
@@ -176,12 +209,21 @@ mod tests {
     #[tokio::test]
     async fn drain_only_from_loopback_then_not_ready() {
         let probe = Arc::new(Fake::default());
-        let mut app = router(Arc::clone(&probe) as Arc<dyn Probe>);
+        let mut app = router(Arc::clone(&probe) as Arc<dyn Probe>, true);
         assert_eq!(call(&mut app, "GET", "/livez", "10.0.0.9:1").await.0, 200);
         assert_eq!(call(&mut app, "GET", "/readyz", "10.0.0.9:1").await.0, 200);
         // From another host: refused, and nothing drained.
         let (status, _) = call(&mut app, "POST", "/drain", "10.0.0.9:1").await;
         assert_eq!(status, 403);
+        assert_eq!(probe.0.load(Ordering::SeqCst), 0);
+        // From a web page on this host (the browser names its site): refused, nothing drained.
+        for h in [
+            ("origin", "http://evil.example"),
+            ("sec-fetch-site", "cross-site"),
+        ] {
+            let (status, _) = call_with(&mut app, "POST", "/drain", "127.0.0.1:1", &[h]).await;
+            assert_eq!(status, 403, "{h:?}");
+        }
         assert_eq!(probe.0.load(Ordering::SeqCst), 0);
         assert_eq!(call(&mut app, "GET", "/readyz", "10.0.0.9:1").await.0, 200);
         // From inside the host: drained, and not ready any more.
@@ -191,8 +233,24 @@ mod tests {
         let (status, body) = call(&mut app, "GET", "/readyz", "127.0.0.1:1").await;
         assert_eq!((status, body.as_str()), (503, "worker fake is draining\n"));
         // A process with nothing to drain says so.
-        let mut gw = router(Arc::new(AlwaysReady));
+        let mut gw = router(Arc::new(AlwaysReady), true);
         assert_eq!(call(&mut gw, "POST", "/drain", "[::1]:1").await.0, 404);
+    }
+
+    /// Off by default: no caller, loopback included, drains an engine that did not turn the
+    /// drain probe on; the probes that only read still answer.
+    #[tokio::test]
+    async fn drain_is_off_unless_turned_on() {
+        let probe = Arc::new(Fake::default());
+        let mut app = router(Arc::clone(&probe) as Arc<dyn Probe>, false);
+        for from in ["127.0.0.1:1", "[::1]:1", "10.0.0.9:1"] {
+            let (status, body) = call(&mut app, "POST", "/drain?deadline_ms=10", from).await;
+            assert_eq!(status, 403, "{from}");
+            assert!(body.contains("drain_probe"), "{body}");
+        }
+        assert_eq!(probe.0.load(Ordering::SeqCst), 0);
+        assert_eq!(call(&mut app, "GET", "/readyz", "127.0.0.1:1").await.0, 200);
+        assert_eq!(call(&mut app, "GET", "/livez", "127.0.0.1:1").await.0, 200);
     }
 
     #[test]

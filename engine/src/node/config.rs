@@ -15,7 +15,10 @@
 //! heartbeat_ms = 2000           # heartbeat interval
 //! advertise_address = ""        # host peers reach this engine at; empty: the bound address
 //! push_while_prefilling = true  # prefill roles: stream each block as soon as it is written
-//! metrics_listen = "127.0.0.1:0" # GET /metrics (Prometheus text), plaintext, any address
+//! metrics_listen = "127.0.0.1:0" # GET /metrics (Prometheus text), /livez, /readyz, plaintext
+//! drain_probe = false           # POST /drain on that listener (a pod's preStop hook): off, since
+//!                               # every local user and web page reaches loopback; when on, only
+//!                               # loopback callers that are not a browser
 //! max_prefill_tokens = 0        # prompt tokens one step prefills (the first waiting request is
 //!                               # always admitted); 0: every waiting request
 //! max_step_tokens = 0           # tokens one step computes, decodes and prefill chunks together:
@@ -146,6 +149,9 @@ pub struct EngineSection {
     /// `GET /metrics` listen address (plaintext: metrics carry no secrets, and a scraper
     /// usually reaches it from outside, so it may be any address).
     pub metrics_listen: String,
+    /// `POST /drain` on the metrics listener: off by default (a drain cannot be undone, and
+    /// every local user and web page reaches loopback); a pod's `preStop` hook turns it on.
+    pub drain_probe: bool,
     /// Prompt tokens one engine step may prefill (the first waiting request is always
     /// admitted, however long); 0: every waiting request.
     pub max_prefill_tokens: usize,
@@ -181,6 +187,7 @@ impl Default for EngineSection {
             advertise_address: String::new(),
             push_while_prefilling: true,
             metrics_listen: "127.0.0.1:0".into(),
+            drain_probe: false,
             max_prefill_tokens: 0,
             max_step_tokens: 0,
             import_threads: 2,

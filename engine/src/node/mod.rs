@@ -493,10 +493,10 @@ impl EngineNode {
         let metrics_listener = serve_http(
             &life,
             bind(&cfg.engine.metrics_listen).await?,
-            metrics::router(Arc::clone(&metrics))
-                .merge(crate::net::probes::router(
-                    Arc::clone(&state) as Arc<dyn crate::net::probes::Probe>
-                )),
+            metrics::router(Arc::clone(&metrics)).merge(crate::net::probes::router(
+                Arc::clone(&state) as Arc<dyn crate::net::probes::Probe>,
+                cfg.engine.drain_probe,
+            )),
             None,
             limits.http(),
         )?;
