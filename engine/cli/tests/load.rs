@@ -6,10 +6,9 @@
 
 mod common;
 
-use std::io::BufRead;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::served::Served;
 use serde_json::{Value, json};
 use tl_engine::net::clients::HttpClient;
 
@@ -19,58 +18,16 @@ const STREAMS: usize = 64;
 const MAX_TOKENS: u32 = 6;
 
 /// A `tl serve` process, stopped when dropped.
-struct Served {
-    child: Child,
-    addr: String,
-    model: String,
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn serve(extra: &[&str]) -> Served {
-    let gguf = common::fetch::smollm2_gguf();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tl"))
-        .args(["serve", "--port", "0", "--kv-cache-mib", "6"])
-        .args(extra)
-        .arg("--model")
-        .arg(&gguf)
-        .env("TL_API_KEYS", KEY)
-        .env("TL_ADMIN_KEYS", ADMIN)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let listening: Value = loop {
-        let line = lines
-            .next()
-            .expect("tl serve ended before it listened")
-            .unwrap();
-        if line.starts_with('{') {
-            break serde_json::from_str(&line).unwrap();
-        }
-    };
-    // The rest of its stdout is drained, so it never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    let base = listening["base_url"].as_str().unwrap();
-    let addr = base
-        .trim_start_matches("http://")
-        .trim_end_matches("/v1")
-        .to_owned();
-    Served {
-        child,
-        addr,
-        model: listening["model"].as_str().unwrap().to_owned(),
-    }
+    let mut args = vec!["--kv-cache-mib", "6"];
+    args.extend_from_slice(extra);
+    common::served::serve(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tl")),
+        &args,
+        &[("TL_API_KEYS", KEY), ("TL_ADMIN_KEYS", ADMIN)],
+    )
 }
 
-/// What one streamed request got: its status, its text, its finish reason, and the
-/// `Retry-After` of a refusal.
 #[derive(Debug)]
 struct Got {
     status: u16,

@@ -5,67 +5,21 @@
 
 mod common;
 
-use std::io::BufRead;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
-use serde_json::{Value, json};
+use common::served::Served;
+use serde_json::json;
 use tl_engine::net::clients::HttpClient;
 
 const KEY: &str = "served-binary-tenant-key";
 
-struct Served {
-    child: Child,
-    addr: String,
-    model: String,
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// `exe serve` on SmolLM2 with a small pool, once it listens.
 fn serve(exe: &std::path::Path) -> Served {
-    let gguf = common::fetch::smollm2_gguf();
-    let mut child = Command::new(exe)
-        .args([
-            "serve",
-            "--port",
-            "0",
-            "--kv-cache-mib",
-            "6",
-            "--threads",
-            "1",
-        ])
-        .arg("--model")
-        .arg(&gguf)
-        .env("TL_API_KEYS", KEY)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let listening: Value = loop {
-        let line = lines
-            .next()
-            .expect("tl serve ended before it listened")
-            .unwrap();
-        if line.starts_with('{') {
-            break serde_json::from_str(&line).unwrap();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
-    let base = listening["base_url"].as_str().unwrap();
-    Served {
-        child,
-        addr: base
-            .trim_start_matches("http://")
-            .trim_end_matches("/v1")
-            .to_owned(),
-        model: listening["model"].as_str().unwrap().to_owned(),
-    }
+    common::served::serve(
+        exe,
+        &["--kv-cache-mib", "6", "--threads", "1"],
+        &[("TL_API_KEYS", KEY)],
+    )
 }
 
 /// `n` chats at once (so that new render processes start), each one's status and body.

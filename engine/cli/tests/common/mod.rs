@@ -2,6 +2,7 @@
 #![allow(dead_code)] // each test file uses a different subset
 
 pub mod fetch;
+pub mod served;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
