@@ -31,6 +31,19 @@ const MAX_ARRAY_DEPTH: usize = 2;
 const MAX_DIMS: usize = 4;
 /// Longest metadata key or tensor name taken.
 const MAX_NAME: usize = 1 << 16;
+/// Most metadata keys taken (a real file has a few dozen).
+const MAX_KEYS: usize = 1 << 16;
+/// Most entries of a tokenizer array taken (tokens, their types, merges): eight times the
+/// largest vocabulary served today.
+const MAX_TOKENIZER_ENTRIES: usize = 1 << 21;
+/// The arrays this loader reads, with the value types each may hold; every other array is
+/// walked and checked but not kept ([`Meta::Unread`]), so a file's metadata costs memory in
+/// proportion to what is read, not to how many elements it declares.
+const READ_ARRAYS: [(&str, &[u32]); 3] = [
+    ("tokenizer.ggml.tokens", &[8]),
+    ("tokenizer.ggml.merges", &[8]),
+    ("tokenizer.ggml.token_type", &[0, 1, 2, 3, 4, 5, 10, 11]),
+];
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -47,6 +60,14 @@ pub enum Meta {
     Str(String),
     /// An array.
     Array(Vec<Meta>),
+    /// An array this loader does not read: walked and checked, not kept (`len` elements of
+    /// value type `kind`).
+    Unread {
+        /// The value type of its elements.
+        kind: u32,
+        /// How many.
+        len: usize,
+    },
 }
 
 impl Meta {
@@ -292,6 +313,128 @@ impl<'a> Reader<'a> {
             .map_err(|_| bad(self.path, format!("{} is not UTF-8", what())))
     }
 
+    /// A top-level array under `key`: kept when it is one of [`READ_ARRAYS`] (of a value
+    /// type it may hold, and at most [`MAX_TOKENIZER_ENTRIES`] long), else walked and checked
+    /// without being kept.
+    fn top_array(&mut self, key: &str, what: &dyn Fn() -> String) -> Result<Meta, CheckpointError> {
+        let Some((_, kinds)) = READ_ARRAYS.iter().find(|(k, _)| *k == key) else {
+            let at = self.at;
+            let inner = self.u32(what)?;
+            self.at = at;
+            let before = self.at;
+            self.skip(9, 0, what)?;
+            debug_assert!(self.at > before);
+            // The element count, read again from the bytes just checked.
+            let len = u64::from_le_bytes(self.b[at + 4..at + 12].try_into().expect("8 bytes"));
+            return Ok(Meta::Unread {
+                kind: inner,
+                len: usize::try_from(len).unwrap_or(usize::MAX),
+            });
+        };
+        let at = self.at;
+        let inner = self.u32(what)?;
+        if !kinds.contains(&inner) {
+            return Err(bad(
+                self.path,
+                format!(
+                    "{} is an array of value type {inner}, not the type it holds",
+                    what()
+                ),
+            ));
+        }
+        let n = self.u64(what)?;
+        if n > MAX_TOKENIZER_ENTRIES as u64 {
+            return Err(bad(
+                self.path,
+                format!(
+                    "{} has {n} entries; at most {MAX_TOKENIZER_ENTRIES} are taken",
+                    what()
+                ),
+            ));
+        }
+        self.at = at;
+        self.value(9, 0, what)
+    }
+
+    /// Walks a value of type `kind` without keeping it: every length checked against the
+    /// bytes left, as [`Self::value`] checks it, and nothing allocated.
+    fn skip(
+        &mut self,
+        kind: u32,
+        depth: usize,
+        what: &dyn Fn() -> String,
+    ) -> Result<(), CheckpointError> {
+        let fixed = match kind {
+            0 | 1 | 7 => Some(1),
+            2 | 3 => Some(2),
+            4..=6 => Some(4),
+            10..=12 => Some(8),
+            _ => None,
+        };
+        if let Some(n) = fixed {
+            if kind == 7 {
+                let b = self.take(1, what)?[0];
+                if b > 1 {
+                    return Err(bad(self.path, format!("{} is a bool of {b}", what())));
+                }
+            } else {
+                self.take(n, what)?;
+            }
+            return Ok(());
+        }
+        match kind {
+            8 => {
+                let n = self.count(1, what)?;
+                self.take(n, what)?;
+                Ok(())
+            }
+            9 => {
+                if depth >= MAX_ARRAY_DEPTH {
+                    return Err(bad(
+                        self.path,
+                        format!("{} nests arrays deeper than {MAX_ARRAY_DEPTH}", what()),
+                    ));
+                }
+                let inner = self.u32(what)?;
+                let min = match inner {
+                    0 | 1 | 7 => 1,
+                    2 | 3 => 2,
+                    4..=6 => 4,
+                    8 | 10..=12 => 8,
+                    9 => 12,
+                    other => {
+                        return Err(bad(
+                            self.path,
+                            format!("{} is an array of unknown type {other}", what()),
+                        ));
+                    }
+                };
+                let n = self.count(min, what)?;
+                if inner != 7
+                    && let Some(size) = match inner {
+                        0 | 1 => Some(1),
+                        2 | 3 => Some(2),
+                        4..=6 => Some(4),
+                        10..=12 => Some(8),
+                        _ => None,
+                    }
+                {
+                    // Elements of one fixed size: one bounds check for all.
+                    self.take(n * size, what)?;
+                    return Ok(());
+                }
+                for _ in 0..n {
+                    self.skip(inner, depth + 1, what)?;
+                }
+                Ok(())
+            }
+            other => Err(bad(
+                self.path,
+                format!("{} has unknown value type {other}", what()),
+            )),
+        }
+    }
+
     fn value(
         &mut self,
         kind: u32,
@@ -449,7 +592,7 @@ impl Gguf {
         };
         let k = |s: &str| format!("{arch}.{s}");
         if let Some(v) = self.get(&k("attention.head_count_kv"))
-            && matches!(v, Meta::Array(_))
+            && matches!(v, Meta::Array(_) | Meta::Unread { .. })
         {
             return Err(bad(
                 &self.path,
@@ -688,12 +831,22 @@ fn parse(
     // A tensor info takes at least 8 (name) + 4 + 8 + 4 + 8 bytes; a key-value 8 + 4 + 1.
     let n_tensors = r.count(32, &|| "the tensor count".into())?;
     let n_kv = r.count(13, &|| "the metadata count".into())?;
+    if n_kv > MAX_KEYS {
+        return Err(bad(
+            path,
+            format!("the metadata count is {n_kv}; at most {MAX_KEYS} keys are taken"),
+        ));
+    }
     let mut meta = BTreeMap::new();
     for i in 0..n_kv {
         let key = r.string(MAX_NAME, &|| format!("metadata key {i}"))?;
         let what = || format!("metadata {key}");
         let kind = r.u32(&what)?;
-        let v = r.value(kind, 0, &what)?;
+        let v = if kind == 9 {
+            r.top_array(&key, &what)?
+        } else {
+            r.value(kind, 0, &what)?
+        };
         if meta.insert(key.clone(), v).is_some() {
             return Err(bad(path, format!("metadata {key} appears twice")));
         }
