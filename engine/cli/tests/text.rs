@@ -578,3 +578,73 @@ async fn huge_text_prompts_are_tokenized_off_the_async_workers() {
     c.gw.stop().await;
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Issue 63, class 6: the prep pool (templates and tokenizing) is shared fairly between keys.
+/// With one prep thread, key A queues twelve 1.9 MB prompts (each tokenized, then refused as
+/// too long); key B's short chat, sent after them, is answered while most of A's still wait:
+/// B's prep comes at its turn (after the one A holds), not after A's whole queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_keys_flood_of_long_prompts_does_not_stall_another_key() {
+    let dir = checkpoint("fair");
+    let path = dir.display().to_string();
+    let gw = GatewayConfig {
+        gateway: GatewaySection {
+            model_path: path.clone(),
+            prep_threads: 1,
+            tenant_header: "x-tenant".into(),
+            ..GatewaySection::local()
+        },
+        ..GatewayConfig::local()
+    };
+    let c = cluster_of(&gw, 1, |cfg| {
+        cfg.set_model(&path);
+        cfg.model.threads = 1;
+        cfg.pool.block_tokens = 16;
+        cfg.pool.n_blocks = 256;
+    })
+    .await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let prompt = "a few words, again and again. ".repeat(1_900_000 / 30);
+    let body = json!({"prompt": prompt, "max_tokens": 2}).to_string();
+    let flood: Vec<_> = (0..12)
+        .map(|_| {
+            let (http, addr, body, done) = (http.clone(), addr.clone(), body.clone(), done.clone());
+            tokio::spawn(async move {
+                let r = http
+                    .post(&addr, "/v1/completions", &[("x-tenant", "a")], body)
+                    .await
+                    .unwrap();
+                done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                r.status
+            })
+        })
+        .collect();
+    // Until A's requests hold the prep thread and queue behind it.
+    assert!(
+        common::eventually(std::time::Duration::from_secs(30), || {
+            c.gw.gateway().prep_waiting() >= 8
+        })
+        .await,
+        "A's prompts never queued for the prep thread"
+    );
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
+    let r = http
+        .post(
+            &addr,
+            "/v1/chat/completions",
+            &[("x-tenant", "b")],
+            chat.to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let a_done = done.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(a_done <= 3, "B waited for {a_done} of A's 12 preps");
+    for f in flood {
+        assert_eq!(f.await.unwrap(), 400);
+    }
+    c.gw.stop().await;
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -23,6 +23,7 @@
 pub mod api_keys;
 pub mod browser;
 pub mod config;
+pub mod fair;
 pub mod index;
 pub mod mirror;
 pub mod openai;
@@ -65,7 +66,7 @@ pub struct Gateway {
     upstream: Arc<Upstream>,
     permits: Arc<Semaphore>,
     /// Templates and tokenizing in progress on the blocking pool (`prep_threads`).
-    prep: Arc<Semaphore>,
+    prep: Arc<fair::FairPlaces>,
     routed: Arc<RoutedLoad>,
     /// Where requests wait for a place on the prefill engines.
     queue: Arc<queue::WaitQueue>,
@@ -126,7 +127,7 @@ impl Gateway {
         }));
         Ok(Self {
             permits: Arc::new(Semaphore::new(cfg.max_inflight.max(1))),
-            prep: Arc::new(Semaphore::new(match cfg.prep_threads {
+            prep: Arc::new(fair::FairPlaces::new(match cfg.prep_threads {
                 0 => std::thread::available_parallelism().map_or(2, |n| n.get().max(2)),
                 n => n,
             })),
@@ -222,6 +223,12 @@ impl Gateway {
     #[must_use]
     pub fn is_draining(&self) -> bool {
         self.drain.started.is_cancelled()
+    }
+
+    /// Requests waiting for a place on the prep pool (templates and tokenizing).
+    #[must_use]
+    pub fn prep_waiting(&self) -> usize {
+        self.prep.waiting()
     }
 
     /// Requests running now.

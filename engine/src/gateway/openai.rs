@@ -214,16 +214,17 @@ fn render_chat_text(messages: &[tl_llama::Message]) -> String {
 /// Runs `prep` on the blocking pool, at most `prep_threads` at once, within the request's
 /// timeout: a slow tokenizer or template holds a pool thread, never an async worker, and the
 /// pool's place is held until the work really ends (a template's instruction bound ends it).
-async fn prepare(g: &Arc<Gateway>, prep: Prep) -> Result<Vec<Vec<u32>>, ApiError> {
+/// Places go to the tenants in turn ([`super::fair`]): one key's flood of long prompts delays
+/// another key's request by at most one prep per waiting key.
+async fn prepare(g: &Arc<Gateway>, tenant: &[u8], prep: Prep) -> Result<Vec<Vec<u32>>, ApiError> {
     let text = g.text.clone();
     if prep.is_cheap(text.as_deref()) {
         return prep.run(text.as_deref());
     }
     let deadline = Instant::now() + Duration::from_millis(g.cfg.request_timeout_ms);
-    let place = tokio::time::timeout_at(deadline.into(), Arc::clone(&g.prep).acquire_owned())
+    let place = tokio::time::timeout_at(deadline.into(), g.prep.acquire(tenant))
         .await
-        .map_err(|_| timed_out())?
-        .map_err(|_| ApiError::unavailable("the gateway is stopping"))?;
+        .map_err(|_| timed_out())?;
     let work = tokio::task::spawn_blocking(move || {
         let _place = place;
         prep.run(text.as_deref())
@@ -305,7 +306,7 @@ async fn start(
         Ok(q) => q,
         Err(e) => return over_quota(e, 0).into_response(),
     };
-    let prompts = match prepare(&g, prep).await {
+    let prompts = match prepare(&g, &caller.tenant, prep).await {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
