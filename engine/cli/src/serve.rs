@@ -78,6 +78,21 @@ pub(crate) struct ServeArgs {
     /// How long SIGTERM waits for requests in flight, in seconds.
     #[arg(long, default_value_t = 30)]
     drain_seconds: u64,
+    /// Requests one API key may have in flight; beyond, 429 (0: a quarter of the gateway's).
+    #[arg(long, default_value_t = 0)]
+    max_inflight_per_key: usize,
+    /// Tokens one API key may have in flight, each request counting its prompt plus
+    /// n x max_tokens; beyond, 429, except the key's first request (0: no token bound).
+    #[arg(long, default_value_t = 0)]
+    max_tokens_in_flight_per_key: u64,
+    /// A `Host` name served to callers on this host besides `localhost` and IP addresses (the
+    /// DNS-rebinding check; repeat for more, `*` for any).
+    #[arg(long = "allowed-host", value_name = "NAME")]
+    allowed_hosts: Vec<String>,
+    /// A browser origin (`https://ui.example`) served besides loopback ones (repeat for more,
+    /// `*` for any).
+    #[arg(long = "allowed-origin", value_name = "ORIGIN")]
+    allowed_origins: Vec<String>,
 }
 
 /// Why serving could not start.
@@ -147,6 +162,8 @@ async fn run(args: &ServeArgs) -> Result<(), ServeError> {
         host: args.host.clone(),
         api_key_file: args.api_key_file.clone(),
         max_model_len: args.max_model_len,
+        allowed_hosts: args.allowed_hosts.clone(),
+        allowed_origins: args.allowed_origins.clone(),
         ..*args
     };
     let cfg = tl_llama::config_of(&args.model)
@@ -185,6 +202,10 @@ async fn run(args: &ServeArgs) -> Result<(), ServeError> {
             // The engines live in this process: a silent stream is a busy CPU, not a lost
             // engine, and a failover would only prefill it again.
             stall_timeout_ms: 30_000,
+            max_inflight_per_key: args.max_inflight_per_key,
+            max_tokens_in_flight_per_key: args.max_tokens_in_flight_per_key,
+            allowed_hosts: args.allowed_hosts.clone(),
+            allowed_origins: args.allowed_origins.clone(),
             ..GatewaySection::default()
         },
         tls: Some(issue(&certs.0, "gw", PeerRole::Gateway, &[])?.section()),

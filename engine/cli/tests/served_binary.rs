@@ -175,3 +175,92 @@ fn sighup_stops_the_server_and_removes_its_certificates() {
     assert!(status.success(), "{status:?}");
     assert!(ours().is_empty(), "left behind: {:?}", ours());
 }
+
+/// Issue 63 (a finding): a keyed `tl serve` sets per-key quotas by flag. With
+/// `--max-inflight-per-key 1`, a key's second request while its first streams gets 429 with
+/// `Retry-After`; and `--allowed-host` opens the DNS-rebinding check for a name the operator
+/// uses, which is refused without it.
+#[test]
+fn serve_sets_per_key_quotas_and_allowed_hosts_by_flag() {
+    let s = common::served::serve(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tl")),
+        &[
+            "--kv-cache-mib",
+            "6",
+            "--max-inflight-per-key",
+            "1",
+            "--allowed-host",
+            "tl.internal",
+        ],
+        &[("TL_API_KEYS", KEY)],
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = HttpClient::default();
+        let auth = format!("Bearer {KEY}");
+        let body = |n: u32| {
+            json!({
+                "model": s.model, "max_tokens": n, "ignore_eos": true, "temperature": 0,
+                "messages": [{"role": "user", "content": "Count to ten."}],
+            })
+            .to_string()
+        };
+        let long = {
+            let (client, addr, auth, b) = (client.clone(), s.addr.clone(), auth.clone(), body(120));
+            tokio::spawn(async move {
+                client
+                    .post(
+                        &addr,
+                        "/v1/chat/completions",
+                        &[("authorization", &auth)],
+                        b,
+                    )
+                    .await
+                    .unwrap()
+                    .status
+            })
+        };
+        let mut refused = None;
+        while !long.is_finished() {
+            let r = client
+                .post(
+                    &s.addr,
+                    "/v1/chat/completions",
+                    &[("authorization", &auth)],
+                    body(1),
+                )
+                .await
+                .unwrap();
+            if r.status == 429 {
+                refused = Some(r);
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let r = refused.expect("a second request of the key was served beside its first");
+        assert!(r.headers.get("retry-after").is_some());
+        assert_eq!(long.await.unwrap(), 200);
+        // The operator's name is served from loopback; another is not.
+        for (host, want) in [("tl.internal", 200), ("attacker.example", 403)] {
+            let r = client
+                .post(
+                    &s.addr,
+                    "/v1/chat/completions",
+                    &[("authorization", &auth), ("host", host)],
+                    body(1),
+                )
+                .await
+                .unwrap();
+            assert_eq!(
+                r.status,
+                want,
+                "{host}: {}",
+                String::from_utf8_lossy(&r.body)
+            );
+        }
+    });
+}
