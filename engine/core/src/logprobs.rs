@@ -8,6 +8,12 @@
 /// Most alternatives a step reports (OpenAI's chat limit; completions allow 5).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
+/// What a log-probability that is not a finite number is reported as, end to end (engine,
+/// gateway, client): JSON has no NaN or infinity (serde writes `null`, which no reader of an
+/// `f32` takes), and a token whose logit is `-inf`, or logits broken into NaN or `+inf` by a
+/// model, have no meaningful value. -9999.0 is what vLLM reports for an impossible token.
+pub const NOT_FINITE_LOGPROB: f32 = -9999.0;
+
 /// One generated token's log-probability and the most likely alternatives at its step.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenLogprobs {
@@ -30,7 +36,10 @@ pub fn token_logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
     let max = f64::from(max);
     let sum: f64 = logits.iter().map(|&l| (f64::from(l) - max).exp()).sum();
     let log_z = max + sum.ln();
-    let lp = |l: f32| (f64::from(l) - log_z) as f32;
+    let lp = |l: f32| {
+        let v = (f64::from(l) - log_z) as f32;
+        if v.is_finite() { v } else { NOT_FINITE_LOGPROB }
+    };
     let mut order: Vec<u32> = (0..logits.len() as u32).collect();
     let k = k.min(order.len());
     if k > 0 {
@@ -58,6 +67,33 @@ pub fn token_logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 63 (a finding): logits with NaN or infinities give no NaN or infinite
+    /// log-probability (JSON cannot carry them): each such value is [`NOT_FINITE_LOGPROB`],
+    /// and finite ones are untouched.
+    #[test]
+    fn logprobs_are_always_finite() {
+        for logits in [
+            vec![1.0f32, f32::NAN, 0.5],
+            vec![1.0, f32::INFINITY, 0.5],
+            vec![f32::NEG_INFINITY, 2.0, 0.5],
+            vec![f32::NEG_INFINITY; 3],
+        ] {
+            for token in 0..3 {
+                let l = token_logprobs(&logits, token, 3);
+                for v in std::iter::once(l.logprob).chain(l.top.iter().map(|t| t.1)) {
+                    assert!(v.is_finite(), "{logits:?} token {token}: {v}");
+                    assert!(v <= 0.0, "{logits:?}: {v}");
+                }
+            }
+        }
+        // -inf on one token among finite ones: that token reports the constant, the others
+        // their true values.
+        let l = token_logprobs(&[f32::NEG_INFINITY, 0.0, 0.0], 0, 0);
+        assert_eq!(l.logprob, NOT_FINITE_LOGPROB);
+        let l = token_logprobs(&[f32::NEG_INFINITY, 0.0, 0.0], 1, 0);
+        assert_eq!(l.logprob, (0.5f64).ln() as f32);
+    }
 
     #[test]
     fn logprobs_are_a_log_softmax_with_the_top_in_order() {

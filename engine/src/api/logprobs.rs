@@ -210,6 +210,21 @@ pub fn render(
 mod tests {
     use super::*;
 
+    /// Logits a model broke into NaN and infinities cross the engine-to-gateway hop and come
+    /// back as the same numbers (never JSON `null`, which the gateway could not read, and which
+    /// once made it report a healthy engine as lost).
+    #[test]
+    fn broken_logits_cross_the_wire_as_numbers() {
+        let logits = [f32::NAN, 1.0, f32::INFINITY, f32::NEG_INFINITY];
+        for token in 0..4 {
+            let l = TlLogprob::from(tl_engine_core::logprobs::token_logprobs(&logits, token, 4));
+            let json = serde_json::to_string(&l).unwrap();
+            assert!(!json.contains("null"), "{json}");
+            let back: TlLogprob = serde_json::from_str(&json).unwrap();
+            assert_eq!(back, l);
+        }
+    }
+
     #[test]
     fn token_strings_are_distinct_and_offsets_count_characters() {
         let names: std::collections::HashSet<String> = (0..260).map(token_str).collect();
