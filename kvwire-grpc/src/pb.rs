@@ -343,6 +343,10 @@ pub mod control {
         pub usable_context: u32,
         #[prost(enumeration = "Role", tag = "16")]
         pub serving: i32,
+        /// What the worker serves, hashed: its vocabulary and its model's configuration
+        /// (`tl_engine_core::model::fingerprint`); empty: not reported.
+        #[prost(string, tag = "17")]
+        pub fingerprint: String,
     }
 
     #[derive(Clone, Copy, PartialEq, prost::Message)]

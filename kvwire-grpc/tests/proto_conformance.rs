@@ -441,6 +441,7 @@ fn proto_matches_hand_written_messages() {
         block_tokens: 6,
         heartbeat_ms: 7,
         serving: control::Role::Decode as i32,
+        fingerprint: "v1-c-".into(),
     };
     let ws_fields = [
         ("worker_id", String("w".into())),
@@ -459,6 +460,7 @@ fn proto_matches_hand_written_messages() {
         ("heartbeat_ms", U32(7)),
         ("usable_context", U32(8)),
         ("serving", EnumNumber(2)),
+        ("fingerprint", String("v1-c-".into())),
     ];
     conform(&p, "tl.control.v1.WorkerStatus", &ws, &ws_fields);
     conform(

@@ -424,3 +424,39 @@ fn multibyte_characters_split_across_tokens_stream_whole() {
     kept.extend_from_slice(&vocab.piece(ids[hit - m.tokens])[..m.keep]);
     assert_eq!(String::from_utf8(kept).unwrap(), "Paris, 巴");
 }
+
+/// Issue 63 (a finding): a gateway without `[gateway] model_path` in front of engines that
+/// serve the trained model would byte-tokenize every prompt and route it anyway (noise, and
+/// `prompt_tokens` several times the real count). Engines report their model's fingerprint;
+/// the gateway routes only to engines of its own, and otherwise answers 503 naming both. With
+/// the checkpoint as its `model_path`, the same engines answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_of_another_model_refuses_to_route_naming_both() {
+    let path = gguf();
+    let c = cluster_of(&GatewayConfig::local(), 1, engine_tweak(&path)).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let body = json!({"prompt": QUESTION, "max_tokens": 4}).to_string();
+    let r = http
+        .post(&addr, "/v1/completions", &[], body.clone())
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&r.body).into_owned();
+    assert_eq!(r.status, 503, "{text}");
+    assert!(text.contains("fingerprint"), "{text}");
+    assert!(
+        text.contains(c.gw.gateway().fingerprint()),
+        "names the gateway's: {text}"
+    );
+    assert!(text.contains("model_path"), "says how to fix it: {text}");
+    assert_eq!(c.gw.gateway().in_flight(), 0);
+    c.gw.stop().await;
+    // The same engines, behind a gateway of their model: served.
+    let c = cluster(&path, 1).await;
+    let r = http
+        .post(&c.gw.http_addr().to_string(), "/v1/completions", &[], body)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    c.gw.stop().await;
+}

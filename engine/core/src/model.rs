@@ -50,6 +50,11 @@ pub trait Model: Send + Sync + fmt::Debug {
     fn tokens(&self) -> std::sync::Arc<crate::vocab::Vocab> {
         crate::vocab::Vocab::bytes()
     }
+    /// What decides the model's numbers besides its vocabulary (architecture, sizes,
+    /// constants), for its [`fingerprint`]; `None`: nothing (the fake model).
+    fn identity(&self) -> Option<String> {
+        None
+    }
     /// A text prompt's token ids, special tokens added as the model's tokenizer adds them:
     /// the fake model's bytes unless the model says otherwise.
     ///
@@ -481,5 +486,83 @@ mod text_tests {
         // An incomplete character at the end is one replacement character.
         assert_eq!(t.push(&[0xE6, 0x97]), "");
         assert_eq!(t.finish(), "\u{FFFD}");
+    }
+}
+
+/// A model's fingerprint as engines report it and the gateway checks it: `v` and 16 hex digits
+/// of its vocabulary (every piece and whether it is special), then `-c` and 16 hex digits of its
+/// [`Model::identity`], or `-c-` without one. Two engines, or an engine and the gateway's text
+/// side, serve the same model when their fingerprints agree (FNV-1a, 64 bits: it tells apart
+/// configurations, it is no proof against a peer that lies).
+#[must_use]
+pub fn fingerprint(vocab: &crate::vocab::Vocab, identity: Option<&str>) -> String {
+    fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
+        for b in bytes {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h
+    }
+    const SEED: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut v = fnv(SEED, &(vocab.len() as u64).to_le_bytes());
+    for id in 0..vocab.len() as u32 {
+        let piece = vocab.piece(id);
+        v = fnv(v, &(piece.len() as u64).to_le_bytes());
+        v = fnv(v, piece);
+        v = fnv(v, &[u8::from(vocab.is_special(id))]);
+    }
+    match identity {
+        Some(c) => format!("v{v:016x}-c{:016x}", fnv(SEED, c.as_bytes())),
+        None => format!("v{v:016x}-c-"),
+    }
+}
+
+/// Whether an engine of fingerprint `engine` serves what a gateway of fingerprint `gateway`
+/// expects: the same vocabulary, and the same identity where both have one. An engine that
+/// reports none (an older build) is not refused.
+#[must_use]
+pub fn same_model(gateway: &str, engine: &str) -> bool {
+    if engine.is_empty() || gateway.is_empty() {
+        return true;
+    }
+    let split = |f: &str| -> (String, String) {
+        match f.split_once("-c") {
+            Some((v, c)) => (v.to_owned(), c.to_owned()),
+            None => (f.to_owned(), "-".to_owned()),
+        }
+    };
+    let ((gv, gc), (ev, ec)) = (split(gateway), split(engine));
+    gv == ev && (gc == "-" || ec == "-" || gc == ec)
+}
+
+#[cfg(test)]
+mod fingerprint_tests {
+    use super::*;
+    use crate::vocab::Vocab;
+
+    /// The vocabulary and the identity both count; an engine of the right vocabulary but
+    /// another configuration is another model where the gateway knows its configuration; an
+    /// engine that reports nothing is let through.
+    #[test]
+    fn fingerprints_tell_models_apart() {
+        let bytes = Vocab::bytes();
+        let other = Vocab::new((0..256u32).map(|b| (vec![b as u8, b as u8], false)));
+        let g_bytes = fingerprint(&bytes, None);
+        assert_eq!(g_bytes, fingerprint(&Vocab::bytes(), None), "stable");
+        assert_ne!(g_bytes, fingerprint(&other, None));
+        let a = fingerprint(&other, Some("llama hidden=576"));
+        let b = fingerprint(&other, Some("llama hidden=960"));
+        assert_ne!(a, b);
+        assert!(same_model(&a, &a));
+        assert!(!same_model(&a, &b), "two configurations of one tokenizer");
+        assert!(
+            !same_model(&g_bytes, &a),
+            "the byte tokenizer before a trained model"
+        );
+        assert!(
+            same_model(&fingerprint(&other, None), &a),
+            "a gateway without a configuration"
+        );
+        assert!(same_model(&a, ""), "an engine that reports none");
     }
 }

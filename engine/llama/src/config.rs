@@ -132,6 +132,32 @@ pub struct LlamaConfig {
     pub bos: Option<u32>,
 }
 
+impl LlamaConfig {
+    /// What decides this model's numbers besides its vocabulary: the architecture and every
+    /// size and constant of the forward pass, as one line (not the context length an engine
+    /// may cut, nor the EOS ids). Engines and the gateway hash it into the model's fingerprint.
+    #[must_use]
+    pub fn identity(&self) -> String {
+        format!(
+            "{} hidden={} intermediate={} layers={} heads={} kv_heads={} head_dim={} vocab={} \
+             rms_eps={:#x} rope_theta={:#x} rope={:?} tied={} qkv_bias={}",
+            self.architecture,
+            self.hidden,
+            self.intermediate,
+            self.layers,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.vocab,
+            self.rms_eps.to_bits(),
+            self.rope_theta.to_bits(),
+            self.rope,
+            self.tied,
+            self.qkv_bias
+        )
+    }
+}
+
 #[derive(Deserialize)]
 struct Raw {
     architectures: Option<Vec<String>>,

@@ -625,6 +625,10 @@ impl Model for Llama {
             .unwrap_or_else(tl_engine_core::vocab::Vocab::bytes)
     }
 
+    fn identity(&self) -> Option<String> {
+        Some(self.cfg.identity())
+    }
+
     fn tokenize(&self, text: &str) -> Result<Vec<u32>, tl_engine_core::model::TokenizeError> {
         match &self.text {
             Some(t) => t

@@ -90,6 +90,9 @@ pub struct Gateway {
     started_secs: u64,
     /// The served checkpoint's text side (`[gateway] model_path`); none: the byte tokenizer.
     text: Option<Arc<text::GatewayText>>,
+    /// The model this gateway tokenizes for (its text side's fingerprint, or the byte
+    /// vocabulary's): requests go only to engines that report the same model.
+    fingerprint: String,
 }
 
 impl Gateway {
@@ -151,14 +154,27 @@ impl Gateway {
             started: Instant::now(),
             started_secs: crate::api::now_secs(),
             text: None,
+            fingerprint: tl_engine_core::model::fingerprint(
+                &tl_engine_core::vocab::Vocab::bytes(),
+                None,
+            ),
         })
     }
 
     /// The same gateway tokenizing with `text` (the checkpoint the engines serve).
     #[must_use]
     pub fn with_text(mut self, text: Option<Arc<text::GatewayText>>) -> Self {
+        if let Some(t) = &text {
+            self.fingerprint.clone_from(&t.fingerprint);
+        }
         self.text = text;
         self
+    }
+
+    /// The model this gateway tokenizes for, as engines report theirs.
+    #[must_use]
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
     }
 
     /// The prefix index kept from the decode engines' streams.

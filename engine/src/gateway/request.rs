@@ -219,6 +219,41 @@ impl Gateway {
     }
 }
 
+/// `workers` less those that serve another model than `gateway`'s fingerprint names; when
+/// that leaves none of several, the refusal naming both models.
+fn same_model(workers: Arc<[WorkerView]>, gateway: &str) -> Result<Arc<[WorkerView]>, Unservable> {
+    let same = |w: &WorkerView| tl_engine_core::model::same_model(gateway, &w.status.fingerprint);
+    if workers.iter().all(same) {
+        return Ok(workers);
+    }
+    let kept: Arc<[WorkerView]> = workers.iter().filter(|w| same(w)).cloned().collect();
+    if kept.is_empty() {
+        let other = &workers[0].status;
+        return Err(Unservable::OtherModel(format!(
+            "no engine serves the model this gateway tokenizes for: engine {} serves {:?} \
+             (fingerprint {}), this gateway's text side is fingerprint {gateway} ({}); give the \
+             gateway the engines' checkpoint as [gateway] model_path",
+            other.worker_id,
+            other.model,
+            other.fingerprint,
+            if gateway.ends_with("-c-") {
+                "the byte tokenizer, no model_path"
+            } else {
+                "its model_path"
+            }
+        )));
+    }
+    for w in workers.iter().filter(|w| !same(w)) {
+        tracing::debug!(
+            worker = %w.status.worker_id,
+            fingerprint = %w.status.fingerprint,
+            gateway = gateway,
+            "an engine serves another model than this gateway's: not routed to"
+        );
+    }
+    Ok(kept)
+}
+
 /// The most one request may hold: its prompt, and its prompt plus every choice's tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Need {
@@ -564,6 +599,9 @@ impl Gateway {
     ) -> super::session::Planned {
         let first = exclude.is_empty() && model.is_some();
         let workers = holding(self.workers_for(exclude, first).await, need);
+        // Only engines of the model this gateway tokenizes for: another model's would read
+        // these token ids as other text.
+        let workers = same_model(workers, &self.fingerprint)?;
         if let Some(m) = model.filter(|m| !m.is_empty())
             && !workers.iter().any(|w| w.status.model == m)
         {

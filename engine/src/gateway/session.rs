@@ -141,6 +141,9 @@ pub enum PrefillFailure {
 pub enum Unservable {
     /// No live engine serves the model the request names.
     UnknownModel(String),
+    /// Live engines exist, but none serves the model this gateway tokenizes for: the message
+    /// names both fingerprints.
+    OtherModel(String),
 }
 
 /// The decode engines' HasBlocks answers, by worker id.
@@ -653,6 +656,19 @@ impl Session {
                     self.emit(
                         a,
                         Out::Choice(ChoiceEvent::Failed(ApiError::bad_request(msg))),
+                    );
+                    self.finish(a);
+                } else {
+                    self.give_up(lane, &format!("no failover: {msg}"), a);
+                }
+                return;
+            }
+            Err(Unservable::OtherModel(msg)) => {
+                // The deployment's fault, not the request's: 503 naming both models.
+                if first {
+                    self.emit(
+                        a,
+                        Out::Choice(ChoiceEvent::Failed(ApiError::unavailable(msg))),
                     );
                     self.finish(a);
                 } else {

@@ -28,6 +28,9 @@ pub struct GatewayText {
     pub max_model_len: u32,
     /// Where its template renders: in processes of their own, or (`None`) in this one.
     pub sandbox: Option<super::sandbox::Sandbox>,
+    /// The checkpoint's fingerprint (its vocabulary and configuration), as its engines report
+    /// theirs.
+    pub fingerprint: String,
 }
 
 /// Why a checkpoint's text side cannot be served.
@@ -64,7 +67,9 @@ impl GatewayText {
             (Some(t), Some(limits)) => Some(super::sandbox::Sandbox::new(t, limits)),
             _ => None,
         };
+        let fingerprint = tl_engine_core::model::fingerprint(&vocab, Some(&cfg.identity()));
         Ok(Self {
+            fingerprint,
             sandbox,
             vocab,
             text: Arc::new(text),

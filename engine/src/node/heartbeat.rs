@@ -89,6 +89,8 @@ pub fn worker_status(node: &NodeState, addrs: &Addresses, heartbeat_ms: u32) -> 
         // Set by the node, which knows its pool's reserve.
         usable_context: 0,
         serving: PbRole::from(node.serving()) as i32,
+        // Set by the node, which hashes its model once.
+        fingerprint: String::new(),
     }
 }
 

@@ -660,10 +660,16 @@ fn start_heartbeat<R: heartbeat::Registry>(
         cfg.pool.n_blocks
     };
     let usable_context = cfg.model.max_context.min(room.saturating_mul(b));
+    // What this engine serves, hashed once: the gateway routes only to engines of its model.
+    let fingerprint = {
+        let model = state.runner().model();
+        tl_engine_core::model::fingerprint(&model.tokens(), model.identity().as_deref())
+    };
     life.spawn(hb.run(
         interval,
         move || kvwire_grpc::pb::control::WorkerStatus {
             usable_context,
+            fingerprint: fingerprint.clone(),
             ..worker_status(&s1, &a, ms)
         },
         move || s3.registered(),
