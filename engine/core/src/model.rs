@@ -490,8 +490,10 @@ mod text_tests {
 }
 
 /// A model's fingerprint as engines report it and the gateway checks it: `v` and 16 hex digits
-/// of its vocabulary (every piece and whether it is special), then `-c` and 16 hex digits of its
-/// [`Model::identity`], or `-c-` without one. Two engines, or an engine and the gateway's text
+/// of its vocabulary (every piece and whether it is special), or `vbytes` for a byte-level one
+/// (ids 0 to 255 are the bytes 0 to 255, as the gateway's byte tokenizer writes them, whatever
+/// specials follow), then `-c` and 16 hex digits of its [`Model::identity`], or `-c-` without
+/// one. Two engines, or an engine and the gateway's text
 /// side, serve the same model when their fingerprints agree (FNV-1a, 64 bits: it tells apart
 /// configurations, it is no proof against a peer that lies).
 #[must_use]
@@ -504,16 +506,23 @@ pub fn fingerprint(vocab: &crate::vocab::Vocab, identity: Option<&str>) -> Strin
         h
     }
     const SEED: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut v = fnv(SEED, &(vocab.len() as u64).to_le_bytes());
-    for id in 0..vocab.len() as u32 {
-        let piece = vocab.piece(id);
-        v = fnv(v, &(piece.len() as u64).to_le_bytes());
-        v = fnv(v, piece);
-        v = fnv(v, &[u8::from(vocab.is_special(id))]);
-    }
+    let byte_level = vocab.len() >= 256
+        && (0..256u32).all(|i| vocab.piece(i) == [i as u8] && !vocab.is_special(i));
+    let v = if byte_level {
+        "vbytes".to_owned()
+    } else {
+        let mut v = fnv(SEED, &(vocab.len() as u64).to_le_bytes());
+        for id in 0..vocab.len() as u32 {
+            let piece = vocab.piece(id);
+            v = fnv(v, &(piece.len() as u64).to_le_bytes());
+            v = fnv(v, piece);
+            v = fnv(v, &[u8::from(vocab.is_special(id))]);
+        }
+        format!("v{v:016x}")
+    };
     match identity {
-        Some(c) => format!("v{v:016x}-c{:016x}", fnv(SEED, c.as_bytes())),
-        None => format!("v{v:016x}-c-"),
+        Some(c) => format!("{v}-c{:016x}", fnv(SEED, c.as_bytes())),
+        None => format!("{v}-c-"),
     }
 }
 
@@ -564,5 +573,16 @@ mod fingerprint_tests {
             "a gateway without a configuration"
         );
         assert!(same_model(&a, ""), "an engine that reports none");
+        // A byte-level tokenizer with specials of its own is what the byte tokenizer writes.
+        let byte_level = Vocab::new(
+            (0..256u32)
+                .map(|b| (vec![b as u8], false))
+                .chain([(b"<eos>".to_vec(), true), (b"<bos>".to_vec(), true)]),
+        );
+        assert!(same_model(
+            &g_bytes,
+            &fingerprint(&byte_level, Some("tiny"))
+        ));
+        assert!(g_bytes.starts_with("vbytes"), "{g_bytes}");
     }
 }
