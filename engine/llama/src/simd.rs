@@ -82,6 +82,8 @@ thread_local! {
     /// A thread's widened f16 rows ([`direct_f16`]), apart from [`SCRATCH`]: the product it
     /// then runs may take that one.
     static F16_ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A thread's copy of a product's batch rows on a cache line ([`widened`]).
+    static ALIGNED_ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Runs `f` with this thread's scratch of at least `len` floats.
@@ -566,6 +568,34 @@ fn direct_portable(
 /// Outputs `j0..j1` of every batch row, into `dst` (row-major, `j1 - j0` wide), widening
 /// blocks of those weight rows into this thread's scratch once for the whole batch.
 fn widened(
+    isa: Isa,
+    x: &[f32],
+    w: MatRef<'_>,
+    bias: Option<&[f32]>,
+    j0: usize,
+    j1: usize,
+    dst: &mut [f32],
+) {
+    // The AVX-512 tiles read the batch rows sixteen floats at a time: copied once onto a cache
+    // line (when a row is whole lines), so no load straddles two lines.
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512
+        && w.cols.is_multiple_of(LANES)
+        && x.as_ptr().align_offset(64) != 0
+        && v4::available()
+    {
+        return with(&ALIGNED_ROWS, x.len() + LANES, |buf| {
+            let off = buf.as_ptr().align_offset(64);
+            let xa = &mut buf[off..off + x.len()];
+            xa.copy_from_slice(x);
+            widened_blocks(isa, xa, w, bias, j0, j1, dst);
+        });
+    }
+    widened_blocks(isa, x, w, bias, j0, j1, dst);
+}
+
+/// [`widened`], the batch rows where they are.
+fn widened_blocks(
     isa: Isa,
     x: &[f32],
     w: MatRef<'_>,
@@ -1150,9 +1180,10 @@ mod v4 {
     use core::arch::x86_64::{
         __m256i, __m512, _mm_add_ps, _mm_add_ss, _mm_cvtss_f32, _mm_movehl_ps, _mm_shuffle_ps,
         _mm256_add_ps, _mm256_castpd_ps, _mm256_castps256_ps128, _mm256_extractf128_ps,
-        _mm256_loadu_si256, _mm512_castpd512_pd256, _mm512_castps_pd, _mm512_castsi512_ps,
-        _mm512_cvtepu16_epi32, _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_loadu_ps,
-        _mm512_set1_ps, _mm512_setzero_ps, _mm512_slli_epi32,
+        _mm256_loadu_si256, _mm512_add_ps, _mm512_castpd512_pd256, _mm512_castps_pd,
+        _mm512_castsi512_ps, _mm512_cvtepu16_epi32, _mm512_extractf64x4_pd, _mm512_fmadd_ps,
+        _mm512_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_shuffle_f32x4,
+        _mm512_shuffle_ps, _mm512_slli_epi32,
     };
 
     use super::{LANES, tail};
@@ -1400,8 +1431,8 @@ mod v4 {
         let full = k / LANES;
         // The weight rows packed four at a time: a group's sixteen values of column group `c`
         // for each of its rows side by side, so a tile reads one stream, not four.
-        // Both the packed weights and a band's batch rows (copied) start on a cache line, so
-        // no sixteen-float load straddles two lines.
+        // The packed weights start on a cache line (and the batch rows, copied once by
+        // `widened`), so no sixteen-float load straddles two lines.
         super::with(&PACKED, nb * full * LANES + LANES, |packed| {
             let off = packed.as_ptr().align_offset(64);
             let packed = &mut packed[off..off + nb * full * LANES];
@@ -1416,42 +1447,28 @@ mod v4 {
                 }
             }
             let packed = &*packed;
-            // A band's rows keep the line alignment only if a row is whole lines.
-            let copy = k.is_multiple_of(LANES) && x.as_ptr().align_offset(64) != 0;
-            super::with(&BAND, 6 * k + LANES, |band_rows| {
-                let off = band_rows.as_ptr().align_offset(64);
-                let band_rows = &mut band_rows[off..off + 6 * k];
-                let mut i = 0;
-                while i < m {
-                    let mr = (m - i).min(6);
-                    let (xb, i0) = if copy {
-                        band_rows[..mr * k].copy_from_slice(&x[i * k..(i + mr) * k]);
-                        (&band_rows[..mr * k], 0)
-                    } else {
-                        (x, i)
-                    };
-                    // SAFETY: AVX-512F; batch rows `i0..i0 + mr` of `xb` exist.
-                    unsafe {
-                        match mr {
-                            6 => band::<6>(xb, i0, ws, packed, nb, k, width, at, bias, i, dst),
-                            5 => band::<5>(xb, i0, ws, packed, nb, k, width, at, bias, i, dst),
-                            4 => band::<4>(xb, i0, ws, packed, nb, k, width, at, bias, i, dst),
-                            3 => band::<3>(xb, i0, ws, packed, nb, k, width, at, bias, i, dst),
-                            2 => band::<2>(xb, i0, ws, packed, nb, k, width, at, bias, i, dst),
-                            _ => band::<1>(xb, i0, ws, packed, nb, k, width, at, bias, i, dst),
-                        }
+            let mut i = 0;
+            while i < m {
+                let mr = (m - i).min(6);
+                // SAFETY: AVX-512F; batch rows `i..i + mr` of `x` exist.
+                unsafe {
+                    match mr {
+                        6 => band::<6>(x, i, ws, packed, nb, k, width, at, bias, i, dst),
+                        5 => band::<5>(x, i, ws, packed, nb, k, width, at, bias, i, dst),
+                        4 => band::<4>(x, i, ws, packed, nb, k, width, at, bias, i, dst),
+                        3 => band::<3>(x, i, ws, packed, nb, k, width, at, bias, i, dst),
+                        2 => band::<2>(x, i, ws, packed, nb, k, width, at, bias, i, dst),
+                        _ => band::<1>(x, i, ws, packed, nb, k, width, at, bias, i, dst),
                     }
-                    i += mr;
                 }
-            });
+                i += mr;
+            }
         });
     }
 
     thread_local! {
         /// A thread's weight rows packed for [`tile`].
         static PACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-        /// A thread's copy of a band of batch rows, on a cache line.
-        static BAND: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
 
     /// Batch rows `i0..i0 + MR` against every weight row of `ws`, four at a time.
@@ -1559,6 +1576,14 @@ mod v4 {
         }
         let f = full * LANES;
         let mut out = [[0f32; NR]; MR];
+        if NR == 4 && f == k {
+            // Four outputs of a batch row reduced together: the same adds of the same pairs.
+            for i in 0..MR {
+                let four = reduce4([acc[i][0], acc[i][1], acc[i][2], acc[i][3]]);
+                out[i][..4].copy_from_slice(&four);
+            }
+            return out;
+        }
         for i in 0..MR {
             for r in 0..NR {
                 out[i][r] = tail(
@@ -1569,6 +1594,34 @@ mod v4 {
             }
         }
         out
+    }
+
+    /// [`reduce`] of four registers at once, lane for lane the same adds: halves (`l`, `l + 8`)
+    /// of two registers side by side in one, then quarters (`l`, `l + 4`) of four, then
+    /// `l`, `l + 2` and the last two within each 128-bit block; the results are lane 0 of
+    /// each block.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn reduce4(a: [__m512; 4]) -> [f32; 4] {
+        // [a.q0, a.q1, b.q0, b.q1] + [a.q2, a.q3, b.q2, b.q3]: each lane l < 8 of a and b plus
+        // its lane l + 8.
+        let halves = |a: __m512, b: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x44>(a, b),
+                _mm512_shuffle_f32x4::<0xEE>(a, b),
+            )
+        };
+        let (p, q) = (halves(a[0], a[1]), halves(a[2], a[3]));
+        // [p.q0, p.q2, q.q0, q.q2] + [p.q1, p.q3, q.q1, q.q3]: lane l < 4 plus l + 4, per input.
+        let r = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(p, q),
+            _mm512_shuffle_f32x4::<0xDD>(p, q),
+        );
+        // Within each block: lanes 0 and 1 plus lanes 2 and 3, then lane 0 plus lane 1.
+        let s = _mm512_add_ps(r, _mm512_shuffle_ps::<0xEE>(r, r));
+        let t = _mm512_add_ps(s, _mm512_shuffle_ps::<0x55>(s, s));
+        let l = lanes(t);
+        [l[0], l[4], l[8], l[12]]
     }
 }
 
