@@ -32,8 +32,20 @@ fn gateway(dir: &std::path::Path) -> GatewayConfig {
 
 /// The gateway on `dir`'s text side over one prefill and one decode engine serving `dir`.
 async fn llama_cluster(dir: &std::path::Path) -> common::Cluster {
+    llama_cluster_with(dir, GatewaySection::local()).await
+}
+
+/// [`llama_cluster`] with a gateway of `section` (its `model_path` set to `dir`).
+async fn llama_cluster_with(dir: &std::path::Path, section: GatewaySection) -> common::Cluster {
     let path = dir.display().to_string();
-    cluster_of(&gateway(dir), 1, |cfg| {
+    let gw = GatewayConfig {
+        gateway: GatewaySection {
+            model_path: path.clone(),
+            ..section
+        },
+        ..GatewayConfig::local()
+    };
+    cluster_of(&gw, 1, |cfg| {
         cfg.set_model(&path);
         cfg.model.threads = 1;
         cfg.pool.block_tokens = 16;
@@ -586,22 +598,14 @@ async fn huge_text_prompts_are_tokenized_off_the_async_workers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_keys_flood_of_long_prompts_does_not_stall_another_key() {
     let dir = checkpoint("fair");
-    let path = dir.display().to_string();
-    let gw = GatewayConfig {
-        gateway: GatewaySection {
-            model_path: path.clone(),
+    let c = llama_cluster_with(
+        &dir,
+        GatewaySection {
             prep_threads: 1,
             tenant_header: "x-tenant".into(),
             ..GatewaySection::local()
         },
-        ..GatewayConfig::local()
-    };
-    let c = cluster_of(&gw, 1, |cfg| {
-        cfg.set_model(&path);
-        cfg.model.threads = 1;
-        cfg.pool.block_tokens = 16;
-        cfg.pool.n_blocks = 256;
-    })
+    )
     .await;
     let http = HttpClient::default();
     let addr = c.gw.http_addr().to_string();

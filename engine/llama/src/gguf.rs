@@ -356,6 +356,36 @@ impl<'a> Reader<'a> {
         self.value(9, 0, what)
     }
 
+    /// An array's head at nesting `depth`: its value type and element count, the count checked
+    /// against the bytes left at the least each element of that type takes.
+    fn array_head(
+        &mut self,
+        depth: usize,
+        what: &dyn Fn() -> String,
+    ) -> Result<(u32, usize), CheckpointError> {
+        if depth >= MAX_ARRAY_DEPTH {
+            return Err(bad(
+                self.path,
+                format!("{} nests arrays deeper than {MAX_ARRAY_DEPTH}", what()),
+            ));
+        }
+        let inner = self.u32(what)?;
+        let min = match inner {
+            0 | 1 | 7 => 1,
+            2 | 3 => 2,
+            4..=6 => 4,
+            8 | 10..=12 => 8,
+            9 => 12,
+            other => {
+                return Err(bad(
+                    self.path,
+                    format!("{} is an array of unknown type {other}", what()),
+                ));
+            }
+        };
+        Ok((inner, self.count(min, what)?))
+    }
+
     /// Walks a value of type `kind` without keeping it: every length checked against the
     /// bytes left, as [`Self::value`] checks it, and nothing allocated.
     fn skip(
@@ -389,27 +419,7 @@ impl<'a> Reader<'a> {
                 Ok(())
             }
             9 => {
-                if depth >= MAX_ARRAY_DEPTH {
-                    return Err(bad(
-                        self.path,
-                        format!("{} nests arrays deeper than {MAX_ARRAY_DEPTH}", what()),
-                    ));
-                }
-                let inner = self.u32(what)?;
-                let min = match inner {
-                    0 | 1 | 7 => 1,
-                    2 | 3 => 2,
-                    4..=6 => 4,
-                    8 | 10..=12 => 8,
-                    9 => 12,
-                    other => {
-                        return Err(bad(
-                            self.path,
-                            format!("{} is an array of unknown type {other}", what()),
-                        ));
-                    }
-                };
-                let n = self.count(min, what)?;
+                let (inner, n) = self.array_head(depth, what)?;
                 if inner != 7
                     && let Some(size) = match inner {
                         0 | 1 => Some(1),
@@ -462,27 +472,7 @@ impl<'a> Reader<'a> {
             },
             8 => Meta::Str(self.string(usize::MAX, what)?),
             9 => {
-                if depth >= MAX_ARRAY_DEPTH {
-                    return Err(bad(
-                        self.path,
-                        format!("{} nests arrays deeper than {MAX_ARRAY_DEPTH}", what()),
-                    ));
-                }
-                let inner = self.u32(what)?;
-                let min = match inner {
-                    0 | 1 | 7 => 1,
-                    2 | 3 => 2,
-                    4..=6 => 4,
-                    8 | 10..=12 => 8,
-                    9 => 12,
-                    other => {
-                        return Err(bad(
-                            self.path,
-                            format!("{} is an array of unknown type {other}", what()),
-                        ));
-                    }
-                };
-                let n = self.count(min, what)?;
+                let (inner, n) = self.array_head(depth, what)?;
                 let mut v = Vec::with_capacity(n);
                 for _ in 0..n {
                     v.push(self.value(inner, depth + 1, what)?);

@@ -650,26 +650,17 @@ impl Session {
         let first = !self.continuing(lane);
         let (plan, holds) = match plan {
             Ok(p) => p,
-            Err(Unservable::UnknownModel(m)) => {
-                let msg = format!("unknown model {m:?}");
+            Err(u) => {
+                let (msg, error) = match u {
+                    Unservable::UnknownModel(m) => {
+                        let msg = format!("unknown model {m:?}");
+                        (msg.clone(), ApiError::bad_request(msg))
+                    }
+                    // The deployment's fault, not the request's: 503 naming both models.
+                    Unservable::OtherModel(msg) => (msg.clone(), ApiError::unavailable(msg)),
+                };
                 if first {
-                    self.emit(
-                        a,
-                        Out::Choice(ChoiceEvent::Failed(ApiError::bad_request(msg))),
-                    );
-                    self.finish(a);
-                } else {
-                    self.give_up(lane, &format!("no failover: {msg}"), a);
-                }
-                return;
-            }
-            Err(Unservable::OtherModel(msg)) => {
-                // The deployment's fault, not the request's: 503 naming both models.
-                if first {
-                    self.emit(
-                        a,
-                        Out::Choice(ChoiceEvent::Failed(ApiError::unavailable(msg))),
-                    );
+                    self.emit(a, Out::Choice(ChoiceEvent::Failed(error)));
                     self.finish(a);
                 } else {
                     self.give_up(lane, &format!("no failover: {msg}"), a);
