@@ -594,7 +594,8 @@ async fn huge_text_prompts_are_tokenized_off_the_async_workers() {
 /// Issue 63, class 6: the prep pool (templates and tokenizing) is shared fairly between keys.
 /// With one prep thread, key A queues twelve 1.9 MB prompts (each tokenized, then refused as
 /// too long); key B's short chat, sent after them, is answered while most of A's still wait:
-/// B's prep comes at its turn (after the one A holds), not after A's whole queue.
+/// B's prep comes at its turn (after the one A holds), not after A's whole queue (first come
+/// first served, B waited for 11 of them; the bound of 6 leaves room for a slow machine).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_keys_flood_of_long_prompts_does_not_stall_another_key() {
     let dir = checkpoint("fair");
@@ -645,7 +646,7 @@ async fn one_keys_flood_of_long_prompts_does_not_stall_another_key() {
         .unwrap();
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     let a_done = done.load(std::sync::atomic::Ordering::SeqCst);
-    assert!(a_done <= 3, "B waited for {a_done} of A's 12 preps");
+    assert!(a_done <= 6, "B waited for {a_done} of A's 12 preps");
     for f in flood {
         assert_eq!(f.await.unwrap(), 400);
     }
