@@ -177,7 +177,12 @@ fn main() -> ExitCode {
             BenchCmd::Wire(args) => tl_lab::bench::wire::wire(&args),
             BenchCmd::Transfer(args) => tl_lab::bench::transfer::transfer(&args),
             BenchCmd::Ttft(args) => tl_lab::bench::ttft::ttft(&args),
-            BenchCmd::Serve(args) => tl_lab::bench::serve::serve(&args),
+            BenchCmd::Serve(mut args) => {
+                if args.peers {
+                    args.peer_source = Some(fetch::resolve("smollm2"));
+                }
+                tl_lab::bench::serve::serve(&args)
+            }
             BenchCmd::Control(args) => tl_lab::bench::control::control(&args),
             BenchCmd::Tenants(args) => tl_lab::bench::tenants::tenants(&args),
             BenchCmd::Model(mut args) => {

@@ -5,6 +5,7 @@ pub mod control;
 pub mod goodput;
 pub mod model;
 pub mod peer;
+pub mod peers;
 pub mod route;
 pub mod serve;
 pub mod stats;

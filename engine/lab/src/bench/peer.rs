@@ -31,6 +31,13 @@ pub const TYPES: [&str; 3] = ["BF16", "F32", "Q8_0"];
 /// The peer's folder: `TL_PEER_DIR`, else `target/peer` beside the running binary's profile
 /// folder (`target/release/tl` gives `target/peer`).
 fn peer_dir() -> PathBuf {
+    dir()
+}
+
+/// The peer's folder: `TL_PEER_DIR`, else `target/peer` beside the running binary's profile
+/// folder.
+#[must_use]
+pub fn dir() -> PathBuf {
     if let Some(d) = std::env::var_os("TL_PEER_DIR") {
         return PathBuf::from(d);
     }
@@ -156,6 +163,12 @@ pub struct Peer {
 }
 
 impl Peer {
+    /// Where its Python packages are installed (a `PYTHONPATH`).
+    #[must_use]
+    pub fn site(&self) -> &Path {
+        &self.site
+    }
+
     /// Installs the peer (once) and converts `source` (once per type).
     ///
     /// # Errors

@@ -61,6 +61,34 @@ pub struct ServeArgs {
     /// client's (aiperf, guidellm) against the same server.
     #[arg(long)]
     target: Option<String>,
+    /// Instead of the runs above: `tl serve` (1P+2D and colocated) beside llama.cpp's server
+    /// (PyPI's `xllamacpp`, sha256-checked, under `target/peer`), each alone under `vllm bench
+    /// serve`'s load on the trained model as one BF16 GGUF, with the ratios against the better
+    /// peer.
+    #[arg(long)]
+    pub peers: bool,
+    /// `--peers`: the levels of concurrency.
+    #[arg(long, default_value = "1,4,16")]
+    pub concurrency: String,
+    /// `--peers`: the servers, among tl, tl-colocated, llama-server and vllm.
+    #[arg(
+        long,
+        default_value = "tl,tl-colocated,llama-server",
+        value_delimiter = ','
+    )]
+    pub servers: Vec<String>,
+    /// `--peers`: threads of every server.
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// `--peers`: a virtualenv holding vLLM's CPU build (not installed here: several GB).
+    #[arg(long)]
+    pub vllm_venv: Option<std::path::PathBuf>,
+    /// `--peers`: the same weights as a safetensors directory, for vLLM.
+    #[arg(long)]
+    pub vllm_model: Option<std::path::PathBuf>,
+    /// `--peers`: the trained model's GGUF file (set from `smollm2` by the caller).
+    #[arg(skip)]
+    pub peer_source: Option<Result<String, String>>,
 }
 
 /// One request's timings.
@@ -210,6 +238,22 @@ async fn load(addr: &str, a: &ServeArgs) -> Result<serde_json::Value, BenchError
 /// Runs `tl bench serve`.
 #[must_use]
 pub fn serve(args: &ServeArgs) -> ExitCode {
+    if args.peers {
+        return print_json((|| {
+            let source = match &args.peer_source {
+                Some(Ok(p)) => std::path::PathBuf::from(p),
+                Some(Err(e)) => return Err(e.clone().into()),
+                None => return Err("--peers: no trained model to serve".into()),
+            };
+            super::peers::compare(&super::peers::PeersArgs {
+                source,
+                concurrency: args.concurrency.clone(),
+                servers: args.servers.clone(),
+                threads: args.threads,
+                vllm: args.vllm_venv.clone().zip(args.vllm_model.clone()),
+            })
+        })());
+    }
     block_on(async { print_json(serve_bench(args).await) })
 }
 
