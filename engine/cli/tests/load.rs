@@ -93,11 +93,7 @@ async fn chat(client: &HttpClient, addr: &str, model: &str, i: usize) -> Got {
 
 /// Sends requests `ids` at once (request `i` asks prompt `i % 4`) and returns what each got.
 fn load(s: &Served, ids: impl IntoIterator<Item = usize>) -> Vec<(usize, Got)> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::served::runtime();
     rt.block_on(async {
         let client = HttpClient::default();
         let mut tasks = Vec::new();

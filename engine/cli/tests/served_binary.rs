@@ -24,11 +24,7 @@ fn serve(exe: &std::path::Path) -> Served {
 
 /// `n` chats at once (so that new render processes start), each one's status and body.
 fn chats(s: &Served, n: usize) -> Vec<(u16, String)> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::served::runtime();
     rt.block_on(async {
         let client = HttpClient::default();
         let tasks: Vec<_> = (0..n)
@@ -194,11 +190,7 @@ fn serve_sets_per_key_quotas_and_allowed_hosts_by_flag() {
         ],
         &[("TL_API_KEYS", KEY)],
     );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::served::runtime();
     rt.block_on(async {
         let client = HttpClient::default();
         let auth = format!("Bearer {KEY}");

@@ -177,12 +177,23 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }));
         };
+        // Waits (with a deadline) until `n` requests are queued.
+        let queued = |n: usize| {
+            let places = Arc::clone(&places);
+            async move {
+                let until = tokio::time::Instant::now() + Duration::from_secs(10);
+                while places.waiting() < n {
+                    assert!(tokio::time::Instant::now() < until, "never {n} queued");
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        };
         for _ in 0..8 {
             spawn(b"a", "a");
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        queued(8).await;
         spawn(b"b", "b");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        queued(9).await;
         drop(held);
         for t in tasks {
             t.await.unwrap();

@@ -58,3 +58,12 @@ pub fn serve(exe: &Path, args: &[&str], envs: &[(&str, &str)]) -> Served {
         model: listening["model"].as_str().unwrap().to_owned(),
     }
 }
+
+/// A runtime of two workers for a test's clients of a [`Served`].
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}

@@ -160,7 +160,6 @@ fn start(
                 std::thread::sleep(Duration::from_secs(1));
             }
             // Its port opens before its model is loaded: the load's first request waits.
-            r.model = "smollm2".into();
             return Ok(r);
         }
         other => {
