@@ -201,41 +201,45 @@ fn serve_sets_per_key_quotas_and_allowed_hosts_by_flag() {
             })
             .to_string()
         };
-        let long = {
-            let (client, addr, auth, b) = (client.clone(), s.addr.clone(), auth.clone(), body(120));
-            tokio::spawn(async move {
-                client
-                    .post(
-                        &addr,
-                        "/v1/chat/completions",
-                        &[("authorization", &auth)],
-                        b,
-                    )
-                    .await
-                    .unwrap()
-                    .status
+        // The key's first request, streamed: in flight once its first event arrived.
+        let mut long = {
+            let b = json!({
+                "model": s.model, "max_tokens": 120, "ignore_eos": true, "temperature": 0,
+                "stream": true,
+                "messages": [{"role": "user", "content": "Count to ten."}],
             })
-        };
-        let mut refused = None;
-        while !long.is_finished() {
-            let r = client
-                .post(
+            .to_string();
+            let (status, body) = client
+                .post_streaming(
                     &s.addr,
                     "/v1/chat/completions",
                     &[("authorization", &auth)],
-                    body(1),
+                    b,
                 )
                 .await
                 .unwrap();
-            if r.status == 429 {
-                refused = Some(r);
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-        let r = refused.expect("a second request of the key was served beside its first");
+            assert_eq!(status, 200);
+            tl_engine::net::clients::EventStream::new(body)
+        };
+        assert!(
+            long.next().await.is_some_and(|e| e.is_ok()),
+            "no first event"
+        );
+        // Its second while the first streams: 429 with Retry-After.
+        let r = client
+            .post(
+                &s.addr,
+                "/v1/chat/completions",
+                &[("authorization", &auth)],
+                body(1),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 429, "{}", String::from_utf8_lossy(&r.body));
         assert!(r.headers.get("retry-after").is_some());
-        assert_eq!(long.await.unwrap(), 200);
+        while let Some(e) = long.next().await {
+            e.unwrap();
+        }
         // The operator's name is served from loopback; another is not.
         for (host, want) in [("tl.internal", 200), ("attacker.example", 403)] {
             let r = client
