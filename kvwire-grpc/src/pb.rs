@@ -285,6 +285,105 @@ pub mod engine {
         pub more: bool,
     }
 
+    /// A request's stop rules.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct StopRules {
+        #[prost(bytes = "vec", repeated, tag = "1")]
+        pub sequences: Vec<Vec<u8>>,
+        #[prost(uint32, repeated, tag = "2")]
+        pub token_ids: Vec<u32>,
+        #[prost(uint32, tag = "3")]
+        pub min_tokens: u32,
+    }
+
+    /// What a Prefill's handle continues from.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Resume {
+        #[prost(string, tag = "1")]
+        pub handle_id: String,
+        #[prost(uint32, tag = "2")]
+        pub first_token: u32,
+        #[prost(uint32, tag = "3")]
+        pub rng_draws_consumed: u32,
+    }
+
+    /// A request for a decode engine's Generate.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct GenerateRequest {
+        #[prost(uint32, repeated, tag = "1")]
+        pub prompt_tokens: Vec<u32>,
+        #[prost(message, optional, tag = "2")]
+        pub sampling: Option<SamplingParams>,
+        #[prost(message, optional, tag = "3")]
+        pub stop: Option<StopRules>,
+        #[prost(uint32, tag = "4")]
+        pub n: u32,
+        #[prost(uint32, optional, tag = "5")]
+        pub logprobs: Option<u32>,
+        #[prost(uint64, tag = "6")]
+        pub cache_scope: u64,
+        #[prost(message, optional, tag = "7")]
+        pub resume: Option<Resume>,
+        #[prost(string, tag = "8")]
+        pub model: String,
+    }
+
+    /// One of the most likely tokens at a step.
+    #[derive(Clone, Copy, PartialEq, prost::Message)]
+    pub struct Alternative {
+        #[prost(uint32, tag = "1")]
+        pub token: u32,
+        #[prost(float, tag = "2")]
+        pub logprob: f32,
+    }
+
+    /// One token of one choice.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct GeneratedToken {
+        #[prost(uint32, tag = "1")]
+        pub choice: u32,
+        #[prost(uint32, tag = "2")]
+        pub token: u32,
+        #[prost(float, optional, tag = "3")]
+        pub logprob: Option<f32>,
+        #[prost(message, repeated, tag = "4")]
+        pub top: Vec<Alternative>,
+    }
+
+    /// Why a choice ended.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
+    #[repr(i32)]
+    pub enum Finish {
+        Unspecified = 0,
+        Length = 1,
+        Stop = 2,
+        Context = 3,
+    }
+
+    /// A choice that ended.
+    #[derive(Clone, Copy, PartialEq, prost::Message)]
+    pub struct ChoiceEnd {
+        #[prost(uint32, tag = "1")]
+        pub choice: u32,
+        #[prost(enumeration = "Finish", tag = "2")]
+        pub finish: i32,
+    }
+
+    /// One message of a Generate stream.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct GenerateEvents {
+        #[prost(uint64, tag = "1")]
+        pub seed: u64,
+        #[prost(message, repeated, tag = "2")]
+        pub tokens: Vec<GeneratedToken>,
+        #[prost(message, repeated, tag = "3")]
+        pub ends: Vec<ChoiceEnd>,
+        #[prost(int32, tag = "4")]
+        pub error_code: i32,
+        #[prost(string, tag = "5")]
+        pub error: String,
+    }
+
     /// Method paths of `tl.engine.v1.EngineControl`.
     pub mod path {
         pub const SERVICE: &str = "tl.engine.v1.EngineControl";
@@ -294,6 +393,7 @@ pub mod engine {
         pub const DRAIN: &str = "/tl.engine.v1.EngineControl/Drain";
         pub const WATCH_BLOCKS: &str = "/tl.engine.v1.EngineControl/WatchBlocks";
         pub const SET_ROLE: &str = "/tl.engine.v1.EngineControl/SetRole";
+        pub const GENERATE: &str = "/tl.engine.v1.EngineControl/Generate";
     }
 }
 

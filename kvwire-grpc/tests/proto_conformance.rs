@@ -399,6 +399,157 @@ fn proto_matches_hand_written_messages() {
         ],
     );
 
+    // The typed decode leg.
+    let stop = engine::StopRules {
+        sequences: vec![b"ab".to_vec(), vec![0xFF]],
+        token_ids: vec![2, 3],
+        min_tokens: 4,
+    };
+    let stop_fields = [
+        (
+            "sequences",
+            List(vec![
+                Value::Bytes(bytes::Bytes::from_static(b"ab")),
+                Value::Bytes(bytes::Bytes::from_static(&[0xFF])),
+            ]),
+        ),
+        ("token_ids", List(vec![U32(2), U32(3)])),
+        ("min_tokens", U32(4)),
+    ];
+    conform(&p, "tl.engine.v1.StopRules", &stop, &stop_fields);
+    let resume = engine::Resume {
+        handle_id: "h".into(),
+        first_token: 5,
+        rng_draws_consumed: 6,
+    };
+    let resume_fields = [
+        ("handle_id", String("h".into())),
+        ("first_token", U32(5)),
+        ("rng_draws_consumed", U32(6)),
+    ];
+    conform(&p, "tl.engine.v1.Resume", &resume, &resume_fields);
+    conform(
+        &p,
+        "tl.engine.v1.GenerateRequest",
+        &engine::GenerateRequest {
+            prompt_tokens: vec![1, 2],
+            sampling: Some(sp),
+            stop: Some(stop),
+            n: 3,
+            logprobs: Some(2),
+            cache_scope: u64::MAX,
+            resume: Some(resume),
+            model: "m".into(),
+        },
+        &[
+            ("prompt_tokens", List(vec![U32(1), U32(2)])),
+            (
+                "sampling",
+                Message(dynamic(&p, "tl.engine.v1.SamplingParams", &sp_fields)),
+            ),
+            (
+                "stop",
+                Message(dynamic(&p, "tl.engine.v1.StopRules", &stop_fields)),
+            ),
+            ("n", U32(3)),
+            ("logprobs", U32(2)),
+            ("cache_scope", U64(u64::MAX)),
+            (
+                "resume",
+                Message(dynamic(&p, "tl.engine.v1.Resume", &resume_fields)),
+            ),
+            ("model", String("m".into())),
+        ],
+    );
+    let alt = engine::Alternative {
+        token: 7,
+        logprob: -0.5,
+    };
+    let alt_fields = [("token", U32(7)), ("logprob", F32(-0.5))];
+    conform(&p, "tl.engine.v1.Alternative", &alt, &alt_fields);
+    let token = engine::GeneratedToken {
+        choice: 1,
+        token: 7,
+        logprob: Some(-0.5),
+        top: vec![alt],
+    };
+    let token_fields = [
+        ("choice", U32(1)),
+        ("token", U32(7)),
+        ("logprob", F32(-0.5)),
+        (
+            "top",
+            List(vec![Message(dynamic(
+                &p,
+                "tl.engine.v1.Alternative",
+                &alt_fields,
+            ))]),
+        ),
+    ];
+    conform(&p, "tl.engine.v1.GeneratedToken", &token, &token_fields);
+    let end = engine::ChoiceEnd {
+        choice: 2,
+        finish: engine::Finish::Context as i32,
+    };
+    let end_fields = [("choice", U32(2)), ("finish", EnumNumber(3))];
+    conform(&p, "tl.engine.v1.ChoiceEnd", &end, &end_fields);
+    conform(
+        &p,
+        "tl.engine.v1.GenerateEvents",
+        &engine::GenerateEvents {
+            seed: 11,
+            tokens: vec![token],
+            ends: vec![end],
+            error_code: 8,
+            error: "full".into(),
+        },
+        &[
+            ("seed", U64(11)),
+            (
+                "tokens",
+                List(vec![Message(dynamic(
+                    &p,
+                    "tl.engine.v1.GeneratedToken",
+                    &token_fields,
+                ))]),
+            ),
+            (
+                "ends",
+                List(vec![Message(dynamic(
+                    &p,
+                    "tl.engine.v1.ChoiceEnd",
+                    &end_fields,
+                ))]),
+            ),
+            ("error_code", I32(8)),
+            ("error", String("full".into())),
+        ],
+    );
+    let finishes = p.get_enum_by_name("tl.engine.v1.Finish").unwrap();
+    let named: Vec<(std::string::String, i32)> = finishes
+        .values()
+        .map(|v| (v.name().to_owned(), v.number()))
+        .collect();
+    assert_eq!(
+        named,
+        [
+            ("FINISH_UNSPECIFIED".into(), 0),
+            ("FINISH_LENGTH".into(), 1),
+            ("FINISH_STOP".into(), 2),
+            ("FINISH_CONTEXT".into(), 3)
+        ]
+    );
+    assert_eq!(
+        [
+            engine::Finish::Unspecified,
+            engine::Finish::Length,
+            engine::Finish::Stop,
+            engine::Finish::Context
+        ]
+        .map(|f| f as i32),
+        [0, 1, 2, 3]
+    );
+
     // tl.control.v1
     let roles = p.get_enum_by_name("tl.control.v1.Role").unwrap();
     let named: Vec<(std::string::String, i32)> = roles
@@ -505,7 +656,7 @@ fn proto_matches_hand_written_messages() {
     );
 
     // Every message of the three packages was checked above.
-    let checked = 6 + 15 + 6;
+    let checked = 6 + 22 + 6;
     assert_eq!(
         p.all_messages().count(),
         checked,
@@ -589,6 +740,14 @@ fn method_paths_match_the_services() {
             "tl.engine.v1.SetRoleResponse",
             false,
             false,
+        ),
+        (
+            engine::path::SERVICE,
+            engine::path::GENERATE,
+            "tl.engine.v1.GenerateRequest",
+            "tl.engine.v1.GenerateEvents",
+            false,
+            true,
         ),
         (
             control::path::SERVICE,

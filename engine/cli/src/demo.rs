@@ -329,7 +329,6 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
                 stream: Some(true),
                 ..GenerationParams::default()
             },
-            tl_resume: None,
         };
         let headers: &[(&str, &str)] = if traced.is_some() && n + 1 == requests.len() {
             &[("traceparent", traceparent.as_str())]

@@ -5,12 +5,14 @@ mod common;
 
 use std::time::Duration;
 
-use common::{eventually, settled, stream_tokens};
-use kvwire_grpc::pb::engine::{KvHandle, PrefillRequest, SamplingParams};
+use common::{eventually, settled};
+use kvwire_grpc::pb::engine::{GenerateRequest, KvHandle, PrefillRequest, Resume, SamplingParams};
 use serde_json::json;
 use tl_engine::net::clients::{ControlClient, HttpClient};
 use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, Role};
+use tl_engine::node::generate::{Collected, collect};
+use tl_engine_core::engine::FinishReason;
 use tl_engine_core::sampler::SamplingRequest;
 use tonic::Code;
 
@@ -39,32 +41,33 @@ fn sampling(t: f32, p: f32, k: u32, seed: Option<u64>, n: u32) -> Option<Samplin
     })
 }
 
-/// POSTs a resume of `handle` to a decode engine's HTTP front.
-async fn resume(
-    http: &HttpClient,
-    addr: &str,
-    handle: &str,
-    body: String,
-) -> tl_engine::net::clients::HttpResponse {
-    http.post(addr, "/v1/completions", &[("x-tl-kv-handle", handle)], body)
-        .await
-        .unwrap()
+/// Resumes over the decode engine's Generate (at its EngineControl address `grpc`), as a
+/// gateway does: the whole answer, or the refusal.
+async fn resume(grpc: &str, req: GenerateRequest) -> Result<Collected, tonic::Status> {
+    let ctl = ControlClient::new(grpc).unwrap();
+    collect(ctl.generate(req).await?).await
 }
 
-fn resume_body(
+/// The resume of `handle` (the Prefill's answer `h`) for `prompt`, `n` tokens.
+fn resume_request(
     prompt: &[u32],
     h: &KvHandle,
+    handle: &str,
     t: f32,
     p: f32,
     k: u32,
     n: u32,
-    stream: bool,
-) -> String {
-    json!({
-        "prompt": prompt, "max_tokens": n, "temperature": t, "top_p": p, "top_k": k, "seed": h.seed, "stream": stream,
-        "tl_resume": { "first_token": h.first_token, "rng_draws_consumed": h.rng_draws_consumed },
-    })
-    .to_string()
+) -> GenerateRequest {
+    GenerateRequest {
+        prompt_tokens: prompt.to_vec(),
+        sampling: sampling(t, p, k, Some(h.seed), n),
+        resume: Some(Resume {
+            handle_id: handle.to_owned(),
+            first_token: h.first_token,
+            rng_draws_consumed: h.rng_draws_consumed,
+        }),
+        ..GenerateRequest::default()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -75,7 +78,6 @@ async fn disaggregated_equals_colocated() {
     let d = EngineNode::start(&config("D", Role::Decode)).await.unwrap();
     let (pa, da) = (p.addresses(), d.addresses());
     let ctl = ControlClient::new(&pa.grpc).unwrap();
-    let http = HttpClient::default();
     let prompts: [Vec<u32>; 3] = [vec![72, 105, 33], (10..18).collect(), (100..110).collect()];
     let settings: [(f32, f32, u32, Option<u64>); 3] = [
         (0.0, 1.0, 0, None),
@@ -111,31 +113,15 @@ async fn disaggregated_equals_colocated() {
             }
             let want = colocated(prompt, t, tp, k, h.seed, 12);
             assert_eq!(h.first_token, want[0]);
-            let stream = n % 2 == 1;
-            let r = http
-                .post(
-                    &da.http,
-                    "/v1/completions",
-                    &[("x-tl-kv-handle", &h.handle_id)],
-                    resume_body(prompt, &h, t, tp, k, 12, stream),
-                )
-                .await
-                .unwrap();
-            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-            let got: Vec<u32> = if stream {
-                stream_tokens(&r)
-            } else {
-                let v = r.json();
-                assert_eq!(v["choices"][0]["finish_reason"], "length");
-                assert_eq!(v["usage"]["completion_tokens"], 12);
-                v["choices"][0]["tokens"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|t| t.as_u64().unwrap() as u32)
-                    .collect()
-            };
-            assert_eq!(got, want, "prompt {prompt:?} t={t} seed={seed:?}");
+            let got = resume(
+                &da.grpc,
+                resume_request(prompt, &h, &h.handle_id, t, tp, k, 12),
+            )
+            .await
+            .unwrap();
+            assert_eq!(got.seed, h.seed);
+            assert_eq!(got.finish, [Some(FinishReason::Length)]);
+            assert_eq!(got.tokens, [want], "prompt {prompt:?} t={t} seed={seed:?}");
             n += 1;
         }
     }
@@ -494,43 +480,29 @@ async fn resume_refusals_and_client_abort() {
         decode_lookup: String::new(),
     };
     let h = ctl.prefill(pre("a")).await.unwrap();
-    // Unknown handle: 404. Another prompt: 409 and the handle is still there.
-    let r = resume(
-        &http,
-        &da.http,
-        "nope",
-        resume_body(&prompt, &h, 0.0, 1.0, 0, 8, false),
-    )
-    .await;
-    assert_eq!(r.status, 404);
-    assert!(r.json()["error"]["message"].is_string());
+    let req = |prompt: &[u32], handle: &str| resume_request(prompt, &h, handle, 0.0, 1.0, 0, 8);
+    // Unknown handle: NOT_FOUND. Another prompt: INVALID_ARGUMENT and the handle is still
+    // there. Without the seed: INVALID_ARGUMENT.
+    let e = resume(&da.grpc, req(&prompt, "nope")).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
     let other: Vec<u32> = (2..=11).collect();
-    let r = resume(
-        &http,
-        &da.http,
-        &h.handle_id,
-        resume_body(&other, &h, 0.0, 1.0, 0, 8, false),
-    )
-    .await;
-    assert_eq!(r.status, 409);
+    let e = resume(&da.grpc, req(&other, &h.handle_id))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("other blocks"), "{e}");
+    let mut seedless = req(&prompt, &h.handle_id);
+    seedless.sampling.as_mut().unwrap().seed = None;
+    let e = resume(&da.grpc, seedless).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
     assert_eq!(d.receiver().unwrap().pending(), 1);
-    // The right prompt works once; a second claim is 404.
-    let r = resume(
-        &http,
-        &da.http,
-        &h.handle_id,
-        resume_body(&prompt, &h, 0.0, 1.0, 0, 8, false),
-    )
-    .await;
-    assert_eq!(r.status, 200);
-    let r = resume(
-        &http,
-        &da.http,
-        &h.handle_id,
-        resume_body(&prompt, &h, 0.0, 1.0, 0, 8, false),
-    )
-    .await;
-    assert_eq!(r.status, 404);
+    // The right prompt works once; a second claim is NOT_FOUND.
+    let got = resume(&da.grpc, req(&prompt, &h.handle_id)).await.unwrap();
+    assert_eq!(got.tokens[0].len(), 8);
+    let e = resume(&da.grpc, req(&prompt, &h.handle_id))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
     // Another model: 404; bad bodies: 400.
     let r = http
         .post(
@@ -577,21 +549,25 @@ async fn resume_refusals_and_client_abort() {
 
     // Client abort mid-stream: the decode sequence is cancelled and its blocks released.
     let h = ctl.prefill(pre("b")).await.unwrap();
-    let body = resume_body(&prompt, &h, 0.0, 1.0, 0, 100_000, true);
-    let (status, mut stream) = http
-        .post_streaming(
-            &da.http,
-            "/v1/completions",
-            &[("x-tl-kv-handle", &h.handle_id)],
-            body,
-        )
+    let dctl = ControlClient::new(&da.grpc).unwrap();
+    let mut stream = dctl
+        .generate(resume_request(
+            &prompt,
+            &h,
+            &h.handle_id,
+            0.0,
+            1.0,
+            0,
+            100_000,
+        ))
         .await
         .unwrap();
-    assert_eq!(status, 200);
-    use http_body_util::BodyExt;
-    let first = stream.frame().await.unwrap().unwrap();
-    assert!(first.is_data());
-    assert!(d.runner().running() <= 1);
+    // The seed, then tokens: the sequence runs.
+    let mut tokens = 0;
+    while tokens == 0 {
+        tokens += stream.message().await.unwrap().unwrap().tokens.len();
+    }
+    assert_eq!(d.runner().running(), 1);
     drop(stream);
     assert!(
         settled(&d, 0).await,
@@ -615,8 +591,7 @@ async fn pipelined_push_equals_serial_push() {
         let p = EngineNode::start(&pc).await.unwrap();
         let d = EngineNode::start(&config("D", Role::Decode)).await.unwrap();
         let ctl = ControlClient::new(&p.addresses().grpc).unwrap();
-        let (target, dhttp) = (d.addresses().kv, d.addresses().http);
-        let http = HttpClient::default();
+        let (target, dgrpc) = (d.addresses().kv, d.addresses().grpc);
         let fresh: Vec<u32> = (0..37).collect();
         let prompts: [Vec<u32>; 4] = [
             fresh.clone(),
@@ -640,20 +615,13 @@ async fn pipelined_push_equals_serial_push() {
                     })
                     .await
                     .unwrap();
-                let r = resume(
-                    &http,
-                    &dhttp,
-                    &h.handle_id,
-                    resume_body(prompt, &h, t, 1.0, 0, 8, false),
+                let got = resume(
+                    &dgrpc,
+                    resume_request(prompt, &h, &h.handle_id, t, 1.0, 0, 8),
                 )
-                .await;
-                assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-                let tokens: Vec<u32> = r.json()["choices"][0]["tokens"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|t| t.as_u64().unwrap() as u32)
-                    .collect();
+                .await
+                .unwrap();
+                let tokens = got.tokens[0].clone();
                 assert_eq!(tokens, colocated(prompt, t, 1.0, 0, seed, 8));
                 h.handle_id.clear();
                 h.decode_target.clear();

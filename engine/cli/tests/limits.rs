@@ -280,20 +280,10 @@ async fn drain_honours_pending_handles() {
         .unwrap();
     assert_eq!(r.status, 503);
     // The handle pushed before the drain is still claimed and decoded.
-    let body = json!({
-        "prompt": prompt, "max_tokens": 6, "seed": h.seed,
-        "tl_resume": { "first_token": h.first_token, "rng_draws_consumed": h.rng_draws_consumed },
-    });
-    let r = http
-        .post(
-            &da.http,
-            "/v1/completions",
-            &[("x-tl-kv-handle", &h.handle_id)],
-            body.to_string(),
-        )
+    let got = common::resume(&da.grpc, &prompt, &h, (0.0, 1.0, 0), 6)
         .await
         .unwrap();
-    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(got.tokens[0].len(), 6);
     assert_eq!(dctl.drain(1000).await.unwrap(), 0);
     assert_eq!(used(&d), 0);
     assert_eq!(used(&p), 0);

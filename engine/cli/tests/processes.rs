@@ -1,6 +1,8 @@
 //! The real binaries as child processes: `tl registry`, a prefill and a decode `tl engine`,
 //! registration seen through ListWorkers, one disaggregated request, then SIGTERM for all.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -153,26 +155,11 @@ async fn registry_and_engines_as_processes() {
         })
         .await
         .unwrap();
-    let body = json!({
-        "prompt": prompt, "max_tokens": 12, "temperature": 0.7, "top_p": 0.95, "seed": h.seed,
-        "tl_resume": { "first_token": h.first_token, "rng_draws_consumed": h.rng_draws_consumed },
-    });
-    let r = HttpClient::default()
-        .post(
-            &dec.http_address,
-            "/v1/completions",
-            &[("x-tl-kv-handle", &h.handle_id)],
-            body.to_string(),
-        )
+    let got = common::resume(&dec.grpc_address, &prompt, &h, (0.7, 0.95, 0), 12)
         .await
-        .unwrap();
-    assert_eq!(r.status, 200);
-    let got: Vec<u32> = r.json()["choices"][0]["tokens"]
-        .as_array()
         .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap() as u32)
-        .collect();
+        .tokens[0]
+        .clone();
     let cfg = Config::default();
     let sampling = Sampling::new(
         SamplingRequest {
@@ -352,6 +339,7 @@ async fn trace_context_crosses_processes() {
         "route",
         "EngineControl/Prefill",
         "engine.prefill",
+        "EngineControl/Generate",
         "engine.decode",
     ];
     let end = Instant::now() + Duration::from_secs(10);
@@ -381,6 +369,7 @@ async fn trace_context_crosses_processes() {
     let compute = find("engine.prefill", internal);
     let push = find("kv.transfer", client);
     let receive = find("kv.transfer", server);
+    let resume = find("EngineControl/Generate", server);
     let decode = find("engine.decode", internal);
     assert_eq!(request.parent_span_id, client_span);
     assert_eq!(route.parent_span_id, request.span_id);
@@ -388,9 +377,10 @@ async fn trace_context_crosses_processes() {
     assert_eq!(compute.parent_span_id, call.span_id);
     assert_eq!(push.parent_span_id, call.span_id);
     assert_eq!(receive.parent_span_id, push.span_id);
-    assert_eq!(decode.parent_span_id, request.span_id);
+    assert_eq!(resume.parent_span_id, request.span_id);
+    assert_eq!(decode.parent_span_id, resume.span_id);
     assert_eq!(request.service, "tl-gateway");
-    for s in [call, compute, push, receive, decode] {
+    for s in [call, compute, push, receive, resume, decode] {
         assert_eq!(s.service, "tl-engine", "{}", s.name);
     }
     assert_eq!(push.attr("tl.worker"), Some("P"));
@@ -466,27 +456,11 @@ async fn disaggregated_equals_colocated_on_the_real_model_across_processes() {
                 })
                 .await
                 .unwrap();
-            let body = json!({
-                "prompt": prompt, "max_tokens": 16, "temperature": t, "seed": h.seed,
-                "tl_resume": { "first_token": h.first_token,
-                               "rng_draws_consumed": h.rng_draws_consumed },
-            });
-            let r = HttpClient::default()
-                .post(
-                    &d.addr("http"),
-                    "/v1/completions",
-                    &[("x-tl-kv-handle", &h.handle_id)],
-                    body.to_string(),
-                )
+            let got = common::resume(&d.addr("grpc"), prompt, &h, (t, 1.0, 0), 16)
                 .await
-                .unwrap();
-            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-            let got: Vec<u32> = r.json()["choices"][0]["tokens"]
-                .as_array()
                 .unwrap()
-                .iter()
-                .map(|t| t.as_u64().unwrap() as u32)
-                .collect();
+                .tokens[0]
+                .clone();
             let s = SamplingRequest {
                 temperature: t,
                 ..SamplingRequest::default()

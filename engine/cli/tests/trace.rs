@@ -151,8 +151,8 @@ async fn kv_transfer_spans_link_prefill_and_decode() {
 
 /// A client's request with its own `traceparent`, through the gateway over a prefill and a
 /// decode engine: one trace, the client's span its root, holding the gateway's SERVER span,
-/// `route`, P's Prefill call, both `kv.transfer` spans and D's `engine.decode`, each under the
-/// right parent.
+/// `route`, P's Prefill call, both `kv.transfer` spans, D's Generate call and its
+/// `engine.decode`, each under the right parent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_trace_covers_gateway_prefill_and_decode() {
     use tl_engine::gateway::GatewayNode;
@@ -197,6 +197,7 @@ async fn request_trace_covers_gateway_prefill_and_decode() {
         "EngineControl/Prefill",
         "engine.prefill",
         "kv.transfer",
+        "EngineControl/Generate",
         "engine.decode",
     ];
     let spans: Vec<SpanData> = spans_when(|all| {
@@ -219,13 +220,15 @@ async fn request_trace_covers_gateway_prefill_and_decode() {
     let call = find("EngineControl/Prefill", SpanKind::Server);
     let client = find("kv.transfer", SpanKind::Client);
     let server = find("kv.transfer", SpanKind::Server);
+    let resume = find("EngineControl/Generate", SpanKind::Server);
     let decode = find("engine.decode", SpanKind::Internal);
     assert_eq!(request.parent_span_id.to_string(), client_span);
     assert_eq!(route.parent_span_id, request.span_context.span_id());
     assert_eq!(call.parent_span_id, request.span_context.span_id());
     assert_eq!(client.parent_span_id, call.span_context.span_id());
     assert_eq!(server.parent_span_id, client.span_context.span_id());
-    assert_eq!(decode.parent_span_id, request.span_context.span_id());
+    assert_eq!(resume.parent_span_id, request.span_context.span_id());
+    assert_eq!(decode.parent_span_id, resume.span_context.span_id());
     assert_eq!(attr(decode, "kv.handle_id"), attr(client, "kv.handle_id"));
     p.shutdown(Duration::from_secs(1)).await;
     d.shutdown(Duration::from_secs(1)).await;

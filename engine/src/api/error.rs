@@ -179,6 +179,24 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// The one mapping of an engine's gRPC refusal to HTTP: the request's fault is 400, a
+    /// name the engine does not know 404, an engine that stopped taking this kind of request
+    /// 421 (try another), no room 429, a draining engine 503, anything else 502.
+    #[must_use]
+    pub fn from_status(s: &tonic::Status) -> Self {
+        let message = s.message().to_owned();
+        match s.code() {
+            tonic::Code::InvalidArgument => Self::bad_request(message),
+            tonic::Code::NotFound => Self::not_found(message),
+            tonic::Code::FailedPrecondition => Self::wrong_role(message),
+            tonic::Code::ResourceExhausted => Self::rate_limited(message),
+            tonic::Code::Unavailable => Self::engine_unavailable(message),
+            _ => Self::engine(message),
+        }
+    }
+}
+
 /// The one mapping of a refused request to HTTP: 400 with the core's message.
 impl From<RequestError> for ApiError {
     fn from(e: RequestError) -> Self {

@@ -4,7 +4,7 @@
 //!
 //! Extensions beyond OpenAI's fields: `top_k`, `seed` (echoed), `stop_token_ids`,
 //! `choices[].tokens` (token ids), `choices[].tl_logprobs` (log-probabilities by token id),
-//! `tl_resume` (the decode side of a transfer) and `tl_route` (where the gateway sent a request).
+//! and `tl_route` (where the gateway sent a request).
 
 mod error;
 pub mod logprobs;

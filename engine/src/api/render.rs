@@ -10,6 +10,8 @@ use axum::Json;
 use axum::response::{IntoResponse, Response};
 use tl_engine_core::logprobs::TokenLogprobs;
 
+use kvwire_grpc::pb::engine::GenerateEvents;
+
 use super::sse::{self, StreamEvent};
 use super::{ApiError, ChoiceOut, ChoiceStream, ErrorDetail, Finish, ResponseMeta};
 
@@ -37,6 +39,25 @@ pub enum ChoiceEvent {
     /// The request broke after tokens went out: a whole response answers 502; a stream relays
     /// the detail as it is.
     Broken(ErrorDetail),
+}
+
+/// The events of one message of an engine's Generate stream, in order: its tokens, then the
+/// choices that ended, then its error when it has one.
+pub fn choice_events(mut msg: GenerateEvents) -> impl Iterator<Item = ChoiceEvent> {
+    let error = crate::node::generate::error_of(&msg)
+        .map(|s| ChoiceEvent::Failed(ApiError::from_status(&s)));
+    let tokens = std::mem::take(&mut msg.tokens)
+        .into_iter()
+        .map(|mut t| ChoiceEvent::Token {
+            choice: t.choice,
+            token: t.token,
+            logprobs: crate::node::generate::logprobs_of(&mut t),
+        });
+    let ends = msg.ends.into_iter().map(|e| ChoiceEvent::Done {
+        choice: e.choice,
+        finish: crate::node::generate::reason_of(e.finish).into(),
+    });
+    tokens.chain(ends).chain(error)
 }
 
 /// Where a response's [`ChoiceEvent`]s come from.

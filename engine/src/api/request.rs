@@ -14,15 +14,6 @@ use tl_engine_core::vocab::Vocab;
 
 use super::{ApiError, Flavor};
 
-/// The header naming a transferred KV handle on a decode engine's `/v1/completions`.
-pub const KV_HANDLE_HEADER: &str = "x-tl-kv-handle";
-
-/// The header carrying a request's tenant cache scope (hex u64) from the gateway to an engine's
-/// `/v1/completions`; absent: the shared scope 0. Only the gateway and operators reach that
-/// front (mutual TLS with role checks), so it is trusted there. A resume ignores it: the claimed
-/// handle's scope is the one its blocks were pushed in.
-pub const CACHE_SCOPE_HEADER: &str = "x-tl-cache-scope";
-
 /// OpenAI's default completion length.
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
 
@@ -171,15 +162,6 @@ impl<'de> Deserialize<'de> for Prompt {
         }
         d.deserialize_any(V)
     }
-}
-
-/// Where a prefill engine left a request.
-#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
-pub struct TlResume {
-    /// The first token, sampled by the prefill engine.
-    pub first_token: u32,
-    /// Draws it consumed.
-    pub rng_draws_consumed: u32,
 }
 
 /// The sampling and output fields both endpoints share (OpenAI's names; [`parse_fields`] refuses
@@ -757,8 +739,6 @@ fn from_value_at<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> Result
 /// The completion endpoints' own fields: the public one's, and an engine front's (which also
 /// takes the resume point).
 pub const COMPLETION_FIELDS: &[&str] = &["prompt"];
-/// An engine's front: a completion, and the resume point of a transferred handle.
-pub const ENGINE_COMPLETION_FIELDS: &[&str] = &["prompt", "tl_resume"];
 /// The chat endpoint's own fields.
 pub const CHAT_FIELDS: &[&str] = &["messages", "top_logprobs"];
 
@@ -770,9 +750,6 @@ pub struct CompletionRequest {
     /// Sampling and output.
     #[serde(flatten)]
     pub params: GenerationParams,
-    /// Resume point, with the `X-TL-KV-Handle` header (decode engines only).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tl_resume: Option<TlResume>,
 }
 
 /// One chat message.

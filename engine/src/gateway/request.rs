@@ -29,11 +29,10 @@ use super::routed::RoutedGuard;
 use super::session::{
     Action, LaneId, LossCause, PrefillFailure, RetryPolicy, Session, SessionEvent, Unservable,
 };
-use super::upstream::{OpenError, Unclaimed};
+use super::upstream::Unclaimed;
+use crate::api::ApiError;
 use crate::api::render::ChoiceEvent;
-use crate::api::sse::StreamEvent;
-use crate::api::{ApiError, CompletionRequest};
-use crate::net::clients::EventStream;
+use kvwire_grpc::pb::engine::{GenerateEvents, GenerateRequest};
 
 pub use super::session::{Job, Out};
 
@@ -430,16 +429,13 @@ impl Driver<'_> {
             Action::Resume {
                 lane,
                 decode,
-                handle_id,
                 request,
                 quiet,
             } => {
-                let scope = self.scope;
                 self.lane_task(lane, async move |g, tx| {
                     let opened = tokio::time::timeout(
                         quiet,
-                        g.upstream
-                            .stream(&decode.http_address, Some(&handle_id), scope, &request),
+                        g.upstream.generate(&decode.grpc_address, request),
                     )
                     .await;
                     let events = match opened {
@@ -462,9 +458,8 @@ impl Driver<'_> {
                 // its decode engine: the next plans see it before the engine's next beat.
                 self.counted
                     .insert(lane, self.g.routed.enter(&target.worker_id));
-                let scope = self.scope;
                 self.lane_task(lane, async move |g, tx| {
-                    colocated(&g, &target, scope, &request, &tx, lane, quiet).await;
+                    colocated(&g, &target, request, &tx, lane, quiet).await;
                 });
             }
             Action::Wait { lane, pause } => {
@@ -770,34 +765,25 @@ async fn lost(tx: &mpsc::Sender<SessionEvent>, lane: LaneId, cause: LossCause) {
     let _ = tx.send(SessionEvent::StreamLost { lane, cause }).await;
 }
 
-/// Opens a colocated stream on `target` and relays it.
+/// Opens a colocated Generate stream on `target` and relays it.
 async fn colocated(
     g: &Gateway,
     target: &WorkerStatus,
-    scope: u64,
-    request: &CompletionRequest,
+    request: GenerateRequest,
     tx: &mpsc::Sender<SessionEvent>,
     lane: LaneId,
     quiet: Duration,
 ) {
-    let opened = tokio::time::timeout(
-        quiet,
-        g.upstream
-            .stream(&target.http_address, None, scope, request),
-    )
-    .await;
+    let opened =
+        tokio::time::timeout(quiet, g.upstream.generate(&target.grpc_address, request)).await;
     match opened {
         Ok(Ok(events)) => relay(events, tx, lane, quiet).await,
-        Ok(Err(e)) => {
-            let status = match &e {
-                OpenError::Status(s) => Some(*s),
-                _ => None,
-            };
+        Ok(Err(s)) => {
             let _ = tx
                 .send(SessionEvent::OpenFailed {
                     lane,
-                    status,
-                    message: e.to_string(),
+                    code: s.code(),
+                    message: s.message().to_owned(),
                 })
                 .await;
         }
@@ -805,32 +791,34 @@ async fn colocated(
     }
 }
 
-/// Forwards an engine's stream as events of `lane` until it ends, breaks or goes quiet for
-/// `quiet`. The task is aborted when the lane closes; dropping `events` closes the engine's
-/// request, which cancels what is left of it.
+/// Forwards an engine's Generate stream as events of `lane` until it ends, breaks or goes
+/// quiet for `quiet`. The task is aborted when the lane closes; dropping `events` resets the
+/// call, which cancels what the engine has left of the request.
 async fn relay(
-    mut events: EventStream,
+    mut events: tonic::Streaming<GenerateEvents>,
     tx: &mpsc::Sender<SessionEvent>,
     lane: LaneId,
     quiet: Duration,
 ) {
     loop {
-        let e = match tokio::time::timeout(quiet, events.next()).await {
+        let e = match tokio::time::timeout(quiet, events.message()).await {
             Err(_) => SessionEvent::StreamLost {
                 lane,
                 cause: LossCause::Stall,
             },
-            Ok(Some(Ok(StreamEvent::Chunk(chunk)))) => SessionEvent::Chunk { lane, chunk },
-            Ok(Some(Ok(StreamEvent::Error(error)))) => SessionEvent::EngineError { lane, error },
-            // An engine ends a stream after the chunks with its finish reasons; a [DONE] before
-            // them, a broken stream or its end is a stream cut short (the session ignores it
-            // once the lane is done).
-            Ok(Some(Ok(StreamEvent::Done)) | Some(Err(_)) | None) => SessionEvent::StreamLost {
+            Ok(Ok(Some(events))) => SessionEvent::Generated {
+                lane,
+                events: Box::new(events),
+            },
+            // An engine ends a stream after every choice's end (or its in-band error); an end
+            // before them, or a broken call, is a stream cut short (the session ignores it once
+            // the lane is done).
+            Ok(Ok(None) | Err(_)) => SessionEvent::StreamLost {
                 lane,
                 cause: LossCause::Reset,
             },
         };
-        let end = !matches!(e, SessionEvent::Chunk { .. });
+        let end = !matches!(&e, SessionEvent::Generated { events, .. } if events.error_code == 0);
         if tx.send(e).await.is_err() || end {
             return;
         }

@@ -30,15 +30,16 @@ use std::time::Duration;
 use kvwire_grpc::pb::control::WorkerStatus;
 use std::collections::HashMap;
 
-use kvwire_grpc::pb::engine::{DecodeHolds, KvHandle, PrefillRequest, SamplingParams};
+use kvwire_grpc::pb::engine::{
+    DecodeHolds, GenerateEvents, GenerateRequest, KvHandle, PrefillRequest, Resume, SamplingParams,
+    StopRules,
+};
 use tonic::Code;
 
 use super::plan::{FALLBACK_REASON, Plan, Ranked};
 use crate::api::render::ChoiceEvent;
-use crate::api::{
-    ApiError, Completion, CompletionRequest, ErrorDetail, Finish, GenerationParams, LogprobsField,
-    Prompt, RouteInfo, TlResume,
-};
+use crate::api::{ApiError, ErrorDetail, Finish, GenerationParams, RouteInfo};
+use crate::node::generate::{error_of, logprobs_of, reason_of};
 use tl_engine_core::engine::Choices;
 use tl_engine_core::logprobs::TokenLogprobs;
 use tl_engine_core::stop::Stop;
@@ -187,24 +188,18 @@ pub enum SessionEvent {
     OpenFailed {
         /// The lane.
         lane: LaneId,
-        /// The status the engine answered, when it answered.
-        status: Option<u16>,
+        /// The status the engine (or the channel to it) answered.
+        code: Code,
         /// What went wrong.
         message: String,
     },
-    /// A chunk of the lane's stream.
-    Chunk {
+    /// A message of the lane's Generate stream: tokens, choices that ended, or the engine's
+    /// own error.
+    Generated {
         /// The lane.
         lane: LaneId,
-        /// The chunk, its choices numbered as the lane's engine numbers them.
-        chunk: Box<Completion>,
-    },
-    /// The lane's engine ended its stream with an error of its own.
-    EngineError {
-        /// The lane.
-        lane: LaneId,
-        /// The engine's error.
-        error: ErrorDetail,
+        /// The message, its choices numbered as the lane's engine numbers them.
+        events: Box<GenerateEvents>,
     },
     /// The lane's stream broke, ended early, was refused, or was silent too long.
     StreamLost {
@@ -275,30 +270,29 @@ pub enum Action {
         /// The call.
         request: PrefillRequest,
     },
-    /// Resume the lane's handle on its decode engine's front and relay the stream; answer with
-    /// [`SessionEvent::Opened`], then chunks, or [`SessionEvent::StreamLost`] (also when opening takes longer
-    /// than `quiet`, or nothing arrives for that long).
+    /// Resume the lane's handle on its decode engine (Generate, the handle in
+    /// `request.resume`) and relay the stream; answer with [`SessionEvent::Opened`], then its
+    /// messages, or [`SessionEvent::StreamLost`] (also when opening takes longer than `quiet`,
+    /// or nothing arrives for that long).
     Resume {
         /// The lane.
         lane: LaneId,
         /// The decode engine.
         decode: WorkerStatus,
-        /// The handle it holds.
-        handle_id: String,
-        /// The resumed completion.
-        request: CompletionRequest,
+        /// The resumed request.
+        request: GenerateRequest,
         /// The stall timeout.
         quiet: Duration,
     },
-    /// Open a colocated stream on `target` and relay it; answer with chunks,
+    /// Open a colocated Generate stream on `target` and relay it; answer with its messages,
     /// [`SessionEvent::OpenFailed`] or [`SessionEvent::StreamLost`].
     Colocated {
         /// The lane.
         lane: LaneId,
         /// The `both` engine.
         target: WorkerStatus,
-        /// The completion.
-        request: CompletionRequest,
+        /// The request.
+        request: GenerateRequest,
         /// Silence that ends the stream.
         quiet: Duration,
     },
@@ -378,8 +372,9 @@ enum Phase {
     Streaming {
         worker: String,
         colocated: bool,
-        /// A colocated stream starts the answer with its first chunk.
-        start: Option<RouteInfo>,
+        /// A colocated stream starts the answer with its first message (the seed), answered
+        /// by this model.
+        start: Option<(RouteInfo, String)>,
     },
     /// Nothing more.
     Over,
@@ -517,16 +512,10 @@ impl Session {
             }
             SessionEvent::OpenFailed {
                 lane,
-                status,
+                code,
                 message,
-            } => self.open_failed(lane, status, &message, &mut a),
-            SessionEvent::Chunk { lane, chunk } => self.chunk(lane, *chunk, &mut a),
-            SessionEvent::EngineError { lane, error } => {
-                if self.live(lane) {
-                    self.emit(&mut a, Out::Choice(ChoiceEvent::Broken(error)));
-                    self.finish(&mut a);
-                }
-            }
+            } => self.open_failed(lane, code, &message, &mut a),
+            SessionEvent::Generated { lane, events } => self.generated(lane, *events, &mut a),
             SessionEvent::StreamLost { lane, cause } => self.stream_lost(lane, cause, &mut a),
             SessionEvent::Placed { lane } => {
                 if self.live(lane) {
@@ -747,23 +736,17 @@ impl Session {
             retries,
             ..RouteInfo::default()
         };
-        let request = CompletionRequest {
-            prompt: Prompt::Tokens(self.job.prompt.clone()),
-            params: GenerationParams {
-                model: None,
-                stream: Some(true),
-                stream_options: None,
-                n: Some(self.job.choices.n),
-                logprobs: self.job.choices.logprobs.map(LogprobsField::Count),
-                top_logprobs: None,
-                ..self.job.params.clone()
-            },
-            tl_resume: None,
-        };
+        let request = self.generate_request(
+            self.job.prompt.clone(),
+            self.job.params.seed,
+            0,
+            self.job.choices.n,
+            None,
+        );
         self.lanes[0].phase = Phase::Streaming {
             worker: b.worker_id.clone(),
             colocated: true,
-            start: Some(route),
+            start: Some((route, b.model.clone())),
         };
         a.push(Action::Colocated {
             lane: 0,
@@ -823,24 +806,57 @@ impl Session {
             .saturating_mul(self.choices[c].sent.len() as u32)
     }
 
+    /// The lane's Prefill's sampling: the request's, and after a failover its choice's own seed
+    /// and the tokens it has left.
     fn sampling(&self, lane: LaneId) -> SamplingParams {
+        if self.continuing(lane) {
+            let c = self.lanes[lane].choices[0];
+            let seed = self.seed.wrapping_add(u64::from(c));
+            self.sampling_params(Some(seed), self.choices[c as usize].sent.len() as u32)
+        } else {
+            self.sampling_params(self.job.params.seed, 0)
+        }
+    }
+
+    /// The request's sampling with `seed`, for an engine that continues after `held` tokens.
+    fn sampling_params(&self, seed: Option<u64>, held: u32) -> SamplingParams {
         let p = &self.job.params;
         let s = p.sampling();
-        let mut sp = SamplingParams {
+        SamplingParams {
             temperature: s.temperature,
             top_p: s.top_p,
             top_k: s.top_k,
-            seed: p.seed,
-            max_tokens: p.max_tokens(),
-        };
-        if self.continuing(lane) {
-            let c = self.lanes[lane].choices[0];
-            sp.seed = Some(self.seed.wrapping_add(u64::from(c)));
-            sp.max_tokens = p
-                .max_tokens()
-                .saturating_sub(self.choices[c as usize].sent.len() as u32);
+            seed,
+            max_tokens: p.max_tokens().saturating_sub(held),
         }
-        sp
+    }
+
+    /// The typed request a decode engine runs: `prompt` (the request's, with the `held` tokens
+    /// its choice has), `n` choices from `seed`, continuing `resume` when given. The engine sees
+    /// only its own tokens: `max_tokens` and `min_tokens` count the ones sent before.
+    fn generate_request(
+        &self,
+        prompt: Vec<u32>,
+        seed: Option<u64>,
+        held: u32,
+        n: u32,
+        resume: Option<Resume>,
+    ) -> GenerateRequest {
+        let stop = &self.job.stop;
+        GenerateRequest {
+            prompt_tokens: prompt,
+            sampling: Some(self.sampling_params(seed, held)),
+            stop: Some(StopRules {
+                sequences: stop.sequences.clone(),
+                token_ids: stop.token_ids.clone(),
+                min_tokens: stop.min_tokens.saturating_sub(held),
+            }),
+            n,
+            logprobs: self.job.choices.logprobs,
+            cache_scope: self.job.scope,
+            resume,
+            model: String::new(),
+        }
     }
 
     fn prefill_failed(&mut self, lane: LaneId, failure: PrefillFailure, a: &mut Vec<Action>) {
@@ -993,34 +1009,20 @@ impl Session {
         let mut prompt = self.job.prompt.clone();
         prompt.extend_from_slice(&self.choices[first_choice as usize].sent[..held]);
         let n = self.lanes[lane].choices.len() as u32;
-        let request = CompletionRequest {
-            prompt: Prompt::Tokens(prompt),
-            params: GenerationParams {
-                model: None,
-                seed: Some(h.seed),
-                stream: Some(true),
-                stream_options: None,
-                max_tokens: Some(self.job.params.max_tokens().saturating_sub(held as u32)),
-                // The engine sees only its own tokens: min_tokens counts the ones sent before.
-                min_tokens: self
-                    .job
-                    .params
-                    .min_tokens
-                    .map(|m| m.saturating_sub(held as u32)),
-                n: Some(n),
-                logprobs: self.job.choices.logprobs.map(LogprobsField::Count),
-                top_logprobs: None,
-                ..self.job.params.clone()
-            },
-            tl_resume: Some(TlResume {
+        let request = self.generate_request(
+            prompt,
+            Some(h.seed),
+            held as u32,
+            n,
+            Some(Resume {
+                handle_id: h.handle_id,
                 first_token: h.first_token,
                 rng_draws_consumed: h.rng_draws_consumed,
             }),
-        };
+        );
         a.push(Action::Resume {
             lane,
             decode: d.worker,
-            handle_id: h.handle_id,
             request,
             quiet: self.policy.stall,
         });
@@ -1066,59 +1068,63 @@ impl Session {
         }
     }
 
-    fn chunk(&mut self, lane: LaneId, mut chunk: Completion, a: &mut Vec<Action>) {
+    fn generated(&mut self, lane: LaneId, mut ev: GenerateEvents, a: &mut Vec<Action>) {
         if !self.live(lane) {
             return;
         }
         if let Phase::Streaming { start, .. } = &mut self.lanes[lane].phase
-            && let Some(route) = start.take()
+            && let Some((route, model)) = start.take()
         {
             self.emit(
                 a,
                 Out::Start {
-                    seed: chunk.seed,
-                    model: chunk.model.clone(),
+                    seed: ev.seed,
+                    model,
                     route,
                 },
             );
         }
         // Owned: each token's log-probabilities move on to the client's chunk, uncopied.
-        for c in std::mem::take(&mut chunk.choices) {
-            let Some(&choice) = self.lanes[lane].choices.get(c.index as usize) else {
+        for mut t in std::mem::take(&mut ev.tokens) {
+            let Some(&choice) = self.lanes[lane].choices.get(t.choice as usize) else {
                 continue;
             };
-            let mut logprobs = c.tl_logprobs.into_iter().flatten();
-            for &t in &c.tokens {
-                let lp = logprobs.next().map(TokenLogprobs::from);
-                let st = &mut self.choices[choice as usize];
-                if st.done {
-                    break;
-                }
-                if std::mem::take(&mut st.skip) {
-                    continue;
-                }
-                self.emit(
-                    a,
-                    Out::Choice(ChoiceEvent::Token {
-                        choice,
-                        token: t,
-                        logprobs: lp,
-                    }),
-                );
-                let st = &mut self.choices[choice as usize];
-                st.sent.push(t);
-                // The engine ends its sequence at the step that matched and says so; this
-                // check also catches a stop string that straddles a failover (the new engine
-                // sees only its own tokens).
-                if self.job.stop.matched(&st.sent).is_some() {
-                    self.end_choice(choice, Finish::Stop, a);
-                }
+            let st = &mut self.choices[choice as usize];
+            if st.done || std::mem::take(&mut st.skip) {
+                continue;
             }
-            if let Some(f) = c.finish_reason
+            self.emit(
+                a,
+                Out::Choice(ChoiceEvent::Token {
+                    choice,
+                    token: t.token,
+                    logprobs: logprobs_of(&mut t),
+                }),
+            );
+            let st = &mut self.choices[choice as usize];
+            st.sent.push(t.token);
+            // The engine ends its sequence at the step that matched and says so; this check
+            // also catches a stop string that straddles a failover (the new engine sees only
+            // its own tokens).
+            if self.job.stop.matched(&st.sent).is_some() {
+                self.end_choice(choice, Finish::Stop, a);
+            }
+        }
+        for e in &ev.ends {
+            if let Some(&choice) = self.lanes[lane].choices.get(e.choice as usize)
                 && !self.choices[choice as usize].done
             {
-                self.end_choice(choice, f, a);
+                self.end_choice(choice, reason_of(e.finish).into(), a);
             }
+        }
+        if let Some(s) = error_of(&ev) {
+            // The engine's own failure, after the answer started: no failover.
+            self.emit(
+                a,
+                Out::Choice(ChoiceEvent::Broken(ApiError::from_status(&s).detail())),
+            );
+            self.finish(a);
+            return;
         }
         let lane_done = self.lanes[lane]
             .choices
@@ -1131,13 +1137,7 @@ impl Session {
         }
     }
 
-    fn open_failed(
-        &mut self,
-        lane: LaneId,
-        status: Option<u16>,
-        message: &str,
-        a: &mut Vec<Action>,
-    ) {
+    fn open_failed(&mut self, lane: LaneId, code: Code, message: &str, a: &mut Vec<Action>) {
         if !self.live(lane) {
             return;
         }
@@ -1152,10 +1152,10 @@ impl Session {
             self.stream_lost(lane, LossCause::Reset, a);
             return;
         }
-        // 421: the engine stopped decoding since the plan's snapshot (its role changed) and
-        // took nothing: planned again without it, a bounded number of times.
+        // FAILED_PRECONDITION: the engine stopped decoding since the plan's snapshot (its role
+        // changed) and took nothing: planned again without it, a bounded number of times.
         let l = &mut self.lanes[lane];
-        if status == Some(421)
+        if code == Code::FailedPrecondition
             && let Phase::Streaming { worker, .. } = &l.phase
             && l.lost.len() < self.policy.max_failovers.max(1) as usize
         {
@@ -1169,16 +1169,14 @@ impl Session {
             });
             return;
         }
-        // The engine is full or busy (429, 503): the request waits for room, at its turn.
-        if lane == 0 && !self.started && matches!(status, Some(429 | 503)) {
+        // The engine is full, busy or draining: the request waits for room, at its turn.
+        if lane == 0 && !self.started && matches!(code, Code::ResourceExhausted | Code::Unavailable)
+        {
             self.wait(a);
             return;
         }
         self.lanes[lane].phase = Phase::Over;
-        let e = match status {
-            Some(s) => ApiError::engine(format!("fallback engine: answered {s}")),
-            None => ApiError::unavailable(format!("fallback engine: {message}")),
-        };
+        let e = ApiError::engine(format!("fallback engine: {message} ({code:?})"));
         self.emit(a, Out::Choice(ChoiceEvent::Failed(e)));
         self.finish(a);
     }
@@ -1344,7 +1342,6 @@ mod tests {
     use kvwire_grpc::pb::control::Role as PbRole;
 
     use super::*;
-    use crate::api::Choice as ApiChoice;
     use crate::gateway::plan::Reason;
 
     const SEED: u64 = 7;
@@ -1472,27 +1469,36 @@ mod tests {
         }
     }
 
-    /// A chunk of the lane's stream: (engine choice index, tokens, finish).
+    /// A message of the lane's stream: (engine choice index, tokens, finish).
     fn chunk(lane: LaneId, parts: &[(u32, &[u32], Option<Finish>)]) -> SessionEvent {
-        SessionEvent::Chunk {
+        use kvwire_grpc::pb::engine::{ChoiceEnd, GeneratedToken};
+        SessionEvent::Generated {
             lane,
-            chunk: Box::new(Completion {
-                id: "c".into(),
-                object: "text_completion".into(),
-                created: 0,
-                model: "fake".into(),
+            events: Box::new(GenerateEvents {
                 seed: SEED,
-                choices: parts
+                tokens: parts
                     .iter()
-                    .map(|(i, t, f)| ApiChoice {
-                        index: *i,
-                        tokens: t.to_vec(),
-                        finish_reason: *f,
-                        ..ApiChoice::default()
+                    .flat_map(|(i, t, _)| {
+                        t.iter().map(|&token| GeneratedToken {
+                            choice: *i,
+                            token,
+                            ..GeneratedToken::default()
+                        })
                     })
                     .collect(),
-                usage: None,
-                tl_route: None,
+                ends: parts
+                    .iter()
+                    .filter_map(|(i, _, f)| {
+                        f.map(|f| ChoiceEnd {
+                            choice: *i,
+                            finish: match f {
+                                Finish::Length => kvwire_grpc::pb::engine::Finish::Length,
+                                Finish::Stop => kvwire_grpc::pb::engine::Finish::Stop,
+                            } as i32,
+                        })
+                    })
+                    .collect(),
+                ..GenerateEvents::default()
             }),
         }
     }
@@ -1540,20 +1546,18 @@ mod tests {
             Action::Resume {
                 lane,
                 decode,
-                handle_id,
                 request,
                 ..
             } => {
-                let Prompt::Tokens(p) = &request.prompt else {
-                    unreachable!()
-                };
+                let s = request.sampling.unwrap_or_default();
                 format!(
-                    "resume {lane} {handle_id} on {} len={} n={} max={} seed={:?}",
+                    "resume {lane} {} on {} len={} n={} max={} seed={:?}",
+                    request.resume.as_ref().map_or("", |r| r.handle_id.as_str()),
                     decode.worker_id,
-                    p.len(),
-                    request.params.n.unwrap_or(1),
-                    request.params.max_tokens.unwrap_or(0),
-                    request.params.seed
+                    request.prompt_tokens.len(),
+                    request.n.max(1),
+                    s.max_tokens,
+                    s.seed
                 )
             }
             Action::Colocated { lane, target, .. } => {
@@ -1703,7 +1707,7 @@ mod tests {
                     (
                         SessionEvent::OpenFailed {
                             lane: 0,
-                            status: Some(421),
+                            code: Code::FailedPrecondition,
                             message: "wrong role".into(),
                         },
                         &["plan 0 len=10 excl=[\"B\"] first"],
@@ -2019,7 +2023,7 @@ mod tests {
                     (
                         SessionEvent::OpenFailed {
                             lane: 0,
-                            status: Some(429),
+                            code: Code::ResourceExhausted,
                             message: "busy".into(),
                         },
                         &["wait 0 50ms"],
@@ -2110,12 +2114,13 @@ mod tests {
                                 (2, &[60, 61], None),
                             ],
                         ),
+                        // One message: its tokens, then the choices that ended.
                         &[
                             "token 0:101",
                             "token 1:50",
-                            "done 1:Stop",
                             "token 2:60",
                             "token 2:61",
+                            "done 1:Stop",
                         ],
                     ),
                     (

@@ -1,5 +1,5 @@
 //! The gateway's clients of the engines: EngineControl and KvTransfer over one channel cache, the
-//! HasBlocks fan-out, and the decode fronts' event streams over HTTP.
+//! HasBlocks fan-out, and the decode engines' Generate streams.
 
 use super::worker::WorkerId;
 use std::collections::HashMap;
@@ -8,33 +8,19 @@ use std::time::Duration;
 
 use kvwire::prompt_hashes;
 use kvwire_grpc::pb::control::WorkerStatus;
-use kvwire_grpc::pb::engine::DecodeHolds;
+use kvwire_grpc::pb::engine::{DecodeHolds, GenerateEvents, GenerateRequest};
 use kvwire_grpc::pb::kv::HasBlocksRequest;
 use kvwire_grpc::{GrpcTransport, KvTransport, TransportConfig};
 use tokio::task::JoinSet;
 use tonic::Status;
 
-use crate::api::{CACHE_SCOPE_HEADER, CompletionRequest, KV_HANDLE_HEADER};
-use crate::net::clients::{ControlClient, EventStream, HttpClient, HttpError};
+use crate::net::clients::ControlClient;
 use crate::net::tls::{Tls, TlsError};
-
-/// Why a decode front's stream could not be opened.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum OpenError {
-    /// The exchange failed.
-    #[error(transparent)]
-    Http(#[from] HttpError),
-    /// The engine answered, but not 200.
-    #[error("answered {0}")]
-    Status(u16),
-}
 
 /// Clients of every engine, sharing one gRPC channel per address.
 #[derive(Debug)]
 pub struct Upstream {
     transport: Arc<GrpcTransport>,
-    http: HttpClient,
     has_blocks_timeout: Duration,
 }
 
@@ -55,14 +41,6 @@ impl Upstream {
         // A WatchBlocks stream lives as long as its engine: pings find a peer that went silent
         // (spec/limits.md's keepalive defaults).
         tc.keepalive = Some((Duration::from_secs(10), Duration::from_secs(20)));
-        let http = match tls {
-            Some(t) => HttpClient::tls_verifying(
-                t.client_config(&[])?,
-                t.peer_name()
-                    .and_then(|n| rustls_pki_types::ServerName::try_from(n.to_owned()).ok()),
-            ),
-            None => HttpClient::default(),
-        };
         Ok(Self {
             // Every engine must prove it is a worker: a gateway's or an admin's certificate
             // cannot pose as one.
@@ -72,7 +50,6 @@ impl Upstream {
                         .transpose()?,
                 ),
             ),
-            http,
             has_blocks_timeout: tc.call_timeout,
         })
     }
@@ -141,42 +118,17 @@ impl Upstream {
         let _ = self.transport.release(kv_addr, handle).await;
     }
 
-    /// Opens a streamed completion on the decode front at `http_addr`, resuming `handle` when
-    /// given.
+    /// Opens `req`'s Generate stream on the decode engine whose EngineControl is at
+    /// `grpc_addr` (the current span's trace context travels with the call).
     ///
     /// # Errors
-    /// A failed exchange, or a status other than 200.
-    pub async fn stream(
+    /// The engine's refusal, or UNAVAILABLE when it cannot be reached.
+    pub async fn generate(
         &self,
-        http_addr: &str,
-        handle: Option<&str>,
-        scope: u64,
-        req: &CompletionRequest,
-    ) -> Result<EventStream, OpenError> {
-        // The current span's trace context travels to the decode engine's `engine.decode`.
-        let mut traced = http::HeaderMap::new();
-        crate::telemetry::trace::inject(&mut traced);
-        let traceparent = traced
-            .get("traceparent")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        let mut headers: Vec<(&str, &str)> =
-            handle.map(|h| (KV_HANDLE_HEADER, h)).into_iter().collect();
-        if let Some(tp) = &traceparent {
-            headers.push(("traceparent", tp));
-        }
-        let scope = format!("{scope:x}");
-        headers.push((CACHE_SCOPE_HEADER, &scope));
-        // Serializing a plain request struct cannot fail.
-        let body = serde_json::to_vec(req).unwrap_or_default();
-        let (status, body) = self
-            .http
-            .post_streaming(http_addr, "/v1/completions", &headers, body)
-            .await?;
-        if status != 200 {
-            return Err(OpenError::Status(status));
-        }
-        Ok(EventStream::new(body))
+        grpc_addr: &str,
+        req: GenerateRequest,
+    ) -> Result<tonic::Streaming<GenerateEvents>, Status> {
+        self.control(grpc_addr)?.generate(req).await
     }
 }
 

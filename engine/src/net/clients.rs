@@ -15,9 +15,9 @@ use kvwire_grpc::pb::control::{
     WorkerStatus, path as reg_path,
 };
 use kvwire_grpc::pb::engine::{
-    BlockEvents, CancelRequest, CancelResponse, DrainRequest, DrainResponse, InfoRequest,
-    InfoResponse, KvHandle, PrefillRequest, SetRoleRequest, SetRoleResponse, WatchBlocksRequest,
-    path,
+    BlockEvents, CancelRequest, CancelResponse, DrainRequest, DrainResponse, GenerateEvents,
+    GenerateRequest, InfoRequest, InfoResponse, KvHandle, PrefillRequest, SetRoleRequest,
+    SetRoleResponse, WatchBlocksRequest, path,
 };
 use tonic::transport::Channel;
 use tonic::{Request, Status};
@@ -135,6 +135,23 @@ impl ControlClient {
                 role: role.name().to_owned(),
                 deadline_ms,
             }),
+        )
+        .await
+    }
+
+    /// Generate: a request's tokens as the engine makes them.
+    ///
+    /// # Errors
+    /// The engine's refusal.
+    pub async fn generate(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<tonic::Streaming<GenerateEvents>, Status> {
+        glue::server_streaming(
+            self.channel.clone(),
+            path::GENERATE,
+            MessageLimits::default(),
+            Request::new(req),
         )
         .await
     }

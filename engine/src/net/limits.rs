@@ -23,7 +23,7 @@
 //! http_max_conns_per_ip = 64     # HTTP connections open at once from one address
 //! http_max_conns = 4096          # HTTP connections open at once; at the cap the oldest that has
 //!                                # not delivered a whole request is closed for a newcomer
-//! http_max_inflight = 256        # requests in flight on an engine's HTTP front (429 beyond)
+//! http_max_inflight = 256        # requests decoding on an engine, Generate and its HTTP front (429 beyond)
 //! max_peer_channels = 256        # outgoing connections kept, least recently used closed first
 //! registry_max_workers = 1024    # workers a registry holds (RESOURCE_EXHAUSTED beyond)
 //! max_block_watchers = 16        # WatchBlocks streams open at once on an engine (RESOURCE_EXHAUSTED)
@@ -78,7 +78,7 @@ pub struct LimitsSection {
     pub http_max_conns_per_ip: usize,
     /// HTTP connections open at once per listener.
     pub http_max_conns: usize,
-    /// Requests in flight on an engine's HTTP front.
+    /// Requests decoding on an engine, over Generate and its HTTP front together.
     pub http_max_inflight: usize,
     /// Outgoing connections kept.
     pub max_peer_channels: usize,

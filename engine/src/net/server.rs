@@ -67,6 +67,13 @@ impl Lifecycle {
         self.tasks.spawn(task);
     }
 
+    /// The signal of [`abort`](Self::abort): what a long stream watches to end at once, as a
+    /// killed process's would.
+    #[must_use]
+    pub fn aborted(&self) -> CancellationToken {
+        self.abort.clone()
+    }
+
     /// Stops as a killed process would, as far as peers can tell: connections in flight are
     /// cut at once instead of given [`STOP_GRACE`]. For failover tests in one process.
     pub async fn abort(&self) {

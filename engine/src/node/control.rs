@@ -5,10 +5,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::StreamExt;
+
 use kvwire_grpc::glue::{self, Handler, MessageLimits, ResponseFuture, Routes};
 use kvwire_grpc::pb::engine::{
-    CancelRequest, CancelResponse, DrainRequest, DrainResponse, InfoRequest, InfoResponse,
-    PrefillRequest, SetRoleRequest, SetRoleResponse, WatchBlocksRequest, path,
+    CancelRequest, CancelResponse, DrainRequest, DrainResponse, GenerateRequest, InfoRequest,
+    InfoResponse, PrefillRequest, SetRoleRequest, SetRoleResponse, WatchBlocksRequest, path,
 };
 use kvwire_grpc::{KV_FORMAT_V1, KvReceiver};
 use tonic::Status;
@@ -16,6 +18,7 @@ use tonic::body::Body;
 
 use super::blocks::BlockFeed;
 use super::config::Role;
+use super::generate::Generator;
 use super::prefill::PrefillService;
 use super::state::NodeState;
 use crate::net::authz::{ANY, Table};
@@ -28,6 +31,7 @@ pub const POLICY: Table = &[
     (path::DRAIN, &[PeerRole::Gateway, PeerRole::Admin]),
     (path::WATCH_BLOCKS, &[PeerRole::Gateway, PeerRole::Admin]),
     (path::SET_ROLE, &[PeerRole::Gateway, PeerRole::Admin]),
+    (path::GENERATE, &[PeerRole::Gateway, PeerRole::Admin]),
     (path::INFO, ANY),
 ];
 
@@ -54,6 +58,7 @@ pub struct EngineControl {
     prefill: Option<Arc<PrefillService>>,
     receiver: Option<Arc<KvReceiver>>,
     feed: Option<Arc<BlockFeed>>,
+    generator: Option<Arc<Generator>>,
 }
 
 impl Routes for EngineControl {
@@ -65,6 +70,7 @@ impl Routes for EngineControl {
         (path::DRAIN, Self::drain),
         (path::WATCH_BLOCKS, Self::watch_blocks),
         (path::SET_ROLE, Self::set_role),
+        (path::GENERATE, Self::generate),
     ];
 }
 
@@ -82,7 +88,45 @@ impl EngineControl {
             prefill,
             receiver,
             feed: None,
+            generator: None,
         }
+    }
+
+    /// The same service answering Generate with `generator` (decode roles).
+    #[must_use]
+    pub fn with_generator(mut self, generator: Option<Arc<Generator>>) -> Self {
+        self.generator = generator;
+        self
+    }
+
+    fn generate(self: &Arc<Self>, req: http::Request<Body>) -> ResponseFuture {
+        let me = Arc::clone(self);
+        // The request carries its prompt's token ids: tonic's 4 MiB, as Prefill.
+        glue::serve_server_streaming(
+            req,
+            MessageLimits::default(),
+            move |m: GenerateRequest| async move {
+                let Some(g) = &me.generator else {
+                    return Err(Status::failed_precondition(format!(
+                        "worker {} has no decode role",
+                        me.state.id()
+                    )));
+                };
+                tracing::Span::current().record("tl.worker", me.state.id());
+                // The decode, a child of the call's span, open until its stream ends.
+                let span = tracing::info_span!(
+                    "engine.decode",
+                    otel.kind = "internal",
+                    tl.worker = me.state.id(),
+                    kv.handle_id = m.resume.as_ref().map_or("", |r| r.handle_id.as_str()),
+                );
+                let started = span.in_scope(|| g.start(m))?;
+                Ok(started.into_stream().map(move |e| {
+                    let _decode = &span;
+                    e
+                }))
+            },
+        )
     }
 
     /// The same service streaming `feed` on WatchBlocks (decode roles).

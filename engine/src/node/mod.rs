@@ -4,10 +4,11 @@
 //! |---|---|---|
 //! | shared state: id, role, engine thread handle, drain | every role | [`state`] |
 //! | the step thread | every role | [`runner`] |
-//! | EngineControl (Prefill, Info, Cancel, Drain) | every role | [`control`] |
+//! | EngineControl (Prefill, Generate, Info, Cancel, Drain, WatchBlocks, SetRole) | every role | [`control`] |
 //! | the prefill service | prefill, both | [`prefill`] |
 //! | the KV receiver (KvTransfer) over the pool | decode, both | [`store`], `kvwire_grpc` |
-//! | the decode front (`/v1/completions`) | decode, both | [`front`] |
+//! | Generate: a request's tokens, resuming a pushed handle or colocated | decode, both | [`generate`] |
+//! | the decode front (`/v1/completions`), a client of the same generator | decode, both | [`front`] |
 //! | the heartbeat | when a registry is configured | [`heartbeat`] |
 //! | the registration on etcd | when the registry is on etcd | [`registrar`] |
 //! | WatchBlocks: the blocks this engine holds, as a stream | decode, both | [`blocks`] |
@@ -17,6 +18,7 @@ pub mod blocks;
 pub mod config;
 pub mod control;
 pub mod front;
+pub mod generate;
 pub mod heartbeat;
 pub mod prefill;
 pub mod registrar;
@@ -324,8 +326,18 @@ impl EngineNode {
                 Duration::from_millis(limits.push_idle_ms.max(1)),
             ))
         });
-        let control =
-            EngineControl::new(Arc::clone(&state), prefill, receiver.clone()).with_feed(feed);
+        // Requests decoded here, over Generate and the HTTP front alike.
+        let generator = receiver.clone().map(|rx| {
+            Arc::new(generate::Generator::new(
+                Arc::clone(&state),
+                rx,
+                limits.http_max_inflight.max(1),
+                life.aborted(),
+            ))
+        });
+        let control = EngineControl::new(Arc::clone(&state), prefill, receiver.clone())
+            .with_feed(feed)
+            .with_generator(generator.clone());
         let svc = Dispatch::new(Arc::new(control))
             .with_auth(RolePolicy::for_service::<EngineControl>(control::POLICY).when(mtls));
         let advertise = &cfg.engine.advertise_address;
@@ -366,7 +378,7 @@ impl EngineNode {
             grpc: advertised(grpc, advertise)?,
             ..Addresses::default()
         };
-        if let (Some(rx), Some(kv)) = (receiver.clone(), kv_svc) {
+        if let (Some(rx), Some(kv), Some(generator)) = (receiver.clone(), kv_svc, &generator) {
             let kv = kv
                 .into_service()
                 .with_auth(RolePolicy::for_service::<KvTransferService>(KV_POLICY).when(mtls));
@@ -382,11 +394,7 @@ impl EngineNode {
                 Arc::clone(&rx),
                 life.token().clone(),
             ));
-            let front = Arc::new(DecodeFront::new(
-                Arc::clone(&state),
-                rx,
-                limits.http_max_inflight.max(1),
-            ));
+            let front = Arc::new(DecodeFront::new(Arc::clone(&state), Arc::clone(generator)));
             let policy = HttpPolicy {
                 roles: front::POLICY,
                 mtls,

@@ -299,3 +299,34 @@ pub fn etcd_installed() {
     }
     assert!(found(), "etcd-server installed but `etcd --version` fails");
 }
+
+/// Resumes the Prefill answer `h` for `prompt` over the decode engine's Generate at `grpc` (its
+/// EngineControl address), as a gateway does, sampling with `t`, `top_p`, `top_k` from the
+/// handle's seed: the whole answer, or the refusal.
+pub async fn resume(
+    grpc: &str,
+    prompt: &[u32],
+    h: &kvwire_grpc::pb::engine::KvHandle,
+    (t, top_p, top_k): (f32, f32, u32),
+    max_tokens: u32,
+) -> Result<tl_engine::node::generate::Collected, tonic::Status> {
+    use kvwire_grpc::pb::engine::{GenerateRequest, Resume, SamplingParams};
+    let req = GenerateRequest {
+        prompt_tokens: prompt.to_vec(),
+        sampling: Some(SamplingParams {
+            temperature: t,
+            top_p,
+            top_k,
+            seed: Some(h.seed),
+            max_tokens,
+        }),
+        resume: Some(Resume {
+            handle_id: h.handle_id.clone(),
+            first_token: h.first_token,
+            rng_draws_consumed: h.rng_draws_consumed,
+        }),
+        ..GenerateRequest::default()
+    };
+    let ctl = tl_engine::net::clients::ControlClient::new(grpc)?;
+    tl_engine::node::generate::collect(ctl.generate(req).await?).await
+}

@@ -534,7 +534,6 @@ async fn run_trace(
                 temperature: Some(1.0),
                 ..GenerationParams::default()
             },
-            tl_resume: None,
         };
         let body = serde_json::to_vec(&req)?;
         let addr = targets[i % targets.len()].clone();

@@ -187,7 +187,6 @@ async fn load(addr: &str, a: &ServeArgs) -> Result<serde_json::Value, BenchError
                         logprobs: a.logprobs.map(LogprobsField::Count),
                         ..GenerationParams::default()
                     },
-                    tl_resume: None,
                 };
                 let body = serde_json::to_vec(&req).unwrap_or_default();
                 let res = one_streamed(&http, &addr, body)

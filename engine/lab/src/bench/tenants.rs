@@ -87,7 +87,6 @@ fn body(prompt: Vec<u32>, max_tokens: u32, n: u32, seed: u64) -> Vec<u8> {
             n: Some(n),
             ..GenerationParams::default()
         },
-        tl_resume: None,
     };
     serde_json::to_vec(&req).unwrap_or_default()
 }

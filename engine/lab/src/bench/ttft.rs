@@ -53,7 +53,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
     use kvwire_grpc::pb::kv::HasBlocksRequest;
     use kvwire_grpc::{GrpcTransport, KvStore, KvTransport, TransportConfig};
 
-    use tl_engine::net::clients::HttpClient;
+    use kvwire_grpc::pb::engine::{GenerateRequest, Resume, SamplingParams};
     use tl_engine::node::EngineNode;
     use tl_engine::node::config::{Config, Role};
     use tl_engine::node::store::PoolStore;
@@ -204,22 +204,25 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         }
         let first = out.first_token;
         drop(out);
-        let body = serde_json::json!({
-            "prompt": prompt, "max_tokens": 2, "seed": 1, "tl_resume": { "first_token": first, "rng_draws_consumed": 0 },
-        });
+        // The decode engine resumes the handle over Generate, as a gateway does.
         let t = Instant::now();
-        let r = HttpClient::default()
-            .post(
-                &d.addresses().http,
-                "/v1/completions",
-                &[("x-tl-kv-handle", "ttft")],
-                body.to_string(),
-            )
-            .await?;
+        let ctl = tl_engine::net::clients::ControlClient::new(&d.addresses().grpc)?;
+        let request = GenerateRequest {
+            prompt_tokens: prompt.clone(),
+            sampling: Some(SamplingParams {
+                seed: Some(1),
+                max_tokens: 2,
+                ..SamplingParams::default()
+            }),
+            resume: Some(Resume {
+                handle_id: "ttft".into(),
+                first_token: first,
+                rng_draws_consumed: 0,
+            }),
+            ..GenerateRequest::default()
+        };
+        tl_engine::node::generate::collect(ctl.generate(request).await?).await?;
         let resume = t.elapsed();
-        if r.status != 200 {
-            return Err(format!("resume answered {}", r.status).into());
-        }
         // The same prompt through a prefill engine's Prefill RPC, the push after the prefill
         // (serial) and overlapping it (pipelined). Each uses a prompt the decode side does not
         // hold (the tokens shifted), so every block moves. Each round times colocated, serial
