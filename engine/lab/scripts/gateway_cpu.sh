@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The gateway's CPU per streamed token: `tl gateway` and 1 prefill + 2 decode `tl engine`s as
+# The gateway's CPU per streamed token (and the two decode engines'): `tl gateway` and 1 prefill + 2 decode `tl engine`s as
 # processes on loopback (the fake model, no simulated cost, so the engines are never the
 # bound), loaded by `tl bench serve --target`; the gateway's user+system time from /proc over
 # the tokens the clients received.
@@ -43,20 +43,25 @@ sleep 1.5 # two heartbeats: every engine listed
 # A warm-up, then the measured load.
 "$TL" bench serve --json --target "$http" --requests 32 --clients "$CLIENTS" \
   --max-tokens "$MAX_TOKENS" --short-tokens 16 --long-fraction 0 >/dev/null
+decoders() { echo $(( $(cpu_ticks "$(cat "$dir/D1.pid")") + $(cpu_ticks "$(cat "$dir/D2.pid")") )); }
 before=$(cpu_ticks "$gw_pid")
+d_before=$(decoders)
 t0=$(date +%s.%N)
 out=$("$TL" bench serve --json --target "$http" --requests "$REQUESTS" --clients "$CLIENTS" \
   --max-tokens "$MAX_TOKENS" --short-tokens 16 --long-fraction 0)
 t1=$(date +%s.%N)
 after=$(cpu_ticks "$gw_pid")
+d_after=$(decoders)
 hz=$(getconf CLK_TCK)
-python3 - "$out" "$before" "$after" "$hz" "$t0" "$t1" "$REQUESTS" "$MAX_TOKENS" <<'PY'
+python3 - "$out" "$before" "$after" "$hz" "$t0" "$t1" "$REQUESTS" "$MAX_TOKENS" "$d_before" "$d_after" <<'PY'
 import json, sys
 out = json.loads(sys.argv[1]); before, after, hz = map(float, sys.argv[2:5]); t0, t1 = map(float, sys.argv[5:7])
 requests, max_tokens = int(sys.argv[7]), int(sys.argv[8])
+d_cpu = (float(sys.argv[10]) - float(sys.argv[9])) / hz
 tokens = requests * max_tokens
 cpu = (after - before) / hz
 print(json.dumps({"gateway_cpu_s": round(cpu, 3), "tokens": tokens, "wall_s": round(t1 - t0, 3),
                   "gateway_cpu_us_per_token": round(cpu / tokens * 1e6, 2),
-                  "gateway_cores": round(cpu / (t1 - t0), 3), "load": out}))
+                  "gateway_cores": round(cpu / (t1 - t0), 3),
+                  "decode_engines_cpu_us_per_token": round(d_cpu / tokens * 1e6, 2), "load": out}))
 PY
