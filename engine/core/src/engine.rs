@@ -619,6 +619,16 @@ impl Engine {
     pub fn step(&mut self) -> (Vec<StepEvent>, StepStats) {
         let mut events = Vec::new();
         let mut stats = StepStats::default();
+        self.decode_running(&mut events, &mut stats);
+        if stats.preempted == 0 {
+            self.prefill_waiting(&mut events, &mut stats);
+        }
+        (events, stats)
+    }
+
+    /// The step's decode: every sequence running before it, in one model pass; a request that
+    /// finds no block pauses (counted in `stats.preempted`) at the head of the queue.
+    fn decode_running(&mut self, events: &mut Vec<StepEvent>, stats: &mut StepStats) {
         let mut batch = Vec::with_capacity(self.running.len());
         for mut seq in std::mem::take(&mut self.running) {
             if !seq.announce {
@@ -627,7 +637,7 @@ impl Engine {
             }
             seq.announce = false;
             let group = seq.group;
-            match self.open_resumed(seq, &mut events) {
+            match self.open_resumed(seq, events) {
                 Ok(choices) => batch.extend(choices),
                 Err(error) => events.push(StepEvent::Failed { seq: group, error }),
             }
@@ -734,10 +744,11 @@ impl Engine {
         for seq in preempted.into_iter().rev() {
             self.waiting.push_front(seq);
         }
-        if stats.preempted > 0 {
-            return (events, stats);
-        }
+    }
 
+    /// The step's prefill: the waiting requests the [`Scheduler`] admits, within what the
+    /// step's token budget leaves after its decodes.
+    fn prefill_waiting(&mut self, events: &mut Vec<StepEvent>, stats: &mut StepStats) {
         // Chunked prefill: what the step's token budget leaves after its decodes (at least a
         // block, so a prompt always advances). Without a budget a prompt is prefilled whole.
         let b = self.model.shape().block_tokens() as usize;
@@ -746,10 +757,10 @@ impl Engine {
             .max_step_tokens
             .map(|t| t.saturating_sub(stats.decoded).max(b));
         if let Some(p) = self.partial.take() {
-            self.advance(p, &mut left, &mut stats, &mut events);
+            self.advance(p, &mut left, stats, events);
             if self.partial.is_some() {
                 // Still prefilling: first come, first served, nothing behind it goes ahead.
-                return (events, stats);
+                return;
             }
         }
         let admitted = self.scheduler.admit(self.waiting.iter().map(Seq::fill_len));
@@ -794,7 +805,7 @@ impl Engine {
                         written: reused,
                         reused,
                     };
-                    self.advance(p, &mut left, &mut stats, &mut events);
+                    self.advance(p, &mut left, stats, events);
                     if self.partial.is_some() {
                         break;
                     }
@@ -805,7 +816,6 @@ impl Engine {
                 }),
             }
         }
-        (events, stats)
     }
 
     /// Whether `seq`'s next decode step starts a block.

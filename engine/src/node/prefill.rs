@@ -16,7 +16,7 @@ use kvwire_grpc::pb::engine::{DecodeHolds, KvHandle, PrefillRequest};
 use kvwire_grpc::{
     BlockId, GrpcTransport, KvStore, KvTransport, Push, TransferError, TransferStats,
 };
-use tl_engine_core::engine::{Mode, PrefillProgress, Request, SeqError};
+use tl_engine_core::engine::{Mode, PrefillOutput, PrefillProgress, Request, SeqError};
 use tl_engine_core::pool::{Blocks, PoolError, SharedKv};
 use tl_engine_core::request::{Limits, Params, RequestError};
 use tl_engine_core::rng::entropy_seed;
@@ -340,142 +340,15 @@ impl PrefillService {
             known: req.decode_holds.clone(),
         };
         let started = std::time::Instant::now();
-        let cancelled_status =
-            || Status::cancelled(format!("request {} was cancelled", req.request_id));
-
         // Whatever ends this call early (a failure, a cancel, the client going away) drops the
         // prefill's output and the push: the blocks' references go, the stream is reset, and
         // the decode side undoes what it imported.
-        let (output, moved) = if self.pipelined {
-            let feed = Arc::new(Feed::new(runner.pool().clone()));
-            let blocks = feed.tx.subscribe();
-            // The feed (and its references) lives until this call returns: the push may still
-            // be sending blocks after the sequence has left the engine.
-            let (key, mut events) = runner.submit_observed(request, Some(feed.clone()));
-            // The compute (submit to first token) and the push (HasBlocks to ack) overlap:
-            // two sibling spans under the call's own.
-            let mut computing = Some(tracing::info_span!(
-                "engine.prefill",
-                otel.kind = "internal",
-                tl.worker = self.state.id(),
-                prompt_tokens = req.prompt_tokens.len()
-            ));
-            let transfer = transfer_span(&handle_id, self.state.id());
-            // On the data-plane runtime, holding the feed (and so its blocks) while it runs.
-            let mut push = {
-                let (span, feed) = (transfer.clone(), Arc::clone(&feed));
-                self.on_data(async move {
-                    let _feed = feed;
-                    let push = job.push(n_blocks);
-                    kvwire_grpc::transfer_streaming(
-                        &*job.transport,
-                        Arc::clone(&job.store),
-                        push,
-                        blocks,
-                    )
-                    .instrument(span)
-                    .await
-                })
-            };
-            let (mut output, mut moved) = (None, None);
-            let ended: Result<(), Status> = loop {
-                if output.is_some() && moved.is_some() {
-                    break Ok(());
-                }
-                tokio::select! {
-                    ev = events.recv(), if output.is_none() => match prefill_event(ev) {
-                        Some(Ok(out)) => {
-                            computing = None;
-                            output = Some(out);
-                        }
-                        Some(Err(e)) => break Err(e),
-                        None => {}
-                    },
-                    r = &mut push, if moved.is_none() => match r {
-                        Ok(stats) => {
-                            record_transfer(&transfer, Ok(&stats));
-                            moved = Some(stats);
-                        }
-                        Err(e) => {
-                            record_transfer(&transfer, Err(e.code()));
-                            // The decode side refused: no reason to go on computing.
-                            runner.cancel(key);
-                            break Err(transfer_status(e));
-                        }
-                    },
-                    _ = &mut cancelled => {
-                        runner.cancel(key);
-                        break Err(cancelled_status());
-                    }
-                }
-            };
-            drop(computing);
-            if let Err(e) = ended {
-                // A failed push is answered once the engine thread has let the sequence go, so
-                // the caller sees the pool as it was; the stream is reset first (the decode side
-                // undoes what it imported). A cancel is not waited for: nobody is listening,
-                // and the blocks come back when the thread next reads its commands.
-                push.stop().await;
-                if e.code() != Code::Cancelled {
-                    settle(&mut events).await;
-                }
-                tracing::warn!(
-                    request_id = %req.request_id,
-                    handle_id = %handle_id,
-                    worker_id = %self.state.id(),
-                    code = ?e.code(),
-                    error = %e.message(),
-                    "prefill failed"
-                );
-                if moved.is_some() {
-                    // The push completed before the prefill failed or was cancelled: the decode
-                    // side holds a handle nobody will claim. Release it now rather than at the
-                    // end of its lease.
-                    self.release_abandoned(&req.decode_target, &handle_id);
-                }
-                return Err(e);
-            }
-            (output, moved)
+        let (output, stats) = if self.pipelined {
+            self.pipelined(&req, request, job, n_blocks, &mut cancelled)
+                .await?
         } else {
-            let (key, mut events) = runner.submit(request);
-            let mut output = loop {
-                tokio::select! {
-                    ev = events.recv() => match prefill_event(ev) {
-                        Some(Ok(out)) => break out,
-                        Some(Err(e)) => return Err(e),
-                        None => {}
-                    },
-                    _ = &mut cancelled => {
-                        runner.cancel(key);
-                        return Err(cancelled_status());
-                    }
-                }
-            };
-            // The push owns the prefill's block references until it ends.
-            let held = std::mem::replace(
-                &mut output.blocks,
-                Blocks::new(runner.pool().clone(), Vec::new()),
-            );
-            let job = PushJob {
-                hashes: output.hashes.clone(),
-                ..job
-            };
-            let mut push = self.on_data(async move {
-                let push = job.push(held.len());
-                kvwire_grpc::transfer(&*job.transport, Arc::clone(&job.store), push, held.ids())
-                    .await
-            });
-            let moved = tokio::select! {
-                r = &mut push => r,
-                _ = &mut cancelled => {
-                    push.stop().await;
-                    return Err(cancelled_status());
-                }
-            };
-            (Some(output), Some(moved.map_err(transfer_status)?))
-        };
-        let (Some(output), Some(stats)) = (output, moved) else {
-            return Err(Status::internal("prefill ended without output"));
+            self.serial(&req.request_id, request, job, &mut cancelled)
+                .await?
         };
         debug_assert_eq!(output.hashes, hashes);
         self.metrics.push_sent(
@@ -506,6 +379,158 @@ impl PrefillService {
             payload_bytes: stats.payload_bytes,
             kv_format: stats.kv_format,
         })
+    }
+
+    /// The prefill with each block pushed as soon as it is written: the compute and the push
+    /// overlap, each under a span of its own.
+    async fn pipelined(
+        &self,
+        req: &PrefillRequest,
+        request: Request,
+        job: PushJob,
+        n_blocks: usize,
+        cancelled: &mut oneshot::Receiver<()>,
+    ) -> Result<(PrefillOutput, TransferStats), Status> {
+        let runner = self.state.runner();
+        let handle_id = job.handle_id.clone();
+        let feed = Arc::new(Feed::new(runner.pool().clone()));
+        let blocks = feed.tx.subscribe();
+        // The feed (and its references) lives until this call returns: the push may still
+        // be sending blocks after the sequence has left the engine.
+        let (key, mut events) = runner.submit_observed(request, Some(feed.clone()));
+        // The compute (submit to first token) and the push (HasBlocks to ack) overlap:
+        // two sibling spans under the call's own.
+        let mut computing = Some(tracing::info_span!(
+            "engine.prefill",
+            otel.kind = "internal",
+            tl.worker = self.state.id(),
+            prompt_tokens = req.prompt_tokens.len()
+        ));
+        let transfer = transfer_span(&handle_id, self.state.id());
+        // On the data-plane runtime, holding the feed (and so its blocks) while it runs.
+        let mut push = {
+            let (span, feed) = (transfer.clone(), Arc::clone(&feed));
+            self.on_data(async move {
+                let _feed = feed;
+                let push = job.push(n_blocks);
+                kvwire_grpc::transfer_streaming(
+                    &*job.transport,
+                    Arc::clone(&job.store),
+                    push,
+                    blocks,
+                )
+                .instrument(span)
+                .await
+            })
+        };
+        let (mut output, mut moved) = (None, None);
+        let ended: Result<(), Status> = loop {
+            if output.is_some() && moved.is_some() {
+                break Ok(());
+            }
+            tokio::select! {
+                ev = events.recv(), if output.is_none() => match prefill_event(ev) {
+                    Some(Ok(out)) => {
+                        computing = None;
+                        output = Some(out);
+                    }
+                    Some(Err(e)) => break Err(e),
+                    None => {}
+                },
+                r = &mut push, if moved.is_none() => match r {
+                    Ok(stats) => {
+                        record_transfer(&transfer, Ok(&stats));
+                        moved = Some(stats);
+                    }
+                    Err(e) => {
+                        record_transfer(&transfer, Err(e.code()));
+                        // The decode side refused: no reason to go on computing.
+                        runner.cancel(key);
+                        break Err(transfer_status(e));
+                    }
+                },
+                _ = &mut *cancelled => {
+                    runner.cancel(key);
+                    break Err(cancelled_status(&req.request_id));
+                }
+            }
+        };
+        drop(computing);
+        match (ended, output, moved) {
+            (Ok(()), Some(output), Some(stats)) => Ok((output, stats)),
+            (Ok(()), ..) => Err(Status::internal("prefill ended without output")),
+            (Err(e), _, moved) => {
+                // A failed push is answered once the engine thread has let the sequence go, so
+                // the caller sees the pool as it was; the stream is reset first (the decode side
+                // undoes what it imported). A cancel is not waited for: nobody is listening,
+                // and the blocks come back when the thread next reads its commands.
+                push.stop().await;
+                if e.code() != Code::Cancelled {
+                    settle(&mut events).await;
+                }
+                tracing::warn!(
+                    request_id = %req.request_id,
+                    handle_id = %handle_id,
+                    worker_id = %self.state.id(),
+                    code = ?e.code(),
+                    error = %e.message(),
+                    "prefill failed"
+                );
+                if moved.is_some() {
+                    // The push completed before the prefill failed or was cancelled: the decode
+                    // side holds a handle nobody will claim. Release it now rather than at the
+                    // end of its lease.
+                    self.release_abandoned(&req.decode_target, &handle_id);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The prefill, then the push of its blocks.
+    async fn serial(
+        &self,
+        request_id: &str,
+        request: Request,
+        job: PushJob,
+        cancelled: &mut oneshot::Receiver<()>,
+    ) -> Result<(PrefillOutput, TransferStats), Status> {
+        let runner = self.state.runner();
+        let (key, mut events) = runner.submit(request);
+        let mut output = loop {
+            tokio::select! {
+                ev = events.recv() => match prefill_event(ev) {
+                    Some(Ok(out)) => break out,
+                    Some(Err(e)) => return Err(e),
+                    None => {}
+                },
+                _ = &mut *cancelled => {
+                    runner.cancel(key);
+                    return Err(cancelled_status(request_id));
+                }
+            }
+        };
+        // The push owns the prefill's block references until it ends.
+        let held = std::mem::replace(
+            &mut output.blocks,
+            Blocks::new(runner.pool().clone(), Vec::new()),
+        );
+        let job = PushJob {
+            hashes: output.hashes.clone(),
+            ..job
+        };
+        let mut push = self.on_data(async move {
+            let push = job.push(held.len());
+            kvwire_grpc::transfer(&*job.transport, Arc::clone(&job.store), push, held.ids()).await
+        });
+        let moved = tokio::select! {
+            r = &mut push => r,
+            _ = &mut *cancelled => {
+                push.stop().await;
+                return Err(cancelled_status(request_id));
+            }
+        };
+        Ok((output, moved.map_err(transfer_status)?))
     }
 
     /// `push` as a task on the data-plane runtime.
@@ -553,6 +578,11 @@ async fn settle(events: &mut tmpsc::UnboundedReceiver<SeqEvent>) {
 
 /// What one engine event means to a Prefill: its output, its failure, or nothing yet (the
 /// pipelined and the plain Prefill read the engine's events through this one function).
+/// The answer to a Prefill that was cancelled.
+fn cancelled_status(request_id: &str) -> Status {
+    Status::cancelled(format!("request {request_id} was cancelled"))
+}
+
 fn prefill_event(
     ev: Option<SeqEvent>,
 ) -> Option<Result<tl_engine_core::engine::PrefillOutput, Status>> {
