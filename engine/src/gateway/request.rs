@@ -356,20 +356,7 @@ impl Driver<'_> {
                 prompt,
                 exclude,
                 model,
-            } => {
-                let (g, tx, scope) = (Arc::clone(self.g), self.events.clone(), self.scope);
-                let need = self.need;
-                self.tasks.spawn(
-                    async move {
-                        let plan = g
-                            .plan_for(&prompt, scope, &exclude, model.as_deref(), need)
-                            .await;
-                        let plan = Box::new(plan);
-                        let _ = tx.send(SessionEvent::Planned { lane, plan }).await;
-                    }
-                    .in_current_span(),
-                );
-            }
+            } => self.plan(lane, prompt, exclude, model),
             Action::Routed { reason } => {
                 self.g
                     .metrics
@@ -383,71 +370,25 @@ impl Driver<'_> {
                 prefill,
                 decode,
                 request,
-            } => {
-                let Ok(ctl) = self.g.upstream.control(&prefill.grpc_address) else {
-                    return Some(SessionEvent::PrefillFailed {
-                        lane,
-                        failure: PrefillFailure::Unreachable,
-                    });
-                };
-                // Counted from the Prefill until the lane's stream ends, so routing between
-                // heartbeats sees every stream this gateway runs.
-                self.counted
-                    .insert(lane, self.g.routed.enter(&decode.worker_id));
-                // And on its prefill engine until the Prefill answers, so the next plans spread
-                // a burst over the prefill engines before their next beat.
-                self.prefilling
-                    .insert(lane, self.g.routed.enter(&prefill.worker_id));
-                self.pushed_to.insert(lane, decode);
-                let tx = self.events.clone();
-                let deadline = Duration::from_millis(self.g.cfg.prefill_timeout_ms.max(1));
-                self.tasks.spawn(
-                    async move {
-                        // A stalled prefill engine (stopped, partitioned, overloaded) holds the
-                        // request no longer than this: dropping the call resets its stream, and
-                        // the engine drops the prefill and its push.
-                        let answer = tokio::time::timeout(deadline, ctl.prefill(request)).await;
-                        let e = match answer {
-                            Err(_) => SessionEvent::PrefillFailed {
-                                lane,
-                                failure: PrefillFailure::TimedOut,
-                            },
-                            Ok(Ok(handle)) => SessionEvent::Prefilled { lane, handle },
-                            Ok(Err(s)) => SessionEvent::PrefillFailed {
-                                lane,
-                                failure: PrefillFailure::Status {
-                                    code: s.code(),
-                                    message: s.message().to_owned(),
-                                },
-                            },
-                        };
-                        let _ = tx.send(e).await;
-                    }
-                    .in_current_span(),
-                );
-            }
+            } => return self.prefill(lane, &prefill, decode, request),
             Action::Resume {
                 lane,
                 decode,
                 request,
                 quiet,
-            } => {
-                self.lane_task(lane, async move |g, tx| {
-                    let opened = tokio::time::timeout(
-                        quiet,
-                        g.upstream.generate(&decode.grpc_address, request),
-                    )
-                    .await;
-                    let events = match opened {
-                        Ok(Ok(events)) => events,
-                        Ok(Err(_)) => return lost(&tx, lane, LossCause::Reset).await,
-                        Err(_) => return lost(&tx, lane, LossCause::Stall).await,
-                    };
-                    if tx.send(SessionEvent::Opened { lane }).await.is_ok() {
-                        relay(events, &tx, lane, quiet).await;
-                    }
-                });
-            }
+            } => self.lane_task(lane, async move |g, tx| {
+                let opened =
+                    tokio::time::timeout(quiet, g.upstream.generate(&decode.grpc_address, request))
+                        .await;
+                let events = match opened {
+                    Ok(Ok(events)) => events,
+                    Ok(Err(_)) => return lost(&tx, lane, LossCause::Reset).await,
+                    Err(_) => return lost(&tx, lane, LossCause::Stall).await,
+                };
+                if tx.send(SessionEvent::Opened { lane }).await.is_ok() {
+                    relay(events, &tx, lane, quiet).await;
+                }
+            }),
             Action::Colocated {
                 lane,
                 target,
@@ -462,50 +403,11 @@ impl Driver<'_> {
                     colocated(&g, &target, request, &tx, lane, quiet).await;
                 });
             }
-            Action::Wait { lane, pause } => {
-                // Nothing of the lane's last try is counted anywhere now.
-                self.counted.remove(&lane);
-                self.prefilling.remove(&lane);
-                let (g, tx, slot) = (
-                    Arc::clone(self.g),
-                    self.events.clone(),
-                    Arc::clone(&self.place),
-                );
-                let (mut ticket, tokens) = (self.ticket, self.need.prompt);
-                self.tasks.spawn(
-                    async move {
-                        let old = slot
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .take();
-                        let again = match old {
-                            Some(p) => Some((p, pause)),
-                            None => {
-                                tokio::time::sleep(pause).await;
-                                None
-                            }
-                        };
-                        let event = match g.place(&mut ticket, tokens, again).await {
-                            Ok(p) => {
-                                *slot
-                                    .lock()
-                                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(p);
-                                SessionEvent::Placed { lane }
-                            }
-                            Err(error) => SessionEvent::Unplaced { lane, error },
-                        };
-                        let _ = tx.send(event).await;
-                    }
-                    .in_current_span(),
-                );
-            }
+            Action::Wait { lane, pause } => self.wait(lane, pause),
             Action::Emit(o) => {
                 if matches!(o, Out::Start { .. }) {
                     // The answer starts: its prefill is over, and its place goes to the next.
-                    self.place
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .take();
+                    self.take_place();
                 }
                 if self.out.send(o).await.is_err() {
                     return Some(SessionEvent::ClientGone);
@@ -556,27 +458,141 @@ impl Driver<'_> {
                 );
             }
             Action::Failover { cause, resumed } => {
+                let outcome = if resumed {
+                    crate::telemetry::metrics::FailoverOutcome::Resumed
+                } else {
+                    crate::telemetry::metrics::FailoverOutcome::GaveUp
+                };
                 self.g
                     .metrics
                     .failovers
-                    .get_or_create(&crate::telemetry::metrics::FailoverLabels {
-                        cause,
-                        outcome: if resumed {
-                            crate::telemetry::metrics::FailoverOutcome::Resumed
-                        } else {
-                            crate::telemetry::metrics::FailoverOutcome::GaveUp
-                        },
-                    })
+                    .get_or_create(&crate::telemetry::metrics::FailoverLabels { cause, outcome })
                     .inc();
             }
-            Action::Finish => {
-                self.place
+            Action::Finish => self.take_place(),
+        }
+        None
+    }
+
+    /// Gives the request's place on the prefill engines back, if it holds one.
+    fn take_place(&self) {
+        self.place
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+    }
+
+    /// [`Action::Plan`]: the planner runs as a task of the request's.
+    fn plan(
+        &mut self,
+        lane: LaneId,
+        prompt: Vec<u32>,
+        exclude: Vec<String>,
+        model: Option<String>,
+    ) {
+        let (g, tx, scope) = (Arc::clone(self.g), self.events.clone(), self.scope);
+        let need = self.need;
+        self.tasks.spawn(
+            async move {
+                let plan = g
+                    .plan_for(&prompt, scope, &exclude, model.as_deref(), need)
+                    .await;
+                let plan = Box::new(plan);
+                let _ = tx.send(SessionEvent::Planned { lane, plan }).await;
+            }
+            .in_current_span(),
+        );
+    }
+
+    /// [`Action::Prefill`]: the call as a task, bounded by `prefill_timeout_ms`.
+    fn prefill(
+        &mut self,
+        lane: LaneId,
+        prefill: &WorkerStatus,
+        decode: WorkerStatus,
+        request: kvwire_grpc::pb::engine::PrefillRequest,
+    ) -> Option<SessionEvent> {
+        let Ok(ctl) = self.g.upstream.control(&prefill.grpc_address) else {
+            return Some(SessionEvent::PrefillFailed {
+                lane,
+                failure: PrefillFailure::Unreachable,
+            });
+        };
+        // Counted from the Prefill until the lane's stream ends, so routing between
+        // heartbeats sees every stream this gateway runs.
+        self.counted
+            .insert(lane, self.g.routed.enter(&decode.worker_id));
+        // And on its prefill engine until the Prefill answers, so the next plans spread
+        // a burst over the prefill engines before their next beat.
+        self.prefilling
+            .insert(lane, self.g.routed.enter(&prefill.worker_id));
+        self.pushed_to.insert(lane, decode);
+        let tx = self.events.clone();
+        let deadline = Duration::from_millis(self.g.cfg.prefill_timeout_ms.max(1));
+        self.tasks.spawn(
+            async move {
+                // A stalled prefill engine (stopped, partitioned, overloaded) holds the
+                // request no longer than this: dropping the call resets its stream, and
+                // the engine drops the prefill and its push.
+                let answer = tokio::time::timeout(deadline, ctl.prefill(request)).await;
+                let e = match answer {
+                    Err(_) => SessionEvent::PrefillFailed {
+                        lane,
+                        failure: PrefillFailure::TimedOut,
+                    },
+                    Ok(Ok(handle)) => SessionEvent::Prefilled { lane, handle },
+                    Ok(Err(s)) => SessionEvent::PrefillFailed {
+                        lane,
+                        failure: PrefillFailure::Status {
+                            code: s.code(),
+                            message: s.message().to_owned(),
+                        },
+                    },
+                };
+                let _ = tx.send(e).await;
+            }
+            .in_current_span(),
+        );
+        None
+    }
+
+    /// [`Action::Wait`]: nothing of the lane's last try is counted anywhere now; a task waits
+    /// for the next place at the request's old turn.
+    fn wait(&mut self, lane: LaneId, pause: Duration) {
+        self.counted.remove(&lane);
+        self.prefilling.remove(&lane);
+        let (g, tx, slot) = (
+            Arc::clone(self.g),
+            self.events.clone(),
+            Arc::clone(&self.place),
+        );
+        let (mut ticket, tokens) = (self.ticket, self.need.prompt);
+        self.tasks.spawn(
+            async move {
+                let old = slot
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .take();
+                let again = match old {
+                    Some(p) => Some((p, pause)),
+                    None => {
+                        tokio::time::sleep(pause).await;
+                        None
+                    }
+                };
+                let event = match g.place(&mut ticket, tokens, again).await {
+                    Ok(p) => {
+                        *slot
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(p);
+                        SessionEvent::Placed { lane }
+                    }
+                    Err(error) => SessionEvent::Unplaced { lane, error },
+                };
+                let _ = tx.send(event).await;
             }
-        }
-        None
+            .in_current_span(),
+        );
     }
 }
 
