@@ -198,6 +198,202 @@ fn rebind(listener: tokio::net::TcpListener) -> std::io::Result<tokio::net::TcpL
     tokio::net::TcpListener::from_std(listener.into_std()?)
 }
 
+/// A decode engine's KV receiver over `pool`, within `cfg`'s limits.
+fn receiver_for(
+    cfg: &Config,
+    pool: &tl_engine_core::pool::SharedKv,
+    model: &Arc<dyn tl_engine_core::model::Model>,
+) -> Arc<KvReceiver> {
+    let limits = &cfg.limits;
+    let shape = model.shape();
+    let reserve = limits.reserve(cfg.pool.n_blocks);
+    let store: Arc<dyn KvStore> = Arc::new(PoolStore(pool.clone(), reserve));
+    let max_blocks = cfg.model.max_context.div_ceil(shape.block_tokens());
+    let rl = ReceiverLimits {
+        max_pushes: limits.max_pushes.max(1),
+        max_blocks,
+        max_pending_handles: limits.max_pending_handles.max(1),
+        // One prefill identity takes at most half of each, unless configured.
+        max_pushes_per_peer: match limits.max_pushes_per_peer {
+            0 => (limits.max_pushes / 2).max(1),
+            n => n,
+        },
+        max_pending_per_peer: match limits.max_pending_per_peer {
+            0 => (limits.max_pending_handles / 2).max(1),
+            n => n,
+        },
+    };
+    Arc::new(
+        KvReceiver::new(store, model.name().to_owned())
+            .with_limits(rl)
+            .with_lease(Duration::from_millis(limits.handle_lease_ms.max(1))),
+    )
+}
+
+/// The engine's metrics, with the pool's and the receiver's figures read at each scrape.
+fn node_metrics(
+    pool: &tl_engine_core::pool::SharedKv,
+    state: &NodeState,
+    receiver: Option<&Arc<KvReceiver>>,
+) -> SharedMetrics {
+    let metrics: SharedMetrics = Arc::new(Metrics::new());
+    {
+        let pool = pool.clone();
+        let load = state.runner().load().clone();
+        metrics.on_scrape(move |m| {
+            let c = pool.counts();
+            m.set_pool(c.free, c.used, c.cached);
+            Metrics::catch_up(&m.preemptions, load.preemptions());
+        });
+    }
+    if let Some(rx) = receiver.cloned() {
+        metrics.on_scrape(move |m| {
+            let s = rx.stats();
+            m.kv_handles_pending.set(s.pending as i64);
+            Metrics::catch_up(&m.kv_handle_leases_expired, s.leases_expired);
+        });
+    }
+    metrics
+}
+
+/// A prefill engine's service, pushing to servers that prove they decode.
+fn prefill_service(
+    cfg: &Config,
+    tls: Option<&Tls>,
+    state: &Arc<NodeState>,
+    metrics: &SharedMetrics,
+) -> std::io::Result<Arc<PrefillService>> {
+    let limits = &cfg.limits;
+    let shape = state.runner().model().shape();
+    let push_connect = tls
+        .map(|t| {
+            t.connect(
+                crate::net::dial::DECODE_TARGET,
+                TransportConfig::for_envelope(0).connect_timeout,
+            )
+        })
+        .transpose()
+        .map_err(|e| invalid(&e))?;
+    let mut tc = TransportConfig::for_envelope(shape.envelope_len(1).unwrap_or(usize::MAX / 2));
+    tc.max_channels = limits.max_peer_channels.max(1);
+    tc.keepalive = Some((
+        Duration::from_millis(limits.keepalive_ms.max(1)),
+        Duration::from_millis(limits.keepalive_timeout_ms.max(1)),
+    ));
+    let transport = GrpcTransport::new(tc).with_connector(push_connect);
+    Ok(Arc::new(PrefillService::new(
+        Arc::clone(state),
+        transport,
+        cfg.engine.push_while_prefilling,
+        Arc::clone(metrics),
+    )))
+}
+
+/// Refuses an etcd whose auth is off when it answers now; one that does not answer yet is
+/// checked again before the first registration.
+async fn etcd_auth_is_on(cfg: &Config, tls: Option<&Tls>) -> std::io::Result<()> {
+    let etcd = crate::etcd::Etcd::new(&cfg.registry.etcd_endpoints, tls, Duration::from_secs(2))
+        .map_err(|e| invalid(&e))?;
+    let keys = crate::etcd::Keys::new(&cfg.registry.prefix);
+    match crate::etcd::auth::is_on(&etcd, &keys).await {
+        Ok(true) => {}
+        Ok(false) => {
+            let s = crate::etcd::auth::off_refused(&etcd.endpoints());
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                s.message().to_owned(),
+            ));
+        }
+        Err(e) => {
+            tracing::warn!(code = ?e.code(), error = e.message(), "etcd did not answer at start; its auth is checked again before registering");
+        }
+    }
+    Ok(())
+}
+
+/// A decode engine's KvTransfer over `rx`, its imports on a lane of their own when configured.
+fn kv_service(
+    cfg: &Config,
+    rx: &Arc<KvReceiver>,
+    metrics: &SharedMetrics,
+) -> std::io::Result<KvTransferService> {
+    let kv = KvTransferService::with_limits(Arc::clone(rx), cfg.limits.service()).observed(
+        Arc::new(KvObserver(Arc::clone(metrics), cfg.engine.id.clone())),
+    );
+    Ok(if cfg.engine.import_threads > 0 {
+        kv.with_import_lane(import_lane(
+            cfg.engine.import_threads,
+            cfg.engine.import_nice,
+        )?)
+    } else {
+        kv
+    })
+}
+
+/// What a decode engine serves besides EngineControl: KvTransfer on `kv_listen`, and the HTTP
+/// front on `http_listen`.
+struct Decode<'a> {
+    state: &'a Arc<NodeState>,
+    receiver: Arc<KvReceiver>,
+    kv: KvTransferService,
+    generator: Arc<generate::Generator>,
+    metrics: &'a SharedMetrics,
+}
+
+impl Decode<'_> {
+    /// Serves both; returns their advertised addresses (KvTransfer, HTTP).
+    async fn serve(
+        self,
+        life: &Lifecycle,
+        cfg: &Config,
+        tls: Option<&Tls>,
+    ) -> std::io::Result<(String, String)> {
+        let (limits, mtls) = (&cfg.limits, tls.is_some());
+        let advertise = &cfg.engine.advertise_address;
+        let server_tls = |alpn: &[u8]| {
+            tls.map(|t| t.server_config(&[alpn]))
+                .transpose()
+                .map_err(invalid)
+        };
+        let kv = self
+            .kv
+            .into_service()
+            .with_auth(RolePolicy::for_service::<KvTransferService>(KV_POLICY).when(mtls));
+        let kv = serve_grpc(
+            life,
+            bind(&cfg.engine.kv_listen).await?,
+            kv,
+            server_tls(b"h2")?,
+            limits.h2(),
+        )?;
+        life.spawn(kvwire_grpc::server::sweep_leases(
+            self.receiver,
+            life.token().clone(),
+        ));
+        let front = Arc::new(DecodeFront::new(Arc::clone(self.state), self.generator));
+        let policy = HttpPolicy {
+            roles: front::POLICY,
+            mtls,
+        };
+        let app = front
+            .router()
+            .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
+            .layer(axum::middleware::from_fn_with_state(
+                Arc::clone(self.metrics),
+                metrics::count_requests,
+            ))
+            .layer(axum::middleware::from_fn_with_state(policy, require_roles));
+        let http = serve_http(
+            life,
+            bind(&cfg.engine.http_listen).await?,
+            app,
+            server_tls(b"http/1.1")?,
+            limits.http(),
+        )?;
+        Ok((advertised(kv, advertise)?, advertised(http, advertise)?))
+    }
+}
+
 impl EngineNode {
     /// Starts an engine as `cfg` says: the engine thread, then what its role builds.
     ///
@@ -232,31 +428,7 @@ impl EngineNode {
         let (runner, thread) = Runner::start(engine)?;
         let role = cfg.engine.role;
         let limits = &cfg.limits;
-        let shape = model.shape();
-        let receiver = role.decodes().then(|| {
-            let reserve = limits.reserve(cfg.pool.n_blocks);
-            let store: Arc<dyn KvStore> = Arc::new(PoolStore(pool.clone(), reserve));
-            let max_blocks = cfg.model.max_context.div_ceil(shape.block_tokens());
-            let rl = ReceiverLimits {
-                max_pushes: limits.max_pushes.max(1),
-                max_blocks,
-                max_pending_handles: limits.max_pending_handles.max(1),
-                // One prefill identity takes at most half of each, unless configured.
-                max_pushes_per_peer: match limits.max_pushes_per_peer {
-                    0 => (limits.max_pushes / 2).max(1),
-                    n => n,
-                },
-                max_pending_per_peer: match limits.max_pending_per_peer {
-                    0 => (limits.max_pending_handles / 2).max(1),
-                    n => n,
-                },
-            };
-            Arc::new(
-                KvReceiver::new(store, model.name().to_owned())
-                    .with_limits(rl)
-                    .with_lease(Duration::from_millis(limits.handle_lease_ms.max(1))),
-            )
-        });
+        let receiver = role.decodes().then(|| receiver_for(cfg, &pool, &model));
         let state = Arc::new(NodeState::new(
             cfg.engine.id.clone(),
             role,
@@ -271,51 +443,13 @@ impl EngineNode {
         let control_rt =
             ControlRuntime::start(cfg.engine.control_threads, cfg.engine.control_realtime)?;
         let ctl = control_rt.as_ref();
-        let metrics: SharedMetrics = Arc::new(Metrics::new());
-        {
-            let pool = pool.clone();
-            let load = state.runner().load().clone();
-            metrics.on_scrape(move |m| {
-                let c = pool.counts();
-                m.set_pool(c.free, c.used, c.cached);
-                Metrics::catch_up(&m.preemptions, load.preemptions());
-            });
-        }
-        if let Some(rx) = receiver.clone() {
-            metrics.on_scrape(move |m| {
-                let s = rx.stats();
-                m.kv_handles_pending.set(s.pending as i64);
-                Metrics::catch_up(&m.kv_handle_leases_expired, s.leases_expired);
-            });
-        }
+        let metrics = node_metrics(&pool, &state, receiver.as_ref());
 
-        // A push goes only to a server that proves it decodes.
-        let push_connect = match &tls {
-            Some(t) if role.prefills() => Some(
-                t.connect(
-                    crate::net::dial::DECODE_TARGET,
-                    TransportConfig::for_envelope(0).connect_timeout,
-                )
-                .map_err(|e| invalid(&e))?,
-            ),
-            _ => None,
+        let prefill = if role.prefills() {
+            Some(prefill_service(cfg, tls.as_ref(), &state, &metrics)?)
+        } else {
+            None
         };
-        let prefill = role.prefills().then(|| {
-            let mut tc =
-                TransportConfig::for_envelope(shape.envelope_len(1).unwrap_or(usize::MAX / 2));
-            tc.max_channels = limits.max_peer_channels.max(1);
-            tc.keepalive = Some((
-                Duration::from_millis(limits.keepalive_ms.max(1)),
-                Duration::from_millis(limits.keepalive_timeout_ms.max(1)),
-            ));
-            let transport = GrpcTransport::new(tc).with_connector(push_connect);
-            Arc::new(PrefillService::new(
-                Arc::clone(&state),
-                transport,
-                cfg.engine.push_while_prefilling,
-                Arc::clone(&metrics),
-            ))
-        });
 
         // Gateways route from each decode engine's index as it streams it (WatchBlocks).
         let feed = role.decodes().then(|| {
@@ -347,22 +481,10 @@ impl EngineNode {
         // A decode engine's KvTransfer, and its HasBlocks and Release also on the control
         // port, answered on the control threads: a lookup never waits for a core an import
         // holds (the gateway hands this address to prefill engines as decode_lookup).
-        let kv_svc = match receiver.clone() {
-            Some(rx) => {
-                let mut kv =
-                    KvTransferService::with_limits(Arc::clone(&rx), limits.service()).observed(
-                        Arc::new(KvObserver(Arc::clone(&metrics), cfg.engine.id.clone())),
-                    );
-                if cfg.engine.import_threads > 0 {
-                    kv = kv.with_import_lane(import_lane(
-                        cfg.engine.import_threads,
-                        cfg.engine.import_nice,
-                    )?);
-                }
-                Some(kv)
-            }
-            None => None,
-        };
+        let kv_svc = receiver
+            .as_ref()
+            .map(|rx| kv_service(cfg, rx, &metrics))
+            .transpose()?;
         let lookups = kv_svc.as_ref().map(|kv| {
             kv.lookups()
                 .into_service()
@@ -379,124 +501,24 @@ impl EngineNode {
             ..Addresses::default()
         };
         if let (Some(rx), Some(kv), Some(generator)) = (receiver.clone(), kv_svc, &generator) {
-            let kv = kv
-                .into_service()
-                .with_auth(RolePolicy::for_service::<KvTransferService>(KV_POLICY).when(mtls));
-            let kv = serve_grpc(
-                &life,
-                bind(&cfg.engine.kv_listen).await?,
+            let decode = Decode {
+                state: &state,
+                receiver: rx,
                 kv,
-                server_tls(b"h2")?,
-                h2,
-            )?;
-            addrs.kv = advertised(kv, advertise)?;
-            life.spawn(kvwire_grpc::server::sweep_leases(
-                Arc::clone(&rx),
-                life.token().clone(),
-            ));
-            let front = Arc::new(DecodeFront::new(Arc::clone(&state), Arc::clone(generator)));
-            let policy = HttpPolicy {
-                roles: front::POLICY,
-                mtls,
+                generator: Arc::clone(generator),
+                metrics: &metrics,
             };
-            let app = front
-                .router()
-                .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
-                .layer(axum::middleware::from_fn_with_state(
-                    Arc::clone(&metrics),
-                    metrics::count_requests,
-                ))
-                .layer(axum::middleware::from_fn_with_state(policy, require_roles));
-            let http = serve_http(
-                &life,
-                bind(&cfg.engine.http_listen).await?,
-                app,
-                server_tls(b"http/1.1")?,
-                limits.http(),
-            )?;
-            addrs.http = advertised(http, advertise)?;
+            (addrs.kv, addrs.http) = decode.serve(&life, cfg, tls.as_ref()).await?;
         }
         // An etcd whose auth is off is refused at start when it answers now; one that does not
         // answer yet is checked again before the first registration.
         if cfg.registry.on_etcd() && !cfg.registry.allow_no_auth {
-            let etcd = crate::etcd::Etcd::new(
-                &cfg.registry.etcd_endpoints,
-                tls.as_ref(),
-                Duration::from_secs(2),
-            )
-            .map_err(|e| invalid(&e))?;
-            let keys = crate::etcd::Keys::new(&cfg.registry.prefix);
-            match crate::etcd::auth::is_on(&etcd, &keys).await {
-                Ok(true) => {}
-                Ok(false) => {
-                    let s = crate::etcd::auth::off_refused(&etcd.endpoints());
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::PermissionDenied,
-                        s.message().to_owned(),
-                    ));
-                }
-                Err(e) => {
-                    tracing::warn!(code = ?e.code(), error = e.message(), "etcd did not answer at start; its auth is checked again before registering");
-                }
-            }
+            etcd_auth_is_on(cfg, tls.as_ref()).await?;
         }
         // The heartbeat and the registry's client (its channel's task too) on the control
         // runtime: a beat is never late because the data plane's workers are busy.
-        let on_etcd = on_control(ctl, || -> std::io::Result<_> {
-            let mut on_etcd = None;
-            if cfg.registry.on_etcd() {
-                let ms = cfg.engine.heartbeat_ms;
-                let interval = Duration::from_millis(u64::from(ms));
-                let timeout = interval.clamp(Duration::from_millis(500), Duration::from_secs(2));
-                let etcd = Arc::new(
-                    crate::etcd::Etcd::new(&cfg.registry.etcd_endpoints, tls.as_ref(), timeout)
-                        .map_err(|e| invalid(&e))?,
-                );
-                let keys = crate::etcd::Keys::new(&cfg.registry.prefix);
-                {
-                    let s = Arc::clone(&state);
-                    life.spawn(crate::etcd::drain::watch_drain(
-                        Arc::clone(&etcd),
-                        keys.clone(),
-                        cfg.engine.id.clone(),
-                        move || s.start_drain(),
-                        life.token().clone(),
-                    ));
-                }
-                let registry = Arc::new(
-                    registrar::EtcdRegistrar::new(etcd, keys, ms)
-                        .allow_no_auth(cfg.registry.allow_no_auth),
-                );
-                on_etcd = Some(Arc::clone(&registry));
-                let target = cfg.registry.etcd_endpoints.join(",");
-                let hb = Arc::new(Heartbeat::new(registry, timeout).named(&target));
-                state.awaits_registration(&target);
-                self::start_heartbeat(
-                    &life, &state, &metrics, &addrs, hb, cfg, limits, role, &shape,
-                );
-            } else if !cfg.engine.gateway_registry.is_empty() {
-                let ms = cfg.engine.heartbeat_ms;
-                let interval = Duration::from_millis(u64::from(ms));
-                let timeout = interval.clamp(Duration::from_millis(100), Duration::from_secs(2));
-                // The registry must prove it is a gateway: a worker's certificate cannot drain us.
-                let registry = match &tls {
-                    Some(t) => RegistryClient::with_connector(
-                        &cfg.engine.gateway_registry,
-                        timeout,
-                        &t.connect(crate::net::dial::REGISTRY, timeout)
-                            .map_err(|e| invalid(&e))?,
-                    ),
-                    None => RegistryClient::new(&cfg.engine.gateway_registry, timeout),
-                }
-                .map_err(|s| invalid(s.message()))?;
-                let hb =
-                    Arc::new(Heartbeat::new(registry, timeout).named(&cfg.engine.gateway_registry));
-                state.awaits_registration(&cfg.engine.gateway_registry);
-                self::start_heartbeat(
-                    &life, &state, &metrics, &addrs, hb, cfg, limits, role, &shape,
-                );
-            }
-            Ok(on_etcd)
+        let on_etcd = on_control(ctl, || {
+            register(&life, &state, &metrics, &addrs, cfg, tls.as_ref())
         })?;
         let metrics_listener = serve_http(
             &life,
@@ -631,9 +653,68 @@ fn import_lane(threads: usize, nice: i32) -> std::io::Result<kvwire_grpc::Import
     })
 }
 
+/// Registers the engine where `cfg` says, beating on the current runtime: on etcd (the
+/// registrar is returned, to leave at shutdown), or to a gateway's registry, or nowhere.
+fn register(
+    life: &Lifecycle,
+    state: &Arc<NodeState>,
+    metrics: &SharedMetrics,
+    addrs: &Addresses,
+    cfg: &Config,
+    tls: Option<&Tls>,
+) -> std::io::Result<Option<Arc<registrar::EtcdRegistrar>>> {
+    let mut on_etcd = None;
+    if cfg.registry.on_etcd() {
+        let ms = cfg.engine.heartbeat_ms;
+        let interval = Duration::from_millis(u64::from(ms));
+        let timeout = interval.clamp(Duration::from_millis(500), Duration::from_secs(2));
+        let etcd = Arc::new(
+            crate::etcd::Etcd::new(&cfg.registry.etcd_endpoints, tls, timeout)
+                .map_err(|e| invalid(&e))?,
+        );
+        let keys = crate::etcd::Keys::new(&cfg.registry.prefix);
+        {
+            let s = Arc::clone(state);
+            life.spawn(crate::etcd::drain::watch_drain(
+                Arc::clone(&etcd),
+                keys.clone(),
+                cfg.engine.id.clone(),
+                move || s.start_drain(),
+                life.token().clone(),
+            ));
+        }
+        let registry = Arc::new(
+            registrar::EtcdRegistrar::new(etcd, keys, ms).allow_no_auth(cfg.registry.allow_no_auth),
+        );
+        on_etcd = Some(Arc::clone(&registry));
+        let target = cfg.registry.etcd_endpoints.join(",");
+        let hb = Arc::new(Heartbeat::new(registry, timeout).named(&target));
+        state.awaits_registration(&target);
+        self::start_heartbeat(life, state, metrics, addrs, hb, cfg);
+    } else if !cfg.engine.gateway_registry.is_empty() {
+        let ms = cfg.engine.heartbeat_ms;
+        let interval = Duration::from_millis(u64::from(ms));
+        let timeout = interval.clamp(Duration::from_millis(100), Duration::from_secs(2));
+        // The registry must prove it is a gateway: a worker's certificate cannot drain us.
+        let registry = match tls {
+            Some(t) => RegistryClient::with_connector(
+                &cfg.engine.gateway_registry,
+                timeout,
+                &t.connect(crate::net::dial::REGISTRY, timeout)
+                    .map_err(|e| invalid(&e))?,
+            ),
+            None => RegistryClient::new(&cfg.engine.gateway_registry, timeout),
+        }
+        .map_err(|s| invalid(s.message()))?;
+        let hb = Arc::new(Heartbeat::new(registry, timeout).named(&cfg.engine.gateway_registry));
+        state.awaits_registration(&cfg.engine.gateway_registry);
+        self::start_heartbeat(life, state, metrics, addrs, hb, cfg);
+    }
+    Ok(on_etcd)
+}
+
 /// Beats to `hb`'s registry for the life of the node, with the node's live status; the
 /// heartbeat's failures are counted in the node's metrics.
-#[allow(clippy::too_many_arguments)] // The node's parts, passed once at start.
 fn start_heartbeat<R: heartbeat::Registry>(
     life: &Lifecycle,
     state: &Arc<NodeState>,
@@ -641,10 +722,9 @@ fn start_heartbeat<R: heartbeat::Registry>(
     addrs: &Addresses,
     hb: Arc<Heartbeat<R>>,
     cfg: &Config,
-    limits: &crate::net::limits::LimitsSection,
-    role: config::Role,
-    shape: &kvwire::Shape,
 ) {
+    let (limits, role) = (&cfg.limits, cfg.engine.role);
+    let shape = &state.runner().model().shape();
     let ms = cfg.engine.heartbeat_ms;
     let interval = Duration::from_millis(u64::from(ms));
     {
