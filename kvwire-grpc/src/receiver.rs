@@ -669,6 +669,30 @@ pub struct PushState {
     ack: KvAck,
 }
 
+/// The chunk's identity: its tokens must be what its hash says, chained from `parent_hash`
+/// (the hash is only an index, but a sender that names a block by one set of tokens and hashes
+/// another is broken).
+fn check_identity(rx: &KvReceiver, chunk: &KvChunk, parent_hash: u64) -> Result<(), RecvError> {
+    let index = chunk.index;
+    let b = rx.block_tokens as usize;
+    if chunk.tokens.len() > b {
+        return Err(RecvError::Invalid(format!(
+            "chunk {index}: {} tokens in one block of {b}",
+            chunk.tokens.len()
+        )));
+    }
+    if chunk.hash != 0
+        && chunk.tokens.len() == b
+        && block_hash(parent_hash, &chunk.tokens) != chunk.hash
+    {
+        return Err(RecvError::Invalid(format!(
+            "chunk {index}: hash {:#018x} is not the hash of its tokens",
+            chunk.hash
+        )));
+    }
+    Ok(())
+}
+
 impl PushState {
     /// Applies the receiver rules to one chunk, in the contract's order, and imports or
     /// references its block.
@@ -679,8 +703,32 @@ impl PushState {
         let rx = Arc::clone(&self.rx);
         // Rule 1: format and model.
         rx.check_format(chunk.kv_format, &chunk.model)?;
+        self.check_place(&rx, &chunk)?;
+        check_identity(&rx, &chunk, self.hashes.last().copied().unwrap_or(0))?;
+        let key = BlockKey {
+            scope: self.scope,
+            hash: chunk.hash,
+            tokens: &chunk.tokens,
+            parent: self.ids.last().copied(),
+        };
+        if chunk.payload.is_empty() {
+            self.reference(&rx, &chunk, key)?;
+        } else {
+            self.import(&rx, &chunk, key)?;
+        }
+        if chunk.tokens.is_empty() {
+            self.prompt = None;
+        } else if let Some(p) = &mut self.prompt {
+            p.extend_from_slice(&chunk.tokens);
+        }
+        self.hashes.push(chunk.hash);
+        self.next += 1;
+        Ok(())
+    }
 
-        // Rule 2: handle, order, total.
+    /// Rule 2: the chunk's handle (the first one opens the push, within the receiver's
+    /// bounds), its order, its total and its scope.
+    fn check_place(&mut self, rx: &KvReceiver, chunk: &KvChunk) -> Result<(), RecvError> {
         match &self.handle {
             None => {
                 if chunk.handle_id.is_empty() {
@@ -748,118 +796,101 @@ impl PushState {
                 "chunk {index}: cache_scope changed within the push"
             )));
         }
-        // The identity: the chunk's tokens must be what its hash says, chained from the
-        // previous chunk's (the hash is only an index, but a sender that names a block by one
-        // set of tokens and hashes another is broken).
-        let parent_hash = self.hashes.last().copied().unwrap_or(0);
-        let parent = self.ids.last().copied();
-        let b = rx.block_tokens as usize;
-        if chunk.tokens.len() > b {
-            return Err(RecvError::Invalid(format!(
-                "chunk {index}: {} tokens in one block of {b}",
-                chunk.tokens.len()
-            )));
-        }
-        if chunk.hash != 0
-            && chunk.tokens.len() == b
-            && block_hash(parent_hash, &chunk.tokens) != chunk.hash
-        {
-            return Err(RecvError::Invalid(format!(
-                "chunk {index}: hash {:#018x} is not the hash of its tokens",
-                chunk.hash
-            )));
-        }
-        let key = BlockKey {
-            scope: self.scope,
-            hash: chunk.hash,
-            tokens: &chunk.tokens,
-            parent,
-        };
+        Ok(())
+    }
 
-        if chunk.payload.is_empty() {
-            // Rule 4: an empty payload names a block the receiver said it holds.
-            if chunk.hash == 0 {
-                return Err(RecvError::Invalid(format!(
-                    "chunk {index}: empty payload with hash 0"
-                )));
-            }
-            // Deduplicated only onto the block with these very tokens after the same chain, in
-            // this scope: a colliding hash, another tenant's block, or no tokens at all are
-            // "not held", and the sender resends every payload.
-            let id = rx.store.take_ref(key).ok_or(RecvError::Gone {
+    /// Rule 4: an empty payload names a block the receiver said it holds.
+    fn reference(
+        &mut self,
+        rx: &KvReceiver,
+        chunk: &KvChunk,
+        key: BlockKey<'_>,
+    ) -> Result<(), RecvError> {
+        let index = chunk.index;
+        if chunk.hash == 0 {
+            return Err(RecvError::Invalid(format!(
+                "chunk {index}: empty payload with hash 0"
+            )));
+        }
+        // Deduplicated only onto the block with these very tokens after the same chain, in
+        // this scope: a colliding hash, another tenant's block, or no tokens at all are
+        // "not held", and the sender resends every payload.
+        let id = rx.store.take_ref(key).ok_or(RecvError::Gone {
+            index,
+            hash: chunk.hash,
+        })?;
+        self.ids.push(id);
+        self.imported.push(false);
+        self.tokens += u64::from(rx.block_tokens);
+        self.ack.blocks_deduped += 1;
+        Ok(())
+    }
+
+    /// Rules 3 and 5: the payload in full, then its import.
+    fn import(
+        &mut self,
+        rx: &KvReceiver,
+        chunk: &KvChunk,
+        key: BlockKey<'_>,
+    ) -> Result<(), RecvError> {
+        let index = chunk.index;
+        // Rule 3: the payload in full, always. One CRC pass: it must equal the chunk's CRC,
+        // and (being over a whole envelope) the residue, which proves the trailer.
+        let actual = crc32c(&chunk.payload);
+        if actual != chunk.payload_crc32c {
+            return Err(RecvError::Checksum {
                 index,
-                hash: chunk.hash,
+                stated: chunk.payload_crc32c,
+                actual,
+            });
+        }
+        let env = rx
+            .reader
+            .read_with_crc(&chunk.payload, actual)
+            .map_err(|error| RecvError::Envelope { index, error })?;
+        if env.n_blocks() != 1 {
+            return Err(RecvError::Invalid(format!(
+                "chunk {index}: {} blocks in the envelope, not 1",
+                env.n_blocks()
+            )));
+        }
+        let Some(rec) = env.records().next() else {
+            return Err(RecvError::Invalid(format!("chunk {index}: no record")));
+        };
+        if rec.hash != 0 && rec.hash != chunk.hash {
+            return Err(RecvError::Invalid(format!(
+                "chunk {index}: envelope hash {:#018x} differs from chunk hash {:#018x}",
+                rec.hash, chunk.hash
+            )));
+        }
+        if chunk.hash != 0 && rec.n_tokens < rx.block_tokens {
+            return Err(RecvError::Invalid(format!(
+                "chunk {index}: hash on a partial block (fill {})",
+                rec.n_tokens
+            )));
+        }
+        if !chunk.tokens.is_empty() && chunk.tokens.len() != rec.n_tokens as usize {
+            return Err(RecvError::Invalid(format!(
+                "chunk {index}: {} tokens for a block of fill {}",
+                chunk.tokens.len(),
+                rec.n_tokens
+            )));
+        }
+        // Rule 5: import. A full block sent with envelope hash 0 is registered under the
+        // chunk's hash.
+        let name = if rec.hash != 0 { rec.hash } else { chunk.hash };
+        let id = rx
+            .store
+            .import(BlockKey { hash: name, ..key }, rec.n_tokens, rec.payload)
+            .map_err(|error| match error {
+                StoreError::Exhausted => RecvError::Exhausted { index },
+                error => RecvError::Store { index, error },
             })?;
-            self.ids.push(id);
-            self.imported.push(false);
-            self.tokens += u64::from(rx.block_tokens);
-            self.ack.blocks_deduped += 1;
-        } else {
-            // Rule 3: the payload in full, always. One CRC pass: it must equal the chunk's CRC,
-            // and (being over a whole envelope) the residue, which proves the trailer.
-            let actual = crc32c(&chunk.payload);
-            if actual != chunk.payload_crc32c {
-                return Err(RecvError::Checksum {
-                    index,
-                    stated: chunk.payload_crc32c,
-                    actual,
-                });
-            }
-            let env = rx
-                .reader
-                .read_with_crc(&chunk.payload, actual)
-                .map_err(|error| RecvError::Envelope { index, error })?;
-            if env.n_blocks() != 1 {
-                return Err(RecvError::Invalid(format!(
-                    "chunk {index}: {} blocks in the envelope, not 1",
-                    env.n_blocks()
-                )));
-            }
-            let Some(rec) = env.records().next() else {
-                return Err(RecvError::Invalid(format!("chunk {index}: no record")));
-            };
-            if rec.hash != 0 && rec.hash != chunk.hash {
-                return Err(RecvError::Invalid(format!(
-                    "chunk {index}: envelope hash {:#018x} differs from chunk hash {:#018x}",
-                    rec.hash, chunk.hash
-                )));
-            }
-            if chunk.hash != 0 && rec.n_tokens < rx.block_tokens {
-                return Err(RecvError::Invalid(format!(
-                    "chunk {index}: hash on a partial block (fill {})",
-                    rec.n_tokens
-                )));
-            }
-            if !chunk.tokens.is_empty() && chunk.tokens.len() != rec.n_tokens as usize {
-                return Err(RecvError::Invalid(format!(
-                    "chunk {index}: {} tokens for a block of fill {}",
-                    chunk.tokens.len(),
-                    rec.n_tokens
-                )));
-            }
-            // Rule 5: import. A full block sent with envelope hash 0 is registered under the
-            // chunk's hash.
-            let name = if rec.hash != 0 { rec.hash } else { chunk.hash };
-            let id = rx
-                .store
-                .import(BlockKey { hash: name, ..key }, rec.n_tokens, rec.payload)
-                .map_err(|error| match error {
-                    StoreError::Exhausted => RecvError::Exhausted { index },
-                    error => RecvError::Store { index, error },
-                })?;
-            self.ids.push(id);
-            self.imported.push(true);
-            self.tokens += u64::from(rec.n_tokens);
-            self.ack.blocks_received += 1;
-            self.ack.payload_bytes += chunk.payload.len() as u64;
-        }
-        if chunk.tokens.is_empty() {
-            self.prompt = None;
-        } else if let Some(p) = &mut self.prompt {
-            p.extend_from_slice(&chunk.tokens);
-        }
-        self.hashes.push(chunk.hash);
-        self.next += 1;
+        self.ids.push(id);
+        self.imported.push(true);
+        self.tokens += u64::from(rec.n_tokens);
+        self.ack.blocks_received += 1;
+        self.ack.payload_bytes += chunk.payload.len() as u64;
         Ok(())
     }
 
