@@ -210,6 +210,142 @@ fn ids(v: Option<&serde_json::Value>) -> Vec<u32> {
     }
 }
 
+/// RoPE's scaling from `rope_scaling`: none, `default`, or `llama3` with its four figures.
+fn rope_of(scaling: Option<&serde_json::Value>) -> Result<Rope, CheckpointError> {
+    Ok(match scaling {
+        None | Some(serde_json::Value::Null) => Rope::Default,
+        Some(v) => {
+            let kind = v
+                .get("rope_type")
+                .or_else(|| v.get("type"))
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or("");
+            let num = |k: &str| v.get(k).and_then(serde_json::Value::as_f64);
+            match kind {
+                "default" => Rope::Default,
+                "llama3" => {
+                    let (Some(factor), Some(low), Some(high), Some(orig)) = (
+                        num("factor"),
+                        num("low_freq_factor"),
+                        num("high_freq_factor"),
+                        num("original_max_position_embeddings"),
+                    ) else {
+                        return Err(unsupported(
+                            "rope_scaling",
+                            v,
+                            "llama3 needs factor, low_freq_factor, high_freq_factor and \
+                             original_max_position_embeddings",
+                        ));
+                    };
+                    if factor <= 0.0 || low <= 0.0 || high <= low || orig <= 0.0 {
+                        return Err(unsupported(
+                            "rope_scaling",
+                            v,
+                            "llama3 needs positive figures with high_freq_factor > \
+                             low_freq_factor",
+                        ));
+                    }
+                    Rope::Llama3 {
+                        factor,
+                        low_freq_factor: low,
+                        high_freq_factor: high,
+                        original_max_position_embeddings: orig,
+                    }
+                }
+                other => {
+                    return Err(unsupported(
+                        "rope_scaling.rope_type",
+                        format!("{other:?}"),
+                        "served: default, llama3",
+                    ));
+                }
+            }
+        }
+    })
+}
+
+/// The attention's widths (heads, KV heads, head size), each bounded, with every matrix the
+/// forward pass allocates.
+fn dims_of(raw: &Raw) -> Result<(usize, usize, usize), CheckpointError> {
+    let heads = raw.num_attention_heads;
+    let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
+    for (field, v) in [
+        ("hidden_size", raw.hidden_size),
+        ("intermediate_size", raw.intermediate_size),
+        ("num_hidden_layers", raw.num_hidden_layers),
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", kv_heads),
+        ("vocab_size", raw.vocab_size),
+    ] {
+        if v == 0 || v > 1 << 24 {
+            return Err(unsupported(field, v, "must be 1 to 2^24"));
+        }
+    }
+    if !heads.is_multiple_of(kv_heads) {
+        return Err(unsupported(
+            "num_key_value_heads",
+            kv_heads,
+            &format!("must divide num_attention_heads ({heads})"),
+        ));
+    }
+    let head_dim = match raw.head_dim {
+        Some(d) => d,
+        None if raw.hidden_size.is_multiple_of(heads) => raw.hidden_size / heads,
+        None => {
+            return Err(unsupported(
+                "num_attention_heads",
+                heads,
+                &format!(
+                    "must divide hidden_size ({}) when head_dim is not given",
+                    raw.hidden_size
+                ),
+            ));
+        }
+    };
+    if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > MAX_HEAD_DIM {
+        return Err(unsupported(
+            "head_dim",
+            head_dim,
+            &format!("must be even, 2 to {MAX_HEAD_DIM}"),
+        ));
+    }
+    // Every width the forward pass allocates, bounded: Q's and K/V's rows, and the largest
+    // matrices.
+    for (field, v, what) in [
+        (
+            "num_attention_heads",
+            heads.checked_mul(head_dim),
+            "heads x head_dim",
+        ),
+        (
+            "num_key_value_heads",
+            kv_heads.checked_mul(head_dim),
+            "kv heads x head_dim",
+        ),
+    ] {
+        if v.is_none_or(|v| v > 1 << 20) {
+            return Err(unsupported(
+                field,
+                format!("{heads} x {head_dim}"),
+                &format!("{what} must be at most 2^20"),
+            ));
+        }
+    }
+    for (field, a, b) in [
+        ("vocab_size", raw.vocab_size, raw.hidden_size),
+        ("intermediate_size", raw.intermediate_size, raw.hidden_size),
+    ] {
+        if a.checked_mul(b).is_none_or(|v| v > MAX_MATRIX) {
+            return Err(unsupported(
+                field,
+                a,
+                &format!("{field} x hidden_size must be at most 2^34 weights"),
+            ));
+        }
+    }
+    Ok((heads, kv_heads, head_dim))
+}
+
 impl LlamaConfig {
     /// Parses and validates `config.json`'s text (`path` names it in errors).
     ///
@@ -253,82 +389,7 @@ impl LlamaConfig {
                 "sliding-window attention is not served",
             ));
         }
-        let heads = raw.num_attention_heads;
-        let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
-        for (field, v) in [
-            ("hidden_size", raw.hidden_size),
-            ("intermediate_size", raw.intermediate_size),
-            ("num_hidden_layers", raw.num_hidden_layers),
-            ("num_attention_heads", heads),
-            ("num_key_value_heads", kv_heads),
-            ("vocab_size", raw.vocab_size),
-        ] {
-            if v == 0 || v > 1 << 24 {
-                return Err(unsupported(field, v, "must be 1 to 2^24"));
-            }
-        }
-        if !heads.is_multiple_of(kv_heads) {
-            return Err(unsupported(
-                "num_key_value_heads",
-                kv_heads,
-                &format!("must divide num_attention_heads ({heads})"),
-            ));
-        }
-        let head_dim = match raw.head_dim {
-            Some(d) => d,
-            None if raw.hidden_size.is_multiple_of(heads) => raw.hidden_size / heads,
-            None => {
-                return Err(unsupported(
-                    "num_attention_heads",
-                    heads,
-                    &format!(
-                        "must divide hidden_size ({}) when head_dim is not given",
-                        raw.hidden_size
-                    ),
-                ));
-            }
-        };
-        if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > MAX_HEAD_DIM {
-            return Err(unsupported(
-                "head_dim",
-                head_dim,
-                &format!("must be even, 2 to {MAX_HEAD_DIM}"),
-            ));
-        }
-        // Every width the forward pass allocates, bounded: Q's and K/V's rows, and the largest
-        // matrices.
-        for (field, v, what) in [
-            (
-                "num_attention_heads",
-                heads.checked_mul(head_dim),
-                "heads x head_dim",
-            ),
-            (
-                "num_key_value_heads",
-                kv_heads.checked_mul(head_dim),
-                "kv heads x head_dim",
-            ),
-        ] {
-            if v.is_none_or(|v| v > 1 << 20) {
-                return Err(unsupported(
-                    field,
-                    format!("{heads} x {head_dim}"),
-                    &format!("{what} must be at most 2^20"),
-                ));
-            }
-        }
-        for (field, a, b) in [
-            ("vocab_size", raw.vocab_size, raw.hidden_size),
-            ("intermediate_size", raw.intermediate_size, raw.hidden_size),
-        ] {
-            if a.checked_mul(b).is_none_or(|v| v > MAX_MATRIX) {
-                return Err(unsupported(
-                    field,
-                    a,
-                    &format!("{field} x hidden_size must be at most 2^34 weights"),
-                ));
-            }
-        }
+        let (heads, kv_heads, head_dim) = dims_of(&raw)?;
         let max_positions = raw.max_position_embeddings.unwrap_or(2048);
         // Mistral's sliding window only matters past it: the context is capped there.
         let window = raw
@@ -340,56 +401,7 @@ impl LlamaConfig {
             Some(w) if w > 0 && w < max_positions => w,
             _ => max_positions,
         };
-        let rope = match &raw.rope_scaling {
-            None | Some(serde_json::Value::Null) => Rope::Default,
-            Some(v) => {
-                let kind = v
-                    .get("rope_type")
-                    .or_else(|| v.get("type"))
-                    .and_then(serde_json::Value::as_str)
-                    .unwrap_or("");
-                let num = |k: &str| v.get(k).and_then(serde_json::Value::as_f64);
-                match kind {
-                    "default" => Rope::Default,
-                    "llama3" => {
-                        let (Some(factor), Some(low), Some(high), Some(orig)) = (
-                            num("factor"),
-                            num("low_freq_factor"),
-                            num("high_freq_factor"),
-                            num("original_max_position_embeddings"),
-                        ) else {
-                            return Err(unsupported(
-                                "rope_scaling",
-                                v,
-                                "llama3 needs factor, low_freq_factor, high_freq_factor and \
-                                 original_max_position_embeddings",
-                            ));
-                        };
-                        if factor <= 0.0 || low <= 0.0 || high <= low || orig <= 0.0 {
-                            return Err(unsupported(
-                                "rope_scaling",
-                                v,
-                                "llama3 needs positive figures with high_freq_factor > \
-                                 low_freq_factor",
-                            ));
-                        }
-                        Rope::Llama3 {
-                            factor,
-                            low_freq_factor: low,
-                            high_freq_factor: high,
-                            original_max_position_embeddings: orig,
-                        }
-                    }
-                    other => {
-                        return Err(unsupported(
-                            "rope_scaling.rope_type",
-                            format!("{other:?}"),
-                            "served: default, llama3",
-                        ));
-                    }
-                }
-            }
-        };
+        let rope = rope_of(raw.rope_scaling.as_ref())?;
         Ok(Self {
             architecture: arch,
             hidden: raw.hidden_size,

@@ -80,6 +80,9 @@ pub struct Row<'a> {
     pub logits: bool,
 }
 
+/// One sequence's K and V of one layer, widened to f32 (positions x KV heads x head size).
+type Widened = (Vec<f32>, Vec<f32>);
+
 impl Llama {
     /// Loads the checkpoint at `dir` (a directory's `config.json` and safetensors, or a GGUF
     /// file) with `block_tokens`
@@ -215,18 +218,7 @@ impl Llama {
 
     /// [`Self::forward`] on the calling thread.
     fn forward_here(&self, pool: &SharedKv, rows: &[Row<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        let b = self.shape.block_tokens() as usize;
-        for r in rows {
-            if r.token as usize >= self.cfg.vocab {
-                return Err(ModelError::BadToken(r.token));
-            }
-            if r.pos / b >= r.blocks.len() {
-                return Err(ModelError::NoBlock {
-                    pos: r.pos,
-                    blocks: r.blocks.len(),
-                });
-            }
-        }
+        self.check_rows(rows)?;
         let (h, d) = (self.cfg.hidden, self.cfg.head_dim);
         let (nq, nkv) = (self.cfg.heads, self.cfg.kv_heads);
         let m = rows.len();
@@ -241,17 +233,8 @@ impl Llama {
         for (i, r) in rows.iter().enumerate() {
             embed.row_into(r.token as usize, &mut x[i * h..(i + 1) * h]);
         }
-        // RoPE's angles per row, in f64, rounded once to f32.
         let half = d / 2;
-        let mut cos = vec![0f32; m * half];
-        let mut sin = vec![0f32; m * half];
-        for (i, r) in rows.iter().enumerate() {
-            for (j, f) in self.inv_freq.iter().enumerate() {
-                let a = r.pos as f64 * f;
-                cos[i * half + j] = a.cos() as f32;
-                sin[i * half + j] = a.sin() as f32;
-            }
-        }
+        let (cos, sin) = self.rope_angles(rows);
         let (mut q, mut k, mut v) = (
             vec![0f32; m * nq * d],
             vec![0f32; m * nkv * d],
@@ -308,21 +291,7 @@ impl Llama {
                     &v[i * nkv * d..(i + 1) * nkv * d],
                 )?;
             }
-            // The rows of one sequence (one block table) share one widening of its K and V.
-            let mut groups = Vec::new();
-            let mut owner = vec![0usize; m];
-            let mut i = 0;
-            while i < m {
-                let table = rows[i].blocks;
-                let mut j = i + 1;
-                while j < m && std::ptr::eq(rows[j].blocks, table) {
-                    j += 1;
-                }
-                let n = rows[i..j].iter().map(|r| r.pos + 1).max().unwrap_or(0);
-                owner[i..j].fill(groups.len());
-                groups.push(self.gather(pool, l, table, n)?);
-                i = j;
-            }
+            let (groups, owner) = self.gather_groups(pool, l, rows)?;
             // Each head of each row is computed whole by one thread, in the one order of
             // `attend`; the heads are split over the threads by how many positions they read.
             let parts = split_heads(&mut att, d, nq, rows, workers.threads());
@@ -370,7 +339,71 @@ impl Llama {
             }
         }
         self.raise_fills(pool, rows)?;
-        let wanted: Vec<usize> = (0..m).filter(|&i| rows[i].logits).collect();
+        Ok(self.logits(&x, rows))
+    }
+
+    /// Refuses a row whose token is outside the vocabulary or whose position has no block.
+    fn check_rows(&self, rows: &[Row<'_>]) -> Result<(), ModelError> {
+        let b = self.shape.block_tokens() as usize;
+        for r in rows {
+            if r.token as usize >= self.cfg.vocab {
+                return Err(ModelError::BadToken(r.token));
+            }
+            if r.pos / b >= r.blocks.len() {
+                return Err(ModelError::NoBlock {
+                    pos: r.pos,
+                    blocks: r.blocks.len(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// RoPE's angles per row (cosines, sines), in f64, rounded once to f32.
+    fn rope_angles(&self, rows: &[Row<'_>]) -> (Vec<f32>, Vec<f32>) {
+        let half = self.cfg.head_dim / 2;
+        let mut cos = vec![0f32; rows.len() * half];
+        let mut sin = vec![0f32; rows.len() * half];
+        for (i, r) in rows.iter().enumerate() {
+            for (j, f) in self.inv_freq.iter().enumerate() {
+                let a = r.pos as f64 * f;
+                cos[i * half + j] = a.cos() as f32;
+                sin[i * half + j] = a.sin() as f32;
+            }
+        }
+        (cos, sin)
+    }
+
+    /// Layer `l`'s K and V widened once per sequence (the rows of one block table share it),
+    /// and each row's group.
+    fn gather_groups(
+        &self,
+        pool: &SharedKv,
+        l: usize,
+        rows: &[Row<'_>],
+    ) -> Result<(Vec<Widened>, Vec<usize>), ModelError> {
+        let m = rows.len();
+        let mut groups = Vec::new();
+        let mut owner = vec![0usize; m];
+        let mut i = 0;
+        while i < m {
+            let table = rows[i].blocks;
+            let mut j = i + 1;
+            while j < m && std::ptr::eq(rows[j].blocks, table) {
+                j += 1;
+            }
+            let n = rows[i..j].iter().map(|r| r.pos + 1).max().unwrap_or(0);
+            owner[i..j].fill(groups.len());
+            groups.push(self.gather(pool, l, table, n)?);
+            i = j;
+        }
+        Ok((groups, owner))
+    }
+
+    /// The logits of the rows that want them, from the residual stream `x`.
+    fn logits(&self, x: &[f32], rows: &[Row<'_>]) -> Vec<Vec<f32>> {
+        let h = self.cfg.hidden;
+        let wanted: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].logits).collect();
         let mut last = Vec::with_capacity(wanted.len() * h);
         for &i in &wanted {
             last.extend_from_slice(&x[i * h..(i + 1) * h]);
@@ -378,8 +411,15 @@ impl Llama {
         rms_norm(&mut last, &self.final_norm, self.cfg.rms_eps);
         let vocab = self.cfg.vocab;
         let mut logits = vec![0f32; wanted.len() * vocab];
-        mul(&last, self.weights.get(self.lm_head), None, &mut logits);
-        Ok(logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+        matmul(
+            self.kernels,
+            &last,
+            self.weights.get(self.lm_head),
+            None,
+            &mut logits,
+            &self.workers,
+        );
+        logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect()
     }
 
     /// Bytes of one row (one position, every KV head) of a plane, and of a plane.
@@ -419,7 +459,7 @@ impl Llama {
         l: usize,
         blocks: &[BlockId],
         n: usize,
-    ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
+    ) -> Result<Widened, ModelError> {
         let b = self.shape.block_tokens() as usize;
         let (row, plane) = self.row_plane();
         let w = self.cfg.kv_heads * self.cfg.head_dim;
