@@ -184,29 +184,33 @@ async fn stream_once(
     Ok((tokens, route, ttft.unwrap_or_default()))
 }
 
-async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> {
-    // With --trace: an OTLP receiver here, and every span exported to it.
-    let traced = if args.trace {
-        let receiver = Receiver::start().await?;
-        let endpoint = receiver.addr().to_string();
-        // The exporter owns a runtime of its own: build it off this one.
-        let provider = std::thread::scope(|s| {
-            s.spawn(|| telemetry::start(log_format, Some(&endpoint), "tl-demo", "demo"))
-                .join()
-                .ok()
-                .flatten()
-        });
-        provider.map(|p| (receiver, p))
-    } else {
+/// With `--trace`: an OTLP receiver here, and every span exported to it; logs otherwise.
+async fn tracing_for(
+    args: &DemoArgs,
+    log_format: LogFormat,
+) -> Result<Option<(Receiver, opentelemetry_sdk::trace::SdkTracerProvider)>, DemoError> {
+    if !args.trace {
         telemetry::init_logs(log_format);
-        None
-    };
-    // Every internal connection is mutual TLS, with certificates made here for this run.
-    let certs = TempDir::new()?;
-    let model = match &args.model {
-        Some(m) => crate::fetch::resolve(m).map_err(DemoError::Failed)?,
+        return Ok(None);
+    }
+    let receiver = Receiver::start().await?;
+    let endpoint = receiver.addr().to_string();
+    // The exporter owns a runtime of its own: build it off this one.
+    let provider = std::thread::scope(|s| {
+        s.spawn(|| telemetry::start(log_format, Some(&endpoint), "tl-demo", "demo"))
+            .join()
+            .ok()
+            .flatten()
+    });
+    Ok(provider.map(|p| (receiver, p)))
+}
+
+/// The model the demo serves: the one asked for, fetched, or a tiny Llama written into `dir`.
+fn model_for(args: &DemoArgs, dir: &Path) -> Result<String, DemoError> {
+    match &args.model {
+        Some(m) => crate::fetch::resolve(m).map_err(DemoError::Failed),
         None => {
-            let dir = certs.path().join("tiny-llama");
+            let dir = dir.join("tiny-llama");
             tl_llama::init::write_checkpoint(
                 &dir,
                 &crate::model::tiny(),
@@ -217,9 +221,132 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
                 tl_engine_core::model::BOS,
             )
             .map_err(|e| DemoError::Failed(e.to_string()))?;
-            dir.display().to_string()
+            Ok(dir.display().to_string())
         }
+    }
+}
+
+/// The gateway and 1 prefill + 2 decode engines on `model`, mutual TLS with certificates made
+/// in `certs`, once every engine has registered (printed).
+async fn start_fleet(
+    certs: &Path,
+    model: &str,
+    model_path: bool,
+) -> Result<(GatewayNode, Vec<EngineNode>), DemoError> {
+    let mut gw_cfg = GatewayConfig {
+        tls: Some(issue(certs, "gw", PeerRole::Gateway, &[])?.section()),
+        ..GatewayConfig::local()
     };
+    if model_path {
+        model.clone_into(&mut gw_cfg.gateway.model_path);
+    }
+    let gw = GatewayNode::start(&gw_cfg).await?;
+    let reg = gw.registry_addr().to_string();
+    let mut nodes = Vec::new();
+    for (id, role) in [
+        ("prefill-0", Role::Prefill),
+        ("decode-1", Role::Decode),
+        ("decode-2", Role::Decode),
+    ] {
+        nodes.push(EngineNode::start(&config(id, role, &reg, certs, model)?).await?);
+    }
+    let end = Instant::now() + Duration::from_secs(10);
+    let workers = loop {
+        let w = gw.registry().list(Instant::now());
+        if w.len() == 3 || Instant::now() > end {
+            break w;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    if workers.len() != 3 {
+        return Err(DemoError::Registration(workers.len()));
+    }
+    println!(
+        "gateway http {}, registry {reg}: {} workers registered; mTLS: on",
+        gw.http_addr(),
+        workers.len()
+    );
+    for w in &workers {
+        let kv = if w.kv_address.is_empty() {
+            "-".to_owned()
+        } else {
+            w.kv_address.clone()
+        };
+        println!(
+            "  {:<10} grpc {:<16} kv {:<16} free blocks {}",
+            w.worker_id, w.grpc_address, kv, w.free_blocks
+        );
+    }
+    println!();
+    Ok((gw, nodes))
+}
+
+/// Prints the requests' table, the answers (`asked`: the questions of a trained model's
+/// requests; the first two toy answers otherwise) and the totals; returns how many were equal
+/// to colocated.
+fn report(rows: &[Row], asked: Option<&[&str]>, cfg: &Config) -> usize {
+    println!(
+        "{:>2}  {:>6}  {:<9}  {:<28}  {:>4} / {:<7}  {:>7}  {:>8}  equal to colocated",
+        "#", "prompt", "decode", "why", "sent", "deduped", "bytes", "TTFT ms"
+    );
+
+    for (n, r) in rows.iter().enumerate() {
+        println!(
+            "{:>2}  {:>6}  {:<9}  {:<28}  {:>4} / {:<7}  {:>7}  {:>8.2}  {}",
+            n,
+            r.prompt_tokens,
+            r.route.decode,
+            r.route.reason,
+            r.route.blocks_sent.unwrap_or(0),
+            r.route.blocks_deduped.unwrap_or(0),
+            r.route.payload_bytes.unwrap_or(0),
+            r.ttft_ms,
+            if r.equal { "yes" } else { "NO" }
+        );
+    }
+    println!();
+    match asked {
+        Some(asked) => {
+            for (n, (r, q)) in rows.iter().zip(asked).enumerate() {
+                println!("request {n}: {q} -> {:?}", r.text);
+            }
+        }
+        None => {
+            for (n, r) in rows.iter().enumerate().take(2) {
+                println!("request {n} generated {:?}", r.text);
+            }
+        }
+    }
+    let sent: u64 = rows
+        .iter()
+        .map(|r| u64::from(r.route.blocks_sent.unwrap_or(0)))
+        .sum();
+    let deduped: u64 = rows
+        .iter()
+        .map(|r| u64::from(r.route.blocks_deduped.unwrap_or(0)))
+        .sum();
+    let bytes: u64 = rows
+        .iter()
+        .map(|r| r.route.payload_bytes.unwrap_or(0))
+        .sum();
+    let per_block = cfg.shape().envelope_len(1).unwrap_or(0) as u64;
+    let matched = rows.iter().filter(|r| r.equal).count();
+    println!();
+    println!(
+        "totals: {} requests, {matched} equal to colocated; blocks sent {sent}, deduped {deduped}; {bytes} bytes moved of {} without dedup ({:.0}% saved); mean TTFT {:.2} ms",
+        rows.len(),
+        (sent + deduped) * per_block,
+        100.0 * (1.0 - bytes as f64 / ((sent + deduped) * per_block).max(1) as f64),
+        rows.iter().map(|r| r.ttft_ms).sum::<f64>() / rows.len().max(1) as f64,
+    );
+    matched
+}
+
+async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> {
+    let traced = tracing_for(args, log_format).await?;
+    // Every internal connection is mutual TLS, with certificates made here for this run.
+    let certs = TempDir::new()?;
+    let model = model_for(args, certs.path())?;
     // A trained checkpoint's own text side: chat prompts through its template, answers in its
     // tokenizer's text, and its end of turn ending them. The toy's byte ids otherwise.
     let text = (model != "fake")
@@ -239,52 +366,8 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
             format!("{model} (a Llama-family checkpoint)")
         }
     );
-    let mut gw_cfg = GatewayConfig {
-        tls: Some(issue(certs.path(), "gw", PeerRole::Gateway, &[])?.section()),
-        ..GatewayConfig::local()
-    };
-    if text.is_some() {
-        gw_cfg.gateway.model_path.clone_from(&model);
-    }
-    let gw = GatewayNode::start(&gw_cfg).await?;
-    let reg = gw.registry_addr().to_string();
-    let mut nodes = Vec::new();
-    for (id, role) in [
-        ("prefill-0", Role::Prefill),
-        ("decode-1", Role::Decode),
-        ("decode-2", Role::Decode),
-    ] {
-        nodes.push(EngineNode::start(&config(id, role, &reg, certs.path(), &model)?).await?);
-    }
-    let end = Instant::now() + Duration::from_secs(10);
-    let workers = loop {
-        let w = gw.registry().list(Instant::now());
-        if w.len() == 3 || Instant::now() > end {
-            break w;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    if workers.len() != 3 {
-        return Err(DemoError::Registration(workers.len()));
-    }
+    let (gw, nodes) = start_fleet(certs.path(), &model, text.is_some()).await?;
     let addr = gw.http_addr().to_string();
-    println!(
-        "gateway http {addr}, registry {reg}: {} workers registered; mTLS: on",
-        workers.len()
-    );
-    for w in &workers {
-        let kv = if w.kv_address.is_empty() {
-            "-".to_owned()
-        } else {
-            w.kv_address.clone()
-        };
-        println!(
-            "  {:<10} grpc {:<16} kv {:<16} free blocks {}",
-            w.worker_id, w.grpc_address, kv, w.free_blocks
-        );
-    }
-    println!();
-
     let http = HttpClient::default();
     let mut cfg = Config::default();
     cfg.set_model(&model);
@@ -361,55 +444,9 @@ async fn run(args: &DemoArgs, log_format: LogFormat) -> Result<bool, DemoError> 
         tokio::time::sleep(Duration::from_millis(120)).await;
     }
 
-    println!(
-        "{:>2}  {:>6}  {:<9}  {:<28}  {:>4} / {:<7}  {:>7}  {:>8}  equal to colocated",
-        "#", "prompt", "decode", "why", "sent", "deduped", "bytes", "TTFT ms"
-    );
-
-    for (n, r) in rows.iter().enumerate() {
-        println!(
-            "{:>2}  {:>6}  {:<9}  {:<28}  {:>4} / {:<7}  {:>7}  {:>8.2}  {}",
-            n,
-            r.prompt_tokens,
-            r.route.decode,
-            r.route.reason,
-            r.route.blocks_sent.unwrap_or(0),
-            r.route.blocks_deduped.unwrap_or(0),
-            r.route.payload_bytes.unwrap_or(0),
-            r.ttft_ms,
-            if r.equal { "yes" } else { "NO" }
-        );
-    }
-    println!();
     let shown = if text.is_some() { rows.len() } else { 2 };
-    for (n, r) in rows.iter().enumerate().take(shown) {
-        match text {
-            Some(_) => println!("request {n}: {} -> {:?}", requests[n].1, r.text),
-            None => println!("request {n} generated {:?}", r.text),
-        }
-    }
-    let sent: u64 = rows
-        .iter()
-        .map(|r| u64::from(r.route.blocks_sent.unwrap_or(0)))
-        .sum();
-    let deduped: u64 = rows
-        .iter()
-        .map(|r| u64::from(r.route.blocks_deduped.unwrap_or(0)))
-        .sum();
-    let bytes: u64 = rows
-        .iter()
-        .map(|r| r.route.payload_bytes.unwrap_or(0))
-        .sum();
-    let per_block = cfg.shape().envelope_len(1).unwrap_or(0) as u64;
-    let matched = rows.iter().filter(|r| r.equal).count();
-    println!();
-    println!(
-        "totals: {} requests, {matched} equal to colocated; blocks sent {sent}, deduped {deduped}; {bytes} bytes moved of {} without dedup ({:.0}% saved); mean TTFT {:.2} ms",
-        rows.len(),
-        (sent + deduped) * per_block,
-        100.0 * (1.0 - bytes as f64 / ((sent + deduped) * per_block).max(1) as f64),
-        rows.iter().map(|r| r.ttft_ms).sum::<f64>() / rows.len().max(1) as f64,
-    );
+    let answers: Vec<&str> = requests.iter().map(|r| r.1).collect();
+    let matched = report(&rows, text.is_some().then_some(&answers[..shown]), &cfg);
     for node in nodes {
         node.shutdown(Duration::from_secs(1)).await;
     }

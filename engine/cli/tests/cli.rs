@@ -206,10 +206,12 @@ fn demo_trace_prints_the_waterfall() {
     assert!(line("engine.prefill").contains(" prefill-0 "));
     assert!(line("kv.transfer [client]").contains(" prefill-0 "));
     assert!(line("kv.transfer [server]").contains(" decode-"));
+    assert!(line("EngineControl/Generate [server]").contains(" decode-"));
     assert!(line("engine.decode").contains(" decode-"));
     // Nesting: the decode side's transfer span sits deeper than the prefill side's.
     let indent = |l: String| l.len() - l.trim_start().len();
     assert!(indent(line("kv.transfer [server]")) > indent(line("kv.transfer [client]")));
+    assert!(indent(line("engine.decode")) > indent(line("EngineControl/Generate [server]")));
     assert!(tail.contains('#'), "no bars: {tail}");
 }
 
