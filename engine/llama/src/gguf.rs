@@ -169,18 +169,31 @@ impl GgmlType {
         })
     }
 
-    /// Values a block holds, and its bytes.
+    /// The weight type the kernels read this type's bytes as, in place; `None` for the
+    /// K-quants, which are dequantized to f32 at load.
+    #[must_use]
+    pub fn stored(self) -> Option<DType> {
+        match self {
+            Self::F32 => Some(DType::F32),
+            Self::F16 => Some(DType::F16),
+            Self::Bf16 => Some(DType::Bf16),
+            Self::Q8_0 => Some(DType::Q8_0),
+            Self::Q4_0 => Some(DType::Q4_0),
+            Self::Q4_1 => Some(DType::Q4_1),
+            Self::Q4K | Self::Q5K | Self::Q6K => None,
+        }
+    }
+
+    /// Values a block holds, and its bytes: the kernels' own figures for the types they read
+    /// in place ([`DType`]), the K-quants' here.
     #[must_use]
     pub fn block(self) -> (usize, usize) {
-        match self {
-            Self::F32 => (1, 4),
-            Self::F16 | Self::Bf16 => (1, 2),
-            Self::Q8_0 => (32, 34),
-            Self::Q4_0 => (32, 18),
-            Self::Q4_1 => (32, 20),
-            Self::Q4K => (256, 144),
-            Self::Q5K => (256, 176),
-            Self::Q6K => (256, 210),
+        match (self.stored(), self) {
+            (Some(d), _) => (d.block_values(), d.size()),
+            (None, Self::Q5K) => (256, 176),
+            (None, Self::Q6K) => (256, 210),
+            // Q4_K.
+            (None, _) => (256, 144),
         }
     }
 
@@ -707,17 +720,12 @@ impl Gguf {
                 }
             };
             let bytes = &self.map[t.start..t.start + t.len];
-            let (dtype, mut data) = match t.kind {
-                GgmlType::F32 => (DType::F32, bytes.to_vec()),
-                GgmlType::F16 => (DType::F16, bytes.to_vec()),
-                GgmlType::Bf16 => (DType::Bf16, bytes.to_vec()),
-                // The block types the kernels read in place stay as they are.
-                GgmlType::Q8_0 => (DType::Q8_0, bytes.to_vec()),
-                GgmlType::Q4_0 => (DType::Q4_0, bytes.to_vec()),
-                GgmlType::Q4_1 => (DType::Q4_1, bytes.to_vec()),
-                q => {
+            // The types the kernels read in place stay as they are; the K-quants are widened.
+            let (dtype, mut data) = match t.kind.stored() {
+                Some(d) => (d, bytes.to_vec()),
+                None => {
                     let mut v = vec![0f32; rows * cols];
-                    dequantize(q, bytes, &mut v);
+                    dequantize(t.kind, bytes, &mut v);
                     (DType::F32, bytemuck::cast_slice(&v).to_vec())
                 }
             };
@@ -987,9 +995,11 @@ pub fn dequantize(kind: GgmlType, bytes: &[u8], out: &mut [f32]) {
             GgmlType::F32 => y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
             GgmlType::F16 => y[0] = h(b, 0),
             GgmlType::Bf16 => y[0] = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
-            GgmlType::Q8_0 => crate::kernels::dequantize_block(DType::Q8_0, b, y),
-            GgmlType::Q4_0 => crate::kernels::dequantize_block(DType::Q4_0, b, y),
-            GgmlType::Q4_1 => crate::kernels::dequantize_block(DType::Q4_1, b, y),
+            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                if let Some(d) = kind.stored() {
+                    crate::kernels::dequantize_block(d, b, y);
+                }
+            }
             GgmlType::Q4K => {
                 let (d, dmin) = (h(b, 0), h(b, 2));
                 let scales = &b[4..16];
@@ -1204,6 +1214,24 @@ pub struct TextParts {
 
 #[cfg(test)]
 mod tests {
+    /// Every type's block as ggml's `ggml_type_traits` gives it (values, bytes).
+    #[test]
+    fn block_sizes_are_ggmls() {
+        for (t, want) in [
+            (GgmlType::F32, (1, 4)),
+            (GgmlType::F16, (1, 2)),
+            (GgmlType::Bf16, (1, 2)),
+            (GgmlType::Q8_0, (32, 34)),
+            (GgmlType::Q4_0, (32, 18)),
+            (GgmlType::Q4_1, (32, 20)),
+            (GgmlType::Q4K, (256, 144)),
+            (GgmlType::Q5K, (256, 176)),
+            (GgmlType::Q6K, (256, 210)),
+        ] {
+            assert_eq!(t.block(), want, "{}", t.name());
+        }
+    }
+
     use super::*;
 
     /// A GGUF file's bytes: `kv` metadata (already encoded), then `tensors` of (name, dims,
