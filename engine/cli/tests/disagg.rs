@@ -705,3 +705,114 @@ async fn cancelled_prefill_undoes_a_push_midway() {
     p.shutdown(Duration::from_secs(1)).await;
     d.shutdown(Duration::from_secs(1)).await;
 }
+
+/// Generate's refusals, each before any work, each leaving the decode engine's pool as it was:
+/// an engine without the decode role, another model, what the core's types refuse, stop rules
+/// past the engine's bounds, a full engine (its `http_max_inflight`), and a draining one; a
+/// request the engine thread refuses after the start ends with an in-band error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_refuses_before_any_work() {
+    use kvwire_grpc::pb::engine::StopRules;
+    let p = EngineNode::start(&config("P", Role::Prefill))
+        .await
+        .unwrap();
+    let mut dc = config("D", Role::Decode);
+    dc.limits.http_max_inflight = 1;
+    dc.model.decode_us_per_seq = 2_000;
+    let d = EngineNode::start(&dc).await.unwrap();
+    let ok = || GenerateRequest {
+        prompt_tokens: (1..=10).collect(),
+        sampling: sampling(0.0, 1.0, 0, Some(3), 4),
+        ..GenerateRequest::default()
+    };
+    let counts = |n: &EngineNode| n.runner().pool().lock().counts();
+    let before = counts(&d);
+    let generate = |addr: String, req: GenerateRequest| async move {
+        ControlClient::new(&addr).unwrap().generate(req).await
+    };
+    let grpc = d.addresses().grpc;
+    let code = |r: Result<_, tonic::Status>| r.map(|_| ()).unwrap_err().code();
+
+    // No decode role.
+    let r = generate(p.addresses().grpc, ok()).await;
+    assert_eq!(code(r), Code::FailedPrecondition);
+    // Another model.
+    let mut other = ok();
+    other.model = "gpt-x".into();
+    assert_eq!(code(generate(grpc.clone(), other).await), Code::NotFound);
+    // The core's types: an empty prompt, a token outside the vocabulary, max_tokens 0, a
+    // temperature that is not finite.
+    for bad in [
+        GenerateRequest {
+            prompt_tokens: vec![],
+            ..ok()
+        },
+        GenerateRequest {
+            prompt_tokens: vec![u32::MAX],
+            ..ok()
+        },
+        GenerateRequest {
+            sampling: sampling(0.0, 1.0, 0, Some(3), 0),
+            ..ok()
+        },
+        GenerateRequest {
+            sampling: sampling(f32::NAN, 1.0, 0, Some(3), 4),
+            ..ok()
+        },
+        GenerateRequest {
+            stop: Some(StopRules {
+                sequences: vec![b"x".to_vec(); 5],
+                ..StopRules::default()
+            }),
+            ..ok()
+        },
+        GenerateRequest {
+            stop: Some(StopRules {
+                token_ids: vec![1; 129],
+                ..StopRules::default()
+            }),
+            ..ok()
+        },
+    ] {
+        let e = generate(grpc.clone(), bad.clone())
+            .await
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{bad:?}: {e}");
+    }
+    assert_eq!(counts(&d), before, "a refusal touched the pool");
+
+    // Past the engine's room: one long request holds its one place.
+    let mut long = ok();
+    long.sampling = sampling(0.0, 1.0, 0, Some(3), 100_000);
+    let mut held = generate(grpc.clone(), long).await.unwrap();
+    while held.message().await.unwrap().unwrap().tokens.is_empty() {}
+    assert_eq!(
+        code(generate(grpc.clone(), ok()).await),
+        Code::ResourceExhausted
+    );
+    drop(held);
+    assert!(
+        settled(&d, 0).await,
+        "the dropped stream left blocks in use"
+    );
+
+    // Nine choices: the engine thread refuses it after the start, in band.
+    let e = collect(
+        generate(grpc.clone(), GenerateRequest { n: 9, ..ok() })
+            .await
+            .unwrap(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+
+    // A draining engine takes no new request.
+    let dctl = ControlClient::new(&grpc).unwrap();
+    assert_eq!(dctl.drain(0).await.unwrap(), 0);
+    assert_eq!(code(generate(grpc.clone(), ok()).await), Code::Unavailable);
+    assert!(settled(&d, 0).await);
+    assert_eq!(d.receiver().unwrap().pending(), 0);
+    p.shutdown(Duration::from_secs(1)).await;
+    d.shutdown(Duration::from_secs(1)).await;
+}

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kvwire_grpc::pb::control::{Role as PbRole, WorkerStatus};
-use kvwire_grpc::pb::engine::PrefillRequest;
+use kvwire_grpc::pb::engine::{GenerateRequest, PrefillRequest};
 use kvwire_grpc::pb::kv::{HasBlocksRequest, KvChunk};
 use kvwire_grpc::{GrpcTransport, KvTransport, OutChunk, TransportConfig};
 use rustls::pki_types::pem::PemObject;
@@ -211,7 +211,8 @@ fn denied<T>(r: Result<T, Status>) -> bool {
 /// Every call of section 7's table, made as `role`: `Err(PERMISSION_DENIED-ish)` is `true`.
 async fn denied_calls(c: &Cluster, role: PeerRole) -> Vec<(&'static str, bool)> {
     let id = format!("t-{}", role.as_str());
-    let who = Caller::new(c, Some(&c.certs.tls(&id, role)));
+    let tls = c.certs.tls(&id, role);
+    let who = Caller::new(c, Some(&tls));
     let (kv, http) = (c.d.addresses().kv, c.d.addresses().http);
     // The decode engine's control port, which also answers HasBlocks and Release.
     let lookup = c.d.addresses().grpc;
@@ -258,6 +259,15 @@ async fn denied_calls(c: &Cluster, role: PeerRole) -> Vec<(&'static str, bool)> 
             denied(who.ctl.prefill(PrefillRequest::default()).await),
         ),
         ("Cancel", denied(who.ctl.cancel("nope").await)),
+        (
+            "Generate",
+            denied(
+                ControlClient::with_tls(&lookup, Some(&tls.tonic_client()))
+                    .unwrap()
+                    .generate(GenerateRequest::default())
+                    .await,
+            ),
+        ),
         ("Info", denied(who.ctl.info().await)),
         ("POST /v1/completions", http_status == 403),
         ("Heartbeat", denied(who.reg.heartbeat(beat).await)),
@@ -274,7 +284,7 @@ async fn roles_are_enforced_on_every_call() {
     let c = Cluster::start().await;
     let before = c.pools();
     // Section 7's table: who may call what.
-    let allowed: [(&str, &[PeerRole]); 13] = [
+    let allowed: [(&str, &[PeerRole]); 14] = [
         ("HasBlocks", &[Gateway, Prefill, Both]),
         ("PushKv", &[Prefill, Both]),
         ("Release", &[Gateway, Prefill, Both]),
@@ -282,6 +292,7 @@ async fn roles_are_enforced_on_every_call() {
         ("Release on the control port", &[Gateway, Prefill, Both]),
         ("Prefill", &[Gateway, Admin]),
         ("Cancel", &[Gateway, Admin]),
+        ("Generate", &[Gateway, Admin]),
         ("Info", &PeerRole::ALL),
         ("POST /v1/completions", &[Gateway, Admin]),
         ("Heartbeat", &[Prefill, Decode, Both]),
