@@ -215,10 +215,25 @@ async fn contract(b: Backend) {
             };
             let bytes = || bytes::Bytes::from(prefill.encode_to_vec());
             let keys = Keys::new("/tl");
+            // The mirror applies etcd's events in revision order: once a marker written after
+            // a key is listed, the key's own event was applied too.
+            let applied = async |marker: &str| {
+                let m = WorkerStatus {
+                    role: PbRole::Prefill as i32,
+                    ..status(marker, "10.0.0.8:1", 0)
+                };
+                let key = keys.worker(WRole::Prefill, marker);
+                etcd.put(&key, bytes::Bytes::from(m.encode_to_vec()), 0)
+                    .await
+                    .unwrap();
+                assert!(eventually(wait, || b.listed(marker).is_some()).await);
+                etcd.delete(&key).await.unwrap();
+                assert!(eventually(wait, || b.listed(marker).is_none()).await);
+            };
             etcd.put(&keys.worker(WRole::Decode, "w9"), bytes(), 0)
                 .await
                 .unwrap();
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            applied("m1").await;
             assert!(
                 b.listed(&long).is_none(),
                 "a worker id beyond the bound is not listed"
@@ -240,7 +255,7 @@ async fn contract(b: Backend) {
             etcd.delete(&keys.worker(WRole::Decode, "w9"))
                 .await
                 .unwrap();
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            applied("m2").await;
             assert!(b.listed("w9").is_some(), "another role's key took w9 away");
             etcd.delete(&keys.worker(WRole::Prefill, "w9"))
                 .await

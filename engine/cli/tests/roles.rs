@@ -156,8 +156,12 @@ async fn role_change_loses_nothing() {
     };
 
     // decode -> prefill while streams run on X: they finish there, and the move waits for them
-    // and for X's pending handles.
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    // and for X's pending handles. Moved once X decodes, so there is work for the move to wait
+    // for (`remaining == 0` then says it ended).
+    assert!(
+        eventually(Duration::from_secs(10), || x.runner().running() > 0).await,
+        "no stream reached X"
+    );
     let moved = x_ctl.set_role(Role::Prefill, 10_000).await.unwrap();
     assert_eq!(moved.serving, vec!["prefill".to_owned()]);
     assert_eq!(moved.remaining, 0, "X's decode work did not end");
@@ -165,8 +169,15 @@ async fn role_change_loses_nothing() {
         seen_as(&gw, "X", Role::Prefill).await,
         "the registry never heard"
     );
-    // prefill -> decode, while Prefill calls run on X.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // prefill -> decode, once Prefill calls reach X (each is a submission on its engine
+    // thread; nothing else is sent to X while it prefills).
+    let submitted = x.runner().load().submitted();
+    assert!(
+        eventually(Duration::from_secs(10), || x.runner().load().submitted()
+            > submitted)
+        .await,
+        "no Prefill call reached X"
+    );
     let back = x_ctl.set_role(Role::Decode, 10_000).await.unwrap();
     assert_eq!(back.serving, vec!["decode".to_owned()]);
     assert_eq!(back.remaining, 0, "X's Prefill calls did not end");
