@@ -98,16 +98,17 @@ impl BlockIndex {
     }
 
     /// Applies one message of `worker`'s stream, at most [`MAX_BLOCKS_PER_ENGINE`] blocks.
-    pub fn apply(&self, worker: &str, m: &BlockEvents) -> Applied {
+    pub fn apply(&self, worker: &WorkerId, m: &BlockEvents) -> Applied {
         self.apply_within(worker, m, MAX_BLOCKS_PER_ENGINE)
     }
 
     /// [`apply`](Self::apply) with at most `cap` blocks listed for `worker` (its pool's size:
     /// an engine cannot index more blocks than it has, so one that lists more is lying).
-    pub fn apply_within(&self, worker: &str, m: &BlockEvents, cap: usize) -> Applied {
+    pub fn apply_within(&self, id: &WorkerId, m: &BlockEvents, cap: usize) -> Applied {
+        let worker = id.as_str();
         let mut g = self.lock();
         let inner = &mut *g;
-        let e = inner.engines.entry(worker.into()).or_default();
+        let e = inner.engines.entry(id.clone()).or_default();
         let fresh = m.snapshot && !e.loading;
         let continues = m.snapshot && e.loading && m.epoch == e.epoch && m.seq + 1 == e.next;
         let follows = !m.snapshot && e.synced && m.epoch == e.epoch && m.seq == e.next;
@@ -159,14 +160,14 @@ impl BlockIndex {
     }
 
     /// Drops what is known of `worker` until its next snapshot (its stream broke).
-    pub fn unsync(&self, worker: &str) {
-        self.lock().clear(worker);
+    pub fn unsync(&self, worker: &WorkerId) {
+        self.lock().clear(worker.as_str());
     }
 
     /// Forgets `worker` (it left the registry).
-    pub fn forget(&self, worker: &str) {
+    pub fn forget(&self, worker: &WorkerId) {
         let mut g = self.lock();
-        g.clear(worker);
+        g.clear(worker.as_str());
         g.engines.remove(worker);
     }
 
@@ -248,7 +249,7 @@ impl BlockIndex {
         let mut unsynced = Vec::new();
         for &w in engines {
             if g.engines.get(w).is_some_and(|e| e.synced) {
-                counts.insert(w.into(), 0);
+                counts.insert(WorkerId::new(w.to_owned()), 0);
             } else {
                 unsynced.push(w);
             }
@@ -292,13 +293,13 @@ pub async fn follow(
     stop: CancellationToken,
 ) {
     // worker id -> (the address followed, its task's token)
-    let mut followed: HashMap<String, (String, CancellationToken)> = HashMap::new();
+    let mut followed: HashMap<WorkerId, (String, CancellationToken)> = HashMap::new();
     loop {
         let all = workers();
-        let live: HashMap<String, String> = all
+        let live: HashMap<WorkerId, String> = all
             .iter()
             .filter(|w| !w.kv_address.is_empty() && !w.grpc_address.is_empty())
-            .map(|w| (w.worker_id.clone(), w.grpc_address.clone()))
+            .map(|w| (WorkerId::of(w), w.grpc_address.clone()))
             .collect();
         let pools: HashMap<&str, usize> = all
             .iter()
@@ -346,7 +347,7 @@ pub async fn follow(
 async fn watch_one(
     index: Arc<BlockIndex>,
     upstream: Arc<Upstream>,
-    (id, addr, cap): (String, String, usize),
+    (id, addr, cap): (WorkerId, String, usize),
     stop: CancellationToken,
 ) {
     const FIRST: Duration = Duration::from_millis(100);
@@ -412,10 +413,16 @@ mod tests {
         let ix = BlockIndex::default();
         let d = ["D"];
         // A batch before any snapshot is a gap.
-        assert_eq!(ix.apply("D", &msg(1, false, 1, &[(5, true)])), Applied::Gap);
+        assert_eq!(
+            ix.apply(&WorkerId::new("D".into()), &msg(1, false, 1, &[(5, true)])),
+            Applied::Gap
+        );
         assert!(!ix.synced("D"));
         assert_eq!(
-            ix.apply("D", &msg(1, true, 3, &[(5, true), (6, true)])),
+            ix.apply(
+                &WorkerId::new("D".into()),
+                &msg(1, true, 3, &[(5, true), (6, true)])
+            ),
             Applied::Ok
         );
         assert!(ix.synced("D"));
@@ -424,18 +431,30 @@ mod tests {
         // Another scope sees nothing.
         assert_eq!(ix.prefixes(9, &[5, 6], &d).0["D"], 0);
         assert_eq!(
-            ix.apply("D", &msg(1, false, 4, &[(5, false), (7, true)])),
+            ix.apply(
+                &WorkerId::new("D".into()),
+                &msg(1, false, 4, &[(5, false), (7, true)])
+            ),
             Applied::Ok
         );
         assert_eq!(ix.keys_of("D"), [(0, 6), (0, 7)]);
         assert_eq!(ix.prefixes(0, &[5, 6, 7], &d).0["D"], 0);
         // Change 6 was expected; 7 is a gap: unsynced, nothing kept, asked HasBlocks.
-        assert_eq!(ix.apply("D", &msg(1, false, 7, &[(8, true)])), Applied::Gap);
+        assert_eq!(
+            ix.apply(&WorkerId::new("D".into()), &msg(1, false, 7, &[(8, true)])),
+            Applied::Gap
+        );
         assert!(ix.keys_of("D").is_empty());
         assert_eq!(ix.prefixes(0, &[6], &d).1, ["D"]);
         // Another epoch (a restart) starts over from its snapshot.
-        assert_eq!(ix.apply("D", &msg(2, true, 0, &[])), Applied::Ok);
-        assert_eq!(ix.apply("D", &msg(1, false, 1, &[(8, true)])), Applied::Gap);
+        assert_eq!(
+            ix.apply(&WorkerId::new("D".into()), &msg(2, true, 0, &[])),
+            Applied::Ok
+        );
+        assert_eq!(
+            ix.apply(&WorkerId::new("D".into()), &msg(1, false, 1, &[(8, true)])),
+            Applied::Gap
+        );
     }
 
     #[test]
@@ -443,23 +462,35 @@ mod tests {
         let ix = BlockIndex::default();
         let mut first = msg(1, true, 10, &[(1, true)]);
         first.more = true;
-        assert_eq!(ix.apply("D", &first), Applied::Ok);
+        assert_eq!(ix.apply(&WorkerId::new("D".into()), &first), Applied::Ok);
         assert!(!ix.synced("D"));
-        assert_eq!(ix.apply("D", &msg(1, true, 10, &[(2, true)])), Applied::Ok);
+        assert_eq!(
+            ix.apply(&WorkerId::new("D".into()), &msg(1, true, 10, &[(2, true)])),
+            Applied::Ok
+        );
         assert!(ix.synced("D"));
         assert_eq!(ix.keys_of("D"), [(0, 1), (0, 2)]);
-        assert_eq!(ix.apply("D", &msg(1, false, 11, &[(3, true)])), Applied::Ok);
+        assert_eq!(
+            ix.apply(&WorkerId::new("D".into()), &msg(1, false, 11, &[(3, true)])),
+            Applied::Ok
+        );
         assert_eq!(ix.keys_of("D").len(), 3);
     }
 
     #[test]
     fn hits_list_the_synced_holders_with_their_prefix() {
         let ix = BlockIndex::default();
-        ix.apply("A", &msg(1, true, 0, &[(1, true), (2, true), (3, true)]));
-        ix.apply("B", &msg(1, true, 0, &[(1, true), (3, true)]));
+        ix.apply(
+            &WorkerId::new("A".into()),
+            &msg(1, true, 0, &[(1, true), (2, true), (3, true)]),
+        );
+        ix.apply(
+            &WorkerId::new("B".into()),
+            &msg(1, true, 0, &[(1, true), (3, true)]),
+        );
         let mut loading = msg(1, true, 0, &[(1, true)]);
         loading.more = true;
-        ix.apply("C", &loading);
+        ix.apply(&WorkerId::new("C".into()), &loading);
         let mut h = ix.hits(0, &[1, 2, 3]);
         h.sort();
         assert_eq!(h, [(Arc::from("A"), 3), (Arc::from("B"), 1)]);
@@ -467,7 +498,7 @@ mod tests {
         let (all, g) = ix.all_synced(["A", "B"].into_iter());
         assert!(all);
         assert!(!ix.all_synced(["A", "C"].into_iter()).0);
-        ix.unsync("B");
+        ix.unsync(&WorkerId::new("B".into()));
         assert!(ix.generation() > g);
     }
 
@@ -476,17 +507,21 @@ mod tests {
         let ix = BlockIndex::default();
         let three = [(1, true), (2, true), (3, true)];
         assert_eq!(
-            ix.apply_within("D", &msg(1, true, 0, &three), 2),
+            ix.apply_within(&WorkerId::new("D".into()), &msg(1, true, 0, &three), 2),
             Applied::TooLarge
         );
         assert!(!ix.synced("D") && ix.keys_of("D").is_empty());
         assert_eq!(
-            ix.apply_within("D", &msg(1, true, 0, &three), 3),
+            ix.apply_within(&WorkerId::new("D".into()), &msg(1, true, 0, &three), 3),
             Applied::Ok
         );
         // A batch that grows it past the pool drops it as well.
         assert_eq!(
-            ix.apply_within("D", &msg(1, false, 1, &[(4, true)]), 3),
+            ix.apply_within(
+                &WorkerId::new("D".into()),
+                &msg(1, false, 1, &[(4, true)]),
+                3
+            ),
             Applied::TooLarge
         );
         assert!(ix.keys_of("D").is_empty());
@@ -495,12 +530,18 @@ mod tests {
     #[test]
     fn prefixes_count_per_engine_and_forget_drops_an_engine() {
         let ix = BlockIndex::default();
-        ix.apply("A", &msg(1, true, 0, &[(1, true), (2, true), (3, true)]));
-        ix.apply("B", &msg(1, true, 0, &[(1, true), (3, true)]));
+        ix.apply(
+            &WorkerId::new("A".into()),
+            &msg(1, true, 0, &[(1, true), (2, true), (3, true)]),
+        );
+        ix.apply(
+            &WorkerId::new("B".into()),
+            &msg(1, true, 0, &[(1, true), (3, true)]),
+        );
         let (c, rest) = ix.prefixes(0, &[1, 2, 3], &["A", "B", "C"]);
         assert_eq!((c["A"], c["B"]), (3, 1));
         assert_eq!(rest, ["C"]);
-        ix.forget("A");
+        ix.forget(&WorkerId::new("A".into()));
         let (c, rest) = ix.prefixes(0, &[1, 2, 3], &["A", "B"]);
         assert_eq!((c.get("A"), c["B"]), (None, 1));
         assert_eq!(rest, ["A"]);

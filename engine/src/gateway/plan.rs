@@ -397,7 +397,7 @@ pub fn plan_walk(
             .candidates()
             .map(|c| {
                 let k = hits.get(c.worker_id.as_str()).copied().unwrap_or(0);
-                (WorkerId::from(&c.worker_id), k)
+                (WorkerId::of(c), k)
             })
             .collect();
         return plan(&fleet.snap, &cached, in_flight, policy);
@@ -633,10 +633,16 @@ mod tests {
             },
         ];
         for c in cases {
-            let cached: HashMap<WorkerId, usize> =
-                c.cached.iter().map(|(k, v)| ((*k).into(), *v)).collect();
-            let in_flight: HashMap<WorkerId, u32> =
-                c.in_flight.iter().map(|(k, v)| ((*k).into(), *v)).collect();
+            let cached: HashMap<WorkerId, usize> = c
+                .cached
+                .iter()
+                .map(|(k, v)| (WorkerId::new((*k).to_owned()), *v))
+                .collect();
+            let in_flight: HashMap<WorkerId, u32> = c
+                .in_flight
+                .iter()
+                .map(|(k, v)| (WorkerId::new((*k).to_owned()), *v))
+                .collect();
             let got = plan(&c.workers, &cached, &in_flight, POLICY);
             let id = |w: &Option<WorkerStatus>| w.as_ref().map(|w| w.worker_id.clone());
             assert_eq!(
@@ -703,7 +709,7 @@ mod tests {
                     hits_owned.push((id.clone(), 1 + next(40) as usize));
                 }
                 if next(3) == 0 {
-                    in_flight.insert(WorkerId::from(&id), next(3) as u32);
+                    in_flight.insert(WorkerId::new(id.clone()), next(3) as u32);
                 }
                 workers.push(v);
             }
@@ -720,7 +726,7 @@ mod tests {
                 .candidates()
                 .map(|c| {
                     let k = hits.get(c.worker_id.as_str()).copied().unwrap_or(0);
-                    (WorkerId::from(&c.worker_id), k)
+                    (WorkerId::of(c), k)
                 })
                 .collect();
             let full = plan(&workers, &cached, &in_flight, policy);
@@ -742,7 +748,7 @@ mod tests {
         for spread in 0..30 {
             let policy = Policy { spread, ..POLICY };
             let p = plan(&workers, &HashMap::new(), &HashMap::new(), policy);
-            *got.entry(p.fallback.unwrap().worker_id.into()).or_default() += 1;
+            *got.entry(WorkerId::of(&p.fallback.unwrap())).or_default() += 1;
         }
         assert_eq!(
             got.values().copied().collect::<Vec<_>>(),
@@ -750,15 +756,15 @@ mod tests {
             "{got:?}"
         );
         // B1 has a request of this gateway in flight: the others take the next ones.
-        let in_flight = HashMap::from([(WorkerId::from("B1"), 1)]);
+        let in_flight = HashMap::from([(WorkerId::new("B1".into()), 1)]);
         for spread in 0..6 {
             let policy = Policy { spread, ..POLICY };
             let p = plan(&workers, &HashMap::new(), &in_flight, policy);
             assert_ne!(p.fallback.unwrap().worker_id, "B1");
         }
         // B3 holds 40 blocks of the prompt (160 tokens): worth more than 2 sequences of load.
-        let cached = HashMap::from([(WorkerId::from("B3"), 40)]);
-        let in_flight = HashMap::from([(WorkerId::from("B3"), 2)]);
+        let cached = HashMap::from([(WorkerId::new("B3".into()), 40)]);
+        let in_flight = HashMap::from([(WorkerId::new("B3".into()), 2)]);
         let p = plan(&workers, &cached, &in_flight, POLICY);
         assert_eq!(p.fallback.unwrap().worker_id, "B3");
     }
@@ -774,7 +780,7 @@ mod tests {
             w("P2", PbRole::Prefill, 0, 10),
             w("D1", PbRole::Decode, 0, 10),
         ];
-        let cached = HashMap::from([(WorkerId::from("D1"), 0)]);
+        let cached = HashMap::from([(WorkerId::new("D1".into()), 0)]);
         for step in [1, 2] {
             let mut got: HashMap<WorkerId, u32> = HashMap::new();
             for spread in (0..400).step_by(step) {
@@ -782,7 +788,7 @@ mod tests {
                 let p = plan(&workers, &cached, &HashMap::new(), policy);
                 let (a, b) = (p.prefill.unwrap(), p.prefill_spare.unwrap());
                 assert_ne!(a.worker_id, b.worker_id);
-                *got.entry(a.worker_id.into()).or_default() += 1;
+                *got.entry(WorkerId::of(&a)).or_default() += 1;
             }
             let n = 400 / step as u32;
             for id in ["P1", "P2"] {
@@ -790,7 +796,7 @@ mod tests {
                 assert!(k > n / 4 && k < 3 * n / 4, "step {step}: {got:?}");
             }
         }
-        let busy = HashMap::from([(WorkerId::from("P1"), 1)]);
+        let busy = HashMap::from([(WorkerId::new("P1".into()), 1)]);
         for spread in 0..8 {
             let p = plan(&workers, &cached, &busy, Policy { spread, ..POLICY });
             assert_eq!(p.prefill.unwrap().worker_id, "P2");

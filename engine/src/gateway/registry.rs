@@ -115,7 +115,7 @@ impl RegistryState {
         let mut w = self.lock();
         let drain = w.get(&status.worker_id).is_some_and(|e| e.drain);
         w.insert(
-            WorkerId::from(&status.worker_id),
+            WorkerId::of(&status),
             Entry {
                 status,
                 last: now,
@@ -363,7 +363,7 @@ impl RegistryState {
             return;
         }
         w.insert(
-            WorkerId::from(&status.worker_id),
+            WorkerId::of(&status),
             Entry {
                 status,
                 last: now,

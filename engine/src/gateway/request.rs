@@ -290,7 +290,7 @@ fn holding(workers: Arc<[WorkerView]>, need: Need) -> Arc<[WorkerView]> {
 fn servable(workers: &[WorkerView], g: &Gateway) -> bool {
     let cached: HashMap<WorkerId, usize> = decode_candidates(workers)
         .into_iter()
-        .map(|w| (WorkerId::from(&w.worker_id), 0))
+        .map(|w| (WorkerId::of(w), 0))
         .collect();
     !plan(workers, &cached, &HashMap::new(), g.policy()).is_empty()
 }
@@ -398,7 +398,7 @@ impl Driver<'_> {
                 // Counted on its engine until the lane closes, as a disaggregated one is on
                 // its decode engine: the next plans see it before the engine's next beat.
                 self.counted
-                    .insert(lane, self.g.routed.enter(&target.worker_id));
+                    .insert(lane, self.g.routed.enter(WorkerId::of(&target)));
                 self.lane_task(lane, async move |g, tx| {
                     colocated(&g, &target, request, &tx, lane, quiet).await;
                 });
@@ -521,11 +521,11 @@ impl Driver<'_> {
         // Counted from the Prefill until the lane's stream ends, so routing between
         // heartbeats sees every stream this gateway runs.
         self.counted
-            .insert(lane, self.g.routed.enter(&decode.worker_id));
+            .insert(lane, self.g.routed.enter(WorkerId::of(&decode)));
         // And on its prefill engine until the Prefill answers, so the next plans spread
         // a burst over the prefill engines before their next beat.
         self.prefilling
-            .insert(lane, self.g.routed.enter(&prefill.worker_id));
+            .insert(lane, self.g.routed.enter(WorkerId::of(prefill)));
         self.pushed_to.insert(lane, decode);
         let tx = self.events.clone();
         let deadline = Duration::from_millis(self.g.cfg.prefill_timeout_ms.max(1));

@@ -20,11 +20,11 @@ impl RoutedLoad {
     /// Counts one request on `worker` for as long as the guard lives, whichever way the request
     /// ends (a timeout drops it mid-way).
     #[must_use]
-    pub fn enter(self: &Arc<Self>, worker: &str) -> RoutedGuard {
-        *self.lock().entry(worker.into()).or_insert(0) += 1;
+    pub fn enter(self: &Arc<Self>, worker: WorkerId) -> RoutedGuard {
+        *self.lock().entry(worker.clone()).or_insert(0) += 1;
         RoutedGuard {
             counts: Arc::clone(self),
-            worker: worker.to_owned(),
+            worker,
         }
     }
 
@@ -45,7 +45,7 @@ impl RoutedLoad {
 #[derive(Debug)]
 pub struct RoutedGuard {
     counts: Arc<RoutedLoad>,
-    worker: String,
+    worker: WorkerId,
 }
 
 impl Drop for RoutedGuard {

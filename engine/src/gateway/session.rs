@@ -1428,7 +1428,7 @@ mod tests {
             .map(|(i, d)| {
                 let present = (0..3).map(|b| b < i).collect();
                 (
-                    WorkerId::from(*d),
+                    WorkerId::new((*d).to_owned()),
                     DecodeHolds {
                         kv_format: 1,
                         present,

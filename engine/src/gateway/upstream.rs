@@ -89,7 +89,7 @@ impl Upstream {
             let n = req.hashes.len();
             let (transport, id, addr, lookup) = (
                 Arc::clone(&self.transport),
-                w.worker_id.clone(),
+                WorkerId::of(w),
                 w.kv_address.clone(),
                 w.grpc_address.clone(),
             );
@@ -106,7 +106,7 @@ impl Upstream {
             if let Ok((id, kv_format, n, Ok(Ok(present)))) = done
                 && present.len() == n
             {
-                cached.insert(id.into(), DecodeHolds { kv_format, present });
+                cached.insert(id, DecodeHolds { kv_format, present });
             }
         }
         cached

@@ -9,11 +9,24 @@ use kvwire_grpc::pb::control::WorkerStatus;
 use crate::net::role::Role;
 
 /// A worker's id as the registry lists it (`WorkerStatus.worker_id`): the key of every map the
-/// gateway keeps per engine. Looked up by `&str`.
+/// gateway keeps per engine. Made from a status ([`WorkerId::of`]) or, explicitly, from text
+/// ([`WorkerId::new`]); looked up by `&str`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct WorkerId(String);
 
 impl WorkerId {
+    /// The id `status` names: how the gateway learns every id it keys a map by.
+    #[must_use]
+    pub fn of(status: &WorkerStatus) -> Self {
+        Self(status.worker_id.clone())
+    }
+
+    /// An id the caller holds as text (an index entry's, a test's).
+    #[must_use]
+    pub fn new(id: String) -> Self {
+        Self(id)
+    }
+
     /// The id as text.
     #[must_use]
     pub fn as_str(&self) -> &str {
@@ -38,24 +51,6 @@ impl std::borrow::Borrow<String> for WorkerId {
 impl std::fmt::Display for WorkerId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)
-    }
-}
-
-impl From<&str> for WorkerId {
-    fn from(s: &str) -> Self {
-        Self(s.to_owned())
-    }
-}
-
-impl From<String> for WorkerId {
-    fn from(s: String) -> Self {
-        Self(s)
-    }
-}
-
-impl From<&String> for WorkerId {
-    fn from(s: &String) -> Self {
-        Self(s.clone())
     }
 }
 
