@@ -1,0 +1,341 @@
+//! The tensors: the ggml types, each tensor copied out under its Hugging Face name (the types
+//! the kernels read in place as they are, the K-quants dequantized to f32), and the Q and K rows
+//! of a `llama` file put back in Hugging Face's order.
+
+use super::*;
+
+/// A tensor's ggml type, among those this loader reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgmlType {
+    /// 32-bit float.
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    Bf16,
+    /// 32 values: an f16 scale and 32 signed bytes.
+    Q8_0,
+    /// 32 values: an f16 scale and 32 nibbles, offset by 8.
+    Q4_0,
+    /// 32 values: an f16 scale, an f16 minimum and 32 nibbles.
+    Q4_1,
+    /// 256 values: f16 super-scale and super-minimum, 8 six-bit scales and minimums, nibbles.
+    Q4K,
+    /// As Q4_K with a fifth bit a value.
+    Q5K,
+    /// 256 values: 6 bits a value, 16 signed 8-bit scales, an f16 super-scale.
+    Q6K,
+}
+
+/// A ggml type this loader does not read: its name and id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Unread {
+    name: &'static str,
+    id: u32,
+}
+
+impl std::fmt::Display for Unread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (ggml type {})", self.name, self.id)
+    }
+}
+
+impl GgmlType {
+    /// The type of ggml's id `id`, or the one this loader does not read.
+    pub(super) fn of(id: u32) -> Result<Self, Unread> {
+        Ok(match id {
+            0 => Self::F32,
+            1 => Self::F16,
+            30 => Self::Bf16,
+            8 => Self::Q8_0,
+            2 => Self::Q4_0,
+            3 => Self::Q4_1,
+            12 => Self::Q4K,
+            13 => Self::Q5K,
+            14 => Self::Q6K,
+            other => {
+                let name = match other {
+                    6 => "Q5_0",
+                    7 => "Q5_1",
+                    9 => "Q8_1",
+                    10 => "Q2_K",
+                    11 => "Q3_K",
+                    15 => "Q8_K",
+                    16..=23 | 29 => "an IQ type",
+                    24 => "I8",
+                    25 => "I16",
+                    26 => "I32",
+                    27 => "I64",
+                    28 => "F64",
+                    34 => "TQ1_0",
+                    35 => "TQ2_0",
+                    39 => "MXFP4",
+                    _ => "unknown",
+                };
+                return Err(Unread { name, id: other });
+            }
+        })
+    }
+
+    /// The weight type the kernels read this type's bytes as, in place; `None` for the
+    /// K-quants, which are dequantized to f32 at load.
+    #[must_use]
+    pub fn stored(self) -> Option<DType> {
+        match self {
+            Self::F32 => Some(DType::F32),
+            Self::F16 => Some(DType::F16),
+            Self::Bf16 => Some(DType::Bf16),
+            Self::Q8_0 => Some(DType::Q8_0),
+            Self::Q4_0 => Some(DType::Q4_0),
+            Self::Q4_1 => Some(DType::Q4_1),
+            Self::Q4K | Self::Q5K | Self::Q6K => None,
+        }
+    }
+
+    /// Values a block holds, and its bytes: the kernels' own figures for the types they read
+    /// in place ([`DType`]), the K-quants' here.
+    #[must_use]
+    pub fn block(self) -> (usize, usize) {
+        match (self.stored(), self) {
+            (Some(d), _) => (d.block_values(), d.size()),
+            (None, Self::Q5K) => (256, 176),
+            (None, Self::Q6K) => (256, 210),
+            // Q4_K.
+            (None, _) => (256, 144),
+        }
+    }
+
+    /// Its name as ggml writes it.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "F32",
+            Self::F16 => "F16",
+            Self::Bf16 => "BF16",
+            Self::Q8_0 => "Q8_0",
+            Self::Q4_0 => "Q4_0",
+            Self::Q4_1 => "Q4_1",
+            Self::Q4K => "Q4_K",
+            Self::Q5K => "Q5_K",
+            Self::Q6K => "Q6_K",
+        }
+    }
+}
+
+impl Gguf {
+    /// Every tensor the model needs, under its Hugging Face name, copied out of the file (F32,
+    /// F16, BF16, Q8_0, Q4_0 and Q4_1 as they are, the K-quants dequantized to f32), with the Q and
+    /// K rows of a `llama` file put back in Hugging Face's order.
+    ///
+    /// # Errors
+    /// A tensor of a type this loader does not read (named with it), or a shape that is not
+    /// the configuration's.
+    pub fn weights(&self, cfg: &LlamaConfig) -> Result<Weights, CheckpointError> {
+        let llama = self.architecture()? == "llama";
+        let mut out = Vec::with_capacity(self.tensors.len());
+        for t in &self.tensors {
+            let Some(name) = hf_name(&t.name) else {
+                continue;
+            };
+            let (rows, cols) = match t.dims[..] {
+                [n] => (1, n),
+                [c, r] => (r, c),
+                _ => {
+                    return Err(bad(
+                        &self.path,
+                        format!("tensor {}: {} dimensions", t.name, t.dims.len()),
+                    ));
+                }
+            };
+            let bytes = &self.map[t.start..t.start + t.len];
+            // The types the kernels read in place stay as they are; the K-quants are widened.
+            let (dtype, mut data) = match t.kind.stored() {
+                Some(d) => (d, bytes.to_vec()),
+                None => {
+                    let mut v = vec![0f32; rows * cols];
+                    dequantize(t.kind, bytes, &mut v);
+                    (DType::F32, bytemuck::cast_slice(&v).to_vec())
+                }
+            };
+            let heads = if t.name.ends_with("attn_q.weight") {
+                Some(cfg.heads)
+            } else if t.name.ends_with("attn_k.weight") {
+                Some(cfg.kv_heads)
+            } else {
+                None
+            };
+            if llama && let Some(h) = heads {
+                if rows != h * cfg.head_dim {
+                    return Err(CheckpointError::Shape {
+                        name: t.name.clone(),
+                        got: vec![rows, cols],
+                        want: vec![h * cfg.head_dim, cols],
+                    });
+                }
+                data = unpermute_rows(&data, cfg.head_dim, dtype.row_bytes(cols));
+            }
+            let shape = if t.dims.len() == 1 {
+                vec![cols]
+            } else {
+                vec![rows, cols]
+            };
+            out.push((name, dtype, shape, data));
+        }
+        Ok(Weights::owned(out))
+    }
+}
+
+/// Rows of `data` (`row_bytes` each), in heads of `head_dim` rows, from llama.cpp's adjacent-
+/// pair RoPE order back to Hugging Face's half-split one: row `2j + s` of a head goes to row
+/// `s * head_dim / 2 + j`.
+#[must_use]
+pub fn unpermute_rows(data: &[u8], head_dim: usize, row_bytes: usize) -> Vec<u8> {
+    let mut out = vec![0u8; data.len()];
+    let half = head_dim / 2;
+    let head_bytes = head_dim * row_bytes;
+    for (h, (src, dst)) in data
+        .chunks_exact(head_bytes)
+        .zip(out.chunks_exact_mut(head_bytes))
+        .enumerate()
+    {
+        let _ = h;
+        for j in 0..half {
+            for s in 0..2 {
+                let from = (2 * j + s) * row_bytes;
+                let to = (s * half + j) * row_bytes;
+                dst[to..to + row_bytes].copy_from_slice(&src[from..from + row_bytes]);
+            }
+        }
+    }
+    out
+}
+
+/// The Hugging Face name of a GGUF tensor the model reads; `None` for one it does not.
+pub(super) fn hf_name(gguf: &str) -> Option<String> {
+    Some(match gguf {
+        "token_embd.weight" => "model.embed_tokens.weight".into(),
+        "output_norm.weight" => "model.norm.weight".into(),
+        "output.weight" => "lm_head.weight".into(),
+        _ => {
+            let rest = gguf.strip_prefix("blk.")?;
+            let (layer, part) = rest.split_once('.')?;
+            let layer: usize = layer.parse().ok()?;
+            let hf = match part {
+                "attn_norm.weight" => "input_layernorm.weight",
+                "ffn_norm.weight" => "post_attention_layernorm.weight",
+                "attn_q.weight" => "self_attn.q_proj.weight",
+                "attn_k.weight" => "self_attn.k_proj.weight",
+                "attn_v.weight" => "self_attn.v_proj.weight",
+                "attn_output.weight" => "self_attn.o_proj.weight",
+                "attn_q.bias" => "self_attn.q_proj.bias",
+                "attn_k.bias" => "self_attn.k_proj.bias",
+                "attn_v.bias" => "self_attn.v_proj.bias",
+                "ffn_gate.weight" => "mlp.gate_proj.weight",
+                "ffn_up.weight" => "mlp.up_proj.weight",
+                "ffn_down.weight" => "mlp.down_proj.weight",
+                _ => return None,
+            };
+            format!("model.layers.{layer}.{hf}")
+        }
+    })
+}
+
+pub(super) fn h(b: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+/// Q4_K's and Q5_K's six-bit scale and minimum `j` (0..8) from their 12 packed bytes.
+pub(super) fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
+    let (sc, m) = if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    };
+    (f32::from(sc), f32::from(m))
+}
+
+/// `bytes` of quantized type `kind` as f32 values into `out`, block by block, as ggml's
+/// reference dequantization computes them (each value's arithmetic in f32, in ggml's order).
+///
+/// # Panics
+/// When `bytes` and `out` do not hold the same number of whole blocks.
+pub fn dequantize(kind: GgmlType, bytes: &[u8], out: &mut [f32]) {
+    let (per, size) = kind.block();
+    assert_eq!(bytes.len() / size * per, out.len(), "whole blocks");
+    assert!(bytes.len().is_multiple_of(size), "whole blocks");
+    for (b, y) in bytes.chunks_exact(size).zip(out.chunks_exact_mut(per)) {
+        match kind {
+            GgmlType::F32 => y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            GgmlType::F16 => y[0] = h(b, 0),
+            GgmlType::Bf16 => y[0] = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
+            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                if let Some(d) = kind.stored() {
+                    crate::kernels::dequantize_block(d, b, y);
+                }
+            }
+            GgmlType::Q4K => {
+                let (d, dmin) = (h(b, 0), h(b, 2));
+                let scales = &b[4..16];
+                let qs = &b[16..144];
+                for c in 0..4 {
+                    let (sc1, m1) = scale_min_k4(2 * c, scales);
+                    let (sc2, m2) = scale_min_k4(2 * c + 1, scales);
+                    let (d1, m1) = (d * sc1, dmin * m1);
+                    let (d2, m2) = (d * sc2, dmin * m2);
+                    let q = &qs[32 * c..32 * c + 32];
+                    let y = &mut y[64 * c..64 * c + 64];
+                    for l in 0..32 {
+                        y[l] = d1 * f32::from(q[l] & 0xF) - m1;
+                        y[l + 32] = d2 * f32::from(q[l] >> 4) - m2;
+                    }
+                }
+            }
+            GgmlType::Q5K => {
+                let (d, dmin) = (h(b, 0), h(b, 2));
+                let scales = &b[4..16];
+                let qh = &b[16..48];
+                let qs = &b[48..176];
+                for c in 0..4 {
+                    let (sc1, m1) = scale_min_k4(2 * c, scales);
+                    let (sc2, m2) = scale_min_k4(2 * c + 1, scales);
+                    let (d1, m1) = (d * sc1, dmin * m1);
+                    let (d2, m2) = (d * sc2, dmin * m2);
+                    let (u1, u2) = (1u8 << (2 * c), 2u8 << (2 * c));
+                    let q = &qs[32 * c..32 * c + 32];
+                    let y = &mut y[64 * c..64 * c + 64];
+                    for l in 0..32 {
+                        let hi1 = if qh[l] & u1 != 0 { 16 } else { 0 };
+                        let hi2 = if qh[l] & u2 != 0 { 16 } else { 0 };
+                        y[l] = d1 * f32::from((q[l] & 0xF) + hi1) - m1;
+                        y[l + 32] = d2 * f32::from((q[l] >> 4) + hi2) - m2;
+                    }
+                }
+            }
+            GgmlType::Q6K => {
+                let ql = &b[0..128];
+                let qh = &b[128..192];
+                let sc = &b[192..208];
+                let d = h(b, 208);
+                for n in 0..2 {
+                    let (ql, qh, sc) = (&ql[64 * n..], &qh[32 * n..], &sc[8 * n..]);
+                    let y = &mut y[128 * n..128 * n + 128];
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let q1 = i32::from((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32;
+                        let q2 = i32::from((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                        let q3 = i32::from((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                        let q4 = i32::from((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                        let s = |i: usize| f32::from(sc[i] as i8);
+                        y[l] = d * s(is) * q1 as f32;
+                        y[l + 32] = d * s(is + 2) * q2 as f32;
+                        y[l + 64] = d * s(is + 4) * q3 as f32;
+                        y[l + 96] = d * s(is + 6) * q4 as f32;
+                    }
+                }
+            }
+        }
+    }
+}
