@@ -50,12 +50,9 @@ pub fn ttft(args: &TtftArgs) -> ExitCode {
 async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
     use std::sync::Arc;
 
-    use kvwire_grpc::pb::kv::HasBlocksRequest;
-    use kvwire_grpc::{GrpcTransport, KvStore, KvTransport, TransportConfig};
+    use kvwire_grpc::{GrpcTransport, KvStore, TransportConfig};
 
-    use kvwire_grpc::pb::engine::{GenerateRequest, Resume, SamplingParams};
     use tl_engine::node::EngineNode;
-    use tl_engine::node::config::{Config, Role};
     use tl_engine::node::store::PoolStore;
     use tl_engine_core::engine::{Engine, Mode, Request};
     use tl_engine_core::sampler::Sampling;
@@ -69,28 +66,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
     let spin = args.busy_core.then(Spinner::start);
     let mut rows = Vec::new();
     for &n in &args.blocks {
-        let mut cfg = Config::default();
-        match &args.model {
-            Some(dir) => cfg.set_model(dir),
-            None => {
-                cfg.model.n_layers = 32;
-                cfg.model.n_kv_heads = 8;
-                cfg.model.head_dim = 128;
-            }
-        }
-        cfg.model.max_context = 16 * (n as u32 + 8);
-        cfg.pool.block_tokens = 16;
-        cfg.pool.n_blocks = n as u32 + 8;
-        // The push fills nearly the whole pool: keep only one block back for the decode step.
-        cfg.limits.decode_reserve_blocks = 1;
-        cfg.engine.role = Role::Decode;
-        if let Some(t) = args.import_threads {
-            cfg.engine.import_threads = t;
-        }
-        if let Some(n) = args.import_nice {
-            cfg.engine.import_nice = n;
-        }
-        cfg.validate()?;
+        let cfg = config_for(args, n)?;
         let shape = cfg.shape();
         let model_name = cfg.build_model()?.name().to_owned();
         let model_name = model_name.as_str();
@@ -126,24 +102,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         let transport = GrpcTransport::new(TransportConfig::for_envelope(
             shape.envelope_len(1).unwrap_or(0),
         ));
-        // Connect once outside the measurement, as a long-running prefill engine would have.
-        let warm = HasBlocksRequest {
-            hashes: vec![1],
-            kv_format: 1,
-            model: model_name.into(),
-            ..HasBlocksRequest::default()
-        };
-        transport.has_blocks(&kv, warm).await?;
-        let t = Instant::now();
-        let hb = HasBlocksRequest {
-            hashes: out.hashes.clone(),
-            kv_format: 1,
-            model: model_name.into(),
-            tokens: prompt[..out.hashes.len() * 16].to_vec(),
-            cache_scope: 0,
-        };
-        transport.has_blocks(&kv, hb).await?;
-        let has_blocks = t.elapsed();
+        let has_blocks = has_blocks_once(&transport, &kv, model_name, &out.hashes, &prompt).await?;
         let store: Arc<dyn KvStore> = Arc::new(PoolStore::new(p.pool().clone()));
         let t = Instant::now();
         let st = kvwire_grpc::transfer(
@@ -168,105 +127,42 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         // and nothing to dedup), five times on the now-warm connection, each handle released.
         let mut warm_single = Vec::new();
         if n == 1 {
-            let tail: Vec<u32> = (0..15).collect();
-            let mut q = Engine::new(cfg.build_model()?, cfg.build_pool());
-            let small = prefill_only(
-                &mut q,
-                Request {
-                    prompt: tail,
-                    ..req(Mode::PrefillOnly)
-                },
-            )?;
-            let qstore: Arc<dyn KvStore> = Arc::new(PoolStore::new(q.pool().clone()));
-            for i in 0..args.single_pushes {
-                let handle = format!("warm-{i}");
-                let t = Instant::now();
-                kvwire_grpc::transfer(
-                    &transport,
-                    Arc::clone(&qstore),
-                    kvwire_grpc::Push {
-                        target: &kv,
-                        handle_id: &handle,
-                        model: model_name,
-                        hashes: &[],
-                        n_blocks: small.blocks.ids().len(),
-                        known: None,
-                        lookup: None,
-                        tokens: &[],
-                        scope: 0,
-                    },
-                    small.blocks.ids(),
-                )
-                .await?;
-                warm_single.push(t.elapsed());
-                transport.release(&kv, &handle).await?;
-            }
+            let tail = Request {
+                prompt: (0..15).collect(),
+                ..req(Mode::PrefillOnly)
+            };
+            let to = (&transport, kv.as_str(), model_name);
+            warm_single = warm_single_pushes(&cfg, tail, to, args.single_pushes).await?;
         }
         let first = out.first_token;
         drop(out);
-        // The decode engine resumes the handle over Generate, as a gateway does.
-        let t = Instant::now();
-        let ctl = tl_engine::net::clients::ControlClient::new(&d.addresses().grpc)?;
-        let request = GenerateRequest {
-            prompt_tokens: prompt.clone(),
-            sampling: Some(SamplingParams {
-                seed: Some(1),
-                max_tokens: 2,
-                ..SamplingParams::default()
-            }),
-            resume: Some(Resume {
-                handle_id: "ttft".into(),
-                first_token: first,
-                rng_draws_consumed: 0,
-            }),
-            ..GenerateRequest::default()
-        };
-        tl_engine::node::generate::collect(ctl.generate(request).await?).await?;
-        let resume = t.elapsed();
+        let resume = resume_once(&d, &prompt, first).await?;
         // The same prompt through a prefill engine's Prefill RPC, the push after the prefill
         // (serial) and overlapping it (pipelined). Each uses a prompt the decode side does not
         // hold (the tokens shifted), so every block moves. Each round times colocated, serial
         // and pipelined once, in an order that rotates, and the ratios are taken per round.
         let serial = RpcPrefill::start(&cfg, &d, false).await?;
         let pipelined = RpcPrefill::start(&cfg, &d, true).await?;
-        let (mut colocated_runs, mut serial_runs, mut pipelined_runs) =
-            (Vec::new(), Vec::new(), Vec::new());
-        let (mut ratio_runs, mut ratio_serial_runs) = (Vec::new(), Vec::new());
-        // Token shifts 1..=rounds for colocated, then the next `rounds` for serial and the next
-        // for pipelined: no prompt repeats across kinds or rounds (checked below 256 shifts).
-        let rounds = args.repeat.max(1) as u32;
-        for round in 0..rounds as usize {
-            let k = 1 + round as u32;
-            let shifted = |kind: u32| -> Vec<u32> {
-                prompt
-                    .iter()
-                    .map(|&t| (t + k + kind * rounds) % 256)
-                    .collect()
-            };
-            let mut took = [Duration::ZERO; 3];
-            for i in 0..3 {
-                let which = (round + i) % 3;
-                took[which] = match which {
-                    0 => {
-                        let r = Request {
-                            prompt: shifted(0),
-                            ..req(Mode::Generate)
-                        };
-                        let t = Instant::now();
-                        solo.generate(r)?;
-                        t.elapsed()
-                    }
-                    1 => serial.run(round, shifted(1)).await?,
-                    _ => pipelined.run(round, shifted(2)).await?,
-                };
-            }
-            let [c, s, p] = took;
-            ratio_runs.push(p.as_secs_f64() / c.as_secs_f64());
-            ratio_serial_runs.push(s.as_secs_f64() / c.as_secs_f64());
-            colocated_runs.push(c);
-            serial_runs.push(s);
-            pipelined_runs.push(p);
-        }
+        let Timed {
+            colocated: mut colocated_runs,
+            serial: mut serial_runs,
+            pipelined: mut pipelined_runs,
+            ratio: ratio_runs,
+            ratio_serial: mut ratio_serial_runs,
+        } = timed_rounds(
+            args.repeat.max(1) as u32,
+            &prompt,
+            &mut |p| {
+                let t = Instant::now();
+                solo.generate(Request {
+                    prompt: p,
+                    ..req(Mode::Generate)
+                })?;
+                Ok(t.elapsed())
+            },
+            (&serial, &pipelined),
+        )
+        .await?;
         serial.shutdown().await;
         pipelined.shutdown().await;
         drop(solo);
@@ -294,7 +190,192 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         }));
     }
     drop(spin);
-    Ok(serde_json::json!({
+    Ok(report(args, rows))
+}
+
+/// The engines' configuration for a prompt of `n` blocks.
+fn config_for(args: &TtftArgs, n: usize) -> Result<tl_engine::node::config::Config, BenchError> {
+    use tl_engine::node::config::{Config, Role};
+    let mut cfg = Config::default();
+    match &args.model {
+        Some(dir) => cfg.set_model(dir),
+        None => {
+            cfg.model.n_layers = 32;
+            cfg.model.n_kv_heads = 8;
+            cfg.model.head_dim = 128;
+        }
+    }
+    cfg.model.max_context = 16 * (n as u32 + 8);
+    cfg.pool.block_tokens = 16;
+    cfg.pool.n_blocks = n as u32 + 8;
+    // The push fills nearly the whole pool: keep only one block back for the decode step.
+    cfg.limits.decode_reserve_blocks = 1;
+    cfg.engine.role = Role::Decode;
+    if let Some(t) = args.import_threads {
+        cfg.engine.import_threads = t;
+    }
+    if let Some(n) = args.import_nice {
+        cfg.engine.import_nice = n;
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Warm one-block pushes: the tail of a 15-token prompt (`tail`: no full block, so no
+/// HasBlocks and nothing to dedup), `count` times on the now-warm connection of `transport` to
+/// `kv`, each handle released.
+async fn warm_single_pushes(
+    cfg: &tl_engine::node::config::Config,
+    tail: tl_engine_core::engine::Request,
+    (transport, kv, model): (&kvwire_grpc::GrpcTransport, &str, &str),
+    count: usize,
+) -> Result<Vec<Duration>, BenchError> {
+    use kvwire_grpc::{KvStore, KvTransport};
+    use std::sync::Arc;
+    let mut q = tl_engine_core::engine::Engine::new(cfg.build_model()?, cfg.build_pool());
+    let small = prefill_only(&mut q, tail)?;
+    let store: Arc<dyn KvStore> =
+        Arc::new(tl_engine::node::store::PoolStore::new(q.pool().clone()));
+    let mut took = Vec::new();
+    for i in 0..count {
+        let handle = format!("warm-{i}");
+        let t = Instant::now();
+        kvwire_grpc::transfer(
+            transport,
+            Arc::clone(&store),
+            kvwire_grpc::Push {
+                target: kv,
+                handle_id: &handle,
+                model,
+                hashes: &[],
+                n_blocks: small.blocks.ids().len(),
+                known: None,
+                lookup: None,
+                tokens: &[],
+                scope: 0,
+            },
+            small.blocks.ids(),
+        )
+        .await?;
+        took.push(t.elapsed());
+        transport.release(kv, &handle).await?;
+    }
+    Ok(took)
+}
+
+/// One HasBlocks of `hashes` (the prompt's full blocks) on a connection opened beforehand, as
+/// a long-running prefill engine's is: its time.
+async fn has_blocks_once(
+    transport: &kvwire_grpc::GrpcTransport,
+    kv: &str,
+    model: &str,
+    hashes: &[u64],
+    prompt: &[u32],
+) -> Result<Duration, BenchError> {
+    use kvwire_grpc::KvTransport;
+    use kvwire_grpc::pb::kv::HasBlocksRequest;
+    let warm = HasBlocksRequest {
+        hashes: vec![1],
+        kv_format: 1,
+        model: model.into(),
+        ..HasBlocksRequest::default()
+    };
+    transport.has_blocks(kv, warm).await?;
+    let t = Instant::now();
+    let hb = HasBlocksRequest {
+        hashes: hashes.to_vec(),
+        kv_format: 1,
+        model: model.into(),
+        tokens: prompt[..hashes.len() * 16].to_vec(),
+        cache_scope: 0,
+    };
+    transport.has_blocks(kv, hb).await?;
+    Ok(t.elapsed())
+}
+
+/// The decode engine `d` resumes the handle `ttft` over Generate, as a gateway does: the time
+/// to its answer (a claim and one decode step).
+async fn resume_once(
+    d: &tl_engine::node::EngineNode,
+    prompt: &[u32],
+    first: u32,
+) -> Result<Duration, BenchError> {
+    use kvwire_grpc::pb::engine::{GenerateRequest, Resume, SamplingParams};
+    let t = Instant::now();
+    let ctl = tl_engine::net::clients::ControlClient::new(&d.addresses().grpc)?;
+    let request = GenerateRequest {
+        prompt_tokens: prompt.to_vec(),
+        sampling: Some(SamplingParams {
+            seed: Some(1),
+            max_tokens: 2,
+            ..SamplingParams::default()
+        }),
+        resume: Some(Resume {
+            handle_id: "ttft".into(),
+            first_token: first,
+            rng_draws_consumed: 0,
+        }),
+        ..GenerateRequest::default()
+    };
+    tl_engine::node::generate::collect(ctl.generate(request).await?).await?;
+    Ok(t.elapsed())
+}
+
+/// Each kind's times over the rounds, and each round's ratios over colocated.
+struct Timed {
+    colocated: Vec<Duration>,
+    serial: Vec<Duration>,
+    pipelined: Vec<Duration>,
+    ratio: Vec<f64>,
+    ratio_serial: Vec<f64>,
+}
+
+/// `rounds` rounds, each timing colocated (`solo`), serial and pipelined once, in an order that
+/// rotates. Token shifts 1..=rounds for colocated, then the next `rounds` for serial and the
+/// next for pipelined: no prompt repeats across kinds or rounds (checked below 256 shifts).
+async fn timed_rounds(
+    rounds: u32,
+    prompt: &[u32],
+    solo: &mut dyn FnMut(Vec<u32>) -> Result<Duration, BenchError>,
+    (serial, pipelined): (&RpcPrefill, &RpcPrefill),
+) -> Result<Timed, BenchError> {
+    let mut out = Timed {
+        colocated: Vec::new(),
+        serial: Vec::new(),
+        pipelined: Vec::new(),
+        ratio: Vec::new(),
+        ratio_serial: Vec::new(),
+    };
+    for round in 0..rounds as usize {
+        let k = 1 + round as u32;
+        let shifted = |kind: u32| -> Vec<u32> {
+            prompt
+                .iter()
+                .map(|&t| (t + k + kind * rounds) % 256)
+                .collect()
+        };
+        let mut took = [Duration::ZERO; 3];
+        for i in 0..3 {
+            let which = (round + i) % 3;
+            took[which] = match which {
+                0 => solo(shifted(0))?,
+                1 => serial.run(round, shifted(1)).await?,
+                _ => pipelined.run(round, shifted(2)).await?,
+            };
+        }
+        let [c, s, p] = took;
+        out.ratio.push(p.as_secs_f64() / c.as_secs_f64());
+        out.ratio_serial.push(s.as_secs_f64() / c.as_secs_f64());
+        out.colocated.push(c);
+        out.serial.push(s);
+        out.pipelined.push(p);
+    }
+    Ok(out)
+}
+
+/// The bench's JSON line.
+fn report(args: &TtftArgs, rows: Vec<serde_json::Value>) -> serde_json::Value {
+    serde_json::json!({
         "bench": "ttft",
         "shape": match &args.model {
             Some(dir) => format!("{dir}: the checkpoint's own L, H, D with B=16, greedy"),
@@ -305,11 +386,11 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         "kernel": super::kernel_json(),
         "import_threads": args.import_threads.unwrap_or(tl_engine::node::config::EngineSection::default().import_threads),
         "import_nice": args.import_nice.unwrap_or(tl_engine::node::config::EngineSection::default().import_nice),
-        "note": "stepwise: prefill, HasBlocks and push timed apart on an in-process engine (push after prefill); prefill_rpc_*: a prefill engine's whole Prefill RPC (the first token returns with the KvHandle), pushing after the prefill (serial) or each block as it is written (pipelined); ttft_ratio = median over --repeat rounds of pipelined RPC / colocated, each round timing colocated, serial and pipelined once in a rotating order (ttft_ratio_rounds: each round's); single_block_push_over_streamed = median warm one-block push / per-block time of the largest stepwise push, first_push_over_streamed the same for the first push on the connection; resume = claim + one decode step + HTTP",
+        "note": "stepwise: prefill, HasBlocks and push timed apart on an in-process engine (push after prefill); prefill_rpc_*: a prefill engine's whole Prefill RPC (the first token returns with the KvHandle), pushing after the prefill (serial) or each block as it is written (pipelined); ttft_ratio = median over --repeat rounds of pipelined RPC / colocated, each round timing colocated, serial and pipelined once in a rotating order (ttft_ratio_rounds: each round's); single_block_push_over_streamed = median warm one-block push / per-block time of the largest stepwise push, first_push_over_streamed the same for the first push on the connection; resume = claim + one decode step, over Generate",
         "single_block_push_over_streamed": single_over_streamed(&rows, "warm_single_push_p50_ms"),
         "first_push_over_streamed": single_over_streamed(&rows, "push_ms"),
         "rows": rows,
-    }))
+    })
 }
 
 /// Submits a prefill-only request to `e` and runs the step that prefills it.
