@@ -165,6 +165,58 @@ async fn light_phase(addr: &str, a: &TenantsArgs, salt: usize) -> Vec<Result<Tim
     out
 }
 
+/// B's times to first token (ms) with and without A's prefix, and A's own repeat, per pair.
+struct Probes {
+    with_a: Vec<f64>,
+    without: Vec<f64>,
+    a_again: Vec<f64>,
+    errors: usize,
+}
+
+/// Privacy: B's TTFT with and without A's prefix, pair by pair, order alternating.
+async fn privacy(addr: &str, a: &TenantsArgs) -> Probes {
+    let (ka, kb) = (Keyed::new("tenant-a"), Keyed::new("tenant-b"));
+    let (mut with_a, mut without, mut a_again) = (Vec::new(), Vec::new(), Vec::new());
+    let mut errors = 0usize;
+    for i in 0..a.pairs {
+        let sent = prompt(a.prefix_tokens, 100_000 + 2 * i);
+        let fresh = prompt(a.prefix_tokens, 100_001 + 2 * i);
+        let probe = |mut p: Vec<u32>, tail: u32| {
+            p.extend([tail, tail + 1, tail + 2]);
+            body(p, 1, 1, 0)
+        };
+        if ka.run(addr, probe(sent.clone(), 7)).await.is_err() {
+            errors += 1;
+            continue;
+        }
+        let b_with = probe(sent.clone(), 40);
+        let b_without = probe(fresh, 40);
+        let (first, second) = if i % 2 == 0 {
+            (b_with, b_without)
+        } else {
+            (b_without, b_with)
+        };
+        let r1 = kb.run(addr, first).await;
+        let r2 = kb.run(addr, second).await;
+        let again = ka.run(addr, probe(sent, 90)).await;
+        match (r1, r2, again) {
+            (Ok(x), Ok(y), Ok(z)) => {
+                let (w, wo) = if i % 2 == 0 { (x, y) } else { (y, x) };
+                with_a.push(w.ttft * 1e3);
+                without.push(wo.ttft * 1e3);
+                a_again.push(z.ttft * 1e3);
+            }
+            _ => errors += 1,
+        }
+    }
+    Probes {
+        with_a,
+        without,
+        a_again,
+        errors,
+    }
+}
+
 async fn bench(a: &TenantsArgs) -> Result<serde_json::Value, BenchError> {
     let dir = std::env::temp_dir().join(format!(
         "tl-bench-tenants-{}-{}",
@@ -245,41 +297,12 @@ async fn bench(a: &TenantsArgs) -> Result<serde_json::Value, BenchError> {
         round3(beside_s[k].as_f64().unwrap_or(f64::NAN) / alone_s[k].as_f64().unwrap_or(f64::NAN))
     };
 
-    // Privacy: B's TTFT with and without A's prefix, pair by pair, order alternating.
-    let (ka, kb) = (Keyed::new("tenant-a"), Keyed::new("tenant-b"));
-    let (mut with_a, mut without, mut a_again) = (Vec::new(), Vec::new(), Vec::new());
-    let mut errors = 0usize;
-    for i in 0..a.pairs {
-        let sent = prompt(a.prefix_tokens, 100_000 + 2 * i);
-        let fresh = prompt(a.prefix_tokens, 100_001 + 2 * i);
-        let probe = |mut p: Vec<u32>, tail: u32| {
-            p.extend([tail, tail + 1, tail + 2]);
-            body(p, 1, 1, 0)
-        };
-        if ka.run(&addr, probe(sent.clone(), 7)).await.is_err() {
-            errors += 1;
-            continue;
-        }
-        let b_with = probe(sent.clone(), 40);
-        let b_without = probe(fresh, 40);
-        let (first, second) = if i % 2 == 0 {
-            (b_with, b_without)
-        } else {
-            (b_without, b_with)
-        };
-        let r1 = kb.run(&addr, first).await;
-        let r2 = kb.run(&addr, second).await;
-        let again = ka.run(&addr, probe(sent, 90)).await;
-        match (r1, r2, again) {
-            (Ok(x), Ok(y), Ok(z)) => {
-                let (w, wo) = if i % 2 == 0 { (x, y) } else { (y, x) };
-                with_a.push(w.ttft * 1e3);
-                without.push(wo.ttft * 1e3);
-                a_again.push(z.ttft * 1e3);
-            }
-            _ => errors += 1,
-        }
-    }
+    let Probes {
+        with_a,
+        without,
+        a_again,
+        errors,
+    } = privacy(&addr, a).await;
     let (t, df, p_value) = welch(&with_a, &without);
     let preemptions: u64 = d.iter().map(|n| n.runner().preemptions()).sum();
     for n in d.into_iter().chain([p]) {
