@@ -517,6 +517,79 @@ async fn busy_decoder(c: &Cluster, http: &str) -> usize {
     best.0
 }
 
+/// Each request's verdict, counted: equal to colocated, failed (by cause) and lost (by cause).
+/// A client connected to the gateway when it was restarted (`faulted`: from the fault's start
+/// to its landing) sees its connection cut: an error it can retry on, not a loss.
+fn tally(
+    outcomes: &[Outcome],
+    fault: Fault,
+    faulted: std::ops::Range<Duration>,
+) -> (usize, BTreeMap<String, u64>, BTreeMap<String, u64>) {
+    let mut failed: BTreeMap<String, u64> = BTreeMap::new();
+    let mut lost: BTreeMap<String, u64> = BTreeMap::new();
+    let mut equal = 0;
+    for o in outcomes {
+        // A client connected to the gateway when it was killed sees its connection cut: an
+        // error it can retry on, not a loss (the gateway is the client's only endpoint).
+        if fault == Fault::RegistryRestart
+            && matches!(o.verdict, Verdict::Lost(_))
+            && o.started <= faulted.end
+            && o.ended >= faulted.start
+        {
+            *failed.entry("gateway_restarted".into()).or_default() += 1;
+            continue;
+        }
+        match &o.verdict {
+            Verdict::Equal => equal += 1,
+            Verdict::Failed(c) => *failed.entry(c.clone()).or_default() += 1,
+            Verdict::Lost(c) => *lost.entry(c.clone()).or_default() += 1,
+        }
+    }
+    (equal, failed, lost)
+}
+
+/// The p99 TTFT and TPOT, and the first routes, of the requests started before the fault,
+/// during it and after it was restored.
+fn by_phase(
+    outcomes: &[Outcome],
+    fault_time: Duration,
+    restore_time: Duration,
+) -> (
+    serde_json::Map<String, Value>,
+    serde_json::Map<String, Value>,
+    serde_json::Map<String, Value>,
+) {
+    let phase = |o: &&Outcome| {
+        if o.started < fault_time {
+            "before"
+        } else if o.started < restore_time {
+            "during"
+        } else {
+            "after"
+        }
+    };
+    let mut ttft = serde_json::Map::new();
+    let mut tpot = serde_json::Map::new();
+    let mut routes = serde_json::Map::new();
+    for ph in ["before", "during", "after"] {
+        let mut by: BTreeMap<&str, u64> = BTreeMap::new();
+        for o in outcomes.iter().filter(|o| phase(o) == ph) {
+            *by.entry(o.decode.as_str()).or_default() += 1;
+        }
+        routes.insert(ph.into(), json!(by));
+        let of = |f: &dyn Fn(&Outcome) -> Option<Duration>| {
+            outcomes
+                .iter()
+                .filter(|o| phase(o) == ph)
+                .filter_map(f)
+                .collect::<Vec<_>>()
+        };
+        ttft.insert(ph.into(), p99_ms(of(&|o| o.ttft)));
+        tpot.insert(ph.into(), p99_ms(of(&|o| o.tpot)));
+    }
+    (ttft, tpot, routes)
+}
+
 pub(super) async fn run(a: &DrillArgs) -> Result<(Value, bool), DrillError> {
     let mut cluster = Cluster::start(a).await?;
     let http = cluster.http();
@@ -587,54 +660,8 @@ pub(super) async fn run(a: &DrillArgs) -> Result<(Value, bool), DrillError> {
     let gave_up = failovers(&gw_metrics, "gave_up").await;
 
     let outcomes = std::mem::take(&mut *outcomes.lock().map_err(|e| e.to_string())?);
-    let mut failed: BTreeMap<String, u64> = BTreeMap::new();
-    let mut lost: BTreeMap<String, u64> = BTreeMap::new();
-    let mut equal = 0;
-    for o in &outcomes {
-        // A client connected to the gateway when it was killed sees its connection cut: an
-        // error it can retry on, not a loss (the gateway is the client's only endpoint).
-        if a.fault == Fault::RegistryRestart
-            && matches!(o.verdict, Verdict::Lost(_))
-            && o.started <= fault_time
-            && o.ended >= fault_start
-        {
-            *failed.entry("gateway_restarted".into()).or_default() += 1;
-            continue;
-        }
-        match &o.verdict {
-            Verdict::Equal => equal += 1,
-            Verdict::Failed(c) => *failed.entry(c.clone()).or_default() += 1,
-            Verdict::Lost(c) => *lost.entry(c.clone()).or_default() += 1,
-        }
-    }
-    let phase = |o: &&Outcome| {
-        if o.started < fault_time {
-            "before"
-        } else if o.started < restore_time {
-            "during"
-        } else {
-            "after"
-        }
-    };
-    let mut ttft = serde_json::Map::new();
-    let mut tpot = serde_json::Map::new();
-    let mut routes = serde_json::Map::new();
-    for ph in ["before", "during", "after"] {
-        let mut by: BTreeMap<&str, u64> = BTreeMap::new();
-        for o in outcomes.iter().filter(|o| phase(o) == ph) {
-            *by.entry(o.decode.as_str()).or_default() += 1;
-        }
-        routes.insert(ph.into(), json!(by));
-        let of = |f: &dyn Fn(&Outcome) -> Option<Duration>| {
-            outcomes
-                .iter()
-                .filter(|o| phase(o) == ph)
-                .filter_map(f)
-                .collect::<Vec<_>>()
-        };
-        ttft.insert(ph.into(), p99_ms(of(&|o| o.ttft)));
-        tpot.insert(ph.into(), p99_ms(of(&|o| o.tpot)));
-    }
+    let (equal, failed, lost) = tally(&outcomes, a.fault, fault_start..fault_time);
+    let (ttft, tpot, routes) = by_phase(&outcomes, fault_time, restore_time);
     // Requests in flight when the fault landed: their longest wait between two tokens (the
     // failover's cost, for those that failed over) against that of undisturbed requests.
     let hit: Vec<Duration> = outcomes
