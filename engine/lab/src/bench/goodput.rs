@@ -677,6 +677,100 @@ pub fn goodput(args: &GoodputArgs) -> ExitCode {
 /// One topology's points of one sweep: (rate, attainment per TPOT SLO).
 type Curve = Vec<(f64, Vec<f64>)>;
 
+/// Calibration: requests one at a time, measured against what the costs say a request alone
+/// takes (its prefill; a decode step of one sequence per token).
+async fn calibrate(
+    topologies: &[Topology],
+    c: Costs,
+    a: &GoodputArgs,
+    marks: &PlannerSection,
+) -> Result<serde_json::Map<String, serde_json::Value>, BenchError> {
+    let mut calibration = serde_json::Map::new();
+    for t in topologies {
+        let mut one_by_one = trace(a, 4, 1.0, 0.5, a.seed ^ 0xCA11);
+        for (i, r) in one_by_one.iter_mut().enumerate() {
+            r.at = i as f64
+                * (c.prefill_ms(a.long_max) / 1e3
+                    + 0.1
+                    + f64::from(a.max_tokens) * c.step_ms(1) / 1e3);
+        }
+        let run = run_trace(t, c, a, marks, &one_by_one).await?;
+        let (mut ttft, mut tpot) = (Vec::new(), Vec::new());
+        for (o, r) in run.outcomes.iter().zip(&one_by_one) {
+            if o.error.is_none() {
+                ttft.push(o.ttft * 1e3 / c.prefill_ms(r.prompt.len()));
+                tpot.push(o.tpot * 1e3 / c.step_ms(1));
+            }
+        }
+        calibration.insert(
+            t.name.clone(),
+            serde_json::json!({
+                "requests": run.outcomes.len(),
+                "ttft_measured_over_simulated": round3(super::median(&mut ttft)),
+                "tpot_measured_over_simulated": round3(super::median(&mut tpot)),
+            }),
+        );
+    }
+    Ok(calibration)
+}
+
+/// Each topology's highest rate at each TPOT SLO, and each pair's ratio of them.
+fn rates_at_slo(
+    topologies: &[Topology],
+    slos: &Slos,
+    curve: &[Curve],
+) -> (
+    serde_json::Map<String, serde_json::Value>,
+    serde_json::Map<String, serde_json::Value>,
+) {
+    let mut max_rate = serde_json::Map::new();
+    for (ti, t) in topologies.iter().enumerate() {
+        let mut per = serde_json::Map::new();
+        for (si, &tp) in slos.tpot_ms.iter().enumerate() {
+            per.insert(format!("{tp}"), max_rate_at(&curve[ti], si).into());
+        }
+        max_rate.insert(t.name.clone(), per.into());
+    }
+    let mut over = serde_json::Map::new();
+    for x in topologies {
+        for y in topologies {
+            if x.name == y.name {
+                continue;
+            }
+            let mut per = serde_json::Map::new();
+            for (si, &tp) in slos.tpot_ms.iter().enumerate() {
+                let (rx, ry) = (
+                    max_rate_at(&curve[idx(topologies, x)], si),
+                    max_rate_at(&curve[idx(topologies, y)], si),
+                );
+                let r = match (rx, ry) {
+                    (Some(rx), Some(ry)) if ry > 0.0 => Some(round3(rx / ry)),
+                    _ => None,
+                };
+                per.insert(format!("{tp}"), r.into());
+            }
+            over.insert(format!("{}/{}", x.name, y.name), per.into());
+        }
+    }
+    (max_rate, over)
+}
+
+/// The rates a sweep tries: those given, else from `--rate-start` (or a quarter of the prefill
+/// capacity) up by `--rate-step`.
+fn sweep_rates(a: &GoodputArgs, capacity: f64) -> Vec<f64> {
+    if !a.rates.is_empty() {
+        return a.rates.clone();
+    }
+    let r0 = if a.rate_start > 0.0 {
+        a.rate_start
+    } else {
+        capacity / 4.0
+    };
+    (0..a.max_points)
+        .map(|i| r0 * a.rate_step.powi(i as i32))
+        .collect()
+}
+
 async fn bench(a: &GoodputArgs) -> Result<serde_json::Value, BenchError> {
     let topologies: Vec<Topology> = a
         .topology
@@ -705,34 +799,7 @@ async fn bench(a: &GoodputArgs) -> Result<serde_json::Value, BenchError> {
     let marks = planner_marks(c, &slos);
     let engines = topologies.iter().map(Topology::engines).max().unwrap_or(1);
 
-    // Calibration: requests one at a time, measured against what the costs say a request alone
-    // takes (its prefill; a decode step of one sequence per token).
-    let mut calibration = serde_json::Map::new();
-    for t in &topologies {
-        let mut one_by_one = trace(a, 4, 1.0, 0.5, a.seed ^ 0xCA11);
-        for (i, r) in one_by_one.iter_mut().enumerate() {
-            r.at = i as f64
-                * (c.prefill_ms(a.long_max) / 1e3
-                    + 0.1
-                    + f64::from(a.max_tokens) * c.step_ms(1) / 1e3);
-        }
-        let run = run_trace(t, c, a, &marks, &one_by_one).await?;
-        let (mut ttft, mut tpot) = (Vec::new(), Vec::new());
-        for (o, r) in run.outcomes.iter().zip(&one_by_one) {
-            if o.error.is_none() {
-                ttft.push(o.ttft * 1e3 / c.prefill_ms(r.prompt.len()));
-                tpot.push(o.tpot * 1e3 / c.step_ms(1));
-            }
-        }
-        calibration.insert(
-            t.name.clone(),
-            serde_json::json!({
-                "requests": run.outcomes.len(),
-                "ttft_measured_over_simulated": round3(super::median(&mut ttft)),
-                "tpot_measured_over_simulated": round3(super::median(&mut tpot)),
-            }),
-        );
-    }
+    let calibration = calibrate(&topologies, c, a, &marks).await?;
 
     let mut sweeps = Vec::new();
     let mut curves: BTreeMap<String, Vec<(String, Curve)>> = BTreeMap::new();
@@ -740,18 +807,7 @@ async fn bench(a: &GoodputArgs) -> Result<serde_json::Value, BenchError> {
         let avg_prompt = (1.0 - lf) * (a.short_min + a.short_max) as f64 / 2.0
             + lf * (a.long_min + a.long_max) as f64 / 2.0;
         let capacity = engines as f64 / (avg_prompt * c.prefill_us_per_token as f64 / 1e6);
-        let rates: Vec<f64> = if a.rates.is_empty() {
-            let r0 = if a.rate_start > 0.0 {
-                a.rate_start
-            } else {
-                capacity / 4.0
-            };
-            (0..a.max_points)
-                .map(|i| r0 * a.rate_step.powi(i as i32))
-                .collect()
-        } else {
-            a.rates.clone()
-        };
+        let rates = sweep_rates(a, capacity);
         let mut points = Vec::new();
         let mut live: Vec<bool> = vec![true; topologies.len()];
         let mut curve: Vec<Curve> = vec![Vec::new(); topologies.len()];
@@ -799,35 +855,7 @@ async fn bench(a: &GoodputArgs) -> Result<serde_json::Value, BenchError> {
                 c.sort_by(|x, y| x.0.total_cmp(&y.0));
             }
         }
-        let mut max_rate = serde_json::Map::new();
-        for (ti, t) in topologies.iter().enumerate() {
-            let mut per = serde_json::Map::new();
-            for (si, &tp) in slos.tpot_ms.iter().enumerate() {
-                per.insert(format!("{tp}"), max_rate_at(&curve[ti], si).into());
-            }
-            max_rate.insert(t.name.clone(), per.into());
-        }
-        let mut over = serde_json::Map::new();
-        for x in &topologies {
-            for y in &topologies {
-                if x.name == y.name {
-                    continue;
-                }
-                let mut per = serde_json::Map::new();
-                for (si, &tp) in slos.tpot_ms.iter().enumerate() {
-                    let (rx, ry) = (
-                        max_rate_at(&curve[idx(&topologies, x)], si),
-                        max_rate_at(&curve[idx(&topologies, y)], si),
-                    );
-                    let r = match (rx, ry) {
-                        (Some(rx), Some(ry)) if ry > 0.0 => Some(round3(rx / ry)),
-                        _ => None,
-                    };
-                    per.insert(format!("{tp}"), r.into());
-                }
-                over.insert(format!("{}/{}", x.name, y.name), per.into());
-            }
-        }
+        let (max_rate, over) = rates_at_slo(&topologies, &slos, &curve);
         curves.insert(
             format!("{lf}"),
             topologies
