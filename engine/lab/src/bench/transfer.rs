@@ -446,6 +446,32 @@ struct Pusher<'a> {
     prompt: &'a [u32],
 }
 
+/// Each run's figures, per leg.
+#[derive(Default)]
+struct Runs {
+    grpc: Vec<f64>,
+    tls: Vec<f64>,
+    tcp: Vec<f64>,
+    raw: Vec<f64>,
+    ratios: Vec<f64>,
+    tls_ratios: Vec<f64>,
+    raw_ratios: Vec<f64>,
+    tls_over_raw: Vec<f64>,
+    /// Cores kept busy: gRPC, gRPC over TLS, raw TCP, raw TLS.
+    cores: [Vec<f64>; 4],
+    /// Minor page faults per MiB moved, in the same order.
+    faults: [Vec<f64>; 4],
+}
+
+/// The four ways a push's bytes go: gRPC in plain text and over mutual TLS (a transport and
+/// its target each), and the raw baselines' chunk and TLS configurations.
+struct Legs<'a> {
+    plain: (&'a kvwire_grpc::GrpcTransport, &'a str),
+    tls: (&'a kvwire_grpc::GrpcTransport, &'a str),
+    tcp_chunk: &'a [u8],
+    raw_tls: TlsPair,
+}
+
 impl Pusher<'_> {
     /// One push of the first `count` blocks over `transport`; its stats and seconds.
     async fn push(
@@ -479,6 +505,229 @@ impl Pusher<'_> {
             self.dst.release_forget(&c.into_ids());
         }
         Ok((st, secs))
+    }
+
+    /// `runs` runs, each pushing over gRPC, over gRPC with TLS, and the same bytes over raw
+    /// TCP and raw TLS, one after the other.
+    async fn paired(&self, legs: &Legs<'_>, runs: usize) -> Result<Runs, BenchError> {
+        let n = self.ids.len();
+        let p_bytes = self.pool.lock().shape().payload_bytes().unwrap_or(0);
+        let bytes_mib = (n as f64) * p_bytes as f64 / f64::from(1u32 << 20);
+        let mut out = Runs::default();
+        for run in 0..runs {
+            let (pushed, c) =
+                with_cost(self.push(legs.plain.0, legs.plain.1, &format!("run-{run}"), n)).await;
+            let (st, secs) = pushed?;
+            out.cores[0].push(c.cores);
+            out.faults[0].push(c.faults as f64 / bytes_mib);
+            let g = st.payload_bytes as f64 / secs / 1e9;
+            let (pushed, c) =
+                with_cost(self.push(legs.tls.0, legs.tls.1, &format!("tls-{run}"), n)).await;
+            let (st, secs) = pushed?;
+            out.cores[1].push(c.cores);
+            out.faults[1].push(c.faults as f64 / bytes_mib);
+            let s = st.payload_bytes as f64 / secs / 1e9;
+            let bytes = st.payload_bytes as usize;
+            let (t, c) = with_cost(stream_run(bytes, legs.tcp_chunk, None)).await;
+            let t = t?;
+            out.cores[2].push(c.cores);
+            out.faults[2].push(c.faults as f64 / bytes_mib);
+            let (r, c) = with_cost(stream_run(
+                bytes,
+                legs.tcp_chunk,
+                Some(legs.raw_tls.clone()),
+            ))
+            .await;
+            let r = r?;
+            out.cores[3].push(c.cores);
+            out.faults[3].push(c.faults as f64 / bytes_mib);
+            out.grpc.push(g);
+            out.tls.push(s);
+            out.tcp.push(t);
+            out.raw.push(r);
+            out.ratios.push(g / t);
+            out.tls_ratios.push(s / t);
+            out.raw_ratios.push(r / t);
+            out.tls_over_raw.push(s / r);
+        }
+        // With span export on: the same pairs again, each push in a client span (the server's
+        // spans come from the service itself).
+        Ok(out)
+    }
+
+    /// One leg alone, `runs` times: its rate and cost per run, nothing else in the process's
+    /// profile.
+    async fn only(
+        &self,
+        legs: &Legs<'_>,
+        leg: Leg,
+        runs: usize,
+    ) -> Result<serde_json::Value, BenchError> {
+        let n = self.ids.len();
+        let p_bytes = self.pool.lock().shape().payload_bytes().unwrap_or(0);
+        let (mut rates, mut busy) = (Vec::new(), Vec::new());
+        let bytes = n * p_bytes;
+        for run in 0..runs {
+            let (gbps, c) = with_cost(async {
+                Ok::<f64, BenchError>(match leg {
+                    Leg::Grpc | Leg::GrpcTls => {
+                        let (t, at) = if leg == Leg::Grpc {
+                            legs.plain
+                        } else {
+                            legs.tls
+                        };
+                        let (st, secs) = self.push(t, at, &format!("only-{run}"), n).await?;
+                        st.payload_bytes as f64 / secs / 1e9
+                    }
+                    Leg::Tcp => stream_run(bytes, legs.tcp_chunk, None).await?,
+                    Leg::RawTls => {
+                        stream_run(bytes, legs.tcp_chunk, Some(legs.raw_tls.clone())).await?
+                    }
+                })
+            })
+            .await;
+            rates.push(gbps?);
+            busy.push(c.cores);
+        }
+        let leg_name = match leg {
+            Leg::Grpc => "grpc",
+            Leg::GrpcTls => "grpc_tls",
+            Leg::Tcp => "tcp",
+            Leg::RawTls => "raw_tls",
+        };
+        Ok(serde_json::json!({
+            "bench": "transfer",
+            "only": leg_name,
+            "push_mib": round3(bytes as f64 / (1 << 20) as f64),
+            "runs": rates.len(),
+            "gbps": round3(median(&mut rates.clone())),
+            "gbps_all": rates.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+            "cores_busy": round3(median(&mut busy.clone())),
+            "core_seconds_per_gb": round3(median(&mut busy) / median(&mut rates)),
+            "cpu": super::cpu_json(),
+            "crc_impl": kvwire::crc32c_impl(),
+        }))
+    }
+
+    /// Peak RSS growth during a push, for a quarter of the blocks and for all of them (pools
+    /// are already resident, so growth is the transfer's own buffering).
+    async fn rss_growth(
+        &self,
+        transport: &kvwire_grpc::GrpcTransport,
+        target: &str,
+        n: usize,
+        p_bytes: usize,
+    ) -> Result<serde_json::Map<String, serde_json::Value>, BenchError> {
+        let mut rss_growth = serde_json::Map::new();
+        for count in [n.div_ceil(4), n] {
+            let before = rss().map(|r| r.1);
+            let reset = reset_peak_rss();
+            self.push(transport, target, &format!("rss-{count}"), count)
+                .await?;
+            let after = rss().map(|r| r.0);
+            if let (true, Some(b), Some(a)) = (reset, before, after) {
+                let key = format!("push_{}_mib", (count * p_bytes) >> 20);
+                rss_growth.insert(
+                    key,
+                    serde_json::json!(round3(a.saturating_sub(b) as f64 / (1 << 20) as f64)),
+                );
+            }
+        }
+        Ok(rss_growth)
+    }
+
+    /// Dedup saving: the decode side already holds the first 75% of the prompt. The prefix's
+    /// push, the whole prompt's, and the seconds of the latter.
+    async fn dedup_75(
+        &self,
+        transport: &kvwire_grpc::GrpcTransport,
+        target: &str,
+    ) -> Result<(kvwire_grpc::TransferStats, kvwire_grpc::TransferStats, f64), BenchError> {
+        use std::sync::Arc;
+        let n = self.ids.len();
+        let cached = n * 3 / 4;
+        // Push the prefix and release it normally, so its blocks stay cached on the decode side.
+        let st_prefix = kvwire_grpc::transfer(
+            transport,
+            Arc::clone(&self.src),
+            kvwire_grpc::Push {
+                target,
+                handle_id: "prefix",
+                model: "fake",
+                hashes: &self.hashes[..cached],
+                n_blocks: self.ids[..cached].len(),
+                known: None,
+                lookup: None,
+                tokens: &self.prompt[..cached * 16],
+                scope: 0,
+            },
+            &self.ids[..cached],
+        )
+        .await?;
+        self.rx.release("prefix");
+        let start = Instant::now();
+        let st75 = kvwire_grpc::transfer(
+            transport,
+            Arc::clone(&self.src),
+            kvwire_grpc::Push {
+                target,
+                handle_id: "dedup",
+                model: "fake",
+                hashes: self.hashes,
+                n_blocks: self.ids.len(),
+                known: None,
+                lookup: None,
+                tokens: self.prompt,
+                scope: 0,
+            },
+            self.ids,
+        )
+        .await?;
+        let secs75 = start.elapsed().as_secs_f64();
+        if let Some(c) = self.rx.claim("dedup") {
+            self.dst.release(&c.into_ids());
+        }
+        Ok((st_prefix, st75, secs75))
+    }
+
+    /// With span export on: `runs` pairs, off then on (each push in a client span; the
+    /// server's spans come from the service itself), each against its own raw TCP run.
+    async fn traced(
+        &self,
+        transport: &kvwire_grpc::GrpcTransport,
+        target: &str,
+        runs: usize,
+        tcp_chunk: &[u8],
+    ) -> Result<serde_json::Value, BenchError> {
+        let n = self.ids.len();
+        let tracing = super::Tracing::start().await?;
+        // Pairs, off then on (each push in a client span), each against its own raw TCP run.
+        let (mut on_ratios, mut off_ratios) = (Vec::new(), Vec::new());
+        for run in 0..runs {
+            use tracing::Instrument;
+            let (st, secs) = self
+                .push(transport, target, &format!("untraced-{run}"), n)
+                .await?;
+            let t = stream_run(st.payload_bytes as usize, tcp_chunk, None).await?;
+            off_ratios.push(st.payload_bytes as f64 / secs / 1e9 / t);
+            let span = tracing::info_span!("kv.transfer", otel.kind = "client");
+            let (st, secs) = tracing
+                .traced(
+                    self.push(transport, target, &format!("traced-{run}"), n)
+                        .instrument(span),
+                )
+                .await?;
+            let t = stream_run(st.payload_bytes as usize, tcp_chunk, None).await?;
+            on_ratios.push(st.payload_bytes as f64 / secs / 1e9 / t);
+        }
+        let on = median(&mut on_ratios.clone());
+        let off = median(&mut off_ratios.clone());
+        Ok(serde_json::json!({
+            "grpc_traced_over_tcp": round3(on),
+            "grpc_untraced_over_tcp": round3(off),
+            "traced_over_off": round3(on / off),
+            "export": tracing.finish().await,
+        }))
     }
 }
 
@@ -585,127 +834,40 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     bench
         .push(&tls_transport, &tls_target, "warm-tls", n.min(4))
         .await?;
-    let (mut grpc, mut tls, mut tcp) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut ratios, mut tls_ratios) = (Vec::new(), Vec::new());
-    let (mut raw, mut raw_ratios) = (Vec::new(), Vec::new());
-    let mut tls_over_raw = Vec::new();
     let raw_tls = (
         d_tls.server_config(&[b"h2"])?,
         p_tls.client_config(&[b"h2"])?,
     );
-    // Cores kept busy: gRPC, gRPC over TLS, raw TCP, raw TLS.
-    let mut cores: [Vec<f64>; 4] = Default::default();
-    // Minor page faults per MiB moved, in the same order.
-    let mut faults: [Vec<f64>; 4] = Default::default();
-    let bytes_mib = (n as f64) * p_bytes as f64 / f64::from(1u32 << 20);
+    let legs = Legs {
+        plain: (&transport, &target),
+        tls: (&tls_transport, &tls_target),
+        tcp_chunk: &tcp_chunk,
+        raw_tls: raw_tls.clone(),
+    };
     if let Some(leg) = args.only {
-        // One leg alone: its rate and cost per run, nothing else in the process's profile.
-        let (mut rates, mut busy) = (Vec::new(), Vec::new());
-        let bytes = n * p_bytes;
-        for run in 0..args.runs.max(1) {
-            let (gbps, c) = with_cost(async {
-                Ok::<f64, BenchError>(match leg {
-                    Leg::Grpc | Leg::GrpcTls => {
-                        let (t, at) = if leg == Leg::Grpc {
-                            (&transport, &target)
-                        } else {
-                            (&tls_transport, &tls_target)
-                        };
-                        let (st, secs) = bench.push(t, at, &format!("only-{run}"), n).await?;
-                        st.payload_bytes as f64 / secs / 1e9
-                    }
-                    Leg::Tcp => stream_run(bytes, &tcp_chunk, None).await?,
-                    Leg::RawTls => stream_run(bytes, &tcp_chunk, Some(raw_tls.clone())).await?,
-                })
-            })
-            .await;
-            rates.push(gbps?);
-            busy.push(c.cores);
-        }
+        let v = bench.only(&legs, leg, args.runs.max(1)).await;
         life.shutdown().await;
         plain.shutdown().await;
-        let leg_name = match leg {
-            Leg::Grpc => "grpc",
-            Leg::GrpcTls => "grpc_tls",
-            Leg::Tcp => "tcp",
-            Leg::RawTls => "raw_tls",
-        };
-        return Ok(serde_json::json!({
-            "bench": "transfer",
-            "only": leg_name,
-            "push_mib": round3(bytes as f64 / (1 << 20) as f64),
-            "runs": rates.len(),
-            "gbps": round3(median(&mut rates.clone())),
-            "gbps_all": rates.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
-            "cores_busy": round3(median(&mut busy.clone())),
-            "core_seconds_per_gb": round3(median(&mut busy) / median(&mut rates)),
-            "cpu": super::cpu_json(),
-            "crc_impl": kvwire::crc32c_impl(),
-        }));
+        return v;
     }
-    for run in 0..args.runs.max(1) {
-        let (pushed, c) =
-            with_cost(bench.push(&transport, &target, &format!("run-{run}"), n)).await;
-        let (st, secs) = pushed?;
-        cores[0].push(c.cores);
-        faults[0].push(c.faults as f64 / bytes_mib);
-        let g = st.payload_bytes as f64 / secs / 1e9;
-        let (pushed, c) =
-            with_cost(bench.push(&tls_transport, &tls_target, &format!("tls-{run}"), n)).await;
-        let (st, secs) = pushed?;
-        cores[1].push(c.cores);
-        faults[1].push(c.faults as f64 / bytes_mib);
-        let s = st.payload_bytes as f64 / secs / 1e9;
-        let bytes = st.payload_bytes as usize;
-        let (t, c) = with_cost(stream_run(bytes, &tcp_chunk, None)).await;
-        let t = t?;
-        cores[2].push(c.cores);
-        faults[2].push(c.faults as f64 / bytes_mib);
-        let (r, c) = with_cost(stream_run(bytes, &tcp_chunk, Some(raw_tls.clone()))).await;
-        let r = r?;
-        cores[3].push(c.cores);
-        faults[3].push(c.faults as f64 / bytes_mib);
-        grpc.push(g);
-        tls.push(s);
-        tcp.push(t);
-        raw.push(r);
-        ratios.push(g / t);
-        tls_ratios.push(s / t);
-        raw_ratios.push(r / t);
-        tls_over_raw.push(s / r);
-    }
-    // With span export on: the same pairs again, each push in a client span (the server's
-    // spans come from the service itself).
+    let Runs {
+        grpc,
+        tls,
+        tcp,
+        raw,
+        ratios,
+        tls_ratios,
+        raw_ratios,
+        mut tls_over_raw,
+        cores,
+        faults,
+    } = bench.paired(&legs, args.runs.max(1)).await?;
     let traced = if args.trace {
-        let tracing = super::Tracing::start().await?;
-        // Pairs, off then on (each push in a client span), each against its own raw TCP run.
-        let (mut on_ratios, mut off_ratios) = (Vec::new(), Vec::new());
-        for run in 0..args.runs.max(1) {
-            use tracing::Instrument;
-            let (st, secs) = bench
-                .push(&transport, &target, &format!("untraced-{run}"), n)
-                .await?;
-            let t = stream_run(st.payload_bytes as usize, &tcp_chunk, None).await?;
-            off_ratios.push(st.payload_bytes as f64 / secs / 1e9 / t);
-            let span = tracing::info_span!("kv.transfer", otel.kind = "client");
-            let (st, secs) = tracing
-                .traced(
-                    bench
-                        .push(&transport, &target, &format!("traced-{run}"), n)
-                        .instrument(span),
-                )
-                .await?;
-            let t = stream_run(st.payload_bytes as usize, &tcp_chunk, None).await?;
-            on_ratios.push(st.payload_bytes as f64 / secs / 1e9 / t);
-        }
-        let on = median(&mut on_ratios.clone());
-        let off = median(&mut off_ratios.clone());
-        Some(serde_json::json!({
-            "grpc_traced_over_tcp": round3(on),
-            "grpc_untraced_over_tcp": round3(off),
-            "traced_over_off": round3(on / off),
-            "export": tracing.finish().await,
-        }))
+        Some(
+            bench
+                .traced(&transport, &target, args.runs.max(1), &tcp_chunk)
+                .await?,
+        )
     } else {
         None
     };
@@ -725,68 +887,9 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     let [c_grpc, c_tls, c_tcp, c_raw_tls] = cores.map(|mut v| round3(median(&mut v)));
     let [f_grpc, f_tls, f_tcp, f_raw_tls] = faults.map(|mut v| round3(median(&mut v)));
 
-    // Peak RSS growth during a push, for a quarter of the blocks and for all of them (pools are
-    // already resident, so growth is the transfer's own buffering).
-    let mut rss_growth = serde_json::Map::new();
-    for count in [n.div_ceil(4), n] {
-        let before = rss().map(|r| r.1);
-        let reset = reset_peak_rss();
-        bench
-            .push(&transport, &target, &format!("rss-{count}"), count)
-            .await?;
-        let after = rss().map(|r| r.0);
-        if let (true, Some(b), Some(a)) = (reset, before, after) {
-            let key = format!("push_{}_mib", (count * p_bytes) >> 20);
-            rss_growth.insert(
-                key,
-                serde_json::json!(round3(a.saturating_sub(b) as f64 / (1 << 20) as f64)),
-            );
-        }
-    }
+    let rss_growth = bench.rss_growth(&transport, &target, n, p_bytes).await?;
 
-    // Dedup saving: the decode side already holds the first 75% of the prompt.
-    let cached = n * 3 / 4;
-    // Push the prefix and release it normally, so its blocks stay cached on the decode side.
-    let st_prefix = kvwire_grpc::transfer(
-        &transport,
-        Arc::clone(&src_store),
-        kvwire_grpc::Push {
-            target: &target,
-            handle_id: "prefix",
-            model: "fake",
-            hashes: &hashes[..cached],
-            n_blocks: ids[..cached].len(),
-            known: None,
-            lookup: None,
-            tokens: &prompt[..cached * 16],
-            scope: 0,
-        },
-        &ids[..cached],
-    )
-    .await?;
-    rx.release("prefix");
-    let start = Instant::now();
-    let st75 = kvwire_grpc::transfer(
-        &transport,
-        Arc::clone(&src_store),
-        kvwire_grpc::Push {
-            target: &target,
-            handle_id: "dedup",
-            model: "fake",
-            hashes: &hashes,
-            n_blocks: ids.len(),
-            known: None,
-            lookup: None,
-            tokens: &prompt,
-            scope: 0,
-        },
-        &ids,
-    )
-    .await?;
-    let secs75 = start.elapsed().as_secs_f64();
-    if let Some(c) = rx.claim("dedup") {
-        dst_store.release(&c.into_ids());
-    }
+    let (st_prefix, st75, secs75) = bench.dedup_75(&transport, &target).await?;
     let full_bytes = n as u64 * (shape.envelope_len(1).unwrap_or(0) as u64);
     plain.shutdown().await;
 
