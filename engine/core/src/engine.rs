@@ -616,19 +616,33 @@ impl Engine {
     /// Later it recomputes its KV, reusing whatever of it is still cached, and decodes on from
     /// its own generator: its tokens are exactly those it would have produced. Only a request
     /// alone in the engine that still finds no block fails.
-    pub fn step(&mut self) -> (Vec<StepEvent>, StepStats) {
+    ///
+    /// `now` is the step's time, which the imports' calls for room are aged against (the core
+    /// reads no clock itself).
+    pub fn step_at(&mut self, now: std::time::Instant) -> (Vec<StepEvent>, StepStats) {
         let mut events = Vec::new();
         let mut stats = StepStats::default();
-        self.decode_running(&mut events, &mut stats);
+        self.decode_running(&mut events, &mut stats, now);
         if stats.preempted == 0 {
-            self.prefill_waiting(&mut events, &mut stats);
+            self.prefill_waiting(&mut events, &mut stats, now);
         }
         (events, stats)
     }
 
+    /// [`Self::step_at`] the wall clock's now: for a caller with no clock of its own (a test, a
+    /// bench, `generate`).
+    pub fn step(&mut self) -> (Vec<StepEvent>, StepStats) {
+        self.step_at(std::time::Instant::now())
+    }
+
     /// The step's decode: every sequence running before it, in one model pass; a request that
     /// finds no block pauses (counted in `stats.preempted`) at the head of the queue.
-    fn decode_running(&mut self, events: &mut Vec<StepEvent>, stats: &mut StepStats) {
+    fn decode_running(
+        &mut self,
+        events: &mut Vec<StepEvent>,
+        stats: &mut StepStats,
+        now: std::time::Instant,
+    ) {
         let mut batch = Vec::with_capacity(self.running.len());
         for mut seq in std::mem::take(&mut self.running) {
             if !seq.announce {
@@ -642,7 +656,7 @@ impl Engine {
                 Err(error) => events.push(StepEvent::Failed { seq: group, error }),
             }
         }
-        let mut preempted = self.make_room(&mut batch);
+        let mut preempted = self.make_room(&mut batch, now);
         let mut failed: Vec<SeqId> = Vec::new();
         let mut paused: Vec<SeqId> = preempted.iter().map(|s| s.group).collect();
         paused.dedup();
@@ -748,7 +762,12 @@ impl Engine {
 
     /// The step's prefill: the waiting requests the [`Scheduler`] admits, within what the
     /// step's token budget leaves after its decodes.
-    fn prefill_waiting(&mut self, events: &mut Vec<StepEvent>, stats: &mut StepStats) {
+    fn prefill_waiting(
+        &mut self,
+        events: &mut Vec<StepEvent>,
+        stats: &mut StepStats,
+        now: std::time::Instant,
+    ) {
         // Chunked prefill: what the step's token budget leaves after its decodes (at least a
         // block, so a prompt always advances). Without a budget a prompt is prefilled whole.
         let b = self.model.shape().block_tokens() as usize;
@@ -772,7 +791,7 @@ impl Engine {
                 break;
             };
             if seq.recompute {
-                match self.resume_preempted(&mut seq) {
+                match self.resume_preempted(&mut seq, now) {
                     Ok(Some(computed)) => {
                         stats.prefilled_tokens += computed;
                         stats.recomputed += 1;
@@ -830,9 +849,9 @@ impl Engine {
     /// scope) holding the most blocks: with one tenant, simply the youngest. A tenant's waiting
     /// import never preempts that tenant's own requests, and the step's growth never preempts
     /// the last request left.
-    fn make_room(&self, batch: &mut Vec<Seq>) -> Vec<Seq> {
+    fn make_room(&self, batch: &mut Vec<Seq>, now: std::time::Instant) -> Vec<Seq> {
         let mut out = Vec::new();
-        let pressed = self.pool.pressed();
+        let pressed = self.pool.pressed(now);
         loop {
             let need = batch.iter().filter(|s| self.needs_block(s)).count();
             let available = self.pool.lock().available();
@@ -858,12 +877,16 @@ impl Engine {
     /// for each running sequence; `Ok(None)` when it cannot yet (nothing taken). Returns the
     /// tokens computed. Alone in the engine it is tried whatever the margin, and fails if even
     /// that finds no room.
-    fn resume_preempted(&mut self, seq: &mut Seq) -> Result<Option<usize>, SeqError> {
+    fn resume_preempted(
+        &mut self,
+        seq: &mut Seq,
+        now: std::time::Instant,
+    ) -> Result<Option<usize>, SeqError> {
         let b = self.model.shape().block_tokens() as usize;
         let blocks = seq.n_cached.div_ceil(b);
         let alone = self.running.is_empty();
         // Room for it, a block for each running sequence, and what waiting imports asked for.
-        let wanted = blocks + self.running.len() + self.pool.pressed().free_wanted;
+        let wanted = blocks + self.running.len() + self.pool.pressed(now).free_wanted;
         if !alone && self.pool.lock().available() < wanted {
             return Ok(None);
         }

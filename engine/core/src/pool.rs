@@ -948,22 +948,22 @@ impl SharedKv {
         }
     }
 
-    /// An import in `scope` is waiting until `free_wanted` blocks are free or evictable (a
-    /// push's receiver calls it again while it waits): the engine preempts running requests of
-    /// other tenants to make that room (see `Engine::step`).
-    pub fn press(&self, scope: u64, free_wanted: usize) {
+    /// An import in `scope` is waiting, as of `now`, until `free_wanted` blocks are free or
+    /// evictable (a push's receiver calls it again while it waits): the engine preempts running
+    /// requests of other tenants to make that room (see `Engine::step_at`).
+    pub fn press(&self, scope: u64, free_wanted: usize, now: std::time::Instant) {
         let mut p = self
             .pressure
             .0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let e = p.entry(scope).or_insert((0, std::time::Instant::now()));
-        *e = (free_wanted.max(e.0), std::time::Instant::now());
+        let e = p.entry(scope).or_insert((0, now));
+        *e = (free_wanted.max(e.0), now);
     }
 
-    /// The imports waiting now (calls older than [`PRESSURE_TTL`] are forgotten).
+    /// The imports waiting at `now` (calls older than [`PRESSURE_TTL`] are forgotten).
     #[must_use]
-    pub fn pressed(&self) -> Pressed {
+    pub fn pressed(&self, now: std::time::Instant) -> Pressed {
         let mut p = self
             .pressure
             .0
@@ -972,7 +972,6 @@ impl SharedKv {
         if p.is_empty() {
             return Pressed::default();
         }
-        let now = std::time::Instant::now();
         p.retain(|_, (_, at)| now.saturating_duration_since(*at) <= PRESSURE_TTL);
         Pressed {
             free_wanted: p.values().map(|(n, _)| *n).max().unwrap_or(0),

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvwire::Shape;
 use tl_engine_core::engine::{Choices, Engine, Generated, Mode, Request, SeqError, StepEvent};
@@ -63,7 +64,12 @@ fn run_all(e: &mut Engine) -> (Completions, Vec<(u64, SeqError)>) {
 
 /// One step, its events recorded.
 fn step_into(e: &mut Engine, out: &mut Completions, failed: &mut Vec<(u64, SeqError)>) {
-    for ev in e.step().0 {
+    step_at(e, Instant::now(), out, failed);
+}
+
+/// One step at `now`.
+fn step_at(e: &mut Engine, now: Instant, out: &mut Completions, failed: &mut Vec<(u64, SeqError)>) {
+    for ev in e.step_at(now).0 {
         match ev {
             StepEvent::Token {
                 seq,
@@ -223,21 +229,28 @@ fn a_waiting_import_of_another_tenant_preempts_the_biggest_holder() {
         assert!(!e.is_idle());
         step_into(&mut e, &mut out, &mut failed);
     }
+    // The steps' clock, moved by hand: a call for room ages out after PRESSURE_TTL.
+    let ttl = tl_engine_core::pool::PRESSURE_TTL;
+    let t0 = Instant::now();
     // Scope 7's own import waiting: nothing is preempted for it.
-    e.pool().press(7, 12);
-    step_into(&mut e, &mut out, &mut failed);
+    e.pool().press(7, 12, t0);
+    step_at(&mut e, t0, &mut out, &mut failed);
     assert_eq!(e.preemptions(), 0, "a tenant preempted itself");
-    // Another scope's import: the youngest of scope 7 gives its blocks back at once.
-    std::thread::sleep(tl_engine_core::pool::PRESSURE_TTL * 2);
-    e.pool().press(99, 12);
-    step_into(&mut e, &mut out, &mut failed);
+    // Another scope's import, once scope 7's call has lapsed: the youngest of scope 7 gives
+    // its blocks back at once.
+    let t1 = t0 + ttl * 2;
+    e.pool().press(99, 12, t1);
+    step_at(&mut e, t1, &mut out, &mut failed);
     assert_eq!(e.preemptions(), 1);
     assert!(e.pool().lock().available() >= 12);
     assert_eq!(e.running(), 1, "the older request runs on");
+    // Within the TTL the call still holds: nothing more is preempted, the room stays.
+    step_at(&mut e, t1 + ttl / 2, &mut out, &mut failed);
+    assert_eq!(e.preemptions(), 1);
     // The pressure lapses; both finish with the tokens they would have produced alone.
-    std::thread::sleep(tl_engine_core::pool::PRESSURE_TTL * 2);
+    let t2 = t1 + ttl * 2;
     while !e.is_idle() {
-        step_into(&mut e, &mut out, &mut failed);
+        step_at(&mut e, t2, &mut out, &mut failed);
     }
     assert!(failed.is_empty(), "{failed:?}");
     for (i, id) in ids.iter().enumerate() {

@@ -385,7 +385,7 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
         if engine.is_idle() {
             continue;
         }
-        let (events, stats) = engine.step();
+        let (events, stats) = engine.step_at(std::time::Instant::now());
         // Simulated compute happens before its results exist: sleep, then deliver. A prefill
         // whose blocks are observed (a streaming push) already slept block by block.
         let cost = engine

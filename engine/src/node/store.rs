@@ -69,7 +69,7 @@ impl KvStore for PoolStore {
         if self.0.lock().available() > self.1 {
             return true;
         }
-        self.0.press(scope, self.1 + 1);
+        self.0.press(scope, self.1 + 1, std::time::Instant::now());
         false
     }
 
