@@ -279,7 +279,13 @@ async fn fresh_gateway_waits_for_registrations() {
                 .await
                 .unwrap()
         });
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The request has reached the gateway: refused already (no grace), or waiting there.
+        assert!(
+            eventually(Duration::from_secs(5), || call.is_finished()
+                || gw.gateway().in_flight() > 0)
+            .await,
+            "the request never reached the gateway"
+        );
         let reg = gw.registry_addr().to_string();
         let p = EngineNode::start(&engine_cfg("P", Role::Prefill, &reg))
             .await

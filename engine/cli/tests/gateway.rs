@@ -339,7 +339,11 @@ async fn bounded_in_flight_429_and_timeout_504() {
                 .unwrap()
         })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The first holds the gateway's one place once it decodes.
+    assert!(
+        common::eventually(Duration::from_secs(5), || d.runner().running() > 0).await,
+        "the first request never reached D1"
+    );
     let r = http
         .post(
             &addr,

@@ -193,7 +193,7 @@ async fn registry_and_engines_as_processes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_exits_within_deadline_whatever_peers_do() {
-    use tokio::io::AsyncWriteExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let dir = std::env::temp_dir().join(format!("tl-sigterm-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("engine.toml");
@@ -256,7 +256,13 @@ async fn sigterm_exits_within_deadline_whatever_peers_do() {
         body.len()
     );
     deaf.write_all(req.as_bytes()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Its answer started (the first bytes arrive); from here the reader reads nothing more.
+    let mut first = [0u8; 16];
+    let n = tokio::time::timeout(Duration::from_secs(5), deaf.read(&mut first))
+        .await
+        .expect("the generation never answered")
+        .unwrap();
+    assert!(first[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &first[..n]);
 
     let t0 = Instant::now();
     let code = d.terminate(Duration::from_secs(5));

@@ -392,8 +392,17 @@ async fn a_template_that_loops_or_floods_is_refused_and_the_gateway_stays_up() {
         assert!(m.contains("2000000 instructions"), "{m}");
         assert_eq!(v["error"]["param"], "messages");
     }
-    // Once the completions are done, what the pools hold; the refusals below change nothing.
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // Once the completions are done (every engine idle, no handle pending), what the pools
+    // hold; the refusals below change nothing.
+    assert!(
+        common::eventually(std::time::Duration::from_secs(5), || {
+            std::iter::once(&c.p)
+                .chain(&c.d)
+                .all(|n| n.runner().running() == 0 && n.receiver().is_none_or(|r| r.pending() == 0))
+        })
+        .await,
+        "the completions did not end"
+    );
     let before = (used(&c.p), used(&c.d[0]));
     let r = http
         .post(&addr, "/v1/chat/completions", &[], chat("loop"))
