@@ -23,6 +23,50 @@ pub struct ErrorDetail {
     pub code: Option<u16>,
 }
 
+/// OpenAI's error `type`: the kinds of refusal this project answers with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// `invalid_request_error`: the request's own fault.
+    InvalidRequest,
+    /// `context_length_exceeded`: the prompt and completion can never fit.
+    ContextLengthExceeded,
+    /// `permission_denied`: the caller's role may not call this.
+    PermissionDenied,
+    /// `not_found`: nothing of that name.
+    NotFound,
+    /// `model_not_found`: the model is not served here.
+    ModelNotFound,
+    /// `wrong_role`: the engine does not take this kind of request in its role now.
+    WrongRole,
+    /// `rate_limit`: too many requests in flight.
+    RateLimit,
+    /// `engine_error`: an engine failed the request, or cannot take it now.
+    Engine,
+    /// `unavailable`: nothing can serve the request now.
+    Unavailable,
+    /// `timeout`: the request took longer than allowed.
+    Timeout,
+}
+
+impl ErrorKind {
+    /// Its name on the wire.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InvalidRequest => "invalid_request_error",
+            Self::ContextLengthExceeded => "context_length_exceeded",
+            Self::PermissionDenied => "permission_denied",
+            Self::NotFound => "not_found",
+            Self::ModelNotFound => "model_not_found",
+            Self::WrongRole => "wrong_role",
+            Self::RateLimit => "rate_limit",
+            Self::Engine => "engine_error",
+            Self::Unavailable => "unavailable",
+            Self::Timeout => "timeout",
+        }
+    }
+}
+
 /// An error response body: `{"error": {...}}`.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 pub struct ErrorBody {
@@ -37,7 +81,7 @@ pub struct ApiError {
     /// The status.
     pub status: StatusCode,
     /// The `type` field.
-    pub kind: &'static str,
+    pub kind: ErrorKind,
     /// The message.
     pub message: String,
     /// The request field at fault (OpenAI's `param`), when one is.
@@ -47,7 +91,7 @@ pub struct ApiError {
 impl ApiError {
     /// An error with this status, type and message: only through the constructors below, one
     /// per kind, so a status and its type never disagree.
-    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+    fn new(status: StatusCode, kind: ErrorKind, message: impl Into<String>) -> Self {
         Self {
             status,
             kind,
@@ -75,90 +119,97 @@ impl ApiError {
     pub fn method_not_allowed(message: impl Into<String>) -> Self {
         Self::new(
             StatusCode::METHOD_NOT_ALLOWED,
-            "invalid_request_error",
+            ErrorKind::InvalidRequest,
             message,
         )
     }
 
     /// 400 `invalid_request_error`: the request's own fault.
     pub fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+        Self::new(StatusCode::BAD_REQUEST, ErrorKind::InvalidRequest, message)
     }
 
     /// 400 `context_length_exceeded`: the prompt and completion can never fit; retrying will
     /// not help.
     pub fn context_length_exceeded(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "context_length_exceeded", message)
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            ErrorKind::ContextLengthExceeded,
+            message,
+        )
     }
 
     /// 401 `invalid_request_error`: no API key, or not a known one.
     pub fn unauthorized(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", message)
+        Self::new(StatusCode::UNAUTHORIZED, ErrorKind::InvalidRequest, message)
     }
 
     /// 403 `permission_denied`: the caller's certificate role may not call this.
     pub fn permission_denied(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::FORBIDDEN, "permission_denied", message)
+        Self::new(StatusCode::FORBIDDEN, ErrorKind::PermissionDenied, message)
     }
 
     /// 415 `invalid_request_error`: a body of a content type the endpoint does not take.
     pub fn unsupported_media_type(message: impl Into<String>) -> Self {
         Self::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "invalid_request_error",
+            ErrorKind::InvalidRequest,
             message,
         )
     }
 
     /// 404 `not_found`: nothing of that name (a KV handle).
     pub fn not_found(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::NOT_FOUND, "not_found", message)
+        Self::new(StatusCode::NOT_FOUND, ErrorKind::NotFound, message)
     }
 
     /// 404 `model_not_found`: the model is not served here.
     pub fn model_not_found(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::NOT_FOUND, "model_not_found", message)
-    }
-
-    /// 409 `conflict`: the request disagrees with what it resumes.
-    pub fn conflict(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::CONFLICT, "conflict", message)
+        Self::new(StatusCode::NOT_FOUND, ErrorKind::ModelNotFound, message)
     }
 
     /// 421 `wrong_role`: this engine does not take this kind of request in its role now (its
     /// role was changed since the sender last heard): the sender tries another engine.
     pub fn wrong_role(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::MISDIRECTED_REQUEST, "wrong_role", message)
+        Self::new(
+            StatusCode::MISDIRECTED_REQUEST,
+            ErrorKind::WrongRole,
+            message,
+        )
     }
 
     /// 429 `rate_limit`: too many requests in flight here.
     pub fn rate_limited(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit", message)
+        Self::new(StatusCode::TOO_MANY_REQUESTS, ErrorKind::RateLimit, message)
     }
 
     /// 429 `engine_error`: an engine's pool is full now.
     pub fn engine_busy(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::TOO_MANY_REQUESTS, "engine_error", message)
+        Self::new(StatusCode::TOO_MANY_REQUESTS, ErrorKind::Engine, message)
     }
 
     /// 502 `engine_error`: an engine failed the request.
     pub fn engine(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_GATEWAY, "engine_error", message)
+        Self::new(StatusCode::BAD_GATEWAY, ErrorKind::Engine, message)
     }
 
     /// 503 `engine_error`: this engine cannot run the request now.
     pub fn engine_unavailable(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "engine_error", message)
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, ErrorKind::Engine, message)
     }
 
     /// 503 `unavailable`: nothing can serve the request now (no engine, draining).
     pub fn unavailable(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message)
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Unavailable,
+            message,
+        )
     }
 
     /// 504 `timeout`: the request took longer than allowed.
     pub fn timeout(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout", message)
+        Self::new(StatusCode::GATEWAY_TIMEOUT, ErrorKind::Timeout, message)
     }
 
     /// Its HTTP status.
@@ -172,7 +223,7 @@ impl ApiError {
     pub fn detail(&self) -> ErrorDetail {
         ErrorDetail {
             message: self.message.clone(),
-            kind: self.kind.into(),
+            kind: self.kind.as_str().into(),
             param: self.param.clone(),
             code: None,
         }
@@ -209,7 +260,7 @@ impl IntoResponse for ApiError {
         let body = ErrorBody {
             error: ErrorDetail {
                 message: self.message,
-                kind: self.kind.into(),
+                kind: self.kind.as_str().into(),
                 param: self.param,
                 code: Some(self.status.as_u16()),
             },

@@ -238,7 +238,7 @@ mod tests {
             ))),
             StreamEvent::Error(ErrorDetail {
                 message: "boom".into(),
-                kind: "engine_error".into(),
+                kind: crate::api::ErrorKind::Engine.as_str().into(),
                 param: None,
                 code: None,
             }),

@@ -38,7 +38,7 @@ use tonic::Code;
 
 use super::plan::{FALLBACK_REASON, Plan, Ranked};
 use crate::api::render::ChoiceEvent;
-use crate::api::{ApiError, ErrorDetail, Finish, GenerationParams, RouteInfo};
+use crate::api::{ApiError, ErrorDetail, ErrorKind, Finish, GenerationParams, RouteInfo};
 use crate::node::generate::{error_of, logprobs_of, reason_of};
 use tl_engine_core::engine::Choices;
 use tl_engine_core::logprobs::TokenLogprobs;
@@ -550,7 +550,7 @@ impl Session {
                         message: "the gateway is draining: this request was ended before it \
                                   finished"
                             .into(),
-                        kind: "unavailable".into(),
+                        kind: ErrorKind::Unavailable.as_str().into(),
                         param: None,
                         code: None,
                     };
@@ -1311,7 +1311,7 @@ impl Session {
 fn engine_detail(message: String) -> ErrorDetail {
     ErrorDetail {
         message,
-        kind: "engine_error".into(),
+        kind: ErrorKind::Engine.as_str().into(),
         param: None,
         code: None,
     }
