@@ -99,7 +99,7 @@ pub enum Rope {
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
     /// The architecture named in `architectures`.
-    pub architecture: String,
+    pub architecture: Architecture,
     /// Model width.
     pub hidden: usize,
     /// MLP width.
@@ -141,7 +141,7 @@ impl LlamaConfig {
         format!(
             "{} hidden={} intermediate={} layers={} heads={} kv_heads={} head_dim={} vocab={} \
              rms_eps={:#x} rope_theta={:#x} rope={:?} tied={} qkv_bias={}",
-            self.architecture,
+            self.architecture.hf_name(),
             self.hidden,
             self.intermediate,
             self.layers,
@@ -189,7 +189,36 @@ pub const MAX_HEAD_DIM: usize = 1024;
 const MAX_MATRIX: usize = 1 << 34;
 
 /// The architectures served: Llama's layout, and those that publish the same one.
-pub const ARCHITECTURES: &[&str] = &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Architecture {
+    /// `LlamaForCausalLM`.
+    Llama,
+    /// `MistralForCausalLM`: Llama's layout.
+    Mistral,
+    /// `Qwen2ForCausalLM`: Llama's layout with Q, K and V biases.
+    Qwen2,
+}
+
+impl Architecture {
+    /// Every one served.
+    pub const ALL: [Architecture; 3] = [Self::Llama, Self::Mistral, Self::Qwen2];
+
+    /// Its name in `config.json`'s `architectures`.
+    #[must_use]
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Self::Llama => "LlamaForCausalLM",
+            Self::Mistral => "MistralForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+
+    /// The architecture `config.json` names so, if it is served.
+    #[must_use]
+    pub fn from_hf(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.hf_name() == name)
+    }
+}
 
 fn unsupported(field: &'static str, value: impl std::fmt::Display, why: &str) -> CheckpointError {
     CheckpointError::Unsupported {
@@ -357,19 +386,16 @@ impl LlamaConfig {
             path: path.to_owned(),
             message: e.to_string(),
         })?;
-        let arch = raw
-            .architectures
-            .as_ref()
-            .and_then(|a| a.first().cloned())
-            .unwrap_or_default();
-        if !ARCHITECTURES.contains(&arch.as_str()) {
+        let named = raw.architectures.as_ref().and_then(|a| a.first());
+        let Some(arch) = named.and_then(|a| Architecture::from_hf(a)) else {
+            let served: Vec<&str> = Architecture::ALL.iter().map(|a| a.hf_name()).collect();
             return Err(unsupported(
                 "architectures",
                 format!("{:?}", raw.architectures.unwrap_or_default()),
-                &format!("served: {}", ARCHITECTURES.join(", ")),
+                &format!("served: {}", served.join(", ")),
             ));
-        }
-        let qwen2 = arch == "Qwen2ForCausalLM" || raw.model_type.as_deref() == Some("qwen2");
+        };
+        let qwen2 = arch == Architecture::Qwen2 || raw.model_type.as_deref() == Some("qwen2");
         if let Some(act) = raw.hidden_act.as_deref()
             && act != "silu"
         {

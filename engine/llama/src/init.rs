@@ -6,7 +6,7 @@ use std::path::Path;
 
 use tl_engine_core::rng::Pcg32;
 
-use crate::config::{CheckpointError, LlamaConfig, Rope};
+use crate::config::{Architecture, CheckpointError, LlamaConfig, Rope};
 use crate::kernels::DType;
 
 /// The shapes of checkpoints this module makes, as the validated configuration they load as.
@@ -15,7 +15,7 @@ impl LlamaConfig {
     #[must_use]
     pub fn tiny(vocab: usize) -> Self {
         Self {
-            architecture: "LlamaForCausalLM".into(),
+            architecture: Architecture::Llama,
             hidden: 64,
             intermediate: 160,
             layers: 2,
@@ -38,7 +38,7 @@ impl LlamaConfig {
     #[must_use]
     pub fn smollm2_135m() -> Self {
         Self {
-            architecture: "LlamaForCausalLM".into(),
+            architecture: Architecture::Llama,
             hidden: 576,
             intermediate: 1536,
             layers: 30,
@@ -61,10 +61,11 @@ impl LlamaConfig {
     #[must_use]
     pub fn config_json(&self, eos: u32, bos: u32) -> String {
         let arch = if self.qkv_bias {
-            "Qwen2ForCausalLM"
+            Architecture::Qwen2
         } else {
-            "LlamaForCausalLM"
-        };
+            Architecture::Llama
+        }
+        .hf_name();
         let mut v = serde_json::json!({
             "architectures": [arch],
             "model_type": if self.qkv_bias { "qwen2" } else { "llama" },

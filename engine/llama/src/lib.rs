@@ -21,7 +21,7 @@ mod turns;
 pub mod weights;
 pub mod workers;
 
-pub use config::{CheckpointError, LlamaConfig};
+pub use config::{Architecture, CheckpointError, LlamaConfig};
 pub use model::Llama;
 
 use std::path::Path;

@@ -12,8 +12,8 @@ impl Gguf {
     pub fn config(&self) -> Result<LlamaConfig, CheckpointError> {
         let arch = self.architecture()?;
         let hf = match arch {
-            "llama" => "LlamaForCausalLM",
-            "qwen2" => "Qwen2ForCausalLM",
+            "llama" => Architecture::Llama.hf_name(),
+            "qwen2" => Architecture::Qwen2.hf_name(),
             other => {
                 return Err(bad(
                     &self.path,

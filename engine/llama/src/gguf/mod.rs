@@ -23,7 +23,7 @@ use std::path::Path;
 use half::{bf16, f16};
 use serde_json::json;
 
-use crate::config::{CheckpointError, LlamaConfig};
+use crate::config::{Architecture, CheckpointError, LlamaConfig};
 use crate::kernels::DType;
 use crate::weights::Weights;
 
