@@ -26,6 +26,22 @@ pub enum FileError {
     },
 }
 
+/// A configuration that cannot be used, the node's or the gateway's: each names the key at
+/// fault (`gateway.id`, `limits.h2_max_streams`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read or parsed.
+    #[error(transparent)]
+    File(#[from] FileError),
+    /// A value is out of range.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+    /// A key's value is out of its range.
+    #[error("invalid configuration: {0}")]
+    Setting(#[from] crate::net::limits::InvalidSetting),
+}
+
 /// Reads and parses `path`.
 ///
 /// # Errors

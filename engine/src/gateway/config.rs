@@ -93,7 +93,7 @@ use serde::Deserialize;
 use crate::net::is_loopback_listen;
 use crate::net::limits::{LimitsSection, in_range};
 use crate::net::tls::{PublicTls, TlsSection};
-use crate::toml_file::{self, FileError};
+use crate::toml_file;
 
 /// `[gateway]`.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -293,20 +293,9 @@ impl From<GatewaySection> for GatewayConfig {
     }
 }
 
-/// A gateway configuration that cannot be used.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum GatewayConfigError {
-    /// The file could not be read or parsed.
-    #[error(transparent)]
-    File(#[from] FileError),
-    /// A value is out of range.
-    #[error("invalid gateway configuration: {0}")]
-    Invalid(String),
-    /// A key's value is out of its range.
-    #[error("invalid gateway configuration: {0}")]
-    Setting(#[from] crate::net::limits::InvalidSetting),
-}
+/// A gateway configuration that cannot be used: the one configuration error, whose messages
+/// name the key (`gateway.id`).
+pub use crate::toml_file::ConfigError as GatewayConfigError;
 
 impl GatewayConfig {
     /// Reads `path` if given, else the defaults.

@@ -86,7 +86,7 @@ use serde::Deserialize;
 use crate::net::is_loopback_listen;
 use crate::net::limits::LimitsSection;
 use crate::net::tls::TlsSection;
-use crate::toml_file::{self, FileError};
+use crate::toml_file;
 
 use tl_engine_core::cost::CostModel;
 use tl_engine_core::model::{BYTE_VOCAB, FakeModel, Model};
@@ -315,20 +315,7 @@ fn machine_memory() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
-/// A configuration that cannot be used.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// The file could not be read or parsed.
-    #[error(transparent)]
-    File(#[from] FileError),
-    /// A value is out of range.
-    #[error("invalid configuration: {0}")]
-    Invalid(String),
-    /// A key's value is out of its range.
-    #[error("invalid configuration: {0}")]
-    Setting(#[from] crate::net::limits::InvalidSetting),
-}
+pub use crate::toml_file::ConfigError;
 
 /// Why a colocated reference run could not be made.
 #[derive(Debug, thiserror::Error)]
