@@ -19,8 +19,8 @@ use tl_engine_core::request::Limits;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
-use super::Gateway;
 use super::request::{Job, Out};
+use super::state::Gateway;
 use super::tenant::{EndUser, MAX_CACHE_SALT};
 use super::text::GatewayText;
 use crate::api::render::{self, ChoiceEvent, ChoiceSource};

@@ -553,7 +553,7 @@ pub async fn serve_metrics(
     limits: &LimitsSection,
 ) -> std::io::Result<SocketAddr> {
     metrics.on_scrape(move |m| {
-        super::workers_by_role(m, &state.list(Instant::now()));
+        super::worker::workers_by_role(m, &state.list(Instant::now()));
         crate::telemetry::metrics::Metrics::catch_up(
             &m.registry_identity_conflicts,
             state.identity_conflicts(),

@@ -22,13 +22,13 @@ use tokio::task::{AbortHandle, JoinSet};
 use tracing::Instrument;
 use tracing::field::Empty;
 
-use super::Gateway;
 use super::plan::{WorkerView, decode_candidates, has_blocks_targets, plan};
 use super::queue::{Place, QueueError, Ticket};
 use super::routed::RoutedGuard;
 use super::session::{
     Action, LaneId, LossCause, PrefillFailure, RetryPolicy, Session, SessionEvent, Unservable,
 };
+use super::state::Gateway;
 use super::upstream::Unclaimed;
 use crate::api::ApiError;
 use crate::api::render::ChoiceEvent;

@@ -22,94 +22,16 @@
 //! after the move, keep one move from calling for its reverse. With several gateways, enable it
 //! on one: each planner acts on what it sees, and two would compete.
 
-use crate::net::limits::InvalidSetting;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvwire_grpc::pb::control::WorkerStatus;
-use serde::Deserialize;
 
-use super::Gateway;
+use super::state::Gateway;
 use super::worker::WorkerView;
 use crate::net::role::Role;
 
-/// `[planner]`.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct PlannerSection {
-    /// Move engines at all.
-    pub enabled: bool,
-    /// How often it looks, ms.
-    pub interval_ms: u64,
-    /// At least this long between two moves, ms.
-    pub cooldown_ms: u64,
-    /// Prefill calls waiting or running per prefill engine at which a decode engine moves to
-    /// prefill.
-    pub prefill_queue_high: f64,
-    /// Prefill pressure (over one engine fewer) at most which a prefill engine may move to
-    /// decode.
-    pub prefill_queue_low: f64,
-    /// Running sequences per decode engine at which a prefill engine moves to decode, and
-    /// below which (over one engine fewer) a decode engine may move to prefill.
-    pub decode_running_high: f64,
-    /// Weight of the newest sample in the smoothed signals, in (0, 1].
-    pub smoothing: f64,
-}
-
-impl Default for PlannerSection {
-    fn default() -> Self {
-        Self {
-            enabled: false,
-            interval_ms: 250,
-            cooldown_ms: 3_000,
-            prefill_queue_high: 3.0,
-            prefill_queue_low: 1.0,
-            decode_running_high: 32.0,
-            smoothing: 0.3,
-        }
-    }
-}
-
-impl PlannerSection {
-    /// Checks ranges.
-    ///
-    /// # Errors
-    /// The first value out of range, named.
-    pub fn validate(&self) -> Result<(), InvalidSetting> {
-        if !(self.smoothing > 0.0 && self.smoothing <= 1.0) {
-            return Err(InvalidSetting::new(
-                "planner.smoothing",
-                format!("{} is not in (0, 1]", self.smoothing),
-            ));
-        }
-        if self.interval_ms == 0 {
-            return Err(InvalidSetting::new(
-                "planner.interval_ms",
-                "must be at least 1",
-            ));
-        }
-        let finite_pos = |x: f64| x.is_finite() && x >= 0.0;
-        if !finite_pos(self.prefill_queue_high)
-            || !finite_pos(self.prefill_queue_low)
-            || !finite_pos(self.decode_running_high)
-        {
-            return Err(InvalidSetting::new(
-                "planner",
-                "marks must be finite and not negative",
-            ));
-        }
-        if self.prefill_queue_low >= self.prefill_queue_high {
-            return Err(InvalidSetting::new(
-                "planner.prefill_queue_low",
-                format!(
-                    "{} must be below prefill_queue_high {}",
-                    self.prefill_queue_low, self.prefill_queue_high
-                ),
-            ));
-        }
-        Ok(())
-    }
-}
+pub use super::config::PlannerSection;
 
 /// One role change the planner decided.
 #[derive(Clone, Debug, PartialEq)]

@@ -125,3 +125,20 @@ impl WorkerView {
         self.status.queue_depth + self.status.running
     }
 }
+
+/// Sets `tl_workers{role}` from the live workers by the role each serves in now, every role
+/// reported (0 when none is live).
+pub fn workers_by_role(m: &crate::telemetry::metrics::Metrics, live: &[WorkerStatus]) {
+    use crate::net::role::Role;
+    for role in Role::ALL {
+        let n = live
+            .iter()
+            .filter(|w| serving_role(w) == Some(role))
+            .count();
+        m.workers
+            .get_or_create(&crate::telemetry::metrics::Role {
+                role: role.name().to_owned(),
+            })
+            .set(n as i64);
+    }
+}
