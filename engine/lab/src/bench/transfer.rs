@@ -446,6 +446,19 @@ struct Pusher<'a> {
     prompt: &'a [u32],
 }
 
+/// Runs `leg`, its cores and page faults recorded in column `k` of `out`; its result.
+async fn costed<T>(
+    out: &mut Runs,
+    k: usize,
+    bytes_mib: f64,
+    leg: impl std::future::Future<Output = Result<T, BenchError>>,
+) -> Result<T, BenchError> {
+    let (r, c) = with_cost(leg).await;
+    out.cores[k].push(c.cores);
+    out.faults[k].push(c.faults as f64 / bytes_mib);
+    r
+}
+
 /// Each run's figures, per leg.
 #[derive(Default)]
 struct Runs {
@@ -507,6 +520,20 @@ impl Pusher<'_> {
         Ok((st, secs))
     }
 
+    /// One push of every block over `(transport, target)` named `handle`: its GB/s and the
+    /// bytes it moved.
+    async fn gbps(
+        &self,
+        (transport, target): (&kvwire_grpc::GrpcTransport, &str),
+        handle: &str,
+    ) -> Result<(f64, usize), BenchError> {
+        let (st, secs) = self.push(transport, target, handle, self.ids.len()).await?;
+        Ok((
+            st.payload_bytes as f64 / secs / 1e9,
+            st.payload_bytes as usize,
+        ))
+    }
+
     /// `runs` runs, each pushing over gRPC, over gRPC with TLS, and the same bytes over raw
     /// TCP and raw TLS, one after the other.
     async fn paired(&self, legs: &Legs<'_>, runs: usize) -> Result<Runs, BenchError> {
@@ -515,32 +542,28 @@ impl Pusher<'_> {
         let bytes_mib = (n as f64) * p_bytes as f64 / f64::from(1u32 << 20);
         let mut out = Runs::default();
         for run in 0..runs {
-            let (pushed, c) =
-                with_cost(self.push(legs.plain.0, legs.plain.1, &format!("run-{run}"), n)).await;
-            let (st, secs) = pushed?;
-            out.cores[0].push(c.cores);
-            out.faults[0].push(c.faults as f64 / bytes_mib);
-            let g = st.payload_bytes as f64 / secs / 1e9;
-            let (pushed, c) =
-                with_cost(self.push(legs.tls.0, legs.tls.1, &format!("tls-{run}"), n)).await;
-            let (st, secs) = pushed?;
-            out.cores[1].push(c.cores);
-            out.faults[1].push(c.faults as f64 / bytes_mib);
-            let s = st.payload_bytes as f64 / secs / 1e9;
-            let bytes = st.payload_bytes as usize;
-            let (t, c) = with_cost(stream_run(bytes, legs.tcp_chunk, None)).await;
-            let t = t?;
-            out.cores[2].push(c.cores);
-            out.faults[2].push(c.faults as f64 / bytes_mib);
-            let (r, c) = with_cost(stream_run(
-                bytes,
-                legs.tcp_chunk,
-                Some(legs.raw_tls.clone()),
-            ))
-            .await;
-            let r = r?;
-            out.cores[3].push(c.cores);
-            out.faults[3].push(c.faults as f64 / bytes_mib);
+            let (g, bytes) = costed(
+                &mut out,
+                0,
+                bytes_mib,
+                self.gbps(legs.plain, &format!("run-{run}")),
+            )
+            .await?;
+            let (s, _) = costed(
+                &mut out,
+                1,
+                bytes_mib,
+                self.gbps(legs.tls, &format!("tls-{run}")),
+            )
+            .await?;
+            let t = costed(&mut out, 2, bytes_mib, async {
+                Ok(stream_run(bytes, legs.tcp_chunk, None).await?)
+            })
+            .await?;
+            let r = costed(&mut out, 3, bytes_mib, async {
+                Ok(stream_run(bytes, legs.tcp_chunk, Some(legs.raw_tls.clone())).await?)
+            })
+            .await?;
             out.grpc.push(g);
             out.tls.push(s);
             out.tcp.push(t);
@@ -550,8 +573,6 @@ impl Pusher<'_> {
             out.raw_ratios.push(r / t);
             out.tls_over_raw.push(s / r);
         }
-        // With span export on: the same pairs again, each push in a client span (the server's
-        // spans come from the service itself).
         Ok(out)
     }
 
