@@ -871,18 +871,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
         plain.shutdown().await;
         return v;
     }
-    let Runs {
-        grpc,
-        tls,
-        tcp,
-        raw,
-        ratios,
-        tls_ratios,
-        raw_ratios,
-        mut tls_over_raw,
-        cores,
-        faults,
-    } = bench.paired(&legs, args.runs.max(1)).await?;
+    let runs = bench.paired(&legs, args.runs.max(1)).await?;
     let traced = if args.trace {
         Some(
             bench
@@ -894,33 +883,76 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
     };
     life.shutdown().await;
     let one = one_core_rates()?;
+    let rss_growth = bench.rss_growth(&transport, &target, n, p_bytes).await?;
+    let dedup = bench.dedup_75(&transport, &target).await?;
+    plain.shutdown().await;
+    Ok(report(&Measured {
+        blocks: n,
+        block_bytes: p_bytes,
+        envelope_bytes: shape.envelope_len(1).unwrap_or(0),
+        import_threads: args.import_threads,
+        runs,
+        traced,
+        suite,
+        one,
+        rss_growth,
+        dedup,
+    }))
+}
+
+/// What one `tl bench transfer` run measured, before it is reported.
+struct Measured {
+    blocks: usize,
+    block_bytes: usize,
+    envelope_bytes: usize,
+    import_threads: usize,
+    runs: Runs,
+    traced: Option<serde_json::Value>,
+    suite: String,
+    one: OneCore,
+    rss_growth: serde_json::Map<String, serde_json::Value>,
+    /// The 75%-cached push: the prefix's stats, the push's, and its seconds.
+    dedup: (kvwire_grpc::TransferStats, kvwire_grpc::TransferStats, f64),
+}
+
+/// The run's JSON report: medians, every run's figure, and the ceilings over raw TCP computed
+/// from the same run's measurements.
+fn report(m: &Measured) -> serde_json::Value {
+    let Runs {
+        grpc,
+        tls,
+        tcp,
+        raw,
+        ratios,
+        tls_ratios,
+        raw_ratios,
+        tls_over_raw,
+        cores,
+        faults,
+    } = &m.runs;
+    let (n, p_bytes, one) = (m.blocks, m.block_bytes, &m.one);
+    let (st_prefix, st75, secs75) = &m.dedup;
     let n_cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get) as f64;
     let ceilings: Vec<[f64; 3]> = tcp
         .iter()
         .zip(&cores[2])
-        .map(|(&t, &c)| ceilings_over_tcp(n_cores, t, c, &one))
+        .map(|(&t, &c)| ceilings_over_tcp(n_cores, t, c, one))
         .collect();
     let ceiling = |k: usize| {
         round3(median(
             &mut ceilings.iter().map(|c| c[k]).collect::<Vec<_>>(),
         ))
     };
-    let [c_grpc, c_tls, c_tcp, c_raw_tls] = cores.map(|mut v| round3(median(&mut v)));
-    let [f_grpc, f_tls, f_tcp, f_raw_tls] = faults.map(|mut v| round3(median(&mut v)));
-
-    let rss_growth = bench.rss_growth(&transport, &target, n, p_bytes).await?;
-
-    let (st_prefix, st75, secs75) = bench.dedup_75(&transport, &target).await?;
-    let full_bytes = n as u64 * (shape.envelope_len(1).unwrap_or(0) as u64);
-    plain.shutdown().await;
-
-    Ok(serde_json::json!({
-        "tracing": traced,
+    let [c_grpc, c_tls, c_tcp, c_raw_tls] = cores.clone().map(|mut v| round3(median(&mut v)));
+    let [f_grpc, f_tls, f_tcp, f_raw_tls] = faults.clone().map(|mut v| round3(median(&mut v)));
+    let full_bytes = n as u64 * m.envelope_bytes as u64;
+    serde_json::json!({
+        "tracing": m.traced,
         "bench": "transfer",
         "shape": "B=16 L=32 H=8 D=128 (2 MiB blocks)",
         "blocks_per_push": n,
         "sender_seals_each_push": true,
-        "import_threads": args.import_threads,
+        "import_threads": m.import_threads,
         "push_mib": round3((n * p_bytes) as f64 / (1 << 20) as f64),
         "runs": grpc.len(),
         "grpc_gbps": round3(median(&mut grpc.clone())),
@@ -930,14 +962,14 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
         "grpc_tls_gbps": round3(median(&mut tls.clone())),
         "grpc_tls_over_tcp": round3(median(&mut tls_ratios.clone())),
         "grpc_tls_gbps_all": tls.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
-        "tls": { "version": "TLS 1.3, mutual", "cipher_suite": suite, "provider": format!("rustls + {}", tl_engine::net::tls::crypto()) },
+        "tls": { "version": "TLS 1.3, mutual", "cipher_suite": m.suite, "provider": format!("rustls + {}", tl_engine::net::tls::crypto()) },
         "raw_tls_gbps": round3(median(&mut raw.clone())),
         "raw_tls_over_tcp": round3(median(&mut raw_ratios.clone())),
-        "grpc_tls_over_raw_tls": round3(median(&mut tls_over_raw)),
+        "grpc_tls_over_raw_tls": round3(median(&mut tls_over_raw.clone())),
         "cpu": super::cpu_json(),
         "kernel": super::kernel_json(),
         "tcp_gbps_all": tcp.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
-        "peak_rss_growth_mib": rss_growth,
+        "peak_rss_growth_mib": m.rss_growth,
         "dedup_75pct_cached": {
             "prefix_blocks_sent_first": st_prefix.sent,
             "blocks_sent": st75.sent,
@@ -945,7 +977,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
             "payload_bytes": st75.payload_bytes,
             "full_payload_bytes": full_bytes,
             "bytes_saved_fraction": round3(1.0 - st75.payload_bytes as f64 / full_bytes as f64),
-            "seconds": round3(secs75),
+            "seconds": round3(*secs75),
         },
         "crc_impl": kvwire::crc32c_impl(),
         "cores_busy": {
@@ -979,7 +1011,7 @@ async fn transfer_bench(args: &TransferArgs) -> Result<serde_json::Value, BenchE
             "pool_copy_2mib_to_cold_gbps": round3(one.to_cold.1),
             "pool_copy_over_copy": round3(one.to_cold.1 / one.to_cold.0.max(1e-9)),
         },
-    }))
+    })
 }
 
 #[cfg(test)]
