@@ -4,6 +4,8 @@
 
 use half::f16;
 
+use crate::quant::{Block, BlockQ4_0, BlockQ4_1, BlockQ8_0};
+
 /// A checkpoint dtype the kernels read: an element type, or one of ggml's block-quantized types
 /// (32 values a block), read as they are and dequantized where they are used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -14,12 +16,11 @@ pub enum DType {
     F16,
     /// IEEE binary32.
     F32,
-    /// ggml's Q8_0: an f16 scale `d`, then 32 signed bytes `q`; a value is `q * d`.
+    /// ggml's Q8_0 ([`BlockQ8_0`]).
     Q8_0,
-    /// ggml's Q4_0: an f16 scale `d`, then 16 bytes of 4-bit `q` (value `j` in the low nibble of
-    /// byte `j`, value `j + 16` in its high nibble); a value is `(q - 8) * d`.
+    /// ggml's Q4_0 ([`BlockQ4_0`]).
     Q4_0,
-    /// ggml's Q4_1: f16 `d` and `m`, then 16 bytes of 4-bit `q` as Q4_0; a value is `q * d + m`.
+    /// ggml's Q4_1 ([`BlockQ4_1`]).
     Q4_1,
 }
 
@@ -31,9 +32,9 @@ impl DType {
         match self {
             DType::Bf16 | DType::F16 => 2,
             DType::F32 => 4,
-            DType::Q8_0 => 34,
-            DType::Q4_0 => 18,
-            DType::Q4_1 => 20,
+            DType::Q8_0 => BlockQ8_0::BYTES,
+            DType::Q4_0 => BlockQ4_0::BYTES,
+            DType::Q4_1 => BlockQ4_1::BYTES,
         }
     }
 
@@ -42,7 +43,9 @@ impl DType {
     pub fn block_values(self) -> usize {
         match self {
             DType::Bf16 | DType::F16 | DType::F32 => 1,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => 32,
+            DType::Q8_0 => BlockQ8_0::VALUES,
+            DType::Q4_0 => BlockQ4_0::VALUES,
+            DType::Q4_1 => BlockQ4_1::VALUES,
         }
     }
 
@@ -53,39 +56,18 @@ impl DType {
     }
 }
 
-/// One block of a block type (`bytes` of [`DType::size`]) dequantized into `out` (32 values),
-/// each value's arithmetic in f32 as ggml's reference dequantization writes it.
+/// One block of a block type (`b` is [`DType::size`] bytes) dequantized into `out` by its
+/// [`Block`] (an element type is widened).
 #[inline(always)]
 pub fn dequantize_block(dtype: DType, b: &[u8], out: &mut [f32]) {
-    let h = |at: usize| f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32();
+    fn one<B: Block>(b: &[u8], out: &mut [f32]) {
+        B::ref_from_bytes(b).expect("one block").dequantize(out);
+    }
     match dtype {
-        DType::Q8_0 => {
-            let d = h(0);
-            for (o, &q) in out[..32].iter_mut().zip(&b[2..34]) {
-                *o = f32::from(q as i8) * d;
-            }
-        }
-        DType::Q4_0 => {
-            let d = h(0);
-            let (lo, hi) = out[..32].split_at_mut(16);
-            for j in 0..16 {
-                let q = b[2 + j];
-                lo[j] = (i32::from(q & 0xF) - 8) as f32 * d;
-                hi[j] = (i32::from(q >> 4) - 8) as f32 * d;
-            }
-        }
-        DType::Q4_1 => {
-            let (d, m) = (h(0), h(2));
-            let (lo, hi) = out[..32].split_at_mut(16);
-            for j in 0..16 {
-                let q = b[4 + j];
-                lo[j] = f32::from(q & 0xF) * d + m;
-                hi[j] = f32::from(q >> 4) * d + m;
-            }
-        }
-        DType::Bf16 | DType::F16 | DType::F32 => {
-            widen(b, dtype, out);
-        }
+        DType::Q8_0 => one::<BlockQ8_0>(b, out),
+        DType::Q4_0 => one::<BlockQ4_0>(b, out),
+        DType::Q4_1 => one::<BlockQ4_1>(b, out),
+        DType::Bf16 | DType::F16 | DType::F32 => widen(b, dtype, out),
     }
 }
 
@@ -118,7 +100,7 @@ pub fn widen(bytes: &[u8], dtype: DType, out: &mut [f32]) {
     if dtype.block_values() > 1 {
         for (b, o) in bytes
             .chunks_exact(dtype.size())
-            .zip(out.chunks_exact_mut(32))
+            .zip(out.chunks_exact_mut(dtype.block_values()))
         {
             dequantize_block(dtype, b, o);
         }

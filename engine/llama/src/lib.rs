@@ -4,7 +4,8 @@
 //! - [`weights`]: the safetensors of a checkpoint (one file or shards), read into memory.
 //! - [`gguf`]: GGUF checkpoints: parsed and checked, dequantized at load, their tokenizer
 //!   rebuilt from the metadata.
-//! - [`kernels`]: batch-invariant f32 arithmetic over bf16, f16 or f32 weights.
+//! - [`kernels`]: batch-invariant f32 arithmetic over the weights as the checkpoint holds them
+//!   ([`dtype`], [`quant`]): the written orders, the vector paths held to them, one thread pool.
 //! - [`model`]: [`Llama`], a [`tl_engine_core::model::Model`] whose KV cache is the pool's
 //!   blocks in kv.wire.v1's layout.
 //! - [`init`]: checkpoints with seeded random weights, for tests and the demo.
@@ -15,7 +16,7 @@ pub mod gguf;
 pub mod init;
 pub mod kernels;
 pub mod model;
-pub mod simd;
+pub mod quant;
 pub mod text;
 mod turns;
 pub mod weights;

@@ -12,8 +12,8 @@ use tl_engine_core::model::{Model, ModelError};
 use tl_engine_core::pool::{BlockId, SharedKv};
 
 use crate::config::{CheckpointError, LlamaConfig};
+use crate::kernels::simd::Product;
 use crate::kernels::{self, Kernels, matmul, rms_norm};
-use crate::simd::Product;
 use crate::weights::{Tensor, Weights};
 
 /// Prompt rows one prefill pass takes (rounded up to whole blocks).
@@ -296,7 +296,7 @@ impl Llama {
             // `attend`; the heads are split over the threads by how many positions they read.
             let parts = split_heads(&mut att, d, nq, rows, workers.threads());
             workers.each(parts, |(u0, dst)| {
-                crate::simd::run(Heads {
+                crate::kernels::simd::run(Heads {
                     model: self,
                     groups: &groups,
                     owner: &owner,
@@ -329,7 +329,7 @@ impl Llama {
                 ],
                 workers,
             );
-            crate::simd::run(Swiglu {
+            crate::kernels::simd::run(Swiglu {
                 gate: &mut g,
                 up: &u,
             });
@@ -498,7 +498,7 @@ impl Llama {
         let mut scores = vec![0f32; n];
         let (keys, vals) = (&keys[..n * nkv * d], &vals[..n * nkv * d]);
         let kv = hq / group;
-        let max = crate::simd::scores(qh, keys, nkv * d, kv * d, scale, &mut scores);
+        let max = crate::kernels::simd::scores(qh, keys, nkv * d, kv * d, scale, &mut scores);
         // The exponentials first (a loop that vectorizes), then their sum in position order.
         for s in &mut scores {
             *s = kernels::exp(*s - max);

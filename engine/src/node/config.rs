@@ -46,8 +46,8 @@
 //! threads = 0                   # threads of the llama kernels (0: every core)
 //! kernels = "simd"              # "simd": the engine's own vector kernels (bf16 read in
 //!                               # place, one written order: the same bits on every CPU);
-//!                               # "gemm": the gemm crate's FMA kernels; "portable": plain
-//!                               # Rust without FMA, slower
+//!                               # "gemm": the gemm crate's FMA kernels; "portable": the
+//!                               # "simd" order in plain Rust, the same bits, slower
 //! vocab = 260                   # byte-level tokenizer: 256 bytes + 4 specials
 //! n_layers = 2                  # L
 //! n_kv_heads = 1                # H

@@ -162,11 +162,11 @@ fn crate_peak(threads: usize) -> f64 {
     best
 }
 
-/// f32 FMA FLOP/s of `threads` threads running at once (each [`tl_llama::simd::fma_peak`]).
+/// f32 FMA FLOP/s of `threads` threads running at once (each [`tl_llama::kernels::simd::fma_peak`]).
 fn fma_peak_all(threads: usize) -> f64 {
     std::thread::scope(|s| {
         let runs: Vec<_> = (0..threads.max(1))
-            .map(|_| s.spawn(|| tl_llama::simd::fma_peak(0.3)))
+            .map(|_| s.spawn(|| tl_llama::kernels::simd::fma_peak(0.3)))
             .collect();
         runs.into_iter().map(|r| r.join().unwrap_or(0.0)).sum()
     })
@@ -283,7 +283,7 @@ fn bench(a: &ModelArgs) -> Result<serde_json::Value, BenchError> {
         "memcpy_gbps": round3(memcpy),
         "roofline_steps_per_s": round3(roofline_steps),
         "gemm_crate_peak_gflops": round3(crate_peak / 1e9),
-        "isa": tl_llama::simd::isa(),
+        "isa": tl_llama::kernels::simd::isa(),
         "fma_peak_gflops": round3(fma_peak / 1e9),
         "kernels": sets,
         "llamacpp": llamacpp,

@@ -243,7 +243,7 @@ pub fn compare(a: &PeersArgs) -> Result<Value, BenchError> {
     Ok(json!({
         "bench": "serve_peers",
         "cpu": super::cpu_json(),
-        "isa": tl_llama::simd::isa(),
+        "isa": tl_llama::kernels::simd::isa(),
         "weights": gguf.display().to_string(),
         "peer": "llama.cpp server (xllamacpp 2026.10.11549, its CPU wheel)",
         "rows": rows,

@@ -20,7 +20,6 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use half::{bf16, f16};
 use serde_json::json;
 
 use crate::config::{Architecture, CheckpointError, LlamaConfig};
@@ -246,6 +245,7 @@ mod tests {
     }
 
     use super::*;
+    use half::f16;
 
     /// A GGUF file's bytes: `kv` metadata (already encoded), then `tensors` of (name, dims,
     /// type id, bytes).

@@ -3,6 +3,7 @@
 //! of a `llama` file put back in Hugging Face's order.
 
 use super::*;
+use crate::quant::{self, Block, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8_0};
 
 /// A tensor's ggml type, among those this loader reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,16 +93,22 @@ impl GgmlType {
         }
     }
 
-    /// Values a block holds, and its bytes: the kernels' own figures for the types they read
-    /// in place ([`DType`]), the K-quants' here.
+    /// Values a block holds, and its bytes: an element type's, or its block type's
+    /// ([`crate::quant`]).
     #[must_use]
     pub fn block(self) -> (usize, usize) {
-        match (self.stored(), self) {
-            (Some(d), _) => (d.block_values(), d.size()),
-            (None, Self::Q5K) => (256, 176),
-            (None, Self::Q6K) => (256, 210),
-            // Q4_K.
-            (None, _) => (256, 144),
+        fn of<B: Block>() -> (usize, usize) {
+            (B::VALUES, B::BYTES)
+        }
+        match self {
+            Self::F32 => (1, 4),
+            Self::F16 | Self::Bf16 => (1, 2),
+            Self::Q8_0 => of::<BlockQ8_0>(),
+            Self::Q4_0 => of::<BlockQ4_0>(),
+            Self::Q4_1 => of::<BlockQ4_1>(),
+            Self::Q4K => of::<BlockQ4K>(),
+            Self::Q5K => of::<BlockQ5K>(),
+            Self::Q6K => of::<BlockQ6K>(),
         }
     }
 
@@ -112,12 +119,12 @@ impl GgmlType {
             Self::F32 => "F32",
             Self::F16 => "F16",
             Self::Bf16 => "BF16",
-            Self::Q8_0 => "Q8_0",
-            Self::Q4_0 => "Q4_0",
-            Self::Q4_1 => "Q4_1",
-            Self::Q4K => "Q4_K",
-            Self::Q5K => "Q5_K",
-            Self::Q6K => "Q6_K",
+            Self::Q8_0 => BlockQ8_0::NAME,
+            Self::Q4_0 => BlockQ4_0::NAME,
+            Self::Q4_1 => BlockQ4_1::NAME,
+            Self::Q4K => BlockQ4K::NAME,
+            Self::Q5K => BlockQ5K::NAME,
+            Self::Q6K => BlockQ6K::NAME,
         }
     }
 }
@@ -240,102 +247,26 @@ pub(super) fn hf_name(gguf: &str) -> Option<String> {
     })
 }
 
-pub(super) fn h(b: &[u8], at: usize) -> f32 {
-    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
-}
-
-/// Q4_K's and Q5_K's six-bit scale and minimum `j` (0..8) from their 12 packed bytes.
-pub(super) fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
-    let (sc, m) = if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        (
-            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
-    };
-    (f32::from(sc), f32::from(m))
-}
-
-/// `bytes` of quantized type `kind` as f32 values into `out`, block by block, as ggml's
-/// reference dequantization computes them (each value's arithmetic in f32, in ggml's order).
+/// `bytes` of type `kind` as f32 values into `out`: an element type widened, a block type
+/// dequantized by its [`Block`].
 ///
 /// # Panics
 /// When `bytes` and `out` do not hold the same number of whole blocks.
 pub fn dequantize(kind: GgmlType, bytes: &[u8], out: &mut [f32]) {
-    let (per, size) = kind.block();
-    assert_eq!(bytes.len() / size * per, out.len(), "whole blocks");
-    assert!(bytes.len().is_multiple_of(size), "whole blocks");
-    for (b, y) in bytes.chunks_exact(size).zip(out.chunks_exact_mut(per)) {
-        match kind {
-            GgmlType::F32 => y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-            GgmlType::F16 => y[0] = h(b, 0),
-            GgmlType::Bf16 => y[0] = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
-            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => {
-                if let Some(d) = kind.stored() {
-                    crate::kernels::dequantize_block(d, b, y);
-                }
-            }
-            GgmlType::Q4K => {
-                let (d, dmin) = (h(b, 0), h(b, 2));
-                let scales = &b[4..16];
-                let qs = &b[16..144];
-                for c in 0..4 {
-                    let (sc1, m1) = scale_min_k4(2 * c, scales);
-                    let (sc2, m2) = scale_min_k4(2 * c + 1, scales);
-                    let (d1, m1) = (d * sc1, dmin * m1);
-                    let (d2, m2) = (d * sc2, dmin * m2);
-                    let q = &qs[32 * c..32 * c + 32];
-                    let y = &mut y[64 * c..64 * c + 64];
-                    for l in 0..32 {
-                        y[l] = d1 * f32::from(q[l] & 0xF) - m1;
-                        y[l + 32] = d2 * f32::from(q[l] >> 4) - m2;
-                    }
-                }
-            }
-            GgmlType::Q5K => {
-                let (d, dmin) = (h(b, 0), h(b, 2));
-                let scales = &b[4..16];
-                let qh = &b[16..48];
-                let qs = &b[48..176];
-                for c in 0..4 {
-                    let (sc1, m1) = scale_min_k4(2 * c, scales);
-                    let (sc2, m2) = scale_min_k4(2 * c + 1, scales);
-                    let (d1, m1) = (d * sc1, dmin * m1);
-                    let (d2, m2) = (d * sc2, dmin * m2);
-                    let (u1, u2) = (1u8 << (2 * c), 2u8 << (2 * c));
-                    let q = &qs[32 * c..32 * c + 32];
-                    let y = &mut y[64 * c..64 * c + 64];
-                    for l in 0..32 {
-                        let hi1 = if qh[l] & u1 != 0 { 16 } else { 0 };
-                        let hi2 = if qh[l] & u2 != 0 { 16 } else { 0 };
-                        y[l] = d1 * f32::from((q[l] & 0xF) + hi1) - m1;
-                        y[l + 32] = d2 * f32::from((q[l] >> 4) + hi2) - m2;
-                    }
-                }
-            }
-            GgmlType::Q6K => {
-                let ql = &b[0..128];
-                let qh = &b[128..192];
-                let sc = &b[192..208];
-                let d = h(b, 208);
-                for n in 0..2 {
-                    let (ql, qh, sc) = (&ql[64 * n..], &qh[32 * n..], &sc[8 * n..]);
-                    let y = &mut y[128 * n..128 * n + 128];
-                    for l in 0..32 {
-                        let is = l / 16;
-                        let q1 = i32::from((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32;
-                        let q2 = i32::from((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-                        let q3 = i32::from((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-                        let q4 = i32::from((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-                        let s = |i: usize| f32::from(sc[i] as i8);
-                        y[l] = d * s(is) * q1 as f32;
-                        y[l + 32] = d * s(is + 2) * q2 as f32;
-                        y[l + 64] = d * s(is + 4) * q3 as f32;
-                        y[l + 96] = d * s(is + 6) * q4 as f32;
-                    }
-                }
+    match kind {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => {
+            let (per, size) = kind.block();
+            assert!(bytes.len().is_multiple_of(size), "whole blocks");
+            assert_eq!(bytes.len() / size * per, out.len(), "whole blocks");
+            if let Some(d) = kind.stored() {
+                crate::dtype::widen(bytes, d, out);
             }
         }
+        GgmlType::Q8_0 => quant::dequantize::<BlockQ8_0>(bytes, out),
+        GgmlType::Q4_0 => quant::dequantize::<BlockQ4_0>(bytes, out),
+        GgmlType::Q4_1 => quant::dequantize::<BlockQ4_1>(bytes, out),
+        GgmlType::Q4K => quant::dequantize::<BlockQ4K>(bytes, out),
+        GgmlType::Q5K => quant::dequantize::<BlockQ5K>(bytes, out),
+        GgmlType::Q6K => quant::dequantize::<BlockQ6K>(bytes, out),
     }
 }
