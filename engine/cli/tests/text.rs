@@ -613,6 +613,11 @@ async fn one_keys_flood_of_long_prompts_does_not_stall_another_key() {
         GatewaySection {
             prep_threads: 1,
             tenant_header: "x-tenant".into(),
+            // A's twelve tokenizations run one after the other; on a slow (debug, loaded)
+            // machine they outlast the default 60 s deadline, and the last would be 504s
+            // instead of the refusal this test expects of each.
+            request_timeout_ms: 300_000,
+            queue_timeout_ms: 300_000,
             ..GatewaySection::local()
         },
     )
