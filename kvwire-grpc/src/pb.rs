@@ -362,7 +362,7 @@ pub mod engine {
 
     /// A choice that ended.
     #[derive(Clone, Copy, PartialEq, prost::Message)]
-    pub struct ChoiceEnd {
+    pub struct ChoiceFinished {
         #[prost(uint32, tag = "1")]
         pub choice: u32,
         #[prost(enumeration = "Finish", tag = "2")]
@@ -377,7 +377,7 @@ pub mod engine {
         #[prost(message, repeated, tag = "2")]
         pub tokens: Vec<GeneratedToken>,
         #[prost(message, repeated, tag = "3")]
-        pub ends: Vec<ChoiceEnd>,
+        pub finished: Vec<ChoiceFinished>,
         #[prost(int32, tag = "4")]
         pub error_code: i32,
         #[prost(string, tag = "5")]

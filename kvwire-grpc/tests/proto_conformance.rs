@@ -487,19 +487,19 @@ fn proto_matches_hand_written_messages() {
         ),
     ];
     conform(&p, "tl.engine.v1.GeneratedToken", &token, &token_fields);
-    let end = engine::ChoiceEnd {
+    let end = engine::ChoiceFinished {
         choice: 2,
         finish: engine::Finish::Context as i32,
     };
     let end_fields = [("choice", U32(2)), ("finish", EnumNumber(3))];
-    conform(&p, "tl.engine.v1.ChoiceEnd", &end, &end_fields);
+    conform(&p, "tl.engine.v1.ChoiceFinished", &end, &end_fields);
     conform(
         &p,
         "tl.engine.v1.GenerateEvents",
         &engine::GenerateEvents {
             seed: 11,
             tokens: vec![token],
-            ends: vec![end],
+            finished: vec![end],
             error_code: 8,
             error: "full".into(),
         },
@@ -514,10 +514,10 @@ fn proto_matches_hand_written_messages() {
                 ))]),
             ),
             (
-                "ends",
+                "finished",
                 List(vec![Message(dynamic(
                     &p,
-                    "tl.engine.v1.ChoiceEnd",
+                    "tl.engine.v1.ChoiceFinished",
                     &end_fields,
                 ))]),
             ),

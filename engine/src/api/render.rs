@@ -28,7 +28,7 @@ pub enum ChoiceEvent {
         logprobs: Option<TokenLogprobs>,
     },
     /// A choice ended.
-    Done {
+    Finished {
         /// The choice.
         choice: u32,
         /// Why.
@@ -53,11 +53,11 @@ pub fn choice_events(mut msg: GenerateEvents) -> impl Iterator<Item = ChoiceEven
             token: t.token,
             logprobs: crate::node::generate::logprobs_of(&mut t),
         });
-    let ends = msg.ends.into_iter().map(|e| ChoiceEvent::Done {
+    let finished = msg.finished.into_iter().map(|e| ChoiceEvent::Finished {
         choice: e.choice,
         finish: crate::node::generate::reason_of(e.finish).into(),
     });
-    tokens.chain(ends).chain(error)
+    tokens.chain(finished).chain(error)
 }
 
 /// Where a response's [`ChoiceEvent`]s come from.
@@ -96,7 +96,7 @@ pub async fn gather(n: u32, src: &mut impl ChoiceSource) -> Result<Vec<ChoiceOut
                     c.logprobs.get_or_insert_with(Vec::new).push(l);
                 }
             }
-            Some(ChoiceEvent::Done { choice, finish }) => {
+            Some(ChoiceEvent::Finished { choice, finish }) => {
                 if let Some(c) = choices.get_mut(choice as usize) {
                     c.finish = finish;
                     open -= 1;
@@ -160,7 +160,7 @@ pub fn stream(
                     let c = meta.chunk(s, choice, vec![token], lp, None, tokens);
                     StreamEvent::Chunk(Box::new(c))
                 }
-                Some(ChoiceEvent::Done { choice, finish }) => {
+                Some(ChoiceEvent::Finished { choice, finish }) => {
                     let Some(s) = streams.get_mut(choice as usize) else {
                         continue;
                     };

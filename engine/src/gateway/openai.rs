@@ -447,10 +447,12 @@ fn shifted(ev: Out, by: u32) -> Out {
             token,
             logprobs,
         }),
-        Out::Choice(ChoiceEvent::Done { choice, finish }) => Out::Choice(ChoiceEvent::Done {
-            choice: choice + by,
-            finish,
-        }),
+        Out::Choice(ChoiceEvent::Finished { choice, finish }) => {
+            Out::Choice(ChoiceEvent::Finished {
+                choice: choice + by,
+                finish,
+            })
+        }
         other => other,
     }
 }

@@ -1059,7 +1059,7 @@ impl Session {
 
     fn end_choice(&mut self, choice: u32, finish: Finish, a: &mut Vec<Action>) {
         self.choices[choice as usize].done = true;
-        self.emit(a, Out::Choice(ChoiceEvent::Done { choice, finish }));
+        self.emit(a, Out::Choice(ChoiceEvent::Finished { choice, finish }));
     }
 
     fn finish_if_done(&mut self, a: &mut Vec<Action>) {
@@ -1110,7 +1110,7 @@ impl Session {
                 self.end_choice(choice, Finish::Stop, a);
             }
         }
-        for e in &ev.ends {
+        for e in &ev.finished {
             if let Some(&choice) = self.lanes[lane].choices.get(e.choice as usize)
                 && !self.choices[choice as usize].done
             {
@@ -1471,7 +1471,7 @@ mod tests {
 
     /// A message of the lane's stream: (engine choice index, tokens, finish).
     fn chunk(lane: LaneId, parts: &[(u32, &[u32], Option<Finish>)]) -> SessionEvent {
-        use kvwire_grpc::pb::engine::{ChoiceEnd, GeneratedToken};
+        use kvwire_grpc::pb::engine::{ChoiceFinished, GeneratedToken};
         SessionEvent::Generated {
             lane,
             events: Box::new(GenerateEvents {
@@ -1486,10 +1486,10 @@ mod tests {
                         })
                     })
                     .collect(),
-                ends: parts
+                finished: parts
                     .iter()
                     .filter_map(|(i, _, f)| {
-                        f.map(|f| ChoiceEnd {
+                        f.map(|f| ChoiceFinished {
                             choice: *i,
                             finish: match f {
                                 Finish::Length => kvwire_grpc::pb::engine::Finish::Length,
@@ -1570,7 +1570,7 @@ mod tests {
             Action::Emit(Out::Choice(ChoiceEvent::Token { choice, token, .. })) => {
                 format!("token {choice}:{token}")
             }
-            Action::Emit(Out::Choice(ChoiceEvent::Done { choice, finish })) => {
+            Action::Emit(Out::Choice(ChoiceEvent::Finished { choice, finish })) => {
                 format!("done {choice}:{finish:?}")
             }
             Action::Emit(Out::Choice(ChoiceEvent::Failed(e))) => {

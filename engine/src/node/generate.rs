@@ -11,9 +11,9 @@ use futures_util::Stream;
 use kvwire::prompt_hashes;
 use kvwire_grpc::KvReceiver;
 use kvwire_grpc::pb::engine::{
-    Alternative, ChoiceEnd, Finish, GenerateEvents, GenerateRequest, GeneratedToken, StopRules,
+    Alternative, ChoiceFinished, Finish, GenerateEvents, GenerateRequest, GeneratedToken, StopRules,
 };
-use tl_engine_core::engine::{Choices, FinishReason, Mode, Request, Resume};
+use tl_engine_core::engine::{Choices, FinishReason, Mode, Request, Resume, StepEvent};
 use tl_engine_core::logprobs::TokenLogprobs;
 use tl_engine_core::pool::Blocks;
 use tl_engine_core::request::{Limits, Params};
@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Code, Status};
 
 use super::prefill::{request_status, seq_status};
-use super::runner::SeqEvent;
+use super::runner::Heard;
 use super::state::NodeState;
 
 /// The most stop rules a request may carry to an engine: the gateway's bounds on what a client
@@ -52,7 +52,7 @@ pub struct Started {
     /// The seed choice 0 samples with.
     pub seed: u64,
     choices: u32,
-    events: mpsc::UnboundedReceiver<SeqEvent>,
+    events: mpsc::UnboundedReceiver<Heard>,
     aborted: CancellationToken,
     _permit: OwnedSemaphorePermit,
 }
@@ -278,34 +278,34 @@ impl Started {
 }
 
 /// Adds `e` to `msg`; true when it ends the stream (an error).
-fn add(msg: &mut GenerateEvents, e: SeqEvent, ended: &mut u32) -> bool {
+fn add(msg: &mut GenerateEvents, e: Heard, ended: &mut u32) -> bool {
     match e {
-        SeqEvent::Token {
+        Ok(StepEvent::Token {
             choice,
             token,
             logprobs,
             ..
-        } => msg.tokens.push(generated(choice, token, logprobs)),
-        SeqEvent::Finished { choice, reason } => {
+        }) => msg.tokens.push(generated(choice, token, logprobs)),
+        Ok(StepEvent::Finished { choice, reason, .. }) => {
             *ended += 1;
-            msg.ends.push(ChoiceEnd {
+            msg.finished.push(ChoiceFinished {
                 choice,
                 finish: finish_of(reason) as i32,
             });
         }
-        SeqEvent::Refused(e) => {
+        Err(e) => {
             let s = request_status(&e);
             msg.error_code = s.code() as i32;
             msg.error = s.message().to_owned();
             return true;
         }
-        SeqEvent::Failed(e) => {
+        Ok(StepEvent::Failed { error: e, .. }) => {
             let s = seq_status(&e);
             msg.error_code = s.code() as i32;
             msg.error = s.message().to_owned();
             return true;
         }
-        SeqEvent::Prefilled(_) => {}
+        Ok(StepEvent::Prefilled { .. }) => {}
     }
     false
 }
@@ -403,7 +403,7 @@ pub async fn collect(mut stream: tonic::Streaming<GenerateEvents>) -> Result<Col
             }
             out.tokens[c].push(t.token);
         }
-        for e in msg.ends {
+        for e in msg.finished {
             let c = e.choice as usize;
             if out.finish.len() <= c {
                 out.tokens.resize(c + 1, Vec::new());

@@ -16,7 +16,7 @@ use kvwire_grpc::pb::engine::{DecodeHolds, KvHandle, PrefillRequest};
 use kvwire_grpc::{
     BlockId, GrpcTransport, KvStore, KvTransport, Push, TransferError, TransferStats,
 };
-use tl_engine_core::engine::{Mode, PrefillOutput, PrefillProgress, Request, SeqError};
+use tl_engine_core::engine::{Mode, PrefillOutput, PrefillProgress, Request, SeqError, StepEvent};
 use tl_engine_core::pool::{Blocks, PoolError, SharedKv};
 use tl_engine_core::request::{Limits, Params, RequestError};
 use tl_engine_core::rng::entropy_seed;
@@ -25,7 +25,7 @@ use tokio::sync::{mpsc as tmpsc, oneshot, watch};
 use tonic::{Code, Status};
 use tracing::Instrument;
 
-use super::runner::SeqEvent;
+use super::runner::Heard;
 use super::state::NodeState;
 use super::store::PoolStore;
 use crate::telemetry::metrics::SharedMetrics;
@@ -571,7 +571,7 @@ const CANCEL_SETTLE: Duration = Duration::from_secs(5);
 /// blocks. A prefill on the engine thread holds its blocks until the thread next reads its
 /// commands, so an answer sent before then would leave them held for a moment after the error.
 /// On the same prefill engine a retry would queue behind that step anyway.
-async fn settle(events: &mut tmpsc::UnboundedReceiver<SeqEvent>) {
+async fn settle(events: &mut tmpsc::UnboundedReceiver<Heard>) {
     let drained = async { while events.recv().await.is_some() {} };
     let _ = tokio::time::timeout(CANCEL_SETTLE, drained).await;
 }
@@ -584,12 +584,12 @@ fn cancelled_status(request_id: &str) -> Status {
 }
 
 fn prefill_event(
-    ev: Option<SeqEvent>,
+    ev: Option<Heard>,
 ) -> Option<Result<tl_engine_core::engine::PrefillOutput, Status>> {
     match ev {
-        Some(SeqEvent::Prefilled(out)) => Some(Ok(out)),
-        Some(SeqEvent::Refused(e)) => Some(Err(request_status(&e))),
-        Some(SeqEvent::Failed(e)) => Some(Err(seq_status(&e))),
+        Some(Ok(StepEvent::Prefilled { output, .. })) => Some(Ok(output)),
+        Some(Err(e)) => Some(Err(request_status(&e))),
+        Some(Ok(StepEvent::Failed { error, .. })) => Some(Err(seq_status(&error))),
         Some(_) => None,
         None => Some(Err(Status::unavailable("the engine stopped"))),
     }

@@ -12,44 +12,15 @@ use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use tl_engine_core::engine::{
-    Engine, FinishReason, PrefillOutput, PrefillProgress, Request, Resume, SeqError, SeqId,
-    StepEvent,
-};
-use tl_engine_core::logprobs::TokenLogprobs;
+use tl_engine_core::engine::{Engine, PrefillProgress, Request, Resume, SeqId, StepEvent};
 use tl_engine_core::model::Model;
 use tl_engine_core::pool::{BlockId, SharedKv};
 use tl_engine_core::request::RequestError;
 use tokio::sync::{Notify, mpsc as tmpsc};
 
-/// What a subscriber hears about its sequence.
-#[derive(Debug)]
-pub enum SeqEvent {
-    /// A token of one choice; index 0 is its completion's first.
-    Token {
-        /// The choice.
-        choice: u32,
-        /// The token.
-        token: u32,
-        /// Its index in the completion.
-        index: u32,
-        /// Its log-probabilities, when asked for.
-        logprobs: Option<TokenLogprobs>,
-    },
-    /// One choice ended normally (the request is over when each has).
-    Finished {
-        /// The choice.
-        choice: u32,
-        /// Why.
-        reason: FinishReason,
-    },
-    /// The request failed; every choice's blocks are released.
-    Failed(SeqError),
-    /// Refused before any work.
-    Refused(RequestError),
-    /// A prefill-only request is done.
-    Prefilled(PrefillOutput),
-}
+/// What a subscriber hears about its sequence: the engine's own [`StepEvent`]s for it, or the
+/// refusal of the request before any work.
+pub type Heard = Result<StepEvent, RequestError>;
 
 /// Requests and sequences the engine holds, published after every command and step, with a
 /// notification whenever they change (a drain waits on it instead of polling).
@@ -92,9 +63,9 @@ enum Cmd {
     Submit(
         u64,
         Box<(Request, Option<Arc<dyn PrefillProgress>>)>,
-        tmpsc::UnboundedSender<SeqEvent>,
+        tmpsc::UnboundedSender<Heard>,
     ),
-    Resume(u64, Box<Resume>, tmpsc::UnboundedSender<SeqEvent>),
+    Resume(u64, Box<Resume>, tmpsc::UnboundedSender<Heard>),
     Cancel(u64),
     Stop,
 }
@@ -220,7 +191,7 @@ impl Runner {
     /// Queues a request; its events arrive on the returned receiver. Dropping the receiver
     /// cancels the request.
     #[must_use]
-    pub fn submit(&self, req: Request) -> (Key, tmpsc::UnboundedReceiver<SeqEvent>) {
+    pub fn submit(&self, req: Request) -> (Key, tmpsc::UnboundedReceiver<Heard>) {
         self.submit_observed(req, None)
     }
 
@@ -231,22 +202,22 @@ impl Runner {
         &self,
         req: Request,
         progress: Option<Arc<dyn PrefillProgress>>,
-    ) -> (Key, tmpsc::UnboundedReceiver<SeqEvent>) {
+    ) -> (Key, tmpsc::UnboundedReceiver<Heard>) {
         self.load.submitted.fetch_add(1, Ordering::Relaxed);
         self.start_seq(|key, tx| Cmd::Submit(key, Box::new((req, progress)), tx))
     }
 
     /// Starts a sequence from transferred blocks; as [`submit`](Self::submit).
     #[must_use]
-    pub fn resume(&self, r: Resume) -> (Key, tmpsc::UnboundedReceiver<SeqEvent>) {
+    pub fn resume(&self, r: Resume) -> (Key, tmpsc::UnboundedReceiver<Heard>) {
         self.load.resumed.fetch_add(1, Ordering::Relaxed);
         self.start_seq(|key, tx| Cmd::Resume(key, Box::new(r), tx))
     }
 
     fn start_seq(
         &self,
-        cmd: impl FnOnce(Key, tmpsc::UnboundedSender<SeqEvent>) -> Cmd,
-    ) -> (Key, tmpsc::UnboundedReceiver<SeqEvent>) {
+        cmd: impl FnOnce(Key, tmpsc::UnboundedSender<Heard>) -> Cmd,
+    ) -> (Key, tmpsc::UnboundedReceiver<Heard>) {
         let (etx, erx) = tmpsc::unbounded_channel();
         let key = self.key();
         // A send error means the engine thread is gone; the receiver then reports nothing and
@@ -333,7 +304,7 @@ impl PrefillProgress for Paced {
 fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
     let slept = Arc::new(AtomicU64::new(0));
     // Each request's subscriber, and its choices still open.
-    let mut subs: HashMap<SeqId, (Key, tmpsc::UnboundedSender<SeqEvent>, u32)> = HashMap::new();
+    let mut subs: HashMap<SeqId, (Key, tmpsc::UnboundedSender<Heard>, u32)> = HashMap::new();
     let mut seq_of: HashMap<Key, SeqId> = HashMap::new();
     loop {
         // Block for work when idle; otherwise take whatever commands are waiting.
@@ -358,7 +329,7 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
                             seq_of.insert(key, seq);
                         }
                         Err(e) => {
-                            let _ = tx.send(SeqEvent::Refused(e));
+                            let _ = tx.send(Err(e));
                         }
                     }
                 }
@@ -368,7 +339,7 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
                         seq_of.insert(key, seq);
                     }
                     (_, Err(e)) => {
-                        let _ = tx.send(SeqEvent::Refused(e));
+                        let _ = tx.send(Err(e));
                     }
                 },
                 Cmd::Cancel(key) => {
@@ -396,32 +367,14 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<CmdBox>, load: &Load) {
         }
         for ev in events {
             // `ends`: the choices this event ends (all of them for a failure).
-            let (seq, msg, ends) = match ev {
-                StepEvent::Token {
-                    seq,
-                    choice,
-                    token,
-                    index,
-                    logprobs,
-                } => {
-                    let msg = SeqEvent::Token {
-                        choice,
-                        token,
-                        index,
-                        logprobs,
-                    };
-                    (seq, msg, 0)
-                }
-                StepEvent::Finished {
-                    seq,
-                    choice,
-                    reason,
-                } => (seq, SeqEvent::Finished { choice, reason }, 1),
-                StepEvent::Failed { seq, error } => (seq, SeqEvent::Failed(error), u32::MAX),
-                StepEvent::Prefilled { seq, output } => {
-                    (seq, SeqEvent::Prefilled(output), u32::MAX)
+            let (seq, ends) = match &ev {
+                StepEvent::Token { seq, .. } => (*seq, 0),
+                StepEvent::Finished { seq, .. } => (*seq, 1),
+                StepEvent::Failed { seq, .. } | StepEvent::Prefilled { seq, .. } => {
+                    (*seq, u32::MAX)
                 }
             };
+            let msg = Ok(ev);
             let mut last = false;
             let delivered = subs.get_mut(&seq).is_some_and(|(_, tx, open)| {
                 *open = open.saturating_sub(ends);
