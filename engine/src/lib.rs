@@ -4,6 +4,7 @@
 //!   heartbeat, drain);
 //! - [`gateway`]: the registry server, route planning, in-flight accounting, upstream clients,
 //!   the request state machine and the OpenAI handlers;
+//! - [`fleet`]: a gateway and its engines in one process, started in one order;
 //! - [`api`]: the typed OpenAI HTTP API and its one SSE codec, shared by both;
 //! - [`net`]: servers and their one shutdown mechanism, and the clients of other processes;
 //! - [`etcd`]: the registry on etcd: client, keys, drain requests, users and roles;
@@ -20,6 +21,7 @@
 pub mod api;
 pub mod copies;
 pub mod etcd;
+pub mod fleet;
 pub mod gateway;
 pub mod net;
 pub mod node;

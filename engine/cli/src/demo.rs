@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use tl_engine::api::sse::StreamEvent;
 use tl_engine::api::{CompletionRequest, GenerationParams, Prompt, RouteInfo};
+use tl_engine::fleet::LocalFleet;
 use tl_engine::gateway::GatewayNode;
 use tl_engine::gateway::config::GatewayConfig;
 use tl_engine::net::clients::{EventStream, HttpClient};
@@ -68,12 +69,12 @@ pub(crate) struct DemoArgs {
 /// Why the demo could not run.
 #[derive(Debug, thiserror::Error)]
 enum DemoError {
-    #[error("starting a node: {0}")]
-    Start(#[from] std::io::Error),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
     #[error("certificates: {0}")]
     Certs(#[from] tl_engine::net::tls::TlsError),
-    #[error("only {0} of 3 engines registered")]
-    Registration(usize),
+    #[error("starting the fleet: {0}")]
+    Fleet(#[from] tl_engine::fleet::FleetError),
     #[error("request: {0}")]
     Http(#[from] tl_engine::net::clients::HttpError),
     #[error("stream: {0}")]
@@ -112,15 +113,9 @@ const REQUESTS: [(&str, &str); 7] = [
     (TENANT_A, "What if the stream is cut?"),
 ];
 
-fn config(
-    id: &str,
-    role: Role,
-    registry: &str,
-    certs: &Path,
-    model: &str,
-) -> Result<Config, DemoError> {
+fn config(id: &str, role: Role, certs: &Path, model: &str) -> Result<Config, DemoError> {
     let peer = PeerRole::from(role);
-    let mut c = Config::for_worker(id, role, registry);
+    let mut c = Config::for_worker(id, role, "");
     c.set_model(model);
     c.tls = Some(issue(certs, id, peer, &[])?.section());
     c.engine.heartbeat_ms = 50;
@@ -240,27 +235,20 @@ async fn start_fleet(
     if model_path {
         model.clone_into(&mut gw_cfg.gateway.model_path);
     }
-    let gw = GatewayNode::start(&gw_cfg).await?;
-    let reg = gw.registry_addr().to_string();
-    let mut nodes = Vec::new();
+    let mut fleet = LocalFleet::builder(gw_cfg);
     for (id, role) in [
         ("prefill-0", Role::Prefill),
         ("decode-1", Role::Decode),
         ("decode-2", Role::Decode),
     ] {
-        nodes.push(EngineNode::start(&config(id, role, &reg, certs, model)?).await?);
+        fleet = fleet.engine(config(id, role, certs, model)?);
     }
-    let end = Instant::now() + Duration::from_secs(10);
-    let workers = loop {
-        let w = gw.registry().list(Instant::now());
-        if w.len() == 3 || Instant::now() > end {
-            break w;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    if workers.len() != 3 {
-        return Err(DemoError::Registration(workers.len()));
-    }
+    let LocalFleet {
+        gateway: gw,
+        engines: nodes,
+    } = fleet.start().await?;
+    let reg = gw.registry_addr().to_string();
+    let workers = gw.registry().list(Instant::now());
     println!(
         "gateway http {}, registry {reg}: {} workers registered; mTLS: on",
         gw.http_addr(),

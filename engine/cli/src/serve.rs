@@ -9,10 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use tl_engine::gateway::GatewayNode;
+use tl_engine::fleet::LocalFleet;
 use tl_engine::gateway::config::{GatewayConfig, GatewaySection};
 use tl_engine::net::tls::{PeerRole, issue};
-use tl_engine::node::EngineNode;
 use tl_engine::node::config::{Config, Role};
 use tl_engine::telemetry::LogFormat;
 
@@ -100,12 +99,12 @@ pub(crate) struct ServeArgs {
 enum ServeError {
     #[error("{0}")]
     Model(String),
-    #[error("starting a node: {0}")]
-    Start(#[from] std::io::Error),
+    #[error("starting the fleet: {0}")]
+    Start(#[from] tl_engine::fleet::FleetError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
     #[error("certificates: {0}")]
     Certs(#[from] tl_engine::net::tls::TlsError),
-    #[error("only {0} of {1} engines registered within 30 s")]
-    Registration(usize, usize),
 }
 
 /// Runs `tl serve`.
@@ -136,11 +135,10 @@ fn engine_config(
     args: &ServeArgs,
     id: &str,
     role: Role,
-    registry: &str,
     certs: &Path,
     block_bytes: u64,
 ) -> Result<Config, ServeError> {
-    let mut c = Config::for_worker(id, role, registry);
+    let mut c = Config::for_worker(id, role, "");
     c.set_model(&args.model.display().to_string());
     if let Some(name) = &args.served_model_name {
         c.model.name.clone_from(name);
@@ -219,8 +217,6 @@ async fn run(args: &ServeArgs) -> Result<(), ServeError> {
         },
         ..GatewayConfig::default()
     };
-    let gw = GatewayNode::start(&gw_cfg).await?;
-    let reg = gw.registry_addr().to_string();
     let roles: Vec<(String, Role)> = if args.colocated {
         vec![("engine-0".into(), Role::Both)]
     } else {
@@ -237,9 +233,9 @@ async fn run(args: &ServeArgs) -> Result<(), ServeError> {
         * cfg.head_dim as u64
         * u64::from(args.block_tokens);
     let loading = Instant::now();
-    let mut nodes = Vec::new();
+    let mut fleet = LocalFleet::builder(gw_cfg).register_within(Duration::from_secs(30));
     for (id, role) in &roles {
-        let mut c = engine_config(args, id, *role, &reg, &certs.0, block_bytes)?;
+        let mut c = engine_config(args, id, *role, &certs.0, block_bytes)?;
         if let Some(len) = args.max_model_len {
             c.model.max_context = len;
         } else {
@@ -247,19 +243,12 @@ async fn run(args: &ServeArgs) -> Result<(), ServeError> {
         }
         c.validate()
             .map_err(|e| ServeError::Model(format!("engine {id}: {e}")))?;
-        nodes.push(EngineNode::start(&c).await?);
+        fleet = fleet.engine(c);
     }
-    let end = Instant::now() + Duration::from_secs(30);
-    loop {
-        let n = gw.registry().list(Instant::now()).len();
-        if n == roles.len() {
-            break;
-        }
-        if Instant::now() > end {
-            return Err(ServeError::Registration(n, roles.len()));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let LocalFleet {
+        gateway: gw,
+        engines: nodes,
+    } = fleet.start().await?;
     let base = format!("http://{}/v1", gw.http_addr());
     let topology = if args.colocated {
         "1 engine of role both".to_owned()

@@ -238,19 +238,22 @@ pub async fn cluster_of(
     tweak: impl Fn(&mut tl_engine::node::config::Config),
 ) -> Cluster {
     use tl_engine::node::config::Role;
-    let gw = tl_engine::gateway::GatewayNode::start(gw).await.unwrap();
-    let reg = gw.registry_addr().to_string();
-    let mut pc = engine_cfg("P", Role::Prefill, &reg);
+    let mut pc = engine_cfg("P", Role::Prefill, "");
     tweak(&mut pc);
-    let p = EngineNode::start(&pc).await.unwrap();
-    let mut d = Vec::new();
+    let mut fleet = tl_engine::fleet::LocalFleet::builder(gw.clone()).engine(pc);
     for i in 1..=decoders {
-        let mut cfg = engine_cfg(&format!("D{i}"), Role::Decode, &reg);
+        let mut cfg = engine_cfg(&format!("D{i}"), Role::Decode, "");
         tweak(&mut cfg);
-        d.push(EngineNode::start(&cfg).await.unwrap());
+        fleet = fleet.engine(cfg);
     }
-    wait_workers(&gw, 1 + decoders).await;
-    Cluster { gw, p, d }
+    let fleet = fleet.start().await.unwrap();
+    let mut engines = fleet.engines.into_iter();
+    let p = engines.next().expect("the prefill engine");
+    Cluster {
+        gw: fleet.gateway,
+        p,
+        d: engines.collect(),
+    }
 }
 
 /// A gateway, a prefill engine and `decoders` decode engines, each decode configuration passed

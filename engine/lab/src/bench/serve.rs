@@ -259,10 +259,9 @@ pub fn serve(args: &ServeArgs) -> ExitCode {
 /// The gateway over one prefill and two decode engines, plaintext or with mutual TLS on every
 /// internal connection (certificates made in a temporary directory), under the load.
 async fn gateway_load(a: &ServeArgs, mtls: bool) -> Result<serde_json::Value, BenchError> {
-    use tl_engine::gateway::GatewayNode;
+    use tl_engine::fleet::LocalFleet;
     use tl_engine::gateway::config::{GatewayConfig, GatewaySection};
     use tl_engine::net::tls::{PeerRole, issue};
-    use tl_engine::node::EngineNode;
 
     let certs = std::env::temp_dir().join(format!(
         "tl-bench-serve-{}-{}",
@@ -276,36 +275,28 @@ async fn gateway_load(a: &ServeArgs, mtls: bool) -> Result<serde_json::Value, Be
             None
         })
     };
-    let gw = GatewayNode::start(&GatewayConfig {
+    let mut fleet = LocalFleet::builder(GatewayConfig {
         gateway: GatewaySection {
             max_inflight: 4096,
             ..GatewaySection::local()
         },
         tls: tls("gw", PeerRole::Gateway)?,
         ..GatewayConfig::local()
-    })
-    .await?;
-    let reg = gw.registry_addr().to_string();
-    let mut nodes = Vec::new();
+    });
     for (id, role, peer) in [
         ("P", Role::Prefill, PeerRole::Prefill),
         ("D1", Role::Decode, PeerRole::Decode),
         ("D2", Role::Decode, PeerRole::Decode),
     ] {
-        let mut c = engine_cfg(a, id, role, &reg);
+        let mut c = engine_cfg(a, id, role, "");
         c.tls = tls(id, peer)?;
-        nodes.push(EngineNode::start(&c).await?);
+        fleet = fleet.engine(c);
     }
+    let fleet = fleet.start().await;
     let _ = std::fs::remove_dir_all(&certs);
-    let end = Instant::now() + Duration::from_secs(10);
-    while gw.registry().list(Instant::now()).len() < 3 && Instant::now() < end {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let figures = load(&gw.http_addr().to_string(), a).await?;
-    for n in nodes {
-        n.shutdown(Duration::from_secs(1)).await;
-    }
-    gw.stop().await;
+    let fleet = fleet?;
+    let figures = load(&fleet.gateway.http_addr().to_string(), a).await?;
+    fleet.stop(Duration::from_secs(1)).await;
     Ok(figures)
 }
 

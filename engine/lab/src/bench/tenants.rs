@@ -13,13 +13,12 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tl_engine::api::{CompletionRequest, GenerationParams, Prompt};
-use tl_engine::gateway::GatewayNode;
+use tl_engine::fleet::LocalFleet;
 use tl_engine::gateway::config::GatewayConfig;
 use tl_engine::net::clients::HttpClient;
-use tl_engine::node::EngineNode;
 use tl_engine::node::config::Role;
 
 use super::serve::{Timing, pct, simulated, streamed_with};
@@ -229,21 +228,17 @@ async fn bench(a: &TenantsArgs) -> Result<serde_json::Value, BenchError> {
     let mut cfg = GatewayConfig::default();
     cfg.gateway.api_keys_file = keys.display().to_string();
     cfg.gateway.max_tokens_in_flight_per_key = a.tokens_per_key;
-    let gw = GatewayNode::start(&cfg).await?;
-    let _ = std::fs::remove_dir_all(&dir);
-    let reg = gw.registry_addr().to_string();
     let (p_us, d_us) = (a.prefill_us_per_token, a.decode_us_per_seq);
-    let p = EngineNode::start(&simulated("P", Role::Prefill, &reg, p_us, d_us, 8192)).await?;
-    let mut d = Vec::new();
-    for id in ["D1", "D2"] {
-        let c = simulated(id, Role::Decode, &reg, p_us, d_us, a.decode_blocks);
-        d.push(EngineNode::start(&c).await?);
-    }
-    let end = Instant::now() + Duration::from_secs(10);
-    while gw.registry().list(Instant::now()).len() < 3 && Instant::now() < end {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let addr = gw.http_addr().to_string();
+    let fleet = LocalFleet::builder(cfg)
+        .engine(simulated("P", Role::Prefill, "", p_us, d_us, 8192))
+        .engines(
+            ["D1", "D2"].map(|id| simulated(id, Role::Decode, "", p_us, d_us, a.decode_blocks)),
+        )
+        .start()
+        .await;
+    let _ = std::fs::remove_dir_all(&dir);
+    let fleet = fleet?;
+    let addr = fleet.gateway.http_addr().to_string();
 
     // Fairness: the light key alone, then beside the heavy key.
     let alone = light_phase(&addr, a, 1_000).await;
@@ -304,11 +299,11 @@ async fn bench(a: &TenantsArgs) -> Result<serde_json::Value, BenchError> {
         errors,
     } = privacy(&addr, a).await;
     let (t, df, p_value) = welch(&with_a, &without);
-    let preemptions: u64 = d.iter().map(|n| n.runner().preemptions()).sum();
-    for n in d.into_iter().chain([p]) {
-        n.shutdown(Duration::from_secs(1)).await;
-    }
-    gw.stop().await;
+    let preemptions: u64 = fleet.engines[1..]
+        .iter()
+        .map(|n| n.runner().preemptions())
+        .sum();
+    fleet.stop(Duration::from_secs(1)).await;
     Ok(serde_json::json!({
         "bench": "tenants",
         "settings": {
