@@ -9,7 +9,7 @@
 //!
 //! `cargo run --release -p kvwire --example fnv_collision [threads] [dp_bits]`
 //! prints the pair as JSON. The pair found on this project's first run is kept as the fixture
-//! `engine/cli/tests/fixtures/fnv_collision.json`.
+//! `engine/tests/fixtures/fnv_collision.json`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -1,4 +1,4 @@
-//! The block pool: lookups are free (HasBlocks on the real path: `engine/cli/tests/transfer.rs`,
+//! The block pool: lookups are free (HasBlocks on the real path: `engine/tests/transfer.rs`,
 //! `has_blocks_takes_no_reference`), and a model-based property test of every operation.
 
 use std::collections::HashMap;

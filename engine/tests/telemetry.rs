@@ -301,10 +301,7 @@ fn dashboard_queries_name_real_metrics() {
         }
     }
     assert!(series.contains("tl_kv_blocks_sent_total"), "{series:?}");
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../deploy/grafana/kvwire.json"
-    );
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/grafana/kvwire.json");
     let dash: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let mut exprs = Vec::new();
