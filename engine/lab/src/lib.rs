@@ -34,11 +34,15 @@ pub mod run {
 
     /// Prints a bench's JSON line, or its error to stderr (exit status 1).
     #[must_use]
-    pub fn print_json<E: std::fmt::Display>(result: Result<serde_json::Value, E>) -> ExitCode {
-        match result {
-            Ok(v) => {
-                println!("{v}");
+    pub fn print_json<T: serde::Serialize, E: std::fmt::Display>(result: Result<T, E>) -> ExitCode {
+        match result.map(|v| serde_json::to_string(&v)) {
+            Ok(Ok(line)) => {
+                println!("{line}");
                 ExitCode::SUCCESS
+            }
+            Ok(Err(e)) => {
+                eprintln!("error: the report does not serialize: {e}");
+                ExitCode::from(1)
             }
             Err(e) => {
                 eprintln!("error: {e}");

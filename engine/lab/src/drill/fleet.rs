@@ -29,6 +29,7 @@ use super::parts::{
     Compose, Proc, Timeline, colocated, engine_toml, in_use, nth_request, p99_ms, scrape,
     start_clients,
 };
+use super::report::{Ends, FleetReport};
 
 /// How one request ended, as its client saw it.
 #[derive(Debug, Clone, PartialEq)]
@@ -419,7 +420,7 @@ impl Backend {
     }
 }
 
-pub(crate) async fn run(a: &DrillArgs) -> Result<(Value, bool), DrillError> {
+pub(crate) async fn run(a: &DrillArgs) -> Result<FleetReport, DrillError> {
     if !matches!(
         a.fault,
         Fault::GatewayKill | Fault::EtcdKill | Fault::EtcdDown
@@ -509,11 +510,10 @@ pub(crate) async fn run(a: &DrillArgs) -> Result<(Value, bool), DrillError> {
             }
         }
     }
-    let n_failed: u64 = failed.values().sum();
-    let n_lost: u64 = lost.values().sum();
+    let ends = Ends::new(outcomes.len(), equal, failed, lost);
     let pools_back = pools.values().all(|&b| b);
-    let ok = n_failed == 0
-        && n_lost == 0
+    let passed = ends.failed == 0
+        && ends.lost == 0
         && pools_back
         && resynced.is_some()
         && (a.compose || in_etcd.is_ok())
@@ -527,33 +527,30 @@ pub(crate) async fn run(a: &DrillArgs) -> Result<(Value, bool), DrillError> {
             ttft_free.push(o.ended - o.started);
         }
     }
-    let v = json!({
-        "drill": "gateways",
-        "fault": clap::ValueEnum::to_possible_value(&a.fault).map(|v| v.get_name().to_owned()),
-        "mode": if a.compose { "containers" } else { "processes" },
-        "gateways": http.len(),
-        "etcd_members": f.members(),
-        "clients": a.clients.max(2),
-        "seconds": total.as_secs_f64(),
-        "requests": outcomes.len(),
-        "non_streamed": nonstreamed,
-        "completed_equal": equal,
-        "failed": n_failed,
-        "failed_by_cause": failed,
-        "lost": n_lost,
-        "lost_by_cause": lost,
-        "streams_cut_on_killed_gateway": cut[0],
-        "streams_cut_on_other_gateways": cut[1],
-        "streams_cut_not_in_flight_at_fault": cut_outside_fault,
-        "requests_retried": retried,
-        "survivors_listed_every_engine_throughout": listed_throughout,
-        "gateways_list_every_engine_after_restore_ms": resynced.map(|d| (d.as_secs_f64() * 1e5).round() / 100.0),
-        "etcd_lists_every_engine_after_restore_ms": in_etcd.ok().map(|d| (d.as_secs_f64() * 1e5).round() / 100.0),
-        "fault_at_s": fault_time.as_secs_f64(),
-        "restored_at_s": restore_time.as_secs_f64(),
-        "p99_request_ms": p99_ms(ttft_free),
-        "pools_back_to_baseline": pools,
-    });
+    let ms = |d: Duration| (d.as_secs_f64() * 1e5).round() / 100.0;
+    let report = FleetReport {
+        drill: "gateways",
+        fault: clap::ValueEnum::to_possible_value(&a.fault).map(|v| v.get_name().to_owned()),
+        mode: if a.compose { "containers" } else { "processes" },
+        gateways: http.len(),
+        etcd_members: f.members(),
+        clients: a.clients.max(2),
+        seconds: total.as_secs_f64(),
+        ends,
+        non_streamed: nonstreamed,
+        streams_cut_on_killed_gateway: cut[0],
+        streams_cut_on_other_gateways: cut[1],
+        streams_cut_not_in_flight_at_fault: cut_outside_fault,
+        requests_retried: retried,
+        survivors_listed_every_engine_throughout: listed_throughout,
+        gateways_list_every_engine_after_restore_ms: resynced.map(ms),
+        etcd_lists_every_engine_after_restore_ms: in_etcd.ok().map(ms),
+        fault_at_s: fault_time.as_secs_f64(),
+        restored_at_s: restore_time.as_secs_f64(),
+        p99_request_ms: p99_ms(ttft_free),
+        pools_back_to_baseline: pools,
+        passed,
+    };
     drop(f);
-    Ok((v, ok))
+    Ok(report)
 }

@@ -5,18 +5,18 @@
 
 use std::process::ExitCode;
 
-use serde_json::Value;
-
 use crate::run::{block_on, print_json};
 
 pub mod args;
 pub mod error;
 mod fleet;
 mod parts;
+pub mod report;
 mod single;
 
 pub use args::{DrillArgs, Fault};
 pub use error::DrillError;
+pub use report::Report;
 
 /// Runs `tl drill`.
 #[must_use]
@@ -28,16 +28,17 @@ pub fn drill(args: &DrillArgs) -> ExitCode {
                 Fault::GatewayKill | Fault::EtcdKill | Fault::EtcdDown
             );
         let ran = if fleet {
-            fleet::run(args).await
+            fleet::run(args).await.map(|r| Report::Fleet(Box::new(r)))
         } else {
-            single::run(args).await
+            single::run(args).await.map(|r| Report::Single(Box::new(r)))
         };
         match ran {
-            Ok((v, ok)) => {
-                let code = print_json(Ok::<_, String>(v));
-                if ok { code } else { ExitCode::from(1) }
+            Ok(report) => {
+                let passed = report.passed();
+                let code = print_json(Ok::<_, String>(report));
+                if passed { code } else { ExitCode::from(1) }
             }
-            Err(e) => print_json(Err::<Value, _>(e)),
+            Err(e) => print_json(Err::<Report, _>(e)),
         }
     })
 }

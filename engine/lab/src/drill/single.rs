@@ -18,6 +18,7 @@ use tl_engine::net::clients::{EventStream, HttpClient};
 use super::args::{DrillArgs, Fault};
 use super::error::DrillError;
 use super::parts::*;
+use super::report::{Ends, SingleReport, in_beats};
 
 /// One request as the client saw it.
 #[derive(Debug)]
@@ -590,7 +591,7 @@ fn by_phase(
     (ttft, tpot, routes)
 }
 
-pub(super) async fn run(a: &DrillArgs) -> Result<(Value, bool), DrillError> {
+pub(super) async fn run(a: &DrillArgs) -> Result<SingleReport, DrillError> {
     let mut cluster = Cluster::start(a).await?;
     let http = cluster.http();
     let heartbeat_ms = if a.compose { 500 } else { a.heartbeat_ms };
@@ -678,58 +679,65 @@ pub(super) async fn run(a: &DrillArgs) -> Result<(Value, bool), DrillError> {
         .iter()
         .any(|o| o.started > restore_time && o.decode == victim_id && o.verdict == Verdict::Equal);
     let retried = outcomes.iter().filter(|o| o.retries > 0).count();
-    let n_failed: u64 = failed.values().sum();
-    let n_lost: u64 = lost.values().sum();
-    let ok = match a.fault {
+    let ends = Ends::new(outcomes.len(), equal as u64, failed, lost);
+    let passed = match a.fault {
         Fault::RegistryRestart => {
-            failed.keys().all(|k| k == "gateway_restarted")
-                && n_lost == 0
+            ends.failed_by_cause
+                .keys()
+                .all(|k| k == "gateway_restarted")
+                && ends.lost == 0
                 && prefill_back
                 && survivor_back
                 && restored_back
                 && reregistered_ms.is_some()
         }
-        _ => n_failed == 0 && n_lost == 0 && prefill_back && survivor_back && rejoined,
+        _ => ends.failed == 0 && ends.lost == 0 && prefill_back && survivor_back && rejoined,
     };
-    let v = json!({
-        "drill": "ops.01",
-        "fault": format!("{:?}", a.fault).to_lowercase(),
-        "mode": if a.compose { "containers" } else if a.netns { "netns" } else { "processes" },
-        "clients": a.clients,
-        "seconds": a.seconds,
-        "requests": outcomes.len(),
-        "completed_equal": equal,
-        "failed": n_failed,
-        "failed_by_cause": failed,
-        "lost": n_lost,
-        "lost_by_cause": lost,
-        "failovers": resumed,
-        "failovers_gave_up": gave_up,
-        "prefill_retried_on_another_decode": retried,
-        "p99_ttft_ms": ttft,
-        "p99_tpot_ms": tpot,
-        "first_routes": routes,
-        "in_flight_at_fault_on_victim": hit.len(),
-        // What a failover costs the client: the extra wait for the next token.
-        "failover_extra_ms": match (p50_ms(hit.clone()).as_f64(), p50_ms(undisturbed.clone()).as_f64()) {
-            (Some(h), Some(u)) => json!(((h - u) * 100.0).round() / 100.0),
-            _ => Value::Null,
+    // What a failover costs the client: the extra wait for the next token.
+    let failover_extra_ms = match (
+        p50_ms(hit.clone()).as_f64(),
+        p50_ms(undisturbed.clone()).as_f64(),
+    ) {
+        (Some(h), Some(u)) => Some(((h - u) * 100.0).round() / 100.0),
+        _ => None,
+    };
+    let report = SingleReport {
+        drill: "ops.01",
+        fault: format!("{:?}", a.fault).to_lowercase(),
+        mode: if a.compose {
+            "containers"
+        } else if a.netns {
+            "netns"
+        } else {
+            "processes"
         },
-        "p50_max_gap_ms_in_flight_at_fault": p50_ms(hit),
-        "p50_max_gap_ms_undisturbed": p50_ms(undisturbed),
-        "prefill_pool_back_to_baseline": prefill_back,
-        "survivor_pool_back_to_baseline": survivor_back,
-        "restored_pool_back_to_baseline": restored_back,
-        "victim": victim_id,
-        "victim_blocks_in_use_before_fault": used_before,
-        "survivor": survivor_id,
-        "heartbeat_ms": heartbeat_ms,
-        "evicted_after_ms": evicted_ms,
-        "evicted_within_beats": evicted_ms.map(|ms| (ms / f64::from(heartbeat_ms) * 100.0).round() / 100.0),
-        "rejoined": rejoined,
-        "reregistered_after_ms": reregistered_ms,
-        "reregistered_within_beats": reregistered_ms.map(|ms| (ms / f64::from(heartbeat_ms) * 100.0).round() / 100.0),
-    });
+        clients: a.clients,
+        seconds: a.seconds,
+        ends,
+        failovers: resumed,
+        failovers_gave_up: gave_up,
+        prefill_retried_on_another_decode: retried,
+        p99_ttft_ms: ttft,
+        p99_tpot_ms: tpot,
+        first_routes: routes,
+        in_flight_at_fault_on_victim: hit.len(),
+        failover_extra_ms,
+        p50_max_gap_ms_in_flight_at_fault: p50_ms(hit),
+        p50_max_gap_ms_undisturbed: p50_ms(undisturbed),
+        prefill_pool_back_to_baseline: prefill_back,
+        survivor_pool_back_to_baseline: survivor_back,
+        restored_pool_back_to_baseline: restored_back,
+        victim: victim_id,
+        victim_blocks_in_use_before_fault: used_before,
+        survivor: survivor_id,
+        heartbeat_ms,
+        evicted_after_ms: evicted_ms,
+        evicted_within_beats: in_beats(evicted_ms, heartbeat_ms),
+        rejoined,
+        reregistered_after_ms: reregistered_ms,
+        reregistered_within_beats: in_beats(reregistered_ms, heartbeat_ms),
+        passed,
+    };
     drop(cluster);
-    Ok((v, ok))
+    Ok(report)
 }
