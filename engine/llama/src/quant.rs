@@ -189,24 +189,38 @@ fn scale_min_k4(j: usize, q: &[u8; 12]) -> (f32, f32) {
     (f32::from(sc), f32::from(m))
 }
 
+/// The values of a Q4_K or Q5_K block: 8 groups of 32, group `2c` from the low four bits of
+/// `value(c, l)`'s pair and group `2c + 1` from the high, each `d * scale * q - dmin * min`.
+fn dequantize_k4(
+    (d, dmin): ([u8; 2], [u8; 2]),
+    scales: &[u8; 12],
+    y: &mut [f32],
+    value: impl Fn(usize, usize) -> (u8, u8),
+) {
+    let (d, dmin) = (half(d), half(dmin));
+    for c in 0..4 {
+        let (sc1, m1) = scale_min_k4(2 * c, scales);
+        let (sc2, m2) = scale_min_k4(2 * c + 1, scales);
+        let (d1, m1) = (d * sc1, dmin * m1);
+        let (d2, m2) = (d * sc2, dmin * m2);
+        let y = &mut y[64 * c..64 * c + 64];
+        for l in 0..32 {
+            let (lo, hi) = value(c, l);
+            y[l] = d1 * f32::from(lo) - m1;
+            y[l + 32] = d2 * f32::from(hi) - m2;
+        }
+    }
+}
+
 impl Block for BlockQ4K {
     const NAME: &'static str = "Q4_K";
     const VALUES: usize = 256;
 
     fn dequantize(&self, y: &mut [f32]) {
-        let (d, dmin) = (half(self.d), half(self.dmin));
-        for c in 0..4 {
-            let (sc1, m1) = scale_min_k4(2 * c, &self.scales);
-            let (sc2, m2) = scale_min_k4(2 * c + 1, &self.scales);
-            let (d1, m1) = (d * sc1, dmin * m1);
-            let (d2, m2) = (d * sc2, dmin * m2);
-            let q = &self.qs[32 * c..32 * c + 32];
-            let y = &mut y[64 * c..64 * c + 64];
-            for l in 0..32 {
-                y[l] = d1 * f32::from(q[l] & 0xF) - m1;
-                y[l + 32] = d2 * f32::from(q[l] >> 4) - m2;
-            }
-        }
+        dequantize_k4((self.d, self.dmin), &self.scales, y, |c, l| {
+            let q = self.qs[32 * c + l];
+            (q & 0xF, q >> 4)
+        });
     }
 }
 
@@ -215,22 +229,13 @@ impl Block for BlockQ5K {
     const VALUES: usize = 256;
 
     fn dequantize(&self, y: &mut [f32]) {
-        let (d, dmin) = (half(self.d), half(self.dmin));
-        for c in 0..4 {
-            let (sc1, m1) = scale_min_k4(2 * c, &self.scales);
-            let (sc2, m2) = scale_min_k4(2 * c + 1, &self.scales);
-            let (d1, m1) = (d * sc1, dmin * m1);
-            let (d2, m2) = (d * sc2, dmin * m2);
+        dequantize_k4((self.d, self.dmin), &self.scales, y, |c, l| {
+            let q = self.qs[32 * c + l];
             let (u1, u2) = (1u8 << (2 * c), 2u8 << (2 * c));
-            let q = &self.qs[32 * c..32 * c + 32];
-            let y = &mut y[64 * c..64 * c + 64];
-            for l in 0..32 {
-                let hi1 = if self.qh[l] & u1 != 0 { 16 } else { 0 };
-                let hi2 = if self.qh[l] & u2 != 0 { 16 } else { 0 };
-                y[l] = d1 * f32::from((q[l] & 0xF) + hi1) - m1;
-                y[l + 32] = d2 * f32::from((q[l] >> 4) + hi2) - m2;
-            }
-        }
+            let hi1 = if self.qh[l] & u1 != 0 { 16 } else { 0 };
+            let hi2 = if self.qh[l] & u2 != 0 { 16 } else { 0 };
+            ((q & 0xF) + hi1, (q >> 4) + hi2)
+        });
     }
 }
 

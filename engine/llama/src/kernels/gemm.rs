@@ -164,15 +164,7 @@ fn dims(x: &[f32], w: MatRef<'_>, out: &[f32]) -> (usize, usize, usize) {
 mod tests {
     use super::*;
     use crate::dtype::DType;
-
-    fn mat(rows: usize, cols: usize, seed: u32) -> Vec<u8> {
-        (0..rows * cols)
-            .flat_map(|i| {
-                let v = ((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 1000;
-                (v as f32 / 1000.0 - 0.5).to_le_bytes()
-            })
-            .collect()
-    }
+    use crate::kernels::tests::mat;
 
     /// The gemm path's promise over the shapes a model has and the edges of the crate's own
     /// paths: every batch from 1 (padded past the matrix-vector kernel) to 70, depths below and

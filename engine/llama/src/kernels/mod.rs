@@ -152,7 +152,8 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
 mod tests {
     use super::*;
 
-    fn mat(rows: usize, cols: usize, seed: u32) -> Vec<u8> {
+    /// A `rows` x `cols` f32 matrix of values in [-0.5, 0.5), as bytes, from `seed`.
+    pub(super) fn mat(rows: usize, cols: usize, seed: u32) -> Vec<u8> {
         (0..rows * cols)
             .flat_map(|i| {
                 let v = ((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 1000;
