@@ -49,6 +49,7 @@ async fn client(
     end: Instant,
     max_tokens: u32,
     out: Arc<Mutex<Vec<Outcome>>>,
+    flowing: Flowing,
 ) {
     let client = HttpClient::default();
     let mut n = 0;
@@ -57,7 +58,7 @@ async fn client(
         n += 1;
         let body = json!({ "prompt": p, "max_tokens": max_tokens, "temperature": t, "seed": seed, "stream": true });
         let started = Instant::now();
-        let (got, verdict) = one_request(&client, &http, body.to_string()).await;
+        let (got, verdict) = one_request(&client, &http, body.to_string(), &flowing).await;
         let want = colocated(&p, t, seed, max_tokens);
         let verdict = match verdict {
             None if got.tokens == want => Verdict::Equal,
@@ -104,10 +105,48 @@ struct Got {
 
 /// Sends one streamed request; returns what it received, and the verdict when already decided
 /// (failed, lost; `None` when it completed and remains to be compared).
-async fn one_request(client: &HttpClient, http: &str, body: String) -> (Got, Option<Verdict>) {
+async fn one_request(
+    client: &HttpClient,
+    http: &str,
+    body: String,
+    flowing: &Flowing,
+) -> (Got, Option<Verdict>) {
     let mut got = Got::default();
-    let verdict = receive(client, http, body, &mut got).await.err();
+    let verdict = receive(client, http, body, &mut got, flowing).await.err();
+    flowing.leave(&got.decode);
     (got, verdict)
+}
+
+/// Streams whose tokens are flowing, by decode engine, as the drill's clients see them: a
+/// stream counts from its first token from an engine to its end. The gateway's own count
+/// (`routed_in_flight`) starts at routing, before the prefill: with one prefill engine the
+/// clients fall into step, and a victim picked by that count could have every stream still
+/// queued for its prefill (then nothing fails over: seen once in CI on a 2-core Zen 4).
+#[derive(Clone, Default)]
+pub(super) struct Flowing(Arc<Mutex<BTreeMap<String, usize>>>);
+
+impl Flowing {
+    fn enter(&self, decode: &str) {
+        if let Ok(mut m) = self.0.lock() {
+            *m.entry(decode.to_owned()).or_default() += 1;
+        }
+    }
+
+    fn leave(&self, decode: &str) {
+        if let Ok(mut m) = self.0.lock()
+            && let Some(n) = m.get_mut(decode)
+        {
+            *n = n.saturating_sub(1);
+        }
+    }
+
+    fn on(&self, decode: &str) -> usize {
+        self.0
+            .lock()
+            .ok()
+            .and_then(|m| m.get(decode).copied())
+            .unwrap_or(0)
+    }
 }
 
 /// The exchange of [`one_request`]: `Ok` when it completed, else the verdict.
@@ -116,6 +155,7 @@ async fn receive(
     http: &str,
     body: String,
     got: &mut Got,
+    flowing: &Flowing,
 ) -> Result<(), Verdict> {
     let (status, body) = tokio::time::timeout(
         Duration::from_secs(30),
@@ -149,7 +189,12 @@ async fn receive(
         match event {
             StreamEvent::Chunk(c) => {
                 if let Some(r) = &c.tl_route {
-                    got.decode.clone_from(&r.decode);
+                    if r.decode != got.decode {
+                        // The first token, or a failover to another engine.
+                        flowing.leave(&got.decode);
+                        flowing.enter(&r.decode);
+                        got.decode.clone_from(&r.decode);
+                    }
                     got.retries = u64::from(r.retries);
                 }
                 let now = Instant::now();
@@ -487,31 +532,22 @@ async fn back_to_baseline(c: &Cluster, who: Who) -> bool {
 
 /// The index of a decode engine holding blocks for running sequences (polled up to 2 s; the
 /// first otherwise).
-async fn busy_decoder(c: &Cluster, http: &str) -> usize {
-    // The gateway counts each stream on its decode engine until it ends: the engine with the
-    // most streams in flight, once one has two (a stream about to end may finish from what
-    // is already in its socket, and then nothing fails over), or the busiest seen in 2 s.
+async fn busy_decoder(c: &Cluster, flowing: &Flowing) -> usize {
+    // The engine with the most streams whose tokens are flowing, once one has two (a stream
+    // about to end may finish from what is already in its socket, and then nothing fails
+    // over), or the busiest seen in 2 s.
     let ids = c.decode_ids();
     let end = Instant::now() + Duration::from_secs(2);
     let mut best = (0, 0);
     while Instant::now() < end {
-        if let Ok(r) = HttpClient::default().get(http, "/workers").await
-            && let Ok(v) = serde_json::from_slice::<Value>(&r.body)
-            && let Some(ws) = v["workers"].as_array()
-        {
-            for (i, id) in ids.iter().enumerate() {
-                let n = ws
-                    .iter()
-                    .find(|w| w["worker_id"] == *id)
-                    .and_then(|w| w["routed_in_flight"].as_u64())
-                    .unwrap_or(0);
-                if n > best.1 {
-                    best = (i, n);
-                }
+        for (i, id) in ids.iter().enumerate() {
+            let n = flowing.on(id);
+            if n > best.1 {
+                best = (i, n);
             }
-            if best.1 >= 2 {
-                return best.0;
-            }
+        }
+        if best.1 >= 2 {
+            return best.0;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -608,13 +644,22 @@ pub(super) async fn run(a: &DrillArgs) -> Result<SingleReport, DrillError> {
 
     let line = Timeline::start(a.seconds, 1.0);
     let (t0, _total, fault_at, restore_at) = (line.t0, line.total, line.fault_at, line.restore_at);
+    let flowing = Flowing::default();
     let (outcomes, mut clients) = start_clients(a.clients.max(1), |i, out| {
-        client(i, http.clone(), t0, line.end(), a.max_tokens, out)
+        client(
+            i,
+            http.clone(),
+            t0,
+            line.end(),
+            a.max_tokens,
+            out,
+            flowing.clone(),
+        )
     });
 
     tokio::time::sleep_until((t0 + fault_at).into()).await;
     // The victim: a decode engine with streams in flight (so that the fault hits requests).
-    let v = busy_decoder(&cluster, &http).await;
+    let v = busy_decoder(&cluster, &flowing).await;
     let victim_metrics = cluster.metrics(Who::Decode(v));
     let used_before = match &victim_metrics {
         Some(m) => scrape(m).await.map(|m| in_use(&m)),
