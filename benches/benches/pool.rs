@@ -111,6 +111,7 @@ fn decode_step(c: &mut Criterion) {
             temperature: 0.8,
             top_p: 0.95,
             top_k: 0,
+            ..SamplingRequest::default()
         },
         BYTE_VOCAB,
     )
@@ -127,7 +128,7 @@ fn decode_step(c: &mut Criterion) {
                     let prompt: Vec<u32> = (0..64).map(|t| (t * 7 + i) % 256).collect();
                     e.submit(Request {
                         prompt,
-                        sampling: s,
+                        sampling: s.clone(),
                         seed: u64::from(i),
                         max_tokens: 100,
                         mode: Mode::Generate,
@@ -135,6 +136,7 @@ fn decode_step(c: &mut Criterion) {
                         stop: tl_engine_core::stop::Stop::default(),
                         choices: tl_engine_core::engine::Choices::ONE,
                         scope: 0,
+                        earlier_output: 0,
                     })
                     .expect("valid");
                 }

@@ -27,6 +27,7 @@ fn colocated(prompt: &[u32], t: f32, p: f32, k: u32, seed: u64, n: u32) -> Vec<u
         temperature: t,
         top_p: p,
         top_k: k,
+        ..SamplingRequest::default()
     };
     Config::default().colocated(prompt, s, seed, n).unwrap()
 }
@@ -38,6 +39,7 @@ fn sampling(t: f32, p: f32, k: u32, seed: Option<u64>, n: u32) -> Option<Samplin
         top_k: k,
         seed,
         max_tokens: n,
+        ..SamplingParams::default()
     })
 }
 

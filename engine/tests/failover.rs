@@ -307,18 +307,24 @@ async fn fresh_gateway_waits_for_registrations() {
     }
 }
 
-/// A request of three choices with logprobs whose decode engine dies mid-stream: each choice
-/// continues on the survivor with its own seed and draws, and every choice's tokens and
-/// log-probabilities equal its colocated run's (the logprobs of each failover's first token
-/// recomputed there from the pushed KV).
+/// A request of three choices with logprobs and penalties whose decode engine dies mid-stream:
+/// each choice continues on the survivor with its own seed and draws, and every choice's tokens
+/// and log-probabilities equal its colocated run's (the logprobs of each failover's first token
+/// recomputed there from the pushed KV; the penalties counting the tokens sent before as
+/// output).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_continues_every_choice_exactly() {
     use tl_engine_core::engine::Choices;
     use tl_engine_core::logprobs::TokenLogprobs;
     let prompt: Vec<u32> = (90..113).collect();
     let (t, seed, n) = (0.8f32, 40u64, 3usize);
+    // With penalties that count the output: the engine that continues must count the tokens
+    // sent before the failover as output, not as prompt.
     let s = tl_engine_core::sampler::SamplingRequest {
         temperature: t,
+        frequency_penalty: 0.7,
+        presence_penalty: 0.4,
+        repetition_penalty: 1.2,
         ..Default::default()
     };
     let want: Vec<_> = (0..n as u64)
@@ -328,14 +334,15 @@ async fn failover_continues_every_choice_exactly() {
                 logprobs: Some(2),
             };
             Config::default()
-                .colocated_choices(&prompt, s, seed + i, MAX_TOKENS, one)
+                .colocated_choices(&prompt, s.clone(), seed + i, MAX_TOKENS, one)
                 .unwrap()
                 .swap_remove(0)
         })
         .collect();
     let mut c = Cluster::start(2, GatewaySection::local()).await;
     let b = json!({ "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": t, "seed": seed,
-        "stream": true, "n": n, "logprobs": 2 });
+        "stream": true, "n": n, "logprobs": 2, "frequency_penalty": 0.7, "presence_penalty": 0.4,
+        "repetition_penalty": 1.2 });
     let mut events = open(&c.gw, b.to_string()).await;
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n];
     let mut logprobs: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); n];

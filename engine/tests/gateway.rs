@@ -554,10 +554,41 @@ async fn unsupported_fields_are_400() {
             json!({ "prompt": "hi", "suffix": "x" }),
             "`suffix` is not supported",
         ),
+        // Penalties and biases are served, within their ranges.
         (
             "/v1/completions",
-            json!({ "prompt": "hi", "logit_bias": { "50": 1 } }),
-            "`logit_bias`",
+            json!({ "prompt": "hi", "logit_bias": { "fifty": 1 } }),
+            "`logit_bias.fifty` keys are token ids",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "logit_bias": { "50": 101 } }),
+            "biases are in [-100, 100]",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{"role": "user", "content": "hi"}], "logit_bias": { "260": 1 } }),
+            "logit_bias token 260 is outside the vocabulary",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "presence_penalty": 2.5 }),
+            "presence_penalty 2.5 must be in [-2, 2]",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -3 }),
+            "frequency_penalty -3 must be in [-2, 2]",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "repetition_penalty": 0 }),
+            "`repetition_penalty` must be > 0",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "min_p": 1.5 }),
+            "min_p 1.5 must be in [0, 1]",
         ),
         (
             "/v1/completions",
@@ -990,7 +1021,7 @@ async fn logprobs_equal_colocated() {
                 logprobs: Some(k),
             };
             Config::default()
-                .colocated_choices(p, s, seed, 9, c)
+                .colocated_choices(p, s.clone(), seed, 9, c)
                 .unwrap()
         };
         // Completions, whole: OpenAI's lists, and the ids extension.
@@ -1197,5 +1228,117 @@ async fn decode_engines_are_asked_has_blocks_once_per_request() {
     }
     for d in &c.d {
         assert!(settled(d, 0).await);
+    }
+}
+
+/// Penalties, biases and min_p, through a prefill engine and two decode engines: each choice
+/// equals its colocated run token for token (the prefill engine samples the first token under
+/// them, the decode engine goes on from the same tokens), greedy and seeded, and each setting
+/// changes the output it is meant to change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn penalties_and_biases_are_applied_and_exact_across_prefill_and_decode() {
+    use tl_engine_core::engine::Choices;
+    let c = cluster(2).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let prompt: Vec<u32> = (60..90).chain(60..70).collect();
+    let (max_tokens, n) = (24u32, 2u32);
+    let plain = |t: f32, seed: u64| {
+        let s = SamplingRequest {
+            temperature: t,
+            ..SamplingRequest::default()
+        };
+        Config::default()
+            .colocated(&prompt, s, seed, max_tokens)
+            .unwrap()
+    };
+    let greedy = plain(0.0, 0);
+    let cases: Vec<(Value, SamplingRequest)> = vec![
+        // Negative: the output's tokens are favoured, once and per time (the fake model's
+        // output rarely repeats by itself).
+        (
+            json!({ "frequency_penalty": -2, "presence_penalty": -2 }),
+            SamplingRequest {
+                frequency_penalty: -2.0,
+                presence_penalty: -2.0,
+                ..SamplingRequest::default()
+            },
+        ),
+        (
+            json!({ "repetition_penalty": 3 }),
+            SamplingRequest {
+                repetition_penalty: 3.0,
+                ..SamplingRequest::default()
+            },
+        ),
+        (
+            json!({ "temperature": 0.8, "presence_penalty": 1.0, "repetition_penalty": 1.3 }),
+            SamplingRequest {
+                temperature: 0.8,
+                presence_penalty: 1.0,
+                repetition_penalty: 1.3,
+                ..SamplingRequest::default()
+            },
+        ),
+        (
+            json!({ "temperature": 1.0, "min_p": 0.2, "logit_bias": { greedy[0].to_string(): -100 } }),
+            SamplingRequest {
+                temperature: 1.0,
+                min_p: 0.2,
+                logit_bias: vec![(greedy[0], -100.0)],
+                ..SamplingRequest::default()
+            },
+        ),
+        (
+            json!({ "logit_bias": { "65": 100 } }),
+            SamplingRequest {
+                logit_bias: vec![(65, 100.0)],
+                ..SamplingRequest::default()
+            },
+        ),
+    ];
+    for (fields, s) in cases {
+        let seed = 31u64;
+        let mut body = json!({ "prompt": prompt, "max_tokens": max_tokens, "seed": seed, "n": n });
+        for (k, v) in fields.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = http
+            .post(&addr, "/v1/completions", &[], body.to_string())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v = r.json();
+        let want = Config::default()
+            .colocated_choices(
+                &prompt,
+                s.clone(),
+                seed,
+                max_tokens,
+                Choices { n, logprobs: None },
+            )
+            .unwrap();
+        for i in 0..n as usize {
+            let got = choice_tokens(&v["choices"][i]);
+            assert_eq!(got, want[i].tokens, "{fields} choice {i}");
+        }
+        // Applied: choice 0 differs from the same sampling without them.
+        assert_ne!(want[0].tokens, plain(s.temperature, seed), "{fields}");
+    }
+    // A +100 bias takes every greedy step.
+    let forced = Config::default()
+        .colocated(
+            &prompt,
+            SamplingRequest {
+                logit_bias: vec![(65, 100.0)],
+                ..SamplingRequest::default()
+            },
+            0,
+            max_tokens,
+        )
+        .unwrap();
+    assert!(forced.iter().all(|&t| t == 65), "{forced:?}");
+    for node in [&c.p, &c.d[0], &c.d[1]] {
+        assert!(common::settled(node, 0).await, "{}", node.state().id());
     }
 }

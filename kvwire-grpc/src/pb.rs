@@ -93,7 +93,7 @@ pub mod kv {
 
 /// `tl.engine.v1`: driving an engine.
 pub mod engine {
-    #[derive(Clone, Copy, PartialEq, prost::Message)]
+    #[derive(Clone, PartialEq, prost::Message)]
     pub struct SamplingParams {
         #[prost(float, tag = "1")]
         pub temperature: f32,
@@ -105,6 +105,24 @@ pub mod engine {
         pub seed: Option<u64>,
         #[prost(uint32, tag = "5")]
         pub max_tokens: u32,
+        /// 0 = off.
+        #[prost(float, tag = "6")]
+        pub min_p: f32,
+        /// 0 = off.
+        #[prost(float, tag = "7")]
+        pub presence_penalty: f32,
+        /// 0 = off.
+        #[prost(float, tag = "8")]
+        pub frequency_penalty: f32,
+        /// 0 (unset) and 1 = off.
+        #[prost(float, tag = "9")]
+        pub repetition_penalty: f32,
+        /// Token id -> bias.
+        #[prost(btree_map = "uint32, float", tag = "10")]
+        pub logit_bias: std::collections::BTreeMap<u32, f32>,
+        /// The prompt's last tokens that are the request's own earlier output (failover).
+        #[prost(uint32, tag = "11")]
+        pub earlier_output: u32,
     }
 
     #[derive(Clone, PartialEq, prost::Message)]

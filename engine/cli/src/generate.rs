@@ -127,6 +127,7 @@ pub(crate) fn generate(args: &GenerateArgs) -> ExitCode {
             temperature: args.temperature,
             top_p: args.top_p,
             top_k: args.top_k,
+            ..SamplingRequest::default()
         },
     };
     let sampling = match params.validate(Limits::of(model.as_ref())) {
@@ -152,6 +153,7 @@ pub(crate) fn generate(args: &GenerateArgs) -> ExitCode {
         stop,
         choices: tl_engine_core::engine::Choices::ONE,
         scope: 0,
+        earlier_output: 0,
     };
     match engine.generate(req) {
         Ok(tokens) => {

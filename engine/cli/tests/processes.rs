@@ -146,6 +146,7 @@ async fn registry_and_engines_as_processes() {
                 top_k: 0,
                 seed: Some(99),
                 max_tokens: 12,
+                ..SamplingParams::default()
             }),
             decode_target: dec.kv_address.clone(),
             rng_draws_offset: 0,
@@ -166,6 +167,7 @@ async fn registry_and_engines_as_processes() {
             temperature: 0.7,
             top_p: 0.95,
             top_k: 0,
+            ..SamplingRequest::default()
         },
         cfg.model.vocab,
     )
@@ -181,6 +183,7 @@ async fn registry_and_engines_as_processes() {
             draws_offset: 0,
             stop: tl_engine_core::stop::Stop::default(),
             choices: tl_engine_core::engine::Choices::ONE,
+            earlier_output: 0,
         })
         .unwrap();
     assert_eq!(got, want);
@@ -454,6 +457,7 @@ async fn disaggregated_equals_colocated_on_the_real_model_across_processes() {
                         top_k: 0,
                         seed: Some(seed),
                         max_tokens: 16,
+                        ..SamplingParams::default()
                     }),
                     decode_target: d.addr("kv"),
                     decode_lookup: String::new(),

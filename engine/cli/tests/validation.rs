@@ -171,6 +171,7 @@ async fn one_validation_for_every_door() {
                     top_k: c.top_k,
                     seed: Some(1),
                     max_tokens: c.max_tokens,
+                    ..SamplingParams::default()
                 }),
                 decode_target: d.addresses().kv,
                 rng_draws_offset: 0,

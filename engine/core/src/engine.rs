@@ -24,7 +24,7 @@ use crate::model::{Model, ModelError};
 use crate::pool::{BlockId, BlockKey, Blocks, KvPool, PoolError, SharedKv};
 use crate::request::{Limits, RequestError, validate_prompt};
 use crate::rng::{Pcg32, resume_rng};
-use crate::sampler::Sampling;
+use crate::sampler::{History, Sampling};
 use crate::scheduler::Scheduler;
 use crate::stop::Stop;
 
@@ -111,6 +111,8 @@ pub struct Resume {
     pub draws: u64,
     /// Validated sampling.
     pub sampling: Sampling,
+    /// How many of the prompt's last tokens are earlier output (see [`Request`]).
+    pub earlier_output: u32,
     /// The seed.
     pub seed: u64,
     /// Completion length, first token included.
@@ -151,6 +153,10 @@ pub struct Request {
     /// request continued on another engine after a failover; 0 normally). The first token
     /// samples from `resume_rng(seed, draws_offset)`.
     pub draws_offset: u64,
+    /// How many of the prompt's last tokens are this request's own earlier output (a request
+    /// continued on another engine after a failover; 0 normally): the penalties count them as
+    /// output, as the engine before did.
+    pub earlier_output: u32,
     /// When to end before `max_tokens`.
     pub stop: Stop,
     /// Completions and log-probabilities (one choice only for [`Mode::PrefillOnly`]).
@@ -265,6 +271,9 @@ struct Seq {
     /// Positions whose KV is in the pool.
     n_cached: usize,
     sampling: Sampling,
+    /// Where its output starts in `tokens` (before `prompt_len` when the prompt ends with
+    /// earlier output): the penalties read the tokens on either side.
+    output_from: usize,
     rng: Pcg32,
     draws: u64,
     seed: u64,
@@ -279,9 +288,28 @@ struct Seq {
     recompute: bool,
 }
 
+/// Earlier output is part of the prompt: at most all of it.
+fn check_earlier_output(earlier: u32, prompt: usize) -> Result<(), RequestError> {
+    if earlier as usize > prompt {
+        return Err(RequestError::EarlierOutput {
+            earlier,
+            len: prompt,
+        });
+    }
+    Ok(())
+}
+
+/// A sequence's `tokens` as the penalties read them: its output starts at `output_from`.
+fn history(tokens: &[u32], output_from: usize) -> History<'_> {
+    let (prompt, output) = tokens.split_at(output_from.min(tokens.len()));
+    History { prompt, output }
+}
+
 /// What every sequence of a request shares, and where its generator stands.
 struct SeqRules {
     sampling: Sampling,
+    /// Of the prompt's tokens, how many at its end are earlier output.
+    earlier_output: usize,
     seed: u64,
     /// Draws of `seed`'s stream already consumed.
     draws: u64,
@@ -309,6 +337,7 @@ impl Seq {
             hashes: Vec::new(),
             n_cached: 0,
             sampling: r.sampling,
+            output_from: prompt_len - r.earlier_output.min(prompt_len),
             rng: resume_rng(r.seed, r.draws),
             draws: r.draws,
             seed: r.seed,
@@ -501,6 +530,7 @@ impl Engine {
         if req.max_tokens == 0 {
             return Err(RequestError::ZeroMaxTokens);
         }
+        check_earlier_output(req.earlier_output, req.prompt.len())?;
         req.choices.check()?;
         if req.mode == Mode::PrefillOnly && req.choices != Choices::ONE {
             return Err(RequestError::PrefillChoices);
@@ -509,6 +539,7 @@ impl Engine {
         let prompt_len = req.prompt.len();
         let rules = SeqRules {
             sampling: req.sampling,
+            earlier_output: req.earlier_output as usize,
             seed: req.seed,
             draws: req.draws_offset,
             max_tokens: req.max_tokens,
@@ -540,6 +571,7 @@ impl Engine {
             first_token,
             draws,
             sampling,
+            earlier_output,
             seed,
             max_tokens,
             stop,
@@ -550,6 +582,7 @@ impl Engine {
         if max_tokens == 0 {
             return Err(RequestError::ZeroMaxTokens);
         }
+        check_earlier_output(earlier_output, prompt.len())?;
         choices.check()?;
         if first_token >= self.model.vocab() {
             return Err(RequestError::BadToken {
@@ -575,6 +608,7 @@ impl Engine {
         let draws_base = draws.saturating_sub(u64::from(sampling.draws_per_token()));
         let rules = SeqRules {
             sampling,
+            earlier_output: earlier_output as usize,
             seed,
             draws,
             max_tokens,
@@ -972,11 +1006,16 @@ impl Engine {
         }
         let seed = parent.seed.wrapping_add(u64::from(choice));
         let mut rng = resume_rng(seed, parent.draws_base);
-        let (token, draws) = parent.sampling.sample(logits, &mut rng);
+        let (token, draws) = parent.sampling.sample(
+            logits,
+            history(&parent.tokens[..parent.prompt_len], parent.output_from),
+            &mut rng,
+        );
         let mut tokens = parent.tokens[..parent.prompt_len].to_vec();
         tokens.push(token);
         let rules = SeqRules {
-            sampling: parent.sampling,
+            sampling: parent.sampling.clone(),
+            earlier_output: parent.prompt_len - parent.output_from,
             seed,
             draws: parent.draws_base + u64::from(draws),
             max_tokens: parent.max_tokens,
@@ -1088,7 +1127,9 @@ impl Engine {
         seq.blocks = blocks;
         seq.hashes = hashes;
         seq.n_cached = seq.prompt_len;
-        let (token, draws) = seq.sampling.sample(&logits, &mut seq.rng);
+        let (token, draws) =
+            seq.sampling
+                .sample(&logits, history(&seq.tokens, seq.output_from), &mut seq.rng);
         seq.draws += u64::from(draws);
         seq.tokens.push(token);
         if seq.mode == Mode::PrefillOnly {
@@ -1265,7 +1306,9 @@ impl Engine {
             self.pool.lock().register(seq.blocks.ids()[i], key);
             seq.hashes.push(h);
         }
-        let (token, draws) = seq.sampling.sample(logits, &mut seq.rng);
+        let (token, draws) =
+            seq.sampling
+                .sample(logits, history(&seq.tokens, seq.output_from), &mut seq.rng);
         seq.draws += u64::from(draws);
         seq.tokens.push(token);
         let logprobs = seq

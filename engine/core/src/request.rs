@@ -60,6 +60,14 @@ pub enum RequestError {
     /// makes the others).
     #[error("a prefill-only request has one choice and no log-probabilities")]
     PrefillChoices,
+    /// More earlier output than the prompt holds.
+    #[error("earlier_output {earlier} is more than the prompt's {len} tokens")]
+    EarlierOutput {
+        /// Tokens said to be earlier output.
+        earlier: u32,
+        /// Prompt length.
+        len: usize,
+    },
     /// Resumed blocks do not cover the prompt.
     #[error("{blocks} blocks cannot hold a prompt of {len} tokens at {block_tokens} per block")]
     BlocksDoNotFit {
@@ -94,7 +102,7 @@ impl Limits {
 }
 
 /// A generation request as a door received it, before validation.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Params<'a> {
     /// Prompt token ids.
     pub prompt: &'a [u32],
@@ -114,7 +122,7 @@ impl Params<'_> {
         if self.max_tokens == 0 {
             return Err(RequestError::ZeroMaxTokens);
         }
-        Ok(Sampling::new(self.sampling, limits.vocab)?)
+        Ok(Sampling::new(self.sampling.clone(), limits.vocab)?)
     }
 }
 
@@ -158,6 +166,7 @@ mod tests {
                 temperature,
                 top_p,
                 top_k: 0,
+                ..SamplingRequest::default()
             },
         }
     }

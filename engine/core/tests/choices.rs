@@ -40,6 +40,7 @@ fn req(prompt: &[u32], s: Sampling, seed: u64, max_tokens: u32, choices: Choices
         draws_offset: 0,
         stop: Stop::default(),
         choices,
+        earlier_output: 0,
     }
 }
 
@@ -132,10 +133,10 @@ fn n_choices_fork_from_one_prefill() {
     // A partial tail block (copied per choice), and a prompt of whole blocks (nothing copied).
     for len in [3 * b + 2, 3 * b] {
         let prompt: Vec<u32> = (0..len as u32).map(|i| 60 + i * 3).collect();
-        for (s, seed) in [(seeded(0.9), 21u64), (Sampling::GREEDY, 5)] {
+        for (s, seed) in [(seeded(0.9), 21u64), (Sampling::greedy(), 5)] {
             let mut e = engine(64);
             let id = e
-                .submit(req(&prompt, s, seed, 9, choices(4, None)))
+                .submit(req(&prompt, s.clone(), seed, 9, choices(4, None)))
                 .unwrap();
             let (events, stats) = e.step();
             assert_eq!(stats.prefilled_tokens, len, "one prefill serves 4 choices");
@@ -164,7 +165,7 @@ fn n_choices_fork_from_one_prefill() {
             e.pool().lock().check().unwrap();
             for (i, g) in got.iter().enumerate() {
                 let alone = engine(64)
-                    .generate(req(&prompt, s, seed + i as u64, 9, Choices::ONE))
+                    .generate(req(&prompt, s.clone(), seed + i as u64, 9, Choices::ONE))
                     .unwrap();
                 assert_eq!(g.tokens, alone, "choice {i} of len {len}, {s:?}");
             }
@@ -182,9 +183,9 @@ fn choices_and_logprobs_are_refused_out_of_bounds() {
     let mut e = engine(8);
     let prompt = [1, 2, 3];
     for c in [choices(0, None), choices(9, None), choices(1, Some(21))] {
-        assert!(e.submit(req(&prompt, Sampling::GREEDY, 0, 4, c)).is_err());
+        assert!(e.submit(req(&prompt, Sampling::greedy(), 0, 4, c)).is_err());
     }
-    let mut r = req(&prompt, Sampling::GREEDY, 0, 4, choices(2, None));
+    let mut r = req(&prompt, Sampling::greedy(), 0, 4, choices(2, None));
     r.mode = Mode::PrefillOnly;
     assert!(e.submit(r).is_err());
     assert!(e.is_idle());
@@ -199,18 +200,18 @@ fn choices_and_logprobs_are_refused_out_of_bounds() {
 fn resumed_choices_and_logprobs_equal_the_colocated_run() {
     let b = TEST.block_tokens() as usize;
     let prompt: Vec<u32> = (0..(2 * b + 3) as u32).map(|i| 100 + i).collect();
-    for (s, seed) in [(seeded(0.8), 77u64), (Sampling::GREEDY, 3)] {
+    for (s, seed) in [(seeded(0.8), 77u64), (Sampling::greedy(), 3)] {
         let want = engine(64)
-            .generate_choices(req(&prompt, s, seed, 7, choices(3, Some(5))))
+            .generate_choices(req(&prompt, s.clone(), seed, 7, choices(3, Some(5))))
             .unwrap();
         let mut p = engine(64);
         let mut d = engine(64);
-        let out = prefill(&mut p, &prompt, s, seed);
+        let out = prefill(&mut p, &prompt, s.clone(), seed);
         let id = resume_on(
             &mut d,
             &p,
             &out,
-            &req(&prompt, s, seed, 7, choices(3, Some(5))),
+            &req(&prompt, s.clone(), seed, 7, choices(3, Some(5))),
         );
         let got = drive(&mut d, id, 3);
         assert_eq!(got, want, "{s:?}");
@@ -242,7 +243,7 @@ fn logprobs_do_not_depend_on_temperature() {
     let prompt: Vec<u32> = (0..9).map(|i| 33 + 5 * i).collect();
     let first = |t: f32| {
         let s = if t == 0.0 {
-            Sampling::GREEDY
+            Sampling::greedy()
         } else {
             seeded(t)
         };
@@ -266,11 +267,12 @@ fn resume_on(d: &mut Engine, p: &Engine, out: &PrefillOutput, r: &Request) -> Se
         blocks,
         first_token: out.first_token,
         draws: u64::from(out.draws),
-        sampling: r.sampling,
+        sampling: r.sampling.clone(),
         seed: r.seed,
         max_tokens: r.max_tokens,
         stop: r.stop.clone(),
         choices: r.choices,
+        earlier_output: 0,
     })
     .unwrap()
 }

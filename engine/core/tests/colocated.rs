@@ -22,6 +22,7 @@ fn sampling(t: f32, p: f32, k: u32) -> Sampling {
             temperature: t,
             top_p: p,
             top_k: k,
+            ..SamplingRequest::default()
         },
         BYTE_VOCAB,
     )
@@ -39,6 +40,7 @@ fn req(prompt: &[u32], sampling: Sampling, seed: u64, max_tokens: u32, mode: Mod
         draws_offset: 0,
         stop: tl_engine_core::stop::Stop::default(),
         choices: tl_engine_core::engine::Choices::ONE,
+        earlier_output: 0,
     }
 }
 
@@ -58,7 +60,7 @@ fn prefill(e: &mut Engine, prompt: &[u32], s: Sampling, seed: u64) -> PrefillOut
 fn fake_model_is_sensitive_to_every_cached_kv_byte() {
     let mut e = engine(16);
     let prompt: Vec<u32> = (0..10).map(|i| 40 + i).collect();
-    let out = prefill(&mut e, &prompt, Sampling::GREEDY, 0);
+    let out = prefill(&mut e, &prompt, Sampling::greedy(), 0);
     let ids = out.blocks.ids().to_vec();
     assert_eq!(ids.len(), 3);
     let model = e.model().clone();
@@ -100,8 +102,8 @@ fn prompts_sharing_a_prefix_share_its_blocks() {
     let mut e = engine(32);
     let a: Vec<u32> = [1, 2, 3, 4, 5, 6, 7, 8, 9, 9].to_vec();
     let b: Vec<u32> = [1, 2, 3, 4, 5, 6, 7, 8, 100, 101, 102].to_vec();
-    let oa = prefill(&mut e, &a, Sampling::GREEDY, 1);
-    let ob = prefill(&mut e, &b, Sampling::GREEDY, 1);
+    let oa = prefill(&mut e, &a, Sampling::greedy(), 1);
+    let ob = prefill(&mut e, &b, Sampling::greedy(), 1);
     assert_eq!(oa.cached_blocks, 0);
     assert_eq!(ob.cached_blocks, 2);
     assert_eq!(oa.blocks.ids()[..2], ob.blocks.ids()[..2]);
@@ -133,7 +135,7 @@ fn same_seed_same_tokens() {
     let s = sampling(0.9, 0.95, 50);
     let run = |seed| {
         engine(64)
-            .generate(req(&prompt, s, seed, 12, Mode::Generate))
+            .generate(req(&prompt, s.clone(), seed, 12, Mode::Generate))
             .unwrap()
     };
     let a = run(7);
@@ -143,7 +145,7 @@ fn same_seed_same_tokens() {
     // Greedy does not depend on the seed.
     let g = |seed| {
         engine(64)
-            .generate(req(&prompt, Sampling::GREEDY, seed, 12, Mode::Generate))
+            .generate(req(&prompt, Sampling::greedy(), seed, 12, Mode::Generate))
             .unwrap()
     };
     assert_eq!(g(1), g(2));
@@ -153,12 +155,12 @@ fn same_seed_same_tokens() {
 /// blocks exported into another engine's pool, and compares.
 fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
     let full = engine(64)
-        .generate(req(prompt, s, seed, 12, Mode::Generate))
+        .generate(req(prompt, s.clone(), seed, 12, Mode::Generate))
         .unwrap();
 
     // (a) same pool.
     let mut e = engine(64);
-    let out = prefill(&mut e, prompt, s, seed);
+    let out = prefill(&mut e, prompt, s.clone(), seed);
     assert_eq!(out.first_token, full[0]);
     assert_eq!(out.draws, u32::from(!s.is_greedy()));
     let id = e
@@ -168,11 +170,12 @@ fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
             blocks: out.blocks,
             first_token: out.first_token,
             draws: u64::from(out.draws),
-            sampling: s,
+            sampling: s.clone(),
             seed,
             max_tokens: 12,
             stop: tl_engine_core::stop::Stop::default(),
             choices: tl_engine_core::engine::Choices::ONE,
+            earlier_output: 0,
         })
         .unwrap();
     let rest = e.run_to_end(id).unwrap();
@@ -181,7 +184,7 @@ fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
     // (b) another pool: export every block, import it on the other side, resume there.
     let mut p = engine(64);
     let mut d = engine(64);
-    let out = prefill(&mut p, prompt, s, seed);
+    let out = prefill(&mut p, prompt, s.clone(), seed);
     let mut imported = Vec::new();
     {
         let src = p.pool().lock();
@@ -211,6 +214,7 @@ fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
             max_tokens: 12,
             stop: tl_engine_core::stop::Stop::default(),
             choices: tl_engine_core::engine::Choices::ONE,
+            earlier_output: 0,
         })
         .unwrap();
     let rest = d.run_to_end(id).unwrap();
@@ -231,7 +235,7 @@ fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
 fn resumed_prefill_equals_uninterrupted_run() {
     let prompts: [Vec<u32>; 3] = [vec![5, 6, 7], (0..8).collect(), (10..21).collect()];
     for prompt in &prompts {
-        resume_matches(prompt, Sampling::GREEDY, 0);
+        resume_matches(prompt, Sampling::greedy(), 0);
         resume_matches(prompt, sampling(0.8, 0.9, 0), 42);
         resume_matches(prompt, sampling(1.3, 1.0, 20), 0xdead_beef);
     }
@@ -242,11 +246,13 @@ fn continuous_batching_interleaves_and_frees() {
     let mut e = engine(64);
     let s = sampling(0.7, 1.0, 0);
     let a = e
-        .submit(req(&[1, 2, 3, 4, 5], s, 1, 6, Mode::Generate))
+        .submit(req(&[1, 2, 3, 4, 5], s.clone(), 1, 6, Mode::Generate))
         .unwrap();
     e.step();
     // b joins while a is decoding; both progress in the same steps.
-    let b = e.submit(req(&[9, 9, 9], s, 2, 4, Mode::Generate)).unwrap();
+    let b = e
+        .submit(req(&[9, 9, 9], s.clone(), 2, 4, Mode::Generate))
+        .unwrap();
     let (events, stats) = e.step();
     assert_eq!(stats.decoded, 1);
     assert!(
@@ -272,10 +278,10 @@ fn continuous_batching_interleaves_and_frees() {
     assert_eq!(c.used, 0);
     // Each solo run gives the same tokens as the batched one (sequences do not disturb each other).
     let solo = engine(64)
-        .generate(req(&[9, 9, 9], s, 2, 4, Mode::Generate))
+        .generate(req(&[9, 9, 9], s.clone(), 2, 4, Mode::Generate))
         .unwrap();
     let mut e2 = engine(64);
-    e2.submit(req(&[1, 2, 3, 4, 5], s, 1, 6, Mode::Generate))
+    e2.submit(req(&[1, 2, 3, 4, 5], s.clone(), 1, 6, Mode::Generate))
         .unwrap();
     let bid = e2.submit(req(&[9, 9, 9], s, 2, 4, Mode::Generate)).unwrap();
     let mut got = Vec::new();
@@ -297,7 +303,7 @@ fn exhausted_pool_fails_the_request_and_frees() {
     let before = e.pool().lock().counts();
     let r = e.generate(req(
         &(0..12).collect::<Vec<_>>(),
-        Sampling::GREEDY,
+        Sampling::greedy(),
         0,
         2,
         Mode::Generate,
@@ -307,7 +313,7 @@ fn exhausted_pool_fails_the_request_and_frees() {
     // A request that fits, but whose decode needs one block too many, fails mid-way and frees.
     let r = e.generate(req(
         &(0..8).collect::<Vec<_>>(),
-        Sampling::GREEDY,
+        Sampling::greedy(),
         0,
         3,
         Mode::Generate,
@@ -367,7 +373,9 @@ fn prefill_writes_block_by_block_and_still_matches() {
     let mut e = Engine::new(rec.clone(), SharedKv::new(KvPool::new(TEST, 64)));
     let prompt: Vec<u32> = (0..10).collect();
     let s = sampling(0.9, 1.0, 0);
-    let got = e.generate(req(&prompt, s, 3, 6, Mode::Generate)).unwrap();
+    let got = e
+        .generate(req(&prompt, s.clone(), 3, 6, Mode::Generate))
+        .unwrap();
     // Prefill: one write per block (4, 4, 2), then one per decode step.
     let writes = rec.writes.lock().unwrap().clone();
     assert_eq!(writes[..3], [4, 4, 2]);
@@ -386,7 +394,7 @@ fn prefill_writes_block_by_block_and_still_matches() {
 fn logits_take_no_pool_lock() {
     let mut e = engine(32);
     let prompt: Vec<u32> = (0..23).map(|i| (i * 11 % 256) as u32).collect();
-    let out = prefill(&mut e, &prompt, Sampling::GREEDY, 1);
+    let out = prefill(&mut e, &prompt, Sampling::greedy(), 1);
     let model = Arc::clone(e.model());
     let quiet: Vec<Vec<f32>> = [1, 4, 5, 22, 23]
         .iter()
@@ -428,12 +436,12 @@ fn continuing_after_k_tokens_with_their_draws_equals_the_whole_run() {
     let prompt: Vec<u32> = (10..33).collect();
     for (s, per_token) in [(sampling(0.0, 1.0, 0), 0), (sampling(0.9, 0.95, 40), 1)] {
         let whole = engine(64)
-            .generate(req(&prompt, s, 77, 12, Mode::Generate))
+            .generate(req(&prompt, s.clone(), 77, 12, Mode::Generate))
             .unwrap();
         for k in 1..12 {
             let mut p = prompt.clone();
             p.extend_from_slice(&whole[..k]);
-            let mut r = req(&p, s, 77, 12 - k as u32, Mode::Generate);
+            let mut r = req(&p, s.clone(), 77, 12 - k as u32, Mode::Generate);
             r.draws_offset = per_token * k as u64;
             let rest = engine(64).generate(r).unwrap();
             assert_eq!(rest, whole[k..], "k = {k}, per_token = {per_token}");
@@ -524,7 +532,7 @@ fn interleaved(
     for step in 0..10_000 {
         for (i, (prompt, s, seed, at, n)) in requests.iter().enumerate() {
             if *at == step {
-                let mut r = req(prompt, *s, *seed, 12, Mode::Generate);
+                let mut r = req(prompt, s.clone(), *seed, 12, Mode::Generate);
                 r.choices = tl_engine_core::engine::Choices { n: *n, ..r.choices };
                 ids[i] = Some(e.submit(r).unwrap());
             }
@@ -564,8 +572,8 @@ fn chunked_prefill_equals_whole_prefill() {
     for (t, seed) in [(0.0, 0), (0.9, 42)] {
         let s = sampling(t, 1.0, 0);
         let reqs = [
-            (short.clone(), s, seed, 0, 1),
-            (other.clone(), s, seed + 1, 0, 2),
+            (short.clone(), s.clone(), seed, 0, 1),
+            (other.clone(), s.clone(), seed + 1, 0, 2),
             (long.clone(), s, seed + 2, 2, 1),
         ];
         let mut whole = engine(128);
@@ -647,7 +655,7 @@ fn cancelling_a_half_prefilled_prompt_gives_its_blocks_back() {
     });
     let long: Vec<u32> = (0..61).map(|i| (i * 5 + 1) % 250).collect();
     let id = e
-        .submit(req(&long, Sampling::GREEDY, 0, 4, Mode::Generate))
+        .submit(req(&long, Sampling::greedy(), 0, 4, Mode::Generate))
         .unwrap();
     e.step();
     e.step();

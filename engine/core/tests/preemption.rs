@@ -26,6 +26,7 @@ fn request(prompt: &[u32], seeded: bool, seed: u64, max_tokens: u32, n: u32) -> 
             temperature: 0.9,
             top_p: 0.95,
             top_k: 0,
+            ..SamplingRequest::default()
         }
     } else {
         SamplingRequest::default()
@@ -37,6 +38,7 @@ fn request(prompt: &[u32], seeded: bool, seed: u64, max_tokens: u32, n: u32) -> 
         max_tokens,
         mode: Mode::Generate,
         draws_offset: 0,
+        earlier_output: 0,
         stop: Default::default(),
         choices: Choices {
             n,

@@ -103,6 +103,7 @@ fn request(prompt: &[u32], sampling: Sampling, seed: u64, max_tokens: u32, mode:
             logprobs: Some(3),
         },
         scope: 0,
+        earlier_output: 0,
     }
 }
 
@@ -112,6 +113,7 @@ fn seeded() -> Sampling {
             temperature: 0.9,
             top_p: 0.95,
             top_k: 0,
+            ..SamplingRequest::default()
         },
         VOCAB as u32,
     )
@@ -185,7 +187,7 @@ fn llama_logits_match_the_reference() {
             // Greedy, 32 steps, through the engine.
             let mut e = Engine::new(m.clone(), pool_for(&m, 64));
             let tokens = e
-                .generate(request(p, Sampling::GREEDY, 0, 32, Mode::Generate))
+                .generate(request(p, Sampling::greedy(), 0, 32, Mode::Generate))
                 .unwrap();
             let greedy: Vec<u32> = want[i]["greedy"]
                 .as_array()
@@ -282,7 +284,7 @@ fn real_model_is_batch_invariant() {
     let mut e = Engine::new(m.clone(), pool_for(&m, 256));
     e.generate(request(
         &prompt[..16],
-        Sampling::GREEDY,
+        Sampling::greedy(),
         0,
         2,
         Mode::Generate,
@@ -334,7 +336,7 @@ fn disaggregated(
     let sid = p
         .submit(Request {
             choices: Choices::ONE,
-            ..request(prompt, s, seed, 1, Mode::PrefillOnly)
+            ..request(prompt, s.clone(), seed, 1, Mode::PrefillOnly)
         })
         .unwrap();
     let mut out: Option<PrefillOutput> = None;
@@ -375,6 +377,7 @@ fn disaggregated(
             max_tokens,
             stop: Default::default(),
             choices: Choices::ONE,
+            earlier_output: 0,
         })
         .unwrap();
     let rest = d.run_to_end(id).unwrap();

@@ -251,7 +251,11 @@ impl ApiError {
 /// The one mapping of a refused request to HTTP: 400 with the core's message.
 impl From<RequestError> for ApiError {
     fn from(e: RequestError) -> Self {
-        Self::bad_request(e.to_string())
+        let refused = Self::bad_request(e.to_string());
+        match e {
+            RequestError::Sampling(s) => refused.at(s.field()),
+            _ => refused,
+        }
     }
 }
 

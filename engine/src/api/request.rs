@@ -195,6 +195,22 @@ pub struct GenerationParams {
     /// Top-k (default 0, off).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_k: Option<u32>,
+    /// vLLM's `min_p` (default 0, off): keep the tokens at least this fraction as likely as the
+    /// most likely one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_p: Option<f32>,
+    /// OpenAI's `presence_penalty`, in [-2, 2] (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub presence_penalty: Option<f32>,
+    /// OpenAI's `frequency_penalty`, in [-2, 2] (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frequency_penalty: Option<f32>,
+    /// vLLM's `repetition_penalty`, > 0 (default 1, off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repetition_penalty: Option<f32>,
+    /// OpenAI's `logit_bias`: token id (as a string) -> bias in [-100, 100].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
     /// Seed; the engine picks one when omitted (required to resume).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
@@ -332,6 +348,23 @@ impl GenerationParams {
                 format!("is longer than {MAX_USER_BYTES} bytes"),
             ));
         }
+        // 0 is the wire's "unset"; a request that states it asks for nothing vLLM accepts.
+        if let Some(r) = self.repetition_penalty
+            && (r.is_nan() || r <= 0.0)
+        {
+            return Err(ApiError::bad_field(
+                "repetition_penalty",
+                format!("must be > 0; got {r}"),
+            ));
+        }
+        if let Some(bias) = &self.logit_bias
+            && let Some(k) = bias.keys().find(|k| k.parse::<u32>().is_err())
+        {
+            return Err(ApiError::bad_field(
+                format!("logit_bias.{k}"),
+                "keys are token ids (\"0\" to \"4294967295\")",
+            ));
+        }
         let (pairs, key, value) = MAX_METADATA;
         if let Some(m) = &self.metadata {
             if m.len() > pairs {
@@ -363,13 +396,25 @@ impl GenerationParams {
         }
     }
 
-    /// Sampling as stated, defaulted.
+    /// Sampling as stated, defaulted. `logit_bias`'s keys were checked to be token ids by
+    /// [`normalize`](Self::normalize).
     #[must_use]
     pub fn sampling(&self) -> SamplingRequest {
+        let off = SamplingRequest::default();
         SamplingRequest {
-            temperature: self.temperature.unwrap_or(0.0),
-            top_p: self.top_p.unwrap_or(1.0),
-            top_k: self.top_k.unwrap_or(0),
+            temperature: self.temperature.unwrap_or(off.temperature),
+            top_p: self.top_p.unwrap_or(off.top_p),
+            top_k: self.top_k.unwrap_or(off.top_k),
+            min_p: self.min_p.unwrap_or(off.min_p),
+            presence_penalty: self.presence_penalty.unwrap_or(off.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(off.frequency_penalty),
+            repetition_penalty: self.repetition_penalty.unwrap_or(off.repetition_penalty),
+            logit_bias: self
+                .logit_bias
+                .iter()
+                .flatten()
+                .filter_map(|(k, &b)| Some((k.parse().ok()?, b)))
+                .collect(),
         }
     }
 
@@ -534,6 +579,11 @@ const SHARED_FIELDS: &[&str] = &[
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
     "seed",
     "stream",
     "stream_options",
@@ -582,9 +632,6 @@ const UNSUPPORTED_FIELDS: &[(&str, Off)] = &[
     ("echo", Off::FalseOrZero),
     ("best_of", Off::One),
     ("suffix", Off::Never),
-    ("logit_bias", Off::Never),
-    ("frequency_penalty", Off::FalseOrZero),
-    ("presence_penalty", Off::FalseOrZero),
     ("response_format", Off::Never),
     ("tools", Off::Never),
     ("tool_choice", Off::Never),

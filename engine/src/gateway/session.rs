@@ -818,17 +818,16 @@ impl Session {
         }
     }
 
-    /// The request's sampling with `seed`, for an engine that continues after `held` tokens.
+    /// The request's sampling with `seed`, for an engine that continues after `held` tokens
+    /// (the prompt's last `held` tokens, which the penalties count as output).
     fn sampling_params(&self, seed: Option<u64>, held: u32) -> SamplingParams {
         let p = &self.job.params;
-        let s = p.sampling();
-        SamplingParams {
-            temperature: s.temperature,
-            top_p: s.top_p,
-            top_k: s.top_k,
+        crate::node::front::sampling_params(
+            &p.sampling(),
             seed,
-            max_tokens: p.max_tokens().saturating_sub(held),
-        }
+            p.max_tokens().saturating_sub(held),
+            held,
+        )
     }
 
     /// The typed request a decode engine runs: `prompt` (the request's, with the `held` tokens
@@ -1527,7 +1526,7 @@ mod tests {
                 decode,
                 request,
             } => {
-                let s = request.sampling.unwrap_or_default();
+                let s = request.sampling.clone().unwrap_or_default();
                 format!(
                     "prefill {lane} {} to {} len={} seed={:?} max={} offset={}{}",
                     request.request_id,
@@ -1549,7 +1548,7 @@ mod tests {
                 request,
                 ..
             } => {
-                let s = request.sampling.unwrap_or_default();
+                let s = request.sampling.clone().unwrap_or_default();
                 format!(
                     "resume {lane} {} on {} len={} n={} max={} seed={:?}",
                     request.resume.as_ref().map_or("", |r| r.handle_id.as_str()),

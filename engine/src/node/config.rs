@@ -646,6 +646,7 @@ impl Config {
                     stop: tl_engine_core::stop::Stop::default(),
                     choices,
                     scope: 0,
+                    earlier_output: 0,
                 },
             )?,
         )

@@ -12,6 +12,7 @@ use axum::routing::post;
 use kvwire_grpc::pb::engine::{GenerateEvents, GenerateRequest, SamplingParams, StopRules};
 use tl_engine_core::logprobs::MAX_TOP_LOGPROBS;
 use tl_engine_core::request::Limits;
+use tl_engine_core::sampler::SamplingRequest;
 use tl_engine_core::stop::Stop;
 use tracing::Instrument;
 
@@ -85,13 +86,7 @@ impl DecodeFront {
             .generator
             .start(GenerateRequest {
                 prompt_tokens: prompt.clone(),
-                sampling: Some(SamplingParams {
-                    temperature: s.temperature,
-                    top_p: s.top_p,
-                    top_k: s.top_k,
-                    seed: p.seed,
-                    max_tokens: p.max_tokens(),
-                }),
+                sampling: Some(sampling_params(&s, p.seed, p.max_tokens(), 0)),
                 stop: Some(stop_rules(&stop)),
                 n: choices.n,
                 logprobs: choices.logprobs,
@@ -123,6 +118,31 @@ impl DecodeFront {
             let mut src = src;
             render::whole(&meta, choices.n, &mut src).await
         }
+    }
+}
+
+/// A request's sampling as the wire carries it: with `seed`, `max_tokens` (this engine's), and
+/// `earlier_output` (the prompt's last tokens that are the request's own output, after a
+/// failover). [`super::generate::sampling_request`] reads it back.
+#[must_use]
+pub fn sampling_params(
+    s: &SamplingRequest,
+    seed: Option<u64>,
+    max_tokens: u32,
+    earlier_output: u32,
+) -> SamplingParams {
+    SamplingParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k,
+        seed,
+        max_tokens,
+        min_p: s.min_p,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        repetition_penalty: s.repetition_penalty,
+        logit_bias: s.logit_bias.iter().copied().collect(),
+        earlier_output,
     }
 }
 

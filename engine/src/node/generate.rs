@@ -114,11 +114,7 @@ impl Generator {
         let sampling = Params {
             prompt: &req.prompt_tokens,
             max_tokens: sp.max_tokens,
-            sampling: SamplingRequest {
-                temperature: sp.temperature,
-                top_p: sp.top_p,
-                top_k: sp.top_k,
-            },
+            sampling: sampling_request(&sp),
         }
         .validate(Limits::of(model.as_ref()))
         .map_err(|e| request_status(&e))?;
@@ -140,6 +136,7 @@ impl Generator {
                     stop,
                     choices,
                     scope: req.cache_scope,
+                    earlier_output: sp.earlier_output,
                 });
                 (seed, events)
             }
@@ -161,6 +158,7 @@ impl Generator {
                     stop,
                     choices,
                     scope: blocks.0,
+                    earlier_output: sp.earlier_output,
                 });
                 (seed, events)
             }
@@ -203,6 +201,22 @@ impl Generator {
             )));
         };
         Ok((claimed.scope(), claimed.into_ids()))
+    }
+}
+
+/// The sampling a peer sent, as stated, for [`Params::validate`] (which bounds every field):
+/// the inverse of [`super::front::sampling_params`].
+pub(crate) fn sampling_request(sp: &kvwire_grpc::pb::engine::SamplingParams) -> SamplingRequest {
+    SamplingRequest {
+        temperature: sp.temperature,
+        top_p: sp.top_p,
+        top_k: sp.top_k,
+        min_p: sp.min_p,
+        presence_penalty: sp.presence_penalty,
+        frequency_penalty: sp.frequency_penalty,
+        repetition_penalty: sp.repetition_penalty,
+        // A map on the wire: at most one bias per token.
+        logit_bias: sp.logit_bias.iter().map(|(&t, &b)| (t, b)).collect(),
     }
 }
 

@@ -20,7 +20,7 @@ use tl_engine_core::engine::{Mode, PrefillOutput, PrefillProgress, Request, SeqE
 use tl_engine_core::pool::{Blocks, PoolError, SharedKv};
 use tl_engine_core::request::{Limits, Params, RequestError};
 use tl_engine_core::rng::entropy_seed;
-use tl_engine_core::sampler::{Sampling, SamplingRequest};
+use tl_engine_core::sampler::Sampling;
 use tokio::sync::{mpsc as tmpsc, oneshot, watch};
 use tonic::{Code, Status};
 use tracing::Instrument;
@@ -248,17 +248,13 @@ impl PrefillService {
         if req.decode_target.is_empty() {
             return Err(Status::invalid_argument("empty decode_target"));
         }
-        let sp = req.sampling.unwrap_or_default();
+        let sp = req.sampling.clone().unwrap_or_default();
         let params = Params {
             prompt: &req.prompt_tokens,
             // A prefill samples one token; max_tokens (0 on the wire: unset) is the decode
             // side's business.
             max_tokens: sp.max_tokens.max(1),
-            sampling: SamplingRequest {
-                temperature: sp.temperature,
-                top_p: sp.top_p,
-                top_k: sp.top_k,
-            },
+            sampling: super::generate::sampling_request(&sp),
         };
         let sampling = params
             .validate(Limits::of(self.state.runner().model().as_ref()))
@@ -302,8 +298,10 @@ impl PrefillService {
         self.state.serves_prefill()?;
         let seed = req
             .sampling
+            .as_ref()
             .and_then(|s| s.seed)
             .unwrap_or_else(entropy_seed);
+        let earlier_output = req.sampling.as_ref().map_or(0, |s| s.earlier_output);
         let runner = self.state.runner();
         let request = Request {
             prompt: req.prompt_tokens.clone(),
@@ -315,6 +313,7 @@ impl PrefillService {
             stop: tl_engine_core::stop::Stop::default(),
             choices: tl_engine_core::engine::Choices::ONE,
             scope: req.cache_scope,
+            earlier_output,
         };
         let handle_id = format!(
             "{}-{}-{:016x}",

@@ -28,13 +28,14 @@ pub fn prefill(e: &mut Engine, prompt: &[u32]) -> PrefillOutput {
     e.submit(Request {
         scope: Default::default(),
         prompt: prompt.to_vec(),
-        sampling: Sampling::GREEDY,
+        sampling: Sampling::greedy(),
         seed: 0,
         max_tokens: 1,
         mode: Mode::PrefillOnly,
         draws_offset: 0,
         stop: tl_engine_core::stop::Stop::default(),
         choices: tl_engine_core::engine::Choices::ONE,
+        earlier_output: 0,
     })
     .unwrap();
     for ev in e.step().0 {
@@ -281,6 +282,7 @@ pub async fn resume(
             top_k,
             seed: Some(h.seed),
             max_tokens,
+            ..SamplingParams::default()
         }),
         resume: Some(Resume {
             handle_id: h.handle_id.clone(),

@@ -210,7 +210,7 @@ fn weight_bytes(dir: &std::path::Path) -> u64 {
 fn request(prompt: Vec<u32>, max_tokens: u32) -> Request {
     Request {
         prompt,
-        sampling: Sampling::GREEDY,
+        sampling: Sampling::greedy(),
         seed: 0,
         max_tokens,
         mode: Mode::Generate,
@@ -218,6 +218,7 @@ fn request(prompt: Vec<u32>, max_tokens: u32) -> Request {
         stop: Default::default(),
         choices: Choices::ONE,
         scope: 0,
+        earlier_output: 0,
     }
 }
 

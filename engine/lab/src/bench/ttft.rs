@@ -73,7 +73,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
         let prompt: Vec<u32> = (0..n * 16).map(|i| (i * 7 % 251) as u32).collect();
         let req = |mode| Request {
             prompt: prompt.clone(),
-            sampling: Sampling::GREEDY,
+            sampling: Sampling::greedy(),
             seed: 1,
             max_tokens: 1,
             mode,
@@ -81,6 +81,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
             stop: tl_engine_core::stop::Stop::default(),
             choices: tl_engine_core::engine::Choices::ONE,
             scope: 0,
+            earlier_output: 0,
         };
 
         // Colocated: prefill and first token on one long-running engine, as the prefill engine
