@@ -213,6 +213,44 @@ async fn clients_send_what_they_send_and_get_what_they_expect() {
     assert!(replayed >= 18, "{replayed} requests replayed");
 }
 
+/// `vllm bench serve --backend openai` (completions): the request vLLM's benchmark builds
+/// (`async_request_openai_completions` in `vllm/benchmarks/lib/endpoint_request_func.py`: the
+/// model, a text prompt, `repetition_penalty: 1.0`, `max_tokens`, `logprobs: null`, a stream with
+/// `include_usage`, and `ignore_eos` as its `--ignore-eos` sets it), checked as vLLM reads it.
+/// Until the penalties were served this was a 400 naming `repetition_penalty`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_bench_serve_completions_request_is_served() {
+    let c = common::cluster(2).await;
+    let addr = c.gw.http_addr().to_string();
+    let http = HttpClient::default();
+    for ignore_eos in [false, true] {
+        let mut req = json!({
+            "model": "fake", "prompt": "the ranks of random words vLLM sends", "repetition_penalty": 1.0,
+            "max_tokens": 12, "logprobs": null, "stream": true,
+            "stream_options": { "include_usage": true },
+        });
+        if ignore_eos {
+            req["ignore_eos"] = json!(true);
+        }
+        let name = format!("vllm bench serve, ignore_eos {ignore_eos}");
+        let r = http
+            .post(&addr, "/v1/completions", &[], req.to_string())
+            .await
+            .unwrap();
+        check_response(&name, &req, r.status, &r.body);
+        // As vLLM counts: chunks with choices give the TTFT and the gaps; the usage chunk gives
+        // the output tokens.
+        let chunks = sse(&name, &r.body);
+        let with_choices = chunks
+            .iter()
+            .filter(|c| c["choices"].as_array().is_some_and(|a| !a.is_empty()))
+            .count();
+        assert!(with_choices >= 1, "{name}");
+        let usage = chunks.iter().rev().find_map(|c| c["usage"].as_object());
+        assert_eq!(usage.unwrap()["completion_tokens"], 12, "{name}");
+    }
+}
+
 /// Completions' four prompt shapes: a string list gives one completion per prompt, numbered
 /// as OpenAI numbers them (prompt i, choice c: index i * n + c), with usage summed over
 /// prompts; a token list is one prompt; a list of token lists is several. Each choice equals
