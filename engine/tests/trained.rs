@@ -64,12 +64,17 @@ fn chat_prompt(q: &str) -> Vec<u32> {
 
 /// What an engine of this configuration generates by itself.
 fn colocated(prompt: &[u32], temperature: f32, seed: u64, max: u32) -> Vec<u32> {
-    let mut cfg = Config::default();
-    engine_tweak(&gguf())(&mut cfg);
     let s = SamplingRequest {
         temperature,
         ..SamplingRequest::default()
     };
+    colocated_with(prompt, s, seed, max)
+}
+
+/// As [`colocated`], with any sampling.
+fn colocated_with(prompt: &[u32], s: SamplingRequest, seed: u64, max: u32) -> Vec<u32> {
+    let mut cfg = Config::default();
+    engine_tweak(&gguf())(&mut cfg);
     let mut tokens = cfg
         .colocated_choices(prompt, s, seed, max, Choices::ONE)
         .unwrap()
@@ -230,6 +235,53 @@ async fn disaggregated_equals_colocated_on_a_trained_model() {
             v["choices"][0]["text"].as_str().unwrap(),
             text().decode(&got),
             "t={temperature}"
+        );
+    }
+    // Penalties and biases: the prefill engine samples the first token under them and the
+    // decode engine goes on from the same tokens, as one engine would; each changes the text.
+    let cases = [
+        (
+            json!({"temperature": 0.0, "repetition_penalty": 1.5, "frequency_penalty": 0.5}),
+            SamplingRequest {
+                repetition_penalty: 1.5,
+                frequency_penalty: 0.5,
+                ..SamplingRequest::default()
+            },
+        ),
+        (
+            json!({"temperature": 0.8, "presence_penalty": 1.5, "min_p": 0.05}),
+            SamplingRequest {
+                temperature: 0.8,
+                presence_penalty: 1.5,
+                min_p: 0.05,
+                ..SamplingRequest::default()
+            },
+        ),
+        (
+            json!({"temperature": 0.0, "logit_bias": { colocated(&prompt, 0.0, 0, 1)[0].to_string(): -100 }}),
+            SamplingRequest {
+                logit_bias: vec![(colocated(&prompt, 0.0, 0, 1)[0], -100.0)],
+                ..SamplingRequest::default()
+            },
+        ),
+    ];
+    for (fields, s) in cases {
+        let mut body = json!({"prompt": prompt_text, "max_tokens": 16, "seed": 7});
+        for (k, v) in fields.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = http
+            .post(&addr, "/v1/completions", &[], body.to_string())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let got = ids(&r.json()["choices"][0]["tokens"]);
+        let t = s.temperature;
+        assert_eq!(got, colocated_with(&prompt, s, 7, 16), "{fields}");
+        assert_ne!(
+            got,
+            colocated(&prompt, t, 7, 16),
+            "{fields} changed nothing"
         );
     }
     // A decode engine's own front takes the same text prompt through the model's tokenizer,
