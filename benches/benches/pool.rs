@@ -137,6 +137,7 @@ fn decode_step(c: &mut Criterion) {
                         choices: tl_engine_core::engine::Choices::ONE,
                         scope: 0,
                         earlier_output: 0,
+                        constraint: None,
                     })
                     .expect("valid");
                 }

@@ -154,6 +154,7 @@ pub(crate) fn generate(args: &GenerateArgs) -> ExitCode {
         choices: tl_engine_core::engine::Choices::ONE,
         scope: 0,
         earlier_output: 0,
+        constraint: None,
     };
     match engine.generate(req) {
         Ok(tokens) => {

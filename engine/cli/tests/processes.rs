@@ -184,6 +184,7 @@ async fn registry_and_engines_as_processes() {
             stop: tl_engine_core::stop::Stop::default(),
             choices: tl_engine_core::engine::Choices::ONE,
             earlier_output: 0,
+            constraint: None,
         })
         .unwrap();
     assert_eq!(got, want);

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use kvwire::{block_hash, prompt_hashes};
 
+use crate::constraint::{Constraint, ConstraintError, Next, mask};
 use crate::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs, token_logprobs};
 use crate::model::{Model, ModelError};
 use crate::pool::{BlockId, BlockKey, Blocks, KvPool, PoolError, SharedKv};
@@ -95,6 +96,9 @@ pub enum SeqError {
     /// The model refused a step.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The output's constraint failed, or allows no token here.
+    #[error("structured output: {0}")]
+    Constraint(#[from] ConstraintError),
 }
 
 /// A sequence started from blocks that already hold its prompt's KV (the decode side of a
@@ -113,6 +117,9 @@ pub struct Resume {
     pub sampling: Sampling,
     /// How many of the prompt's last tokens are earlier output (see [`Request`]).
     pub earlier_output: u32,
+    /// What the output must match, fresh: the core feeds it the earlier output and the first
+    /// token (see [`Request`]).
+    pub constraint: Option<Box<dyn Constraint>>,
     /// The seed.
     pub seed: u64,
     /// Completion length, first token included.
@@ -155,8 +162,11 @@ pub struct Request {
     pub draws_offset: u64,
     /// How many of the prompt's last tokens are this request's own earlier output (a request
     /// continued on another engine after a failover; 0 normally): the penalties count them as
-    /// output, as the engine before did.
+    /// output, as the engine before did, and the constraint is fed them.
     pub earlier_output: u32,
+    /// What the output must match (structured outputs), fresh: the core feeds it the earlier
+    /// output. Every choice gets its own copy.
+    pub constraint: Option<Box<dyn Constraint>>,
     /// When to end before `max_tokens`.
     pub stop: Stop,
     /// Completions and log-probabilities (one choice only for [`Mode::PrefillOnly`]).
@@ -274,6 +284,10 @@ struct Seq {
     /// Where its output starts in `tokens` (before `prompt_len` when the prompt ends with
     /// earlier output): the penalties read the tokens on either side.
     output_from: usize,
+    /// What its output must match, fed every output token so far.
+    constraint: Option<Box<dyn Constraint>>,
+    /// The constraint as it stood before the first token, while other choices remain to fork.
+    constraint_at_prompt: Option<Box<dyn Constraint>>,
     rng: Pcg32,
     draws: u64,
     seed: u64,
@@ -286,6 +300,62 @@ struct Seq {
     /// first `n_cached` positions (cached full blocks reused) before decoding on from its own
     /// generator, exactly where it stopped.
     recompute: bool,
+}
+
+/// A sequence's next token from `logits`, and the draws it took: under its constraint's mask
+/// (the token then fed to it; a stop token, which ends the sequence, is not), with its sampling
+/// and generator. `None`: the constraint ended the output.
+fn pick(
+    constraint: Option<&mut Box<dyn Constraint>>,
+    sampling: &Sampling,
+    history: History<'_>,
+    stop_ids: &[u32],
+    logits: &[f32],
+    rng: &mut Pcg32,
+) -> Result<Option<(u32, u32)>, SeqError> {
+    let Some(c) = constraint else {
+        return Ok(Some(sampling.sample(logits, history, rng)));
+    };
+    let next = c.next()?;
+    let may_end = match &next {
+        Next::End => return Ok(None),
+        Next::Allowed { may_end, .. } => *may_end,
+    };
+    let masked = mask(logits, &next, stop_ids);
+    if masked.iter().all(|&l| l == f32::NEG_INFINITY) {
+        if may_end {
+            return Ok(None);
+        }
+        return Err(
+            ConstraintError("no token of the vocabulary continues the output".into()).into(),
+        );
+    }
+    let (token, draws) = sampling.sample(&masked, history, rng);
+    if !stop_ids.contains(&token) {
+        c.commit(token)?;
+    }
+    Ok(Some((token, draws)))
+}
+
+/// A constraint that ends the output before its first token.
+fn empty_output() -> SeqError {
+    ConstraintError("the constraint allows only an empty output".into()).into()
+}
+
+/// A fresh constraint fed `output` (a sequence's output so far, replayed on the engine that
+/// continues it).
+fn replay(
+    constraint: Option<Box<dyn Constraint>>,
+    output: &[u32],
+) -> Result<Option<Box<dyn Constraint>>, RequestError> {
+    let Some(mut c) = constraint else {
+        return Ok(None);
+    };
+    for &t in output {
+        c.commit(t)
+            .map_err(|e| RequestError::Constraint(e.to_string()))?;
+    }
+    Ok(Some(c))
 }
 
 /// Earlier output is part of the prompt: at most all of it.
@@ -338,6 +408,8 @@ impl Seq {
             n_cached: 0,
             sampling: r.sampling,
             output_from: prompt_len - r.earlier_output.min(prompt_len),
+            constraint: None,
+            constraint_at_prompt: None,
             rng: resume_rng(r.seed, r.draws),
             draws: r.draws,
             seed: r.seed,
@@ -535,8 +607,10 @@ impl Engine {
         if req.mode == Mode::PrefillOnly && req.choices != Choices::ONE {
             return Err(RequestError::PrefillChoices);
         }
-        let id = self.new_id();
         let prompt_len = req.prompt.len();
+        let earlier = &req.prompt[prompt_len - req.earlier_output as usize..];
+        let constraint = replay(req.constraint, earlier)?;
+        let id = self.new_id();
         let rules = SeqRules {
             sampling: req.sampling,
             earlier_output: req.earlier_output as usize,
@@ -552,6 +626,7 @@ impl Engine {
             fanout: req.choices.n - 1,
             mode: req.mode,
             progress,
+            constraint,
             ..Seq::new(id, req.prompt, prompt_len, blocks, rules)
         });
         Ok(id)
@@ -572,6 +647,7 @@ impl Engine {
             draws,
             sampling,
             earlier_output,
+            constraint,
             seed,
             max_tokens,
             stop,
@@ -599,6 +675,20 @@ impl Engine {
                 block_tokens: b,
             });
         }
+        // The constraint as the engine before left it: fed the earlier output (for the other
+        // choices, which fork from the prompt), then the first token.
+        let earlier = &prompt[prompt.len() - earlier_output as usize..];
+        let mut constraint = replay(constraint, earlier)?;
+        let constraint_at_prompt = constraint
+            .as_ref()
+            .filter(|_| choices.n > 1)
+            .map(|c| c.fork());
+        if let Some(c) = constraint.as_mut()
+            && !stop.token_ids.contains(&first_token)
+        {
+            c.commit(first_token)
+                .map_err(|e| RequestError::Constraint(e.to_string()))?;
+        }
         let id = self.new_id();
         let hashes = prompt_hashes(&prompt, b as usize);
         let prompt_len = prompt.len();
@@ -619,6 +709,8 @@ impl Engine {
         self.running.push(Seq {
             fanout: choices.n - 1,
             announce: true,
+            constraint,
+            constraint_at_prompt,
             draws_base,
             hashes,
             n_cached: prompt_len,
@@ -750,7 +842,22 @@ impl Engine {
                 drop(inputs);
                 for (mut seq, logits) in ready.into_iter().zip(all) {
                     stats.decoded += 1;
-                    let (token, logprobs) = self.finish_decode(&mut seq, &logits);
+                    let (token, logprobs) = match self.finish_decode(&mut seq, &logits) {
+                        Ok(Some(t)) => t,
+                        // The constraint ended the output: a stop, with no further token.
+                        Ok(None) => {
+                            events.push(finished(&seq, FinishReason::Stop));
+                            continue;
+                        }
+                        Err(error) => {
+                            failed.push(seq.group);
+                            events.push(StepEvent::Failed {
+                                seq: seq.group,
+                                error,
+                            });
+                            continue;
+                        }
+                    };
                     events.push(StepEvent::Token {
                         seq: seq.group,
                         choice: seq.choice,
@@ -971,6 +1078,7 @@ impl Engine {
                 choices.push(child);
             }
         }
+        choices[0].constraint_at_prompt = None;
         Ok(choices)
     }
 
@@ -1006,11 +1114,16 @@ impl Engine {
         }
         let seed = parent.seed.wrapping_add(u64::from(choice));
         let mut rng = resume_rng(seed, parent.draws_base);
-        let (token, draws) = parent.sampling.sample(
-            logits,
+        let mut constraint = parent.constraint_at_prompt.as_ref().map(|c| c.fork());
+        let (token, draws) = pick(
+            constraint.as_mut(),
+            &parent.sampling,
             history(&parent.tokens[..parent.prompt_len], parent.output_from),
+            &parent.stop.token_ids,
+            logits,
             &mut rng,
-        );
+        )?
+        .ok_or_else(empty_output)?;
         let mut tokens = parent.tokens[..parent.prompt_len].to_vec();
         tokens.push(token);
         let rules = SeqRules {
@@ -1030,6 +1143,7 @@ impl Engine {
             n_cached: parent.prompt_len,
             // The generator as the first token's sampling left it.
             rng,
+            constraint,
             ..Seq::new(parent.group, tokens, parent.prompt_len, blocks, rules)
         })
     }
@@ -1127,9 +1241,28 @@ impl Engine {
         seq.blocks = blocks;
         seq.hashes = hashes;
         seq.n_cached = seq.prompt_len;
-        let (token, draws) =
-            seq.sampling
-                .sample(&logits, history(&seq.tokens, seq.output_from), &mut seq.rng);
+        if seq.fanout > 0 {
+            seq.constraint_at_prompt = seq.constraint.as_ref().map(|c| c.fork());
+        }
+        let picked = pick(
+            seq.constraint.as_mut(),
+            &seq.sampling,
+            history(&seq.tokens, seq.output_from),
+            &seq.stop.token_ids,
+            &logits,
+            &mut seq.rng,
+        )
+        .and_then(|p| p.ok_or_else(empty_output));
+        let (token, draws) = match picked {
+            Ok(p) => p,
+            Err(error) => {
+                events.push(StepEvent::Failed {
+                    seq: seq.group,
+                    error,
+                });
+                return;
+            }
+        };
         seq.draws += u64::from(draws);
         seq.tokens.push(token);
         if seq.mode == Mode::PrefillOnly {
@@ -1289,7 +1422,11 @@ impl Engine {
     /// After the model wrote `seq`'s last token's KV and gave `logits` for the next: registers
     /// the block it filled, samples the next token; returns it and, when asked for, its
     /// log-probabilities.
-    fn finish_decode(&mut self, seq: &mut Seq, logits: &[f32]) -> (u32, Option<TokenLogprobs>) {
+    fn finish_decode(
+        &mut self,
+        seq: &mut Seq,
+        logits: &[f32],
+    ) -> Result<Option<(u32, Option<TokenLogprobs>)>, SeqError> {
         let b = self.model.shape().block_tokens() as usize;
         seq.n_cached += 1;
         if seq.n_cached.is_multiple_of(b) {
@@ -1306,15 +1443,23 @@ impl Engine {
             self.pool.lock().register(seq.blocks.ids()[i], key);
             seq.hashes.push(h);
         }
-        let (token, draws) =
-            seq.sampling
-                .sample(logits, history(&seq.tokens, seq.output_from), &mut seq.rng);
+        let Some((token, draws)) = pick(
+            seq.constraint.as_mut(),
+            &seq.sampling,
+            history(&seq.tokens, seq.output_from),
+            &seq.stop.token_ids,
+            logits,
+            &mut seq.rng,
+        )?
+        else {
+            return Ok(None);
+        };
         seq.draws += u64::from(draws);
         seq.tokens.push(token);
         let logprobs = seq
             .logprobs
             .map(|k| token_logprobs(logits, token, k as usize));
-        (token, logprobs)
+        Ok(Some((token, logprobs)))
     }
 
     /// Runs one request to completion by itself (no other sequence is stepped differently) and

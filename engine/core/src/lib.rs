@@ -16,6 +16,7 @@
 #![deny(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod constraint;
 pub mod copy;
 pub mod cost;
 pub mod engine;

@@ -60,6 +60,9 @@ pub enum RequestError {
     /// makes the others).
     #[error("a prefill-only request has one choice and no log-probabilities")]
     PrefillChoices,
+    /// The constraint refused the sequence's earlier output.
+    #[error("structured output: {0}")]
+    Constraint(String),
     /// More earlier output than the prompt holds.
     #[error("earlier_output {earlier} is more than the prompt's {len} tokens")]
     EarlierOutput {

@@ -363,6 +363,10 @@ impl Sampling {
             .collect();
         // Descending by scaled logit (= by probability), ties by lower index.
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        // Tokens a constraint ruled out (minus infinity) are never candidates, not even as the
+        // rounding's last resort.
+        let possible = cand.iter().take_while(|c| c.1 > f64::NEG_INFINITY).count();
+        cand.truncate(possible.max(1));
         let max = cand[0].1;
         if self.min_p > 0.0 {
             // p_i / p_max = exp(s_i - s_max) >= min_p; the first candidate always stays.

@@ -41,6 +41,7 @@ fn req(prompt: &[u32], s: Sampling, seed: u64, max_tokens: u32, choices: Choices
         stop: Stop::default(),
         choices,
         earlier_output: 0,
+        constraint: None,
     }
 }
 
@@ -273,6 +274,7 @@ fn resume_on(d: &mut Engine, p: &Engine, out: &PrefillOutput, r: &Request) -> Se
         stop: r.stop.clone(),
         choices: r.choices,
         earlier_output: 0,
+        constraint: None,
     })
     .unwrap()
 }

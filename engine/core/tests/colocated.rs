@@ -41,6 +41,7 @@ fn req(prompt: &[u32], sampling: Sampling, seed: u64, max_tokens: u32, mode: Mod
         stop: tl_engine_core::stop::Stop::default(),
         choices: tl_engine_core::engine::Choices::ONE,
         earlier_output: 0,
+        constraint: None,
     }
 }
 
@@ -176,6 +177,7 @@ fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
             stop: tl_engine_core::stop::Stop::default(),
             choices: tl_engine_core::engine::Choices::ONE,
             earlier_output: 0,
+            constraint: None,
         })
         .unwrap();
     let rest = e.run_to_end(id).unwrap();
@@ -215,6 +217,7 @@ fn resume_matches(prompt: &[u32], s: Sampling, seed: u64) {
             stop: tl_engine_core::stop::Stop::default(),
             choices: tl_engine_core::engine::Choices::ONE,
             earlier_output: 0,
+            constraint: None,
         })
         .unwrap();
     let rest = d.run_to_end(id).unwrap();

@@ -45,6 +45,7 @@ fn request(prompt: &[u32], seeded: bool, seed: u64, max_tokens: u32, n: u32) -> 
             logprobs: Some(2),
         },
         scope: 7,
+        constraint: None,
     }
 }
 

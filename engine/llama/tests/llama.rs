@@ -104,6 +104,7 @@ fn request(prompt: &[u32], sampling: Sampling, seed: u64, max_tokens: u32, mode:
         },
         scope: 0,
         earlier_output: 0,
+        constraint: None,
     }
 }
 
@@ -378,6 +379,7 @@ fn disaggregated(
             stop: Default::default(),
             choices: Choices::ONE,
             earlier_output: 0,
+            constraint: None,
         })
         .unwrap();
     let rest = d.run_to_end(id).unwrap();

@@ -647,6 +647,7 @@ impl Config {
                     choices,
                     scope: 0,
                     earlier_output: 0,
+                    constraint: None,
                 },
             )?,
         )

@@ -137,6 +137,7 @@ impl Generator {
                     choices,
                     scope: req.cache_scope,
                     earlier_output: sp.earlier_output,
+                    constraint: None,
                 });
                 (seed, events)
             }
@@ -159,6 +160,7 @@ impl Generator {
                     choices,
                     scope: blocks.0,
                     earlier_output: sp.earlier_output,
+                    constraint: None,
                 });
                 (seed, events)
             }

@@ -314,6 +314,7 @@ impl PrefillService {
             choices: tl_engine_core::engine::Choices::ONE,
             scope: req.cache_scope,
             earlier_output,
+            constraint: None,
         };
         let handle_id = format!(
             "{}-{}-{:016x}",

@@ -36,6 +36,7 @@ pub fn prefill(e: &mut Engine, prompt: &[u32]) -> PrefillOutput {
         stop: tl_engine_core::stop::Stop::default(),
         choices: tl_engine_core::engine::Choices::ONE,
         earlier_output: 0,
+        constraint: None,
     })
     .unwrap();
     for ev in e.step().0 {

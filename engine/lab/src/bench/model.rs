@@ -219,6 +219,7 @@ fn request(prompt: Vec<u32>, max_tokens: u32) -> Request {
         choices: Choices::ONE,
         scope: 0,
         earlier_output: 0,
+        constraint: None,
     }
 }
 

@@ -82,6 +82,7 @@ async fn ttft_bench(args: &TtftArgs) -> Result<serde_json::Value, BenchError> {
             choices: tl_engine_core::engine::Choices::ONE,
             scope: 0,
             earlier_output: 0,
+            constraint: None,
         };
 
         // Colocated: prefill and first token on one long-running engine, as the prefill engine
