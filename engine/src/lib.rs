@@ -26,5 +26,6 @@ pub mod gateway;
 pub mod net;
 pub mod node;
 pub mod sched;
+pub mod structured;
 pub mod telemetry;
 pub mod toml_file;

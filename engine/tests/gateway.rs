@@ -1342,3 +1342,148 @@ async fn penalties_and_biases_are_applied_and_exact_across_prefill_and_decode() 
         assert!(common::settled(node, 0).await, "{}", node.state().id());
     }
 }
+
+/// Structured outputs through a prefill engine and two decode engines: the prefill engine
+/// samples the first token under the grammar, the decode engine compiles the same spec and
+/// feeds it that token, and every choice equals its colocated run, greedy and seeded; each
+/// output matches. Bad specs are 400 naming the field, and nothing reaches an engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_match_and_equal_colocated_across_prefill_and_decode() {
+    use tl_engine::structured::Spec;
+    use tl_engine_core::engine::Choices;
+    let c = cluster(2).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let prompt: Vec<u32> = (60..95).collect();
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "ok": { "type": "boolean" },
+            "colour": { "enum": ["red", "green", "blue"] },
+            "tags": { "type": "array", "items": { "enum": ["a", "b"] }, "maxItems": 3 }
+        },
+        "required": ["ok", "colour", "tags"],
+        "additionalProperties": false
+    });
+    let cases: Vec<(Value, Spec)> = vec![
+        (
+            json!({ "guided_regex": "[a-z]{3}-[0-9]{4}" }),
+            Spec::regex("[a-z]{3}-[0-9]{4}"),
+        ),
+        (
+            json!({ "structured_outputs": { "choice": ["alpha", "beta", "gamma delta"] } }),
+            Spec::choice(&["alpha".into(), "beta".into(), "gamma delta".into()]).unwrap(),
+        ),
+        (
+            json!({ "response_format": { "type": "json_schema",
+                "json_schema": { "name": "r", "schema": schema.clone(), "strict": true } } }),
+            Spec::json_schema(&schema),
+        ),
+    ];
+    let n = 3u32;
+    for (fields, spec) in &cases {
+        for (t, seed) in [(0.0f32, 0u64), (0.9, 5)] {
+            let mut body = json!({ "prompt": prompt, "max_tokens": 60, "temperature": t,
+                "seed": seed, "n": n });
+            for (k, v) in fields.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            let r = http
+                .post(&addr, "/v1/completions", &[], body.to_string())
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            let v = r.json();
+            let s = SamplingRequest {
+                temperature: t,
+                ..SamplingRequest::default()
+            };
+            let want = Config::default()
+                .colocated_structured(
+                    &prompt,
+                    s,
+                    seed,
+                    60,
+                    Choices { n, logprobs: None },
+                    Default::default(),
+                    spec,
+                )
+                .unwrap();
+            for i in 0..n as usize {
+                let ch = &v["choices"][i];
+                assert_eq!(
+                    choice_tokens(ch),
+                    want[i].tokens,
+                    "{fields} t {t} choice {i}"
+                );
+                assert_eq!(
+                    ch["finish_reason"], "stop",
+                    "{fields}: the grammar ended it"
+                );
+                let text = ch["text"].as_str().unwrap();
+                match spec.kind {
+                    tl_engine::structured::Kind::JsonSchema => {
+                        let doc: Value = serde_json::from_str(text).unwrap();
+                        assert!(doc["ok"].is_boolean(), "{text}");
+                        assert!(
+                            ["red", "green", "blue"].contains(&doc["colour"].as_str().unwrap())
+                        );
+                        assert!(doc["tags"].as_array().unwrap().len() <= 3, "{text}");
+                        assert_eq!(doc.as_object().unwrap().len(), 3, "{text}");
+                    }
+                    _ if fields.get("guided_regex").is_some() => {
+                        let b = text.as_bytes();
+                        assert_eq!(b.len(), 8, "{text}");
+                        assert!(b[..3].iter().all(u8::is_ascii_lowercase), "{text}");
+                        assert_eq!(b[3], b'-', "{text}");
+                        assert!(b[4..].iter().all(u8::is_ascii_digit), "{text}");
+                    }
+                    _ => assert!(["alpha", "beta", "gamma delta"].contains(&text), "{text}"),
+                }
+            }
+        }
+    }
+    // Refused by name, before any engine: a schema the library refuses, two constraints at
+    // once, an unreadable choice list, JSON text that is not JSON.
+    let before = c.p.runner().pool().lock().counts();
+    let refused = [
+        (
+            json!({ "prompt": "hi", "response_format": { "type": "json_schema", "json_schema":
+                { "name": "x", "schema": { "type": "integer", "minimum": 5, "maximum": 1 } } } }),
+            "response_format.json_schema.schema",
+        ),
+        (
+            json!({ "prompt": "hi", "guided_regex": "a", "guided_choice": ["b"] }),
+            "guided_choice",
+        ),
+        (
+            json!({ "prompt": "hi", "guided_choice": [] }),
+            "guided_choice",
+        ),
+        (
+            json!({ "prompt": "hi", "guided_json": "{not json" }),
+            "guided_json",
+        ),
+        (
+            json!({ "prompt": "hi", "guided_regex": "([" }),
+            "guided_regex",
+        ),
+        (
+            json!({ "prompt": "hi", "guided_grammar": "a".repeat(70_000) }),
+            "guided_grammar",
+        ),
+    ];
+    for (body, field) in refused {
+        let r = http
+            .post(&addr, "/v1/completions", &[], body.to_string())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 400, "{body}");
+        let v = r.json();
+        assert_eq!(v["error"]["param"], field, "{}", v["error"]["message"]);
+    }
+    assert_eq!(c.p.runner().pool().lock().counts(), before);
+    for node in [&c.p, &c.d[0], &c.d[1]] {
+        assert!(common::settled(node, 0).await, "{}", node.state().id());
+    }
+}

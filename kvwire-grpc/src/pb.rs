@@ -123,6 +123,18 @@ pub mod engine {
         /// The prompt's last tokens that are the request's own earlier output (failover).
         #[prost(uint32, tag = "11")]
         pub earlier_output: u32,
+        /// What the output must match; absent: anything.
+        #[prost(message, optional, tag = "12")]
+        pub structured: Option<Structured>,
+    }
+
+    /// A structured output's spec (its kind's name and its text).
+    #[derive(Clone, PartialEq, Eq, prost::Message)]
+    pub struct Structured {
+        #[prost(string, tag = "1")]
+        pub kind: String,
+        #[prost(string, tag = "2")]
+        pub text: String,
     }
 
     #[derive(Clone, PartialEq, prost::Message)]

@@ -178,7 +178,21 @@ fn proto_matches_hand_written_messages() {
         repetition_penalty: 1.25,
         logit_bias: [(3, -100.0)].into(),
         earlier_output: 4,
+        structured: Some(engine::Structured {
+            kind: "regex".into(),
+            text: "[0-9]+".into(),
+        }),
     };
+    let structured_fields = [
+        ("kind", String("regex".into())),
+        ("text", String("[0-9]+".into())),
+    ];
+    conform(
+        &p,
+        "tl.engine.v1.Structured",
+        sp.structured.as_ref().unwrap(),
+        &structured_fields,
+    );
     let sp_fields = [
         ("temperature", F32(0.5)),
         ("top_p", F32(0.25)),
@@ -191,6 +205,10 @@ fn proto_matches_hand_written_messages() {
         ("repetition_penalty", F32(1.25)),
         ("logit_bias", Map([(MapKey::U32(3), F32(-100.0))].into())),
         ("earlier_output", U32(4)),
+        (
+            "structured",
+            Message(dynamic(&p, "tl.engine.v1.Structured", &structured_fields)),
+        ),
     ];
     conform(&p, "tl.engine.v1.SamplingParams", &sp, &sp_fields);
     let holds_fields = [
@@ -669,7 +687,7 @@ fn proto_matches_hand_written_messages() {
 
     // Every message of the three packages was checked above (a map's entry type, which protoc
     // makes for `logit_bias`, with the message that holds it).
-    let checked = 6 + 22 + 6;
+    let checked = 6 + 23 + 6;
     assert_eq!(
         p.all_messages().filter(|m| !m.is_map_entry()).count(),
         checked,

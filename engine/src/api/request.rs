@@ -13,6 +13,7 @@ use tl_engine_core::stop::Stop;
 use tl_engine_core::vocab::Vocab;
 
 use super::{ApiError, Flavor};
+use crate::structured::{Kind, Spec};
 
 /// OpenAI's default completion length.
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
@@ -211,6 +212,24 @@ pub struct GenerationParams {
     /// OpenAI's `logit_bias`: token id (as a string) -> bias in [-100, 100].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// OpenAI's `response_format`: text, JSON mode or a JSON schema.
+    #[serde(default, skip_serializing)]
+    pub response_format: Option<ResponseFormat>,
+    /// vLLM's structured outputs: one of `json`, `regex`, `choice`, `grammar`, `json_object`.
+    #[serde(default, skip_serializing)]
+    pub structured_outputs: Option<StructuredOutputs>,
+    /// vLLM's older names for the same: a JSON schema (an object, or its JSON text).
+    #[serde(default, skip_serializing)]
+    pub guided_json: Option<serde_json::Value>,
+    /// A regular expression the output matches.
+    #[serde(default, skip_serializing)]
+    pub guided_regex: Option<String>,
+    /// The output is exactly one of these strings.
+    #[serde(default, skip_serializing)]
+    pub guided_choice: Option<Vec<String>>,
+    /// A grammar in llguidance's Lark syntax.
+    #[serde(default, skip_serializing)]
+    pub guided_grammar: Option<String>,
     /// Seed; the engine picks one when omitted (required to resume).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
@@ -253,6 +272,69 @@ pub struct GenerationParams {
     /// OpenAI's `metadata`: up to 16 string pairs, accepted (bounded), not stored.
     #[serde(default, skip_serializing)]
     pub metadata: Option<std::collections::BTreeMap<String, String>>,
+}
+
+/// OpenAI's `response_format`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ResponseFormat {
+    /// Free text (the default).
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// A JSON document valid against a schema.
+    JsonSchema {
+        /// The schema and its name.
+        json_schema: JsonSchemaFormat,
+    },
+}
+
+/// OpenAI's `response_format.json_schema`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JsonSchemaFormat {
+    /// Its name (required by OpenAI; not used).
+    pub name: String,
+    /// The schema (absent: any JSON object).
+    #[serde(default)]
+    pub schema: Option<serde_json::Value>,
+    /// OpenAI's strict mode: the schema is always enforced here.
+    #[serde(default)]
+    pub strict: Option<bool>,
+    /// Its description (not used).
+    #[serde(default)]
+    pub description: Option<String>,
+}
+
+/// vLLM's `structured_outputs`: exactly one of its fields.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StructuredOutputs {
+    /// A JSON schema (an object, or its JSON text).
+    #[serde(default)]
+    pub json: Option<serde_json::Value>,
+    /// A regular expression.
+    #[serde(default)]
+    pub regex: Option<String>,
+    /// One of these strings.
+    #[serde(default)]
+    pub choice: Option<Vec<String>>,
+    /// A Lark grammar.
+    #[serde(default)]
+    pub grammar: Option<String>,
+    /// Any JSON object.
+    #[serde(default)]
+    pub json_object: Option<bool>,
+}
+
+/// A JSON schema as vLLM takes it: an object, or a string holding one.
+fn schema_spec(field: &str, v: &serde_json::Value) -> Result<Spec, ApiError> {
+    let schema = match v {
+        serde_json::Value::String(s) => serde_json::from_str(s)
+            .map_err(|e| ApiError::bad_field(field, format_args!("is not JSON: {e}")))?,
+        other => other.clone(),
+    };
+    Ok(Spec::json_schema(&schema))
 }
 
 /// OpenAI's bounds on `metadata`: pairs, key length, value length (characters).
@@ -416,6 +498,84 @@ impl GenerationParams {
                 .filter_map(|(k, &b)| Some((k.parse().ok()?, b)))
                 .collect(),
         }
+    }
+
+    /// What the output must match, if anything: at most one of `response_format` (other than
+    /// text), `structured_outputs` and the `guided_*` fields.
+    ///
+    /// # Errors
+    /// 400 naming the field: two asked for at once, or a spec that cannot be read.
+    pub fn structured(&self) -> Result<Option<(String, Spec)>, ApiError> {
+        let mut found: Vec<(String, Spec)> = Vec::new();
+        match &self.response_format {
+            None | Some(ResponseFormat::Text) => {}
+            Some(ResponseFormat::JsonObject) => found.push((
+                "response_format".into(),
+                Spec {
+                    kind: Kind::JsonObject,
+                    text: String::new(),
+                },
+            )),
+            Some(ResponseFormat::JsonSchema { json_schema }) => {
+                let schema = json_schema
+                    .schema
+                    .clone()
+                    .unwrap_or_else(|| serde_json::json!({ "type": "object" }));
+                found.push((
+                    "response_format.json_schema.schema".into(),
+                    Spec::json_schema(&schema),
+                ));
+            }
+        }
+        if let Some(s) = &self.structured_outputs {
+            let at = |f: &str| format!("structured_outputs.{f}");
+            if let Some(j) = &s.json {
+                found.push((at("json"), schema_spec(&at("json"), j)?));
+            }
+            if let Some(r) = &s.regex {
+                found.push((at("regex"), Spec::regex(r)));
+            }
+            if let Some(c) = &s.choice {
+                let spec = Spec::choice(c).map_err(|e| ApiError::bad_field(at("choice"), e))?;
+                found.push((at("choice"), spec));
+            }
+            if let Some(g) = &s.grammar {
+                found.push((at("grammar"), Spec::lark(g)));
+            }
+            if s.json_object == Some(true) {
+                found.push((
+                    at("json_object"),
+                    Spec {
+                        kind: Kind::JsonObject,
+                        text: String::new(),
+                    },
+                ));
+            }
+        }
+        if let Some(j) = &self.guided_json {
+            found.push(("guided_json".into(), schema_spec("guided_json", j)?));
+        }
+        if let Some(r) = &self.guided_regex {
+            found.push(("guided_regex".into(), Spec::regex(r)));
+        }
+        if let Some(c) = &self.guided_choice {
+            let spec = Spec::choice(c).map_err(|e| ApiError::bad_field("guided_choice", e))?;
+            found.push(("guided_choice".into(), spec));
+        }
+        if let Some(g) = &self.guided_grammar {
+            found.push(("guided_grammar".into(), Spec::lark(g)));
+        }
+        if found.len() > 1 {
+            let names: Vec<&str> = found.iter().map(|(f, _)| f.as_str()).collect();
+            return Err(ApiError::bad_field(
+                names[1],
+                format_args!(
+                    "cannot be asked for with `{}`: one constraint at a time",
+                    names[0]
+                ),
+            ));
+        }
+        Ok(found.pop())
     }
 
     /// The core's view of a request with this prompt, for [`Params::validate`].
@@ -584,6 +744,12 @@ const SHARED_FIELDS: &[&str] = &[
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
     "seed",
     "stream",
     "stream_options",
@@ -632,7 +798,6 @@ const UNSUPPORTED_FIELDS: &[(&str, Off)] = &[
     ("echo", Off::FalseOrZero),
     ("best_of", Off::One),
     ("suffix", Off::Never),
-    ("response_format", Off::Never),
     ("tools", Off::Never),
     ("tool_choice", Off::Never),
     ("parallel_tool_calls", Off::Never),

@@ -29,6 +29,7 @@ use crate::api::{
     GenerationParams, MAX_COMPLETION_LOGPROBS, Prompt, ResponseMeta, TextRender, completion_id,
     parse_fields, render_chat,
 };
+use crate::structured::{Grammars, Spec};
 use crate::telemetry::metrics::SharedMetrics;
 
 /// What the gateway can check without an engine: the byte-level tokenizer's vocabulary. The
@@ -216,9 +217,25 @@ fn render_chat_text(messages: &[tl_llama::Message]) -> String {
 /// pool's place is held until the work really ends (a template's instruction bound ends it).
 /// Places go to the tenants in turn ([`super::fair`]): one key's flood of long prompts delays
 /// another key's request by at most one prep per waiting key.
-async fn prepare(g: &Arc<Gateway>, tenant: &[u8], prep: Prep) -> Result<Vec<Vec<u32>>, ApiError> {
+///
+/// A structured output's spec is compiled here too, once, to refuse a bad one before any
+/// engine sees it (400 naming the field, with the library's reason).
+async fn prepare(
+    g: &Arc<Gateway>,
+    tenant: &[u8],
+    prep: Prep,
+    structured: Option<(String, Spec)>,
+) -> Result<Vec<Vec<u32>>, ApiError> {
     let text = g.text.clone();
-    if prep.is_cheap(text.as_deref()) {
+    let cheap = prep.is_cheap(text.as_deref()) && structured.is_none();
+    let check = move || match &structured {
+        Some((field, spec)) => Grammars::bytes()
+            .compile(spec)
+            .map(drop)
+            .map_err(|e| ApiError::bad_field(field.as_str(), e)),
+        None => Ok(()),
+    };
+    if cheap {
         return prep.run(text.as_deref());
     }
     let deadline = Instant::now() + Duration::from_millis(g.cfg.request_timeout_ms);
@@ -227,6 +244,7 @@ async fn prepare(g: &Arc<Gateway>, tenant: &[u8], prep: Prep) -> Result<Vec<Vec<
         .map_err(|_| timed_out())?;
     let work = tokio::task::spawn_blocking(move || {
         let _place = place;
+        check()?;
         prep.run(text.as_deref())
     });
     match tokio::time::timeout_at(deadline.into(), work).await {
@@ -306,7 +324,12 @@ async fn start(
         Ok(q) => q,
         Err(e) => return over_quota(e, 0).into_response(),
     };
-    let prompts = match prepare(&g, &caller.tenant, prep).await {
+    let structured = match params.structured() {
+        Ok(s) => s,
+        Err(e) => return e.into_response(),
+    };
+    let spec = structured.as_ref().map(|(_, s)| s.clone());
+    let prompts = match prepare(&g, &caller.tenant, prep, structured).await {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
@@ -357,6 +380,7 @@ async fn start(
             stop: stop.clone(),
             choices,
             scope,
+            structured: spec.clone(),
         })
         .collect();
     // Each prompt of a list is a request in flight, for the key as for the gateway.

@@ -57,6 +57,8 @@ pub struct Job {
     pub choices: Choices,
     /// The tenant cache scope its blocks live in (see `super::tenant`).
     pub scope: u64,
+    /// What its output must match, compiled once to check it.
+    pub structured: Option<crate::structured::Spec>,
 }
 
 impl Job {
@@ -824,6 +826,7 @@ impl Session {
         let p = &self.job.params;
         crate::node::front::sampling_params(
             &p.sampling(),
+            self.job.structured.as_ref(),
             seed,
             p.max_tokens().saturating_sub(held),
             held,
@@ -1618,6 +1621,7 @@ mod tests {
                 logprobs: logprobs.then_some(2),
             },
             scope: 0,
+            structured: None,
         }
     }
 

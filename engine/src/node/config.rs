@@ -327,6 +327,9 @@ pub enum ReferenceError {
     /// The request was refused or failed.
     #[error(transparent)]
     Generate(#[from] tl_engine_core::engine::GenerateError),
+    /// The structured output's spec was refused.
+    #[error(transparent)]
+    Structured(#[from] crate::structured::StructuredError),
 }
 
 impl Config {
@@ -621,6 +624,50 @@ impl Config {
         max_tokens: u32,
         choices: tl_engine_core::engine::Choices,
     ) -> Result<Vec<tl_engine_core::engine::Generated>, ReferenceError> {
+        let stop = tl_engine_core::stop::Stop::default();
+        self.colocated_run(prompt, sampling, seed, max_tokens, choices, stop, None)
+    }
+
+    /// As [`colocated_choices`](Self::colocated_choices) with stop rules and a structured
+    /// output (compiled over this model's vocabulary, as an engine compiles it).
+    ///
+    /// # Errors
+    /// As [`colocated`](Self::colocated), or the spec refused.
+    #[allow(clippy::too_many_arguments)]
+    pub fn colocated_structured(
+        &self,
+        prompt: &[u32],
+        sampling: tl_engine_core::sampler::SamplingRequest,
+        seed: u64,
+        max_tokens: u32,
+        choices: tl_engine_core::engine::Choices,
+        stop: tl_engine_core::stop::Stop,
+        spec: &crate::structured::Spec,
+    ) -> Result<Vec<tl_engine_core::engine::Generated>, ReferenceError> {
+        let vocab = self.build_model()?.tokens();
+        let grammar = crate::structured::Grammars::new(&vocab)?.compile(spec)?;
+        self.colocated_run(
+            prompt,
+            sampling,
+            seed,
+            max_tokens,
+            choices,
+            stop,
+            Some(Box::new(grammar)),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn colocated_run(
+        &self,
+        prompt: &[u32],
+        sampling: tl_engine_core::sampler::SamplingRequest,
+        seed: u64,
+        max_tokens: u32,
+        choices: tl_engine_core::engine::Choices,
+        stop: tl_engine_core::stop::Stop,
+        constraint: Option<Box<dyn tl_engine_core::constraint::Constraint>>,
+    ) -> Result<Vec<tl_engine_core::engine::Generated>, ReferenceError> {
         let model = self.build_model()?;
         let params = tl_engine_core::request::Params {
             prompt,
@@ -643,11 +690,11 @@ impl Config {
                     max_tokens,
                     mode: tl_engine_core::engine::Mode::Generate,
                     draws_offset: 0,
-                    stop: tl_engine_core::stop::Stop::default(),
+                    stop,
                     choices,
                     scope: 0,
                     earlier_output: 0,
-                    constraint: None,
+                    constraint,
                 },
             )?,
         )

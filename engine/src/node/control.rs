@@ -120,7 +120,7 @@ impl EngineControl {
                     tl.worker = me.state.id(),
                     kv.handle_id = m.resume.as_ref().map_or("", |r| r.handle_id.as_str()),
                 );
-                let started = span.in_scope(|| g.start(m))?;
+                let started = tracing::Instrument::instrument(g.start(m), span.clone()).await?;
                 Ok(started.into_stream().map(move |e| {
                     let _decode = &span;
                     e

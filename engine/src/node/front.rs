@@ -6,10 +6,13 @@
 
 use std::sync::Arc;
 
+use crate::structured::Spec;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use kvwire_grpc::pb::engine::{GenerateEvents, GenerateRequest, SamplingParams, StopRules};
+use kvwire_grpc::pb::engine::{
+    GenerateEvents, GenerateRequest, SamplingParams, StopRules, Structured,
+};
 use tl_engine_core::logprobs::MAX_TOP_LOGPROBS;
 use tl_engine_core::request::Limits;
 use tl_engine_core::sampler::SamplingRequest;
@@ -82,11 +85,19 @@ impl DecodeFront {
         let stop = p.stop_rules(&vocab)?;
         let choices = p.choices(Flavor::Completion, MAX_TOP_LOGPROBS)?;
         let s = p.sampling();
+        let structured = p.structured()?;
+        let structured = structured.map(|(_, spec)| spec);
         let started = self
             .generator
             .start(GenerateRequest {
                 prompt_tokens: prompt.clone(),
-                sampling: Some(sampling_params(&s, p.seed, p.max_tokens(), 0)),
+                sampling: Some(sampling_params(
+                    &s,
+                    structured.as_ref(),
+                    p.seed,
+                    p.max_tokens(),
+                    0,
+                )),
                 stop: Some(stop_rules(&stop)),
                 n: choices.n,
                 logprobs: choices.logprobs,
@@ -94,6 +105,7 @@ impl DecodeFront {
                 resume: None,
                 model: p.model().unwrap_or_default().to_owned(),
             })
+            .await
             .map_err(|s| match s.code() {
                 tonic::Code::NotFound => ApiError::model_not_found(s.message()),
                 _ => ApiError::from_status(&s),
@@ -127,6 +139,7 @@ impl DecodeFront {
 #[must_use]
 pub fn sampling_params(
     s: &SamplingRequest,
+    structured: Option<&Spec>,
     seed: Option<u64>,
     max_tokens: u32,
     earlier_output: u32,
@@ -143,6 +156,10 @@ pub fn sampling_params(
         repetition_penalty: s.repetition_penalty,
         logit_bias: s.logit_bias.iter().copied().collect(),
         earlier_output,
+        structured: structured.map(|s| Structured {
+            kind: s.kind.name().to_owned(),
+            text: s.text.clone(),
+        }),
     }
 }
 

@@ -83,7 +83,7 @@ impl Generator {
     /// is still taken); FAILED_PRECONDITION when the engine no longer decodes;
     /// RESOURCE_EXHAUSTED past `max_inflight`; INVALID_ARGUMENT for what the core's types
     /// refuse, a resume without its seed, or a handle holding another prompt's blocks.
-    pub fn start(&self, req: GenerateRequest) -> Result<Started, Status> {
+    pub async fn start(&self, req: GenerateRequest) -> Result<Started, Status> {
         let runner = self.state.runner();
         let model = runner.model();
         if !req.model.is_empty() && req.model != model.name() {
@@ -119,6 +119,8 @@ impl Generator {
         .validate(Limits::of(model.as_ref()))
         .map_err(|e| request_status(&e))?;
         let stop = stop_of(req.stop.unwrap_or_default(), runner.model().tokens())?;
+        // Compiled before the handle is claimed: a refused spec leaves it in place.
+        let constraint = self.state.constraint(sp.structured.as_ref()).await?;
         let choices = Choices {
             n: req.n.max(1),
             logprobs: req.logprobs,
@@ -137,7 +139,7 @@ impl Generator {
                     choices,
                     scope: req.cache_scope,
                     earlier_output: sp.earlier_output,
-                    constraint: None,
+                    constraint,
                 });
                 (seed, events)
             }
@@ -160,7 +162,7 @@ impl Generator {
                     choices,
                     scope: blocks.0,
                     earlier_output: sp.earlier_output,
-                    constraint: None,
+                    constraint,
                 });
                 (seed, events)
             }

@@ -302,6 +302,10 @@ impl PrefillService {
             .and_then(|s| s.seed)
             .unwrap_or_else(entropy_seed);
         let earlier_output = req.sampling.as_ref().map_or(0, |s| s.earlier_output);
+        let constraint = self
+            .state
+            .constraint(req.sampling.as_ref().and_then(|s| s.structured.as_ref()))
+            .await?;
         let runner = self.state.runner();
         let request = Request {
             prompt: req.prompt_tokens.clone(),
@@ -314,7 +318,7 @@ impl PrefillService {
             choices: tl_engine_core::engine::Choices::ONE,
             scope: req.cache_scope,
             earlier_output,
-            constraint: None,
+            constraint,
         };
         let handle_id = format!(
             "{}-{}-{:016x}",

@@ -9,8 +9,11 @@ use std::time::Duration;
 use kvwire_grpc::KvReceiver;
 use tokio::sync::Notify;
 
+use tl_engine_core::constraint::Constraint;
+
 use super::config::Role;
 use super::runner::Runner;
+use crate::structured::{Grammars, Kind, MAX_SPEC_BYTES, Spec, StructuredError};
 
 /// The shared state of one engine node.
 #[derive(Debug)]
@@ -29,9 +32,54 @@ pub struct NodeState {
     /// The registry this engine beats to, until it first acknowledged a beat (then empty):
     /// not ready before.
     unregistered: std::sync::Mutex<Option<String>>,
+    /// The structured-output compiler for the model's vocabulary, built at the first request
+    /// that asks for one.
+    grammars: tokio::sync::OnceCell<Arc<Grammars>>,
 }
 
 impl NodeState {
+    /// A request's structured-output spec compiled over the model's vocabulary, off the async
+    /// workers (the compiler itself is built once, at the first such request).
+    ///
+    /// # Errors
+    /// INVALID_ARGUMENT for a spec of an unknown kind, past its bounds, or refused.
+    pub async fn constraint(
+        &self,
+        spec: Option<&kvwire_grpc::pb::engine::Structured>,
+    ) -> Result<Option<Box<dyn Constraint>>, tonic::Status> {
+        let Some(s) = spec else {
+            return Ok(None);
+        };
+        let refused =
+            |e: StructuredError| tonic::Status::invalid_argument(format!("structured output: {e}"));
+        let kind =
+            Kind::named(&s.kind).ok_or_else(|| refused(StructuredError::Kind(s.kind.clone())))?;
+        if s.text.len() > MAX_SPEC_BYTES {
+            return Err(refused(StructuredError::TooLarge(s.text.len())));
+        }
+        let spec = Spec {
+            kind,
+            text: s.text.clone(),
+        };
+        let lost = |_| tonic::Status::internal("compiling the structured output stopped");
+        let grammars = self
+            .grammars
+            .get_or_try_init(|| async {
+                let vocab = self.runner.model().tokens();
+                tokio::task::spawn_blocking(move || Grammars::new(&vocab).map(Arc::new))
+                    .await
+                    .map_err(lost)?
+                    .map_err(refused)
+            })
+            .await?;
+        let grammars = Arc::clone(grammars);
+        let compiled = tokio::task::spawn_blocking(move || grammars.compile(&spec))
+            .await
+            .map_err(lost)?
+            .map_err(refused)?;
+        Ok(Some(Box::new(compiled)))
+    }
+
     /// The state of worker `id` with `role`, over the engine thread `runner`, receiving KV with
     /// `receiver` (decode roles).
     #[must_use]
@@ -52,6 +100,7 @@ impl NodeState {
             prefills: AtomicUsize::new(0),
             prefills_changed: Notify::new(),
             unregistered: std::sync::Mutex::new(None),
+            grammars: tokio::sync::OnceCell::new(),
         }
     }
 
