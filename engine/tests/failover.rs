@@ -397,3 +397,82 @@ async fn failover_continues_every_choice_exactly() {
     }
     assert!(c.settled().await, "blocks left in use");
 }
+
+/// A structured request (two choices under a regex) whose decode engine dies mid-stream: the
+/// survivor compiles the same spec and feeds it the tokens each choice had sent, so every
+/// choice goes on under the grammar exactly where it stood, and equals its colocated run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_continues_a_structured_output_exactly() {
+    use tl_engine::structured::Spec;
+    use tl_engine_core::engine::Choices;
+    let prompt: Vec<u32> = (70..93).collect();
+    let (t, seed, n) = (0.8f32, 9u64, 2usize);
+    // Each position constrained, ending with the stream.
+    let regex = format!("[a-m][n-z0-9]{{{}}}", MAX_TOKENS - 1);
+    let spec = Spec::regex(&regex);
+    let s = tl_engine_core::sampler::SamplingRequest {
+        temperature: t,
+        ..Default::default()
+    };
+    let want = Config::default()
+        .colocated_structured(
+            &prompt,
+            s,
+            seed,
+            MAX_TOKENS,
+            Choices {
+                n: n as u32,
+                logprobs: None,
+            },
+            Default::default(),
+            &spec,
+        )
+        .unwrap();
+    let mut c = Cluster::start(2, GatewaySection::local()).await;
+    let b = json!({ "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": t, "seed": seed,
+        "stream": true, "n": n, "guided_regex": regex });
+    let mut events = open(&c.gw, b.to_string()).await;
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut decode = None;
+    let mut killed = false;
+    let mut done = false;
+    while let Some(e) = tokio::time::timeout(Duration::from_secs(20), events.next())
+        .await
+        .expect("the stream went silent")
+    {
+        match e.unwrap() {
+            StreamEvent::Chunk(ch) => {
+                if let Some(r) = &ch.tl_route {
+                    decode = Some(r.decode.clone());
+                }
+                for x in &ch.choices {
+                    tokens[x.index as usize].extend(&x.tokens);
+                }
+            }
+            StreamEvent::Error(e) => panic!("error event: {}", e.message),
+            StreamEvent::Done => {
+                done = true;
+                break;
+            }
+        }
+        if !killed && tokens.iter().map(Vec::len).sum::<usize>() >= 2 * n {
+            killed = true;
+            c.kill(index_of(decode.as_deref().unwrap())).await;
+        }
+    }
+    assert!(killed && done);
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(tokens[i], w.tokens, "choice {i}");
+        let text: Vec<u8> = tokens[i].iter().map(|&t| t as u8).collect();
+        assert!((b'a'..=b'm').contains(&text[0]), "{text:?}");
+        assert!(
+            text[1..]
+                .iter()
+                .all(|b| b.is_ascii_digit() || (b'n'..=b'z').contains(b)),
+            "{text:?}"
+        );
+    }
+    let resumed: usize = c.failovers("reset", "resumed").parse().unwrap();
+    assert!((1..=n).contains(&resumed), "{resumed}");
+    assert!(c.settled().await, "blocks left in use");
+}

@@ -521,3 +521,135 @@ async fn a_gateway_of_another_model_refuses_to_route_naming_both() {
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     c.gw.stop().await;
 }
+
+/// `doc` against the subset of JSON Schema the fixtures use (object, string, integer, boolean,
+/// array, enum, bounds, lengths, required, no other properties); `Err` names what fails.
+fn validate(doc: &Value, schema: &Value, at: &str) -> Result<(), String> {
+    if let Some(e) = schema["enum"].as_array() {
+        return e
+            .contains(doc)
+            .then_some(())
+            .ok_or(format!("{at}: {doc} not in {schema}"));
+    }
+    let fail = |why: &str| Err(format!("{at}: {why}: {doc}"));
+    match schema["type"].as_str().unwrap() {
+        "object" => {
+            let Some(o) = doc.as_object() else {
+                return fail("not an object");
+            };
+            let props = schema["properties"].as_object().unwrap();
+            for r in schema["required"].as_array().unwrap() {
+                if !o.contains_key(r.as_str().unwrap()) {
+                    return fail(&format!("no {r}"));
+                }
+            }
+            for (k, v) in o {
+                let Some(p) = props.get(k) else {
+                    return fail(&format!("extra property {k}"));
+                };
+                validate(v, p, &format!("{at}.{k}"))?;
+            }
+            Ok(())
+        }
+        "string" => match doc.as_str() {
+            Some(s)
+                if s.chars().count() as u64 <= schema["maxLength"].as_u64().unwrap_or(u64::MAX) =>
+            {
+                Ok(())
+            }
+            _ => fail("not a string of at most maxLength"),
+        },
+        "integer" => match doc.as_i64() {
+            Some(i)
+                if schema["minimum"].as_i64().is_none_or(|m| i >= m)
+                    && schema["maximum"].as_i64().is_none_or(|m| i <= m) =>
+            {
+                Ok(())
+            }
+            _ => fail("not an integer in range"),
+        },
+        "boolean" => doc
+            .as_bool()
+            .map(drop)
+            .ok_or(format!("{at}: not a boolean")),
+        "array" => {
+            let Some(a) = doc.as_array() else {
+                return fail("not an array");
+            };
+            let len = a.len() as u64;
+            if len < schema["minItems"].as_u64().unwrap_or(0)
+                || len > schema["maxItems"].as_u64().unwrap_or(u64::MAX)
+            {
+                return fail("item count out of bounds");
+            }
+            for (i, v) in a.iter().enumerate() {
+                validate(v, &schema["items"], &format!("{at}[{i}]"))?;
+            }
+            Ok(())
+        }
+        t => fail(&format!("type {t} not in the subset")),
+    }
+}
+
+/// JSON-schema requests on the trained model through the gateway over one prefill and two
+/// decode engines (the fixtures' five schemas, greedy and seeded): every output parses and
+/// validates, ends because the grammar ended it, and equals the colocated run of the same
+/// spec token for token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_schema_outputs_validate_and_equal_colocated_on_a_trained_model() {
+    use tl_engine::structured::Spec;
+    let path = gguf();
+    let c = cluster(&path, 2).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let cases: Vec<Value> = serde_json::from_str(include_str!("fixtures/schemas.json")).unwrap();
+    assert_eq!(cases.len(), 5);
+    let mut cfg = Config::default();
+    engine_tweak(&path)(&mut cfg);
+    for case in &cases {
+        let (q, schema) = (case["question"].as_str().unwrap(), &case["schema"]);
+        for (t, seed) in [(0.0f32, 0u64), (0.8, 11)] {
+            let body = json!({
+                "messages": [{"role": "user", "content": q}],
+                "max_tokens": 96, "temperature": t, "seed": seed,
+                "response_format": { "type": "json_schema",
+                    "json_schema": { "name": "answer", "schema": schema, "strict": true } },
+            });
+            let r = http
+                .post(&addr, "/v1/chat/completions", &[], body.to_string())
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            let v: Value = r.json();
+            let ch = &v["choices"][0];
+            let content = ch["message"]["content"].as_str().unwrap();
+            let doc: Value = serde_json::from_str(content)
+                .unwrap_or_else(|e| panic!("{q} t {t}: {content:?}: {e}"));
+            validate(&doc, schema, "$").unwrap_or_else(|e| panic!("{q} t {t}: {e}"));
+            assert_eq!(ch["finish_reason"], "stop", "{q} t {t}");
+            let s = SamplingRequest {
+                temperature: t,
+                ..SamplingRequest::default()
+            };
+            let stop = Stop {
+                token_ids: text().eos_ids().to_vec(),
+                ..Stop::default()
+            };
+            let want = cfg
+                .colocated_structured(
+                    &chat_prompt(q),
+                    s,
+                    seed,
+                    96,
+                    Choices::ONE,
+                    stop,
+                    &Spec::json_schema(schema),
+                )
+                .unwrap()
+                .swap_remove(0)
+                .tokens;
+            assert_eq!(ids(&ch["tokens"]), want, "{q} t {t}");
+        }
+    }
+    c.gw.stop().await;
+}
