@@ -55,6 +55,11 @@ pub struct ModelArgs {
     /// Do not run llama.cpp.
     #[arg(long)]
     pub no_peer: bool,
+    /// Also time each batch's decode under a structured output (a JSON object with one free
+    /// string, so the mask is computed at every step and never ends it) against the same decode
+    /// unconstrained: the mask's cost per token.
+    #[arg(long)]
+    pub structured: bool,
     /// Why the peer's model could not be had, when it could not.
     #[arg(skip)]
     pub peer_error: Option<String>,
@@ -207,6 +212,16 @@ fn weight_bytes(dir: &std::path::Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// The spec `--structured` decodes under: inside a free JSON string, which never ends within
+/// the steps timed, so every step computes a mask over the whole vocabulary.
+fn structured_spec() -> tl_engine::structured::Spec {
+    tl_engine::structured::Spec::json_schema(&serde_json::json!({
+        "type": "object",
+        "properties": { "text": { "type": "string" } },
+        "required": ["text"]
+    }))
+}
+
 fn request(prompt: Vec<u32>, max_tokens: u32) -> Request {
     Request {
         prompt,
@@ -299,6 +314,7 @@ fn decode_rate(
     batch: usize,
     steps: u32,
     b: usize,
+    grammars: Option<&tl_engine::structured::Grammars>,
 ) -> Result<(f64, f64), BenchError> {
     let vocab = model.vocab();
     let per = (16 + steps as usize + 2).div_ceil(b);
@@ -306,7 +322,18 @@ fn decode_rate(
     let mut e = Engine::new(model.clone() as Arc<dyn Model>, pool);
     for s in 0..batch {
         let prompt: Vec<u32> = (0..16).map(|t| ((t * 31 + s * 7) as u32) % vocab).collect();
-        e.submit(request(prompt, steps + 1))?;
+        let constraint = match grammars {
+            Some(g) => Some(Box::new(
+                g.compile(&structured_spec())
+                    .map_err(|e| BenchError::from(e.to_string()))?,
+            )
+                as Box<dyn tl_engine_core::constraint::Constraint>),
+            None => None,
+        };
+        e.submit(Request {
+            constraint,
+            ..request(prompt, steps + 1)
+        })?;
     }
     e.step();
     let t = Instant::now();
@@ -348,7 +375,7 @@ fn beside_llamacpp(a: &ModelArgs, threads: usize) -> Result<serde_json::Value, B
     for (t, file) in super::peer::TYPES.iter().zip(&peer.files) {
         let theirs = peer.time(file, threads, a.prefill_tokens, a.steps)?;
         let model = Arc::new(Llama::load(file, "bench", a.block_tokens, threads, 8192)?);
-        let (decode, _) = decode_rate(&model, 1, a.steps, b)?;
+        let (decode, _) = decode_rate(&model, 1, a.steps, b, None)?;
         let prefill = prefill_rate(&model, a.prefill_tokens, b)?;
         drop(model);
         let their_decode = theirs["decode_tokens_per_s"].as_f64().unwrap_or(f64::NAN);
@@ -419,9 +446,29 @@ fn measure(
                 + 3 * c.hidden * c.intermediate)) as f64;
 
     let mut decode = serde_json::Map::new();
+    let mut structured = serde_json::Map::new();
+    let grammars = if a.structured {
+        Some(
+            tl_engine::structured::Grammars::new(&model.tokens())
+                .map_err(|e| BenchError::from(e.to_string()))?,
+        )
+    } else {
+        None
+    };
     let mut batch1 = f64::NAN;
     for &batch in &a.batches {
-        let (tps, steps_per_s) = decode_rate(&model, batch, a.steps, b)?;
+        let (tps, steps_per_s) = decode_rate(&model, batch, a.steps, b, None)?;
+        if let Some(g) = &grammars {
+            let (ctps, _) = decode_rate(&model, batch, a.steps, b, Some(g))?;
+            structured.insert(
+                format!("batch_{batch}"),
+                serde_json::json!({
+                    "tokens_per_s": round3(ctps),
+                    "over_unconstrained": round3(ctps / tps),
+                    "mask_ms_per_token": round3((1.0 / ctps - 1.0 / tps) * 1e3),
+                }),
+            );
+        }
         if batch == 1 {
             batch1 = tps;
         }
@@ -443,6 +490,7 @@ fn measure(
     let prefill_flops = per_token_flops * a.prefill_tokens as f64 / secs;
     Ok(serde_json::json!({
         "decode": decode,
+        "decode_structured": (!structured.is_empty()).then_some(structured),
         "batch_32_over_batch_1": batch32_over_batch1,
         "prefill": {
             "tokens": a.prefill_tokens,
