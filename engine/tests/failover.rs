@@ -307,6 +307,63 @@ async fn fresh_gateway_waits_for_registrations() {
     }
 }
 
+/// What a stream of `n` choices received, its decode engine killed once `2 n` tokens arrived.
+struct Killed {
+    tokens: Vec<Vec<u32>>,
+    logprobs: Vec<Vec<tl_engine_core::logprobs::TokenLogprobs>>,
+    finish: Vec<Vec<tl_engine::api::Finish>>,
+    /// The choice of each token that arrived after the kill.
+    after: Vec<usize>,
+}
+
+/// Streams `body` through `c`'s gateway and kills the decode engine serving it once `2 n`
+/// tokens arrived; reads to `[DONE]` (an error event fails the test).
+async fn stream_killing_its_decoder(c: &mut Cluster, body: String, n: usize) -> Killed {
+    let mut events = open(&c.gw, body).await;
+    let mut k = Killed {
+        tokens: vec![Vec::new(); n],
+        logprobs: vec![Vec::new(); n],
+        finish: vec![Vec::new(); n],
+        after: Vec::new(),
+    };
+    let mut decode = None;
+    let mut killed = false;
+    let mut done = false;
+    while let Some(e) = tokio::time::timeout(Duration::from_secs(20), events.next())
+        .await
+        .expect("the stream went silent")
+    {
+        match e.unwrap() {
+            StreamEvent::Chunk(ch) => {
+                if let Some(r) = &ch.tl_route {
+                    decode = Some(r.decode.clone());
+                }
+                for x in &ch.choices {
+                    let i = x.index as usize;
+                    if killed {
+                        k.after.extend(x.tokens.iter().map(|_| i));
+                    }
+                    k.tokens[i].extend(&x.tokens);
+                    k.logprobs[i]
+                        .extend(x.tl_logprobs.clone().into_iter().flatten().map(Into::into));
+                    k.finish[i].extend(x.finish_reason);
+                }
+            }
+            StreamEvent::Error(e) => panic!("error event: {}", e.message),
+            StreamEvent::Done => {
+                done = true;
+                break;
+            }
+        }
+        if !killed && k.tokens.iter().map(Vec::len).sum::<usize>() >= 2 * n {
+            killed = true;
+            c.kill(index_of(decode.as_deref().unwrap())).await;
+        }
+    }
+    assert!(killed && done);
+    k
+}
+
 /// A request of three choices with logprobs and penalties whose decode engine dies mid-stream:
 /// each choice continues on the survivor with its own seed and draws, and every choice's tokens
 /// and log-probabilities equal its colocated run's (the logprobs of each failover's first token
@@ -315,7 +372,6 @@ async fn fresh_gateway_waits_for_registrations() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_continues_every_choice_exactly() {
     use tl_engine_core::engine::Choices;
-    use tl_engine_core::logprobs::TokenLogprobs;
     let prompt: Vec<u32> = (90..113).collect();
     let (t, seed, n) = (0.8f32, 40u64, 3usize);
     // With penalties that count the output: the engine that continues must count the tokens
@@ -343,50 +399,16 @@ async fn failover_continues_every_choice_exactly() {
     let b = json!({ "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": t, "seed": seed,
         "stream": true, "n": n, "logprobs": 2, "frequency_penalty": 0.7, "presence_penalty": 0.4,
         "repetition_penalty": 1.2 });
-    let mut events = open(&c.gw, b.to_string()).await;
-    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n];
-    let mut logprobs: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); n];
-    let mut finish = vec![Vec::new(); n];
-    let mut decode = None;
-    let mut killed = false;
-    let mut done = false;
-    // The choice of each token that arrived after the kill.
-    let mut after = Vec::new();
-    while let Some(e) = tokio::time::timeout(Duration::from_secs(20), events.next())
-        .await
-        .expect("the stream went silent")
-    {
-        match e.unwrap() {
-            StreamEvent::Chunk(ch) => {
-                if let Some(r) = &ch.tl_route {
-                    decode = Some(r.decode.clone());
-                }
-                for x in &ch.choices {
-                    let i = x.index as usize;
-                    if killed {
-                        after.extend(x.tokens.iter().map(|_| i));
-                    }
-                    tokens[i].extend(&x.tokens);
-                    logprobs[i].extend(x.tl_logprobs.clone().into_iter().flatten().map(Into::into));
-                    finish[i].extend(x.finish_reason);
-                }
-            }
-            StreamEvent::Error(e) => panic!("error event: {}", e.message),
-            StreamEvent::Done => {
-                done = true;
-                break;
-            }
-        }
-        if !killed && tokens.iter().map(Vec::len).sum::<usize>() >= 2 * n {
-            killed = true;
-            c.kill(index_of(decode.as_deref().unwrap())).await;
-        }
-    }
-    assert!(killed && done);
+    let got = stream_killing_its_decoder(&mut c, b.to_string(), n).await;
+    let (tokens, after) = (&got.tokens, &got.after);
     for (i, w) in want.iter().enumerate() {
         assert_eq!(tokens[i], w.tokens, "choice {i}");
-        assert_eq!(logprobs[i], w.logprobs, "choice {i}");
-        assert_eq!(finish[i], [tl_engine::api::Finish::Length], "choice {i}");
+        assert_eq!(got.logprobs[i], w.logprobs, "choice {i}");
+        assert_eq!(
+            got.finish[i],
+            [tl_engine::api::Finish::Length],
+            "choice {i}"
+        );
     }
     // One failover per choice still running when its engine died.
     let resumed: usize = c.failovers("reset", "resumed").parse().unwrap();
@@ -431,36 +453,9 @@ async fn failover_continues_a_structured_output_exactly() {
     let mut c = Cluster::start(2, GatewaySection::local()).await;
     let b = json!({ "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": t, "seed": seed,
         "stream": true, "n": n, "guided_regex": regex });
-    let mut events = open(&c.gw, b.to_string()).await;
-    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n];
-    let mut decode = None;
-    let mut killed = false;
-    let mut done = false;
-    while let Some(e) = tokio::time::timeout(Duration::from_secs(20), events.next())
+    let tokens = stream_killing_its_decoder(&mut c, b.to_string(), n)
         .await
-        .expect("the stream went silent")
-    {
-        match e.unwrap() {
-            StreamEvent::Chunk(ch) => {
-                if let Some(r) = &ch.tl_route {
-                    decode = Some(r.decode.clone());
-                }
-                for x in &ch.choices {
-                    tokens[x.index as usize].extend(&x.tokens);
-                }
-            }
-            StreamEvent::Error(e) => panic!("error event: {}", e.message),
-            StreamEvent::Done => {
-                done = true;
-                break;
-            }
-        }
-        if !killed && tokens.iter().map(Vec::len).sum::<usize>() >= 2 * n {
-            killed = true;
-            c.kill(index_of(decode.as_deref().unwrap())).await;
-        }
-    }
-    assert!(killed && done);
+        .tokens;
     for (i, w) in want.iter().enumerate() {
         assert_eq!(tokens[i], w.tokens, "choice {i}");
         let text: Vec<u8> = tokens[i].iter().map(|&t| t as u8).collect();

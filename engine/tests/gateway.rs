@@ -667,8 +667,8 @@ async fn unsupported_fields_are_400() {
         ),
         (
             "/v1/chat/completions",
-            json!({ "messages": [{ "role": "user", "content": "x" }], "response_format": { "type": "json_object" } }),
-            "`response_format`",
+            json!({ "messages": [{ "role": "user", "content": "x" }], "response_format": { "type": "yaml" } }),
+            "response_format",
         ),
     ];
     for (path, body, says) in refused {
@@ -989,9 +989,7 @@ async fn n_choices_share_one_prefill() {
         }
         assert_eq!(usage.unwrap().completion_tokens, 24, "{path}");
     }
-    for node in [&c.p, &c.d[0], &c.d[1]] {
-        assert!(common::settled(node, 0).await, "{}", node.state().id());
-    }
+    c.assert_settled().await;
 }
 
 /// Log-probabilities through prefill + decode equal the colocated run's bit for bit (the first
@@ -1097,9 +1095,7 @@ async fn logprobs_equal_colocated() {
             }
         }
     }
-    for node in [&c.p, &c.d[0], &c.d[1]] {
-        assert!(common::settled(node, 0).await, "{}", node.state().id());
-    }
+    c.assert_settled().await;
 }
 
 /// A request counts on its decode engine from its Prefill until its stream ends, not only during
@@ -1338,9 +1334,7 @@ async fn penalties_and_biases_are_applied_and_exact_across_prefill_and_decode() 
         )
         .unwrap();
     assert!(forced.iter().all(|&t| t == 65), "{forced:?}");
-    for node in [&c.p, &c.d[0], &c.d[1]] {
-        assert!(common::settled(node, 0).await, "{}", node.state().id());
-    }
+    c.assert_settled().await;
 }
 
 /// Structured outputs through a prefill engine and two decode engines: the prefill engine
@@ -1483,7 +1477,5 @@ async fn structured_outputs_match_and_equal_colocated_across_prefill_and_decode(
         assert_eq!(v["error"]["param"], field, "{}", v["error"]["message"]);
     }
     assert_eq!(c.p.runner().pool().lock().counts(), before);
-    for node in [&c.p, &c.d[0], &c.d[1]] {
-        assert!(common::settled(node, 0).await, "{}", node.state().id());
-    }
+    c.assert_settled().await;
 }

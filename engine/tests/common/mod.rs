@@ -186,6 +186,15 @@ pub struct Cluster {
     pub d: Vec<EngineNode>,
 }
 
+impl Cluster {
+    /// Asserts that every engine ends with nothing running and no block in use.
+    pub async fn assert_settled(&self) {
+        for node in std::iter::once(&self.p).chain(&self.d) {
+            assert!(settled(node, 0).await, "{}", node.state().id());
+        }
+    }
+}
+
 /// [`cluster_with`] without changes.
 pub async fn cluster(decoders: usize) -> Cluster {
     cluster_with(decoders, |_| {}).await
