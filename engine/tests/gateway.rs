@@ -513,7 +513,7 @@ async fn streamed_text_equals_text() {
                     for choice in &ch.choices {
                         streamed.push_str(choice.text.as_deref().unwrap_or_default());
                         if let Some(d) = &choice.delta {
-                            streamed.push_str(&d.content);
+                            streamed.push_str(d.content.as_deref().unwrap_or_default());
                         }
                     }
                 }
@@ -971,7 +971,7 @@ async fn n_choices_share_one_prefill() {
                 let i = ch.index as usize;
                 order.push(i);
                 tokens[i].extend(&ch.tokens);
-                let t = ch.text.clone().or(ch.delta.clone().map(|d| d.content));
+                let t = ch.text.clone().or(ch.delta.clone().and_then(|d| d.content));
                 text[i].push_str(&t.unwrap_or_default());
                 finishes[i] += usize::from(ch.finish_reason.is_some());
             }
@@ -1477,5 +1477,120 @@ async fn structured_outputs_match_and_equal_colocated_across_prefill_and_decode(
         assert_eq!(v["error"]["param"], field, "{}", v["error"]["message"]);
     }
     assert_eq!(c.p.runner().pool().lock().counts(), before);
+    c.assert_settled().await;
+}
+
+/// Tool calls a grammar enforces: a named function's arguments, and `required` (one call with
+/// `parallel_tool_calls: false`), answered as `message.tool_calls` with `finish_reason:
+/// "tool_calls"`, whole and streamed, equal to the colocated run of the same grammar; a tool
+/// message goes back in; `auto`, which needs a parser for the checkpoint's format, is 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_calls_enforced_by_a_grammar() {
+    use tl_engine::api::sse::StreamEvent;
+    let c = cluster(2).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let city = json!({ "type": "object", "properties": { "city": { "enum": ["Paris", "Rome"] } },
+        "required": ["city"], "additionalProperties": false });
+    let tools = json!([
+        { "type": "function", "function": { "name": "get_weather", "parameters": city } },
+        { "type": "function", "function": { "name": "get_time", "parameters": city } },
+    ]);
+    let messages = json!([
+        { "role": "user", "content": "weather?" },
+        { "role": "assistant", "content": null, "tool_calls": [{ "id": "call_1", "type": "function",
+            "function": { "name": "get_time", "arguments": "{\"city\":\"Rome\"}" } }] },
+        { "role": "tool", "tool_call_id": "call_1", "content": "noon" },
+    ]);
+    let named = json!({ "type": "function", "function": { "name": "get_weather" } });
+    for (choice, parallel) in [(named, true), (json!("required"), false)] {
+        for stream in [false, true] {
+            let body = json!({ "messages": messages, "tools": tools, "tool_choice": choice,
+                "parallel_tool_calls": parallel, "max_tokens": 64, "stream": stream,
+                "temperature": 0.7, "seed": 3 });
+            let r = http
+                .post(&addr, "/v1/chat/completions", &[], body.to_string())
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            let (calls, finish, content) = if stream {
+                let mut calls = Vec::new();
+                let mut finish = None;
+                let mut content = String::new();
+                for e in r.events().unwrap() {
+                    let StreamEvent::Chunk(ch) = e else { continue };
+                    for x in &ch.choices {
+                        if let Some(d) = &x.delta {
+                            content.push_str(d.content.as_deref().unwrap_or_default());
+                            calls.extend(d.tool_calls.clone().into_iter().flatten());
+                        }
+                        finish = finish.or(x.finish_reason);
+                    }
+                }
+                (calls, finish, content)
+            } else {
+                let v: tl_engine::api::Completion = serde_json::from_slice(&r.body).unwrap();
+                let m = v.choices[0].message.clone().unwrap();
+                assert_eq!(m.content, None, "{choice}");
+                (
+                    m.tool_calls.unwrap_or_default(),
+                    v.choices[0].finish_reason,
+                    String::new(),
+                )
+            };
+            assert_eq!(
+                content, "",
+                "{choice} stream {stream}: no text beside the calls"
+            );
+            assert_eq!(finish, Some(tl_engine::api::Finish::ToolCalls), "{choice}");
+            assert_eq!(calls.len(), 1, "{choice} stream {stream}: {calls:?}");
+            let f = &calls[0].function;
+            if choice.is_object() {
+                assert_eq!(f.name, "get_weather");
+            } else {
+                assert!(
+                    ["get_weather", "get_time"].contains(&f.name.as_str()),
+                    "{f:?}"
+                );
+            }
+            let args: Value = serde_json::from_str(&f.arguments).unwrap();
+            assert!(
+                ["Paris", "Rome"].contains(&args["city"].as_str().unwrap()),
+                "{args}"
+            );
+            assert!(calls[0].id.starts_with("call_"));
+        }
+    }
+    // `auto` (the default with tools), a choice naming no tool, and tools beside another
+    // constraint are refused by name.
+    let refused = [
+        (json!({ "tools": tools }), "tool_choice"),
+        (
+            json!({ "tools": tools, "tool_choice": { "type": "function", "function": { "name": "x" } } }),
+            "tool_choice.function.name",
+        ),
+        (
+            json!({ "tools": tools, "tool_choice": "required", "guided_regex": "a" }),
+            "guided_regex",
+        ),
+        (json!({ "functions": [] }), "functions"),
+    ];
+    for (fields, param) in refused {
+        let mut body = json!({ "messages": [{ "role": "user", "content": "x" }] });
+        for (k, v) in fields.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = http
+            .post(&addr, "/v1/chat/completions", &[], body.to_string())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 400, "{body}");
+        assert_eq!(
+            r.json()["error"]["param"],
+            param,
+            "{}",
+            r.json()["error"]["message"]
+        );
+    }
     c.assert_settled().await;
 }

@@ -420,6 +420,7 @@ fn multibyte_characters_split_across_tokens_stream_whole() {
         .count();
     assert!(split > 0, "some token is part of a character: {ids:?}");
     let meta = ResponseMeta {
+        tools: None,
         id: "x".into(),
         model: "m".into(),
         seed: 0,

@@ -12,6 +12,7 @@ pub mod render;
 mod request;
 mod response;
 pub mod sse;
+pub mod tools;
 
 pub use self::error::*;
 pub use self::request::*;

@@ -115,6 +115,22 @@ pub async fn gather(n: u32, src: &mut impl ChoiceSource) -> Result<Vec<ChoiceOut
     Ok(choices)
 }
 
+/// With tool calls: the chunk's text moved into `held` (its choice's), the chunk left with
+/// none.
+fn hold(meta: &ResponseMeta, c: &mut crate::api::Completion, held: &mut [String]) {
+    if meta.tools.is_none() {
+        return;
+    }
+    for ch in &mut c.choices {
+        if let Some(d) = ch.delta.as_mut()
+            && let Some(h) = held.get_mut(ch.index as usize)
+        {
+            h.push_str(&d.content.take().unwrap_or_default());
+            d.content = Some(String::new());
+        }
+    }
+}
+
 /// The whole response of `n` choices as JSON.
 ///
 /// # Errors
@@ -145,6 +161,8 @@ pub fn stream(
             .collect();
         let mut open = n;
         let mut tokens = 0usize;
+        // Tool calls go out whole, in the choice's last chunk: its text is held until then.
+        let mut held: Vec<String> = vec![String::new(); n as usize];
         while open > 0 {
             let event = match src.next().await {
                 Some(ChoiceEvent::Token {
@@ -157,7 +175,8 @@ pub fn stream(
                     };
                     tokens += 1;
                     let lp = logprobs.map(|l| vec![l]);
-                    let c = meta.chunk(s, choice, vec![token], lp, None, tokens);
+                    let mut c = meta.chunk(s, choice, vec![token], lp, None, tokens);
+                    hold(&meta, &mut c, &mut held);
                     StreamEvent::Chunk(Box::new(c))
                 }
                 Some(ChoiceEvent::Finished { choice, finish }) => {
@@ -165,7 +184,18 @@ pub fn stream(
                         continue;
                     };
                     open -= 1;
-                    let c = meta.chunk(s, choice, vec![], None, Some(finish), tokens);
+                    let mut c = meta.chunk(s, choice, vec![], None, Some(finish), tokens);
+                    hold(&meta, &mut c, &mut held);
+                    if meta.tools.is_some()
+                        && let Some(ch) = c.choices.first_mut()
+                        && let Some(d) = ch.delta.as_mut()
+                    {
+                        d.content = Some(std::mem::take(&mut held[choice as usize]));
+                        meta.read_calls(d, &mut ch.finish_reason, choice);
+                        for (i, call) in d.tool_calls.iter_mut().flatten().enumerate() {
+                            call.index = Some(i as u32);
+                        }
+                    }
                     StreamEvent::Chunk(Box::new(c))
                 }
                 Some(ChoiceEvent::Failed(e)) => StreamEvent::Error(e.detail()),

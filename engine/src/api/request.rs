@@ -798,9 +798,6 @@ const UNSUPPORTED_FIELDS: &[(&str, Off)] = &[
     ("echo", Off::FalseOrZero),
     ("best_of", Off::One),
     ("suffix", Off::Never),
-    ("tools", Off::Never),
-    ("tool_choice", Off::Never),
-    ("parallel_tool_calls", Off::Never),
     ("functions", Off::Never),
     ("function_call", Off::Never),
     ("service_tier", Off::Never),
@@ -952,7 +949,13 @@ fn from_value_at<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> Result
 /// takes the resume point).
 pub const COMPLETION_FIELDS: &[&str] = &["prompt"];
 /// The chat endpoint's own fields.
-pub const CHAT_FIELDS: &[&str] = &["messages", "top_logprobs"];
+pub const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
 
 /// `POST /v1/completions` body.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -1040,6 +1043,15 @@ pub struct ContentPart {
 pub struct ChatRequest {
     /// The conversation so far.
     pub messages: Vec<ChatMessage>,
+    /// OpenAI's `tools`: functions the model may call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools: Option<Vec<super::tools::Tool>>,
+    /// OpenAI's `tool_choice`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_choice: Option<super::tools::ToolChoice>,
+    /// OpenAI's `parallel_tool_calls` (default true): false allows one call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallel_tool_calls: Option<bool>,
     /// Sampling and output.
     #[serde(flatten)]
     pub params: GenerationParams,

@@ -165,8 +165,11 @@ pub struct RouteInfo {
 pub struct AssistantText {
     /// Always `assistant`.
     pub role: String,
-    /// The text.
-    pub content: String,
+    /// The text (null in an answer that calls tools).
+    pub content: Option<String>,
+    /// The tools it calls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<super::tools::ToolCall>>,
 }
 
 /// One choice of a response or a stream chunk.
@@ -215,7 +218,8 @@ impl Choice {
         };
         let said = AssistantText {
             role: "assistant".into(),
-            content: text.clone(),
+            content: Some(text.clone()),
+            tool_calls: None,
         };
         match (flavor, stream) {
             (Flavor::Completion, _) => c.text = Some(text),
@@ -293,6 +297,9 @@ pub struct ResponseMeta {
     pub render: TextRender,
     /// vLLM's `continuous_usage_stats`: every stream chunk carries the usage so far.
     pub continuous_usage: bool,
+    /// The answer's text is tool calls of this mode (chat with `tool_choice` required or a
+    /// named function).
+    pub tools: Option<super::tools::ToolMode>,
 }
 
 /// A stream's text: tokens decoded incrementally ([`Detok`]), with the tokens that
@@ -422,6 +429,20 @@ impl ResponseMeta {
         }
     }
 
+    /// With [`tools`](Self::tools): `said`'s text read as tool calls, which replace it (and
+    /// `finish` becomes `tool_calls`); text that holds none (cut short) stays text.
+    pub fn read_calls(&self, said: &mut AssistantText, finish: &mut Option<Finish>, choice: u32) {
+        let Some(mode) = &self.tools else {
+            return;
+        };
+        let text = said.content.as_deref().unwrap_or_default();
+        if let Some(calls) = super::tools::calls(mode, text, &self.id, choice) {
+            said.content = None;
+            said.tool_calls = Some(calls);
+            *finish = Some(Finish::ToolCalls);
+        }
+    }
+
     /// The stream's usage chunk (`stream_options.include_usage`): no choices, the counts
     /// (`completion_tokens` summed over the choices).
     #[must_use]
@@ -458,6 +479,9 @@ impl ResponseMeta {
                     Choice::with_text(self.flavor, false, c.tokens, text, Some(c.finish));
                 choice.index = i as u32;
                 self.attach(&mut choice, c.logprobs, offsets);
+                if let Some(m) = choice.message.as_mut() {
+                    self.read_calls(m, &mut choice.finish_reason, i as u32);
+                }
                 choice
             })
             .collect();
@@ -517,6 +541,9 @@ pub enum Finish {
     Length,
     /// A stop string or stop token matched.
     Stop,
+    /// The answer calls tools.
+    #[serde(rename = "tool_calls")]
+    ToolCalls,
 }
 
 impl From<FinishReason> for Finish {

@@ -195,6 +195,7 @@ mod tests {
     #[test]
     fn events_round_trip_through_any_split() {
         let meta = ResponseMeta {
+            tools: None,
             id: "cmpl-1".into(),
             model: "fake".into(),
             seed: 7,

@@ -24,6 +24,7 @@ use super::state::Gateway;
 use super::tenant::{EndUser, MAX_CACHE_SALT};
 use super::text::GatewayText;
 use crate::api::render::{self, ChoiceEvent, ChoiceSource};
+use crate::api::tools;
 use crate::api::{
     ApiError, CHAT_FIELDS, COMPLETION_FIELDS, ChatRequest, CompletionRequest, Flavor,
     GenerationParams, MAX_COMPLETION_LOGPROBS, Prompt, ResponseMeta, TextRender, completion_id,
@@ -137,9 +138,16 @@ async fn completions(
         return ApiError::bad_field("prompt", "is an empty list").into_response();
     }
     let prep = Prep::Completion { prompts, listed };
-    start(g, caller_of(caller), prep, r.params, Flavor::Completion)
-        .instrument(span)
-        .await
+    start(
+        g,
+        caller_of(caller),
+        prep,
+        r.params,
+        Flavor::Completion,
+        None,
+    )
+    .instrument(span)
+    .await
 }
 
 /// What a request's prompts are before they are token ids.
@@ -290,9 +298,24 @@ async fn chat(
             content: m.text(),
         })
         .collect();
-    start(g, caller_of(caller), Prep::Chat(m), r.params, Flavor::Chat)
-        .instrument(span)
-        .await
+    let tools = match tools::tool_mode(
+        r.tools.as_deref(),
+        r.tool_choice.as_ref(),
+        r.parallel_tool_calls,
+    ) {
+        Ok(t) => t,
+        Err(e) => return e.into_response(),
+    };
+    start(
+        g,
+        caller_of(caller),
+        Prep::Chat(m),
+        r.params,
+        Flavor::Chat,
+        tools,
+    )
+    .instrument(span)
+    .await
 }
 
 /// Admits, prepares, validates, then serves: the key's admission comes before any template or
@@ -305,6 +328,7 @@ async fn start(
     prep: Prep,
     mut params: GenerationParams,
     flavor: Flavor,
+    tools: Option<(tools::ToolMode, Spec)>,
 ) -> Response {
     let salt = params.cache_salt.as_deref();
     if salt.is_some_and(|s| s.len() > MAX_CACHE_SALT) {
@@ -324,10 +348,19 @@ async fn start(
         Ok(q) => q,
         Err(e) => return over_quota(e, 0).into_response(),
     };
-    let structured = match params.structured() {
-        Ok(s) => s,
-        Err(e) => return e.into_response(),
+    let structured = match (params.structured(), &tools) {
+        (Err(e), _) => return e.into_response(),
+        (Ok(Some((field, _))), Some(_)) => {
+            return ApiError::bad_field(
+                field,
+                "cannot be asked for with `tool_choice` required or a named function",
+            )
+            .into_response();
+        }
+        (Ok(None), Some((_, spec))) => Some(("tools".to_owned(), spec.clone())),
+        (Ok(s), None) => s,
     };
+    let tool_mode = tools.map(|(m, _)| m);
     let spec = structured.as_ref().map(|(_, s)| s.clone());
     let prompts = match prepare(&g, &caller.tenant, prep, structured).await {
         Ok(p) => p,
@@ -381,6 +414,7 @@ async fn start(
             choices,
             scope,
             structured: spec.clone(),
+            tools: tool_mode.clone(),
         })
         .collect();
     // Each prompt of a list is a request in flight, for the key as for the gateway.
@@ -504,6 +538,7 @@ async fn serve(
     let prompt_tokens = jobs.iter().map(|j| j.prompt.len()).sum();
     let stop = first.stop.clone();
     let per_prompt = first.choices.n;
+    let tools = first.tools.clone();
     let k = jobs.len();
     for (i, job) in jobs.into_iter().enumerate() {
         let g = Arc::clone(&g);
@@ -591,6 +626,7 @@ async fn serve(
         stop,
         render,
         continuous_usage,
+        tools,
     };
     let mut src = Answer {
         rx,

@@ -59,6 +59,8 @@ pub struct Job {
     pub scope: u64,
     /// What its output must match, compiled once to check it.
     pub structured: Option<crate::structured::Spec>,
+    /// The answer is read as tool calls of this mode.
+    pub tools: Option<crate::api::tools::ToolMode>,
 }
 
 impl Job {
@@ -1495,7 +1497,9 @@ mod tests {
                             choice: *i,
                             finish: match f {
                                 Finish::Length => kvwire_grpc::pb::engine::Finish::Length,
-                                Finish::Stop => kvwire_grpc::pb::engine::Finish::Stop,
+                                Finish::Stop | Finish::ToolCalls => {
+                                    kvwire_grpc::pb::engine::Finish::Stop
+                                }
                             } as i32,
                         })
                     })
@@ -1622,6 +1626,7 @@ mod tests {
             },
             scope: 0,
             structured: None,
+            tools: None,
         }
     }
 

@@ -111,6 +111,7 @@ impl DecodeFront {
                 _ => ApiError::from_status(&s),
             })?;
         let meta = ResponseMeta {
+            tools: None,
             id: completion_id(),
             model: model.name().to_owned(),
             seed: started.seed,

@@ -1,0 +1,336 @@
+//! OpenAI's tool calls, where a grammar can enforce them: `tool_choice` a named function or
+//! `required`. The output is constrained to JSON (a named function's arguments, or a list of
+//! `{"name", "parameters"}` calls, vLLM's shape), so it always parses; the answer then carries
+//! it as `message.tool_calls` with `finish_reason: "tool_calls"`.
+//!
+//! `auto` needs a parser for the checkpoint's own tool-call format (Hermes' `<tool_call>`, ...)
+//! and a template that renders `tools`; like vLLM without `--enable-auto-tool-choice`, it is
+//! refused by name. `none` (or no `tools`) is plain text.
+
+use serde::{Deserialize, Serialize};
+
+use super::ApiError;
+use crate::structured::Spec;
+
+/// The most tools a request may list.
+pub const MAX_TOOLS: usize = 128;
+
+/// One of OpenAI's `tools`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Tool {
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The function.
+    pub function: FunctionDef,
+}
+
+/// A function a tool names.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionDef {
+    /// 1 to 64 of `a-z A-Z 0-9 _ -`.
+    pub name: String,
+    /// What it does (not used).
+    #[serde(default)]
+    pub description: Option<String>,
+    /// Its arguments' JSON schema (absent: any object).
+    #[serde(default)]
+    pub parameters: Option<serde_json::Value>,
+    /// OpenAI's strict mode: the schema is always enforced here.
+    #[serde(default)]
+    pub strict: Option<bool>,
+}
+
+/// OpenAI's `tool_choice`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(
+    untagged,
+    expecting = "\"none\", \"auto\", \"required\" or a named function"
+)]
+pub enum ToolChoice {
+    /// `none`, `auto` or `required`.
+    Mode(String),
+    /// `{"type": "function", "function": {"name": ...}}`.
+    Named {
+        /// Always `function`.
+        #[serde(rename = "type")]
+        kind: String,
+        /// The function's name.
+        function: NamedFunction,
+    },
+}
+
+/// The function a named `tool_choice` forces.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NamedFunction {
+    /// Its name.
+    pub name: String,
+}
+
+/// How the answer is read back into calls.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToolMode {
+    /// The output is this function's arguments.
+    Named(String),
+    /// The output is a list of `{"name", "parameters"}`.
+    Required,
+}
+
+/// One call as OpenAI answers it.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct ToolCall {
+    /// Its index in the list (streamed answers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
+    /// `call_...`.
+    pub id: String,
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The function and its arguments.
+    pub function: CalledFunction,
+}
+
+/// A call's function.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct CalledFunction {
+    /// Its name.
+    pub name: String,
+    /// Its arguments, as JSON text.
+    pub arguments: String,
+}
+
+fn valid_name(n: &str) -> bool {
+    (1..=64).contains(&n.len())
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// What `tools`, `tool_choice` and `parallel_tool_calls` ask for: nothing (no tools, or
+/// `none`), or the mode and the grammar that enforces it.
+///
+/// # Errors
+/// 400 naming the field: a malformed tool, a choice naming no listed tool, `required` without
+/// tools, or `auto` (not served).
+pub fn tool_mode(
+    tools: Option<&[Tool]>,
+    choice: Option<&ToolChoice>,
+    parallel: Option<bool>,
+) -> Result<Option<(ToolMode, Spec)>, ApiError> {
+    let tools = tools.unwrap_or_default();
+    if tools.len() > MAX_TOOLS {
+        return Err(ApiError::bad_field(
+            "tools",
+            format!("has {} tools; at most {MAX_TOOLS}", tools.len()),
+        ));
+    }
+    for (i, t) in tools.iter().enumerate() {
+        if t.kind != "function" {
+            return Err(ApiError::bad_field(
+                format!("tools[{i}].type"),
+                "is `function`, the only kind of tool",
+            ));
+        }
+        if !valid_name(&t.function.name) {
+            return Err(ApiError::bad_field(
+                format!("tools[{i}].function.name"),
+                "is 1 to 64 of a-z, A-Z, 0-9, _ and -",
+            ));
+        }
+        if t.function
+            .parameters
+            .as_ref()
+            .is_some_and(|p| !p.is_object())
+        {
+            return Err(ApiError::bad_field(
+                format!("tools[{i}].function.parameters"),
+                "is a JSON schema object",
+            ));
+        }
+    }
+    let params = |t: &Tool| {
+        t.function
+            .parameters
+            .clone()
+            .unwrap_or_else(|| serde_json::json!({ "type": "object" }))
+    };
+    let mode = match choice {
+        None if tools.is_empty() => return Ok(None),
+        // OpenAI's default with tools.
+        None => "auto",
+        Some(ToolChoice::Mode(m)) => m.as_str(),
+        Some(ToolChoice::Named { kind, function }) => {
+            if kind != "function" {
+                return Err(ApiError::bad_field("tool_choice.type", "is `function`"));
+            }
+            let Some(t) = tools.iter().find(|t| t.function.name == function.name) else {
+                return Err(ApiError::bad_field(
+                    "tool_choice.function.name",
+                    format!("names {:?}, which `tools` does not list", function.name),
+                ));
+            };
+            let spec = Spec::json_schema(&params(t));
+            return Ok(Some((ToolMode::Named(function.name.clone()), spec)));
+        }
+    };
+    match mode {
+        "none" => Ok(None),
+        "required" if tools.is_empty() => Err(ApiError::bad_field(
+            "tool_choice",
+            "is `required` but `tools` lists none",
+        )),
+        "required" => {
+            let calls: Vec<serde_json::Value> = tools
+                .iter()
+                .map(|t| {
+                    serde_json::json!({
+                        "type": "object",
+                        "properties": {
+                            "name": { "const": t.function.name },
+                            "parameters": params(t),
+                        },
+                        "required": ["name", "parameters"],
+                        "additionalProperties": false,
+                    })
+                })
+                .collect();
+            let mut list = serde_json::json!({
+                "type": "array",
+                "minItems": 1,
+                "items": { "anyOf": calls },
+            });
+            if parallel == Some(false) {
+                list["maxItems"] = serde_json::json!(1);
+            }
+            Ok(Some((ToolMode::Required, Spec::json_schema(&list))))
+        }
+        "auto" => Err(ApiError::bad_field(
+            "tool_choice",
+            "`auto` (the default with `tools`) is not served: it needs a parser for this \
+             checkpoint's tool-call format; ask for `required` or a named function",
+        )),
+        other => Err(ApiError::bad_field(
+            "tool_choice",
+            format!("is {other:?}; expected none, auto, required or a named function"),
+        )),
+    }
+}
+
+/// The calls in an answer's text, as `mode` constrained it; `None` when the text does not
+/// hold them (cut short by `max_tokens`).
+#[must_use]
+pub fn calls(mode: &ToolMode, text: &str, request_id: &str, choice: u32) -> Option<Vec<ToolCall>> {
+    let id = |i: usize| {
+        format!(
+            "call_{}_{choice}_{i}",
+            request_id.trim_start_matches("cmpl-")
+        )
+    };
+    let call = |i: usize, name: String, arguments: String| ToolCall {
+        index: None,
+        id: id(i),
+        kind: "function".into(),
+        function: CalledFunction { name, arguments },
+    };
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    match mode {
+        ToolMode::Named(name) => v
+            .is_object()
+            .then(|| vec![call(0, name.clone(), text.to_owned())]),
+        ToolMode::Required => v
+            .as_array()?
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                Some(call(
+                    i,
+                    c["name"].as_str()?.to_owned(),
+                    c.get("parameters")?.to_string(),
+                ))
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tool(name: &str) -> Tool {
+        Tool {
+            kind: "function".into(),
+            function: FunctionDef {
+                name: name.into(),
+                description: None,
+                parameters: Some(serde_json::json!({
+                    "type": "object",
+                    "properties": { "city": { "type": "string" } },
+                    "required": ["city"]
+                })),
+                strict: None,
+            },
+        }
+    }
+
+    #[test]
+    fn modes_and_refusals() {
+        let tools = [tool("get_weather"), tool("get_time")];
+        assert_eq!(tool_mode(None, None, None).unwrap(), None);
+        let none = ToolChoice::Mode("none".into());
+        assert_eq!(tool_mode(Some(&tools), Some(&none), None).unwrap(), None);
+        let named = ToolChoice::Named {
+            kind: "function".into(),
+            function: NamedFunction {
+                name: "get_time".into(),
+            },
+        };
+        let (m, _) = tool_mode(Some(&tools), Some(&named), None)
+            .unwrap()
+            .unwrap();
+        assert_eq!(m, ToolMode::Named("get_time".into()));
+        let req = ToolChoice::Mode("required".into());
+        let (m, spec) = tool_mode(Some(&tools), Some(&req), Some(false))
+            .unwrap()
+            .unwrap();
+        assert_eq!(m, ToolMode::Required);
+        assert!(spec.text.contains("\"maxItems\":1"), "{}", spec.text);
+        let refused =
+            |t: Option<&[Tool]>, c: Option<&ToolChoice>| tool_mode(t, c, None).unwrap_err().param;
+        assert_eq!(refused(Some(&tools), None).as_deref(), Some("tool_choice"));
+        assert_eq!(refused(None, Some(&req)).as_deref(), Some("tool_choice"));
+        let other = ToolChoice::Named {
+            kind: "function".into(),
+            function: NamedFunction {
+                name: "nope".into(),
+            },
+        };
+        assert_eq!(
+            refused(Some(&tools), Some(&other)).as_deref(),
+            Some("tool_choice.function.name")
+        );
+        let bad = [tool("has space")];
+        assert_eq!(
+            refused(Some(&bad), Some(&req)).as_deref(),
+            Some("tools[0].function.name")
+        );
+    }
+
+    #[test]
+    fn calls_are_read_from_the_constrained_text() {
+        let named = ToolMode::Named("get_weather".into());
+        let c = calls(&named, r#"{"city":"Paris"}"#, "cmpl-7", 0).unwrap();
+        assert_eq!(c[0].function.name, "get_weather");
+        assert_eq!(c[0].function.arguments, r#"{"city":"Paris"}"#);
+        let text = r#"[{"name":"get_time","parameters":{"city":"Rome"}},{"name":"get_weather","parameters":{"city":"Oslo"}}]"#;
+        let c = calls(&ToolMode::Required, text, "cmpl-7", 1).unwrap();
+        assert_eq!(c.len(), 2);
+        assert_eq!(c[1].function.name, "get_weather");
+        assert_eq!(c[1].function.arguments, r#"{"city":"Oslo"}"#);
+        assert_ne!(c[0].id, c[1].id);
+        // Cut short: no calls.
+        assert_eq!(calls(&named, r#"{"city":"Pa"#, "cmpl-7", 0), None);
+    }
+}
