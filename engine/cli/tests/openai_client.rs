@@ -472,13 +472,9 @@ async fn langchain_completions_llm_sends_prompt_lists() {
     assert_eq!(out["token_usage"]["prompt_tokens"], prompt_tokens);
 }
 
-/// `tl serve --model <the SmolLM2 GGUF>` as a user runs it: the official client's chat call
-/// answers "Paris", `/v1/models` lists the model by its file's name, and SIGTERM stops it.
-#[test]
-fn tl_serve_answers_the_official_client_with_paris() {
+/// `tl serve --model GGUF` on a free port: the child, its listening line, what it said before.
+fn start_serve(gguf: &std::path::Path) -> (std::process::Child, Value, String) {
     use std::io::BufRead;
-    let gguf = common::fetch::smollm2_gguf();
-    let dir = client_dir();
     let mut child = Command::new(env!("CARGO_BIN_EXE_tl"))
         .args([
             "serve",
@@ -490,7 +486,7 @@ fn tl_serve_answers_the_official_client_with_paris() {
             "64",
             "--model",
         ])
-        .arg(&gguf)
+        .arg(gguf)
         .env_remove("TL_API_KEYS")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -508,7 +504,72 @@ fn tl_serve_answers_the_official_client_with_paris() {
             break serde_json::from_str(&line).unwrap();
         }
     };
-    let said = said.join("\n");
+    (child, listening, said.join("\n"))
+}
+
+/// SIGTERM to `child`: it drains and exits 0 within 20 s.
+fn stop_serve(mut child: std::process::Child) {
+    let pid = child.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("tl serve did not stop within 20 s of SIGTERM");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+}
+
+/// A tool-calling round trip on the trained model through `tl serve` (1P + 2D), with the
+/// official client (whole and streamed, the client accumulating the deltas) and with
+/// langchain-openai's `bind_tools`: the forced call parses into the library's own
+/// `tool_calls` with arguments valid for the schema, the tool's answer goes back as a `tool`
+/// message, and the model answers in text.
+#[test]
+fn tool_calling_round_trip_with_the_official_client_and_langchain() {
+    let gguf = common::fetch::smollm2_gguf();
+    let openai = client_dir();
+    let langchain = installed(LANGCHAIN, "langchain_openai");
+    let (child, listening, _) = start_serve(&gguf);
+    for (framework, dir, stream) in [
+        ("openai", &openai, false),
+        ("openai", &openai, true),
+        ("langchain", &langchain, false),
+    ] {
+        let plan = json!({
+            "base_url": listening["base_url"], "model": listening["model"],
+            "framework": framework, "stream": stream,
+        });
+        let got = run_script("tools.py", dir, &plan);
+        assert_eq!(got["call"]["name"], "get_weather", "{framework}: {got}");
+        let city = got["call"]["arguments"]["city"]
+            .as_str()
+            .unwrap_or_default();
+        assert!(!city.is_empty() && city.len() <= 24, "{framework}: {got}");
+        if framework == "openai" {
+            assert_eq!(got["finish_reason"], "tool_calls", "{got}");
+        }
+        assert!(
+            !got["answer"].as_str().unwrap_or_default().is_empty(),
+            "{framework}: {got}"
+        );
+    }
+    stop_serve(child);
+}
+
+/// `tl serve --model <the SmolLM2 GGUF>` as a user runs it: the official client's chat call
+/// answers "Paris", `/v1/models` lists the model by its file's name, and SIGTERM stops it.
+#[test]
+fn tl_serve_answers_the_official_client_with_paris() {
+    let gguf = common::fetch::smollm2_gguf();
+    let dir = client_dir();
+    let (child, listening, said) = start_serve(&gguf);
     assert!(said.contains("no API key set"), "{said}");
     assert_eq!(listening["model"], "SmolLM2-135M-Instruct.Q4_1");
     let plan = json!({
@@ -526,21 +587,6 @@ fn tl_serve_answers_the_official_client_with_paris() {
         .unwrap_or_default()
         .to_owned();
     assert_eq!(got["models"]["body"][0]["id"], listening["model"], "{got}");
-    // SIGTERM: it drains and exits 0.
-    let pid = child.id().to_string();
-    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    assert!(killed.success());
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("tl serve did not stop within 20 s of SIGTERM");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
     assert!(answer.contains("Paris"), "{got}");
-    assert!(status.success(), "{status}");
+    stop_serve(child);
 }
