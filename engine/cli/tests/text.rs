@@ -463,23 +463,23 @@ fn a_template_past_its_memory_or_time_ends_its_render_process_only() {
         timeout: std::time::Duration::from_millis(ms),
     };
     let s = Sandbox::new(&template, limits(128, 20_000));
-    assert_eq!(s.render(&say("hi"), true).unwrap(), "[hi]");
+    assert_eq!(s.render(&say("hi"), None, true).unwrap(), "[hi]");
     assert_eq!(s.idle(), 1, "a render process is kept for the next render");
-    match s.render(&say("grow"), true) {
+    match s.render(&say("grow"), None, true) {
         Err(TextError::Bound(m)) => assert!(m.contains("memory bound of 128 MiB"), "{m}"),
         other => panic!("a doubling template gave {other:?}"),
     }
     assert_eq!(s.idle(), 0, "the process that ran past its memory is gone");
-    assert_eq!(s.render(&say("again"), true).unwrap(), "[again]");
+    assert_eq!(s.render(&say("again"), None, true).unwrap(), "[again]");
     let s = Sandbox::new(&template, limits(128, 300));
-    assert_eq!(s.render(&say("hi"), true).unwrap(), "[hi]");
+    assert_eq!(s.render(&say("hi"), None, true).unwrap(), "[hi]");
     let t = std::time::Instant::now();
-    match s.render(&say("slow"), true) {
+    match s.render(&say("slow"), None, true) {
         Err(TextError::Bound(m)) => assert!(m.contains("time bound of 300 ms"), "{m}"),
         other => panic!("a 10^8-step template gave {other:?}"),
     }
     assert!(t.elapsed() < std::time::Duration::from_secs(10));
-    assert_eq!(s.render(&say("after"), true).unwrap(), "[after]");
+    assert_eq!(s.render(&say("after"), None, true).unwrap(), "[after]");
     // The template's own errors pass through unchanged.
     let bad = ChatTemplate::new(
         "{{ raise_exception('no system role') }}".into(),
@@ -488,7 +488,7 @@ fn a_template_past_its_memory_or_time_ends_its_render_process_only() {
         RenderBounds::default(),
     )
     .unwrap();
-    match Sandbox::new(&bad, limits(128, 5_000)).render(&say("hi"), true) {
+    match Sandbox::new(&bad, limits(128, 5_000)).render(&say("hi"), None, true) {
         Err(TextError::Template(m)) => assert!(m.contains("no system role"), "{m}"),
         other => panic!("raise_exception gave {other:?}"),
     }
@@ -664,6 +664,72 @@ async fn one_keys_flood_of_long_prompts_does_not_stall_another_key() {
     for f in flood {
         assert_eq!(f.await.unwrap(), 400);
     }
+    c.gw.stop().await;
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A request's `tools` reach the checkpoint's chat template as its `tools` (transformers'
+/// name): the prompt grows by exactly what the template wrote for them, and `role: "tool"`
+/// messages render as the template says; the forced call is answered as `tool_calls`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tools_are_rendered_through_the_checkpoints_template() {
+    let dir = checkpoint("tools");
+    let cfg_path = dir.join("tokenizer_config.json");
+    let mut tc: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    tc["chat_template"] = json!(
+        "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}\
+         {% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+         {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    );
+    std::fs::write(&cfg_path, tc.to_string()).unwrap();
+    let c = llama_cluster(&dir).await;
+    let http = HttpClient::default();
+    let addr = c.gw.http_addr().to_string();
+    let city = json!({ "type": "object", "properties": { "city": { "enum": ["Paris", "Rome"] } },
+        "required": ["city"], "additionalProperties": false });
+    let tools =
+        json!([{ "type": "function", "function": { "name": "get_weather", "parameters": city } }]);
+    let messages = json!([
+        { "role": "user", "content": "Hi" },
+        { "role": "tool", "tool_call_id": "call_1", "content": "sunny" },
+    ]);
+    let ask = |with_tools: bool| {
+        let mut b = json!({ "messages": messages, "max_tokens": 32, "temperature": 0.0 });
+        if with_tools {
+            b["tools"] = tools.clone();
+            b["tool_choice"] = json!({ "type": "function", "function": { "name": "get_weather" } });
+        }
+        b.to_string()
+    };
+    let plain: Value = http
+        .post(&addr, "/v1/chat/completions", &[], ask(false))
+        .await
+        .unwrap()
+        .json();
+    let r = http
+        .post(&addr, "/v1/chat/completions", &[], ask(true))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let called: Value = r.json();
+    // ChatML in byte ids plus the specials: the tool turn is rendered, and the tools add
+    // exactly "<tools>get_weather;</tools>".
+    let turns = 2 * (1 + 1 + 1) + "user\nHi".len() + "tool\nsunny".len() + 1 + "assistant\n".len();
+    assert_eq!(plain["usage"]["prompt_tokens"], turns as u64, "{plain}");
+    assert_eq!(
+        called["usage"]["prompt_tokens"],
+        (turns + "<tools>get_weather;</tools>".len()) as u64,
+        "{called}"
+    );
+    let choice = &called["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{called}");
+    let call = &choice["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather");
+    let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert!(
+        ["Paris", "Rome"].contains(&args["city"].as_str().unwrap()),
+        "{args}"
+    );
     c.gw.stop().await;
     std::fs::remove_dir_all(&dir).unwrap();
 }

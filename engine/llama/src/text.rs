@@ -175,6 +175,20 @@ impl ChatTemplate {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<String, TextError> {
+        self.render_tools(messages, None, add_generation_prompt)
+    }
+
+    /// As [`render`](Self::render), with the request's `tools` (OpenAI's list, as given) in
+    /// the template's `tools`, as transformers' `apply_chat_template` passes them.
+    ///
+    /// # Errors
+    /// As [`render`](Self::render).
+    pub fn render_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TextError> {
         let tmpl = self
             .env
             .get_template("chat")
@@ -186,6 +200,7 @@ impl ChatTemplate {
         };
         let ctx = minijinja::context! {
             messages => messages,
+            tools => tools.map(minijinja::Value::from_serialize),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos.clone().unwrap_or_default(),
             eos_token => self.eos.clone().unwrap_or_default(),
@@ -439,10 +454,24 @@ impl Text {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<String, TextError> {
+        self.render_chat_tools(messages, None, add_generation_prompt)
+    }
+
+    /// As [`render_chat`](Self::render_chat), with the request's `tools` in the template's
+    /// `tools`.
+    ///
+    /// # Errors
+    /// As [`render_chat`](Self::render_chat).
+    pub fn render_chat_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TextError> {
         self.template
             .as_ref()
             .ok_or_else(|| TextError::Template("the checkpoint has no chat template".into()))?
-            .render(messages, add_generation_prompt)
+            .render_tools(messages, tools, add_generation_prompt)
     }
 
     /// What each token id stands for as text: its bytes as the tokenizer's decoder writes them

@@ -155,9 +155,10 @@ enum Prep {
     /// A completion's prompts: texts through the checkpoint's tokenizer (special tokens added
     /// as transformers adds them), token lists as they are.
     Completion { prompts: Vec<Prompt>, listed: bool },
-    /// A chat's messages, through the checkpoint's chat template (which writes its own special
-    /// tokens, so none are added again), or the byte tokenizer's rendering.
-    Chat(Vec<tl_llama::Message>),
+    /// A chat's messages (and `tools`, which the template sees), through the checkpoint's
+    /// chat template (which writes its own special tokens, so none are added again), or the
+    /// byte tokenizer's rendering.
+    Chat(Vec<tl_llama::Message>, Option<serde_json::Value>),
 }
 
 impl Prep {
@@ -184,13 +185,15 @@ impl Prep {
                 }
                 Ok(out)
             }
-            Prep::Chat(messages) => match text {
+            Prep::Chat(messages, tools) => match text {
                 Some(t) if t.text.has_chat_template() => {
-                    let s = t.render_chat(&messages).map_err(|e| match e {
-                        // The server's fault, not the messages': a 503 the client may retry.
-                        tl_llama::TextError::Server(_) => ApiError::unavailable(e.to_string()),
-                        _ => ApiError::bad_field("messages", e),
-                    })?;
+                    let s = t
+                        .render_chat(&messages, tools.as_ref())
+                        .map_err(|e| match e {
+                            // The server's fault, not the messages': a 503 the client may retry.
+                            tl_llama::TextError::Server(_) => ApiError::unavailable(e.to_string()),
+                            _ => ApiError::bad_field("messages", e),
+                        })?;
                     let ids = t
                         .text
                         .encode(&s, false)
@@ -306,10 +309,11 @@ async fn chat(
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
+    let listed = r.tools.as_ref().map(|t| json!(t));
     start(
         g,
         caller_of(caller),
-        Prep::Chat(m),
+        Prep::Chat(m, listed),
         r.params,
         Flavor::Chat,
         tools,

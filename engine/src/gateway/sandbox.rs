@@ -51,6 +51,7 @@ struct Init {
 #[derive(Serialize, Deserialize)]
 struct Ask {
     messages: Vec<Message>,
+    tools: Option<serde_json::Value>,
     add_generation_prompt: bool,
 }
 
@@ -156,7 +157,11 @@ pub fn worker_main() -> ExitCode {
             Ok(None) => return ExitCode::SUCCESS,
             Err(_) => return ExitCode::from(2),
         };
-        let answer = match template.render(&ask.messages, ask.add_generation_prompt) {
+        let answer = match template.render_tools(
+            &ask.messages,
+            ask.tools.as_ref(),
+            ask.add_generation_prompt,
+        ) {
             Ok(s) => Answer::Text(s),
             Err(TextError::Bound(m)) => Answer::Bound(m),
             Err(e) => Answer::Template(e.to_string()),
@@ -334,6 +339,7 @@ impl Sandbox {
     pub fn render(
         &self,
         messages: &[Message],
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String, TextError> {
         let reused = self.idle.lock().ok().and_then(|mut v| v.pop());
@@ -345,6 +351,7 @@ impl Sandbox {
         };
         let ask = Ask {
             messages: messages.to_vec(),
+            tools: tools.cloned(),
             add_generation_prompt,
         };
         let (answer, timed_out) = guarded(&w.child, self.limits.timeout, || {

@@ -91,10 +91,11 @@ impl GatewayText {
     pub fn render_chat(
         &self,
         messages: &[tl_llama::Message],
+        tools: Option<&serde_json::Value>,
     ) -> Result<String, tl_llama::TextError> {
         match &self.sandbox {
-            Some(s) => s.render(messages, true),
-            None => self.text.render_chat(messages, true),
+            Some(s) => s.render(messages, tools, true),
+            None => self.text.render_chat_tools(messages, tools, true),
         }
     }
 }
