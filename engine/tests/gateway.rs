@@ -1480,12 +1480,20 @@ async fn structured_outputs_match_and_equal_colocated_across_prefill_and_decode(
     c.assert_settled().await;
 }
 
-/// Tool calls a grammar enforces: a named function's arguments, and `required` (one call with
+/// Tool calls: a grammar enforces a named function's arguments, and `required` (one call with
 /// `parallel_tool_calls: false`), answered as `message.tool_calls` with `finish_reason:
-/// "tool_calls"`, whole and streamed, equal to the colocated run of the same grammar; a tool
-/// message goes back in; `auto`, which needs a parser for the checkpoint's format, is 400.
+/// "tool_calls"`, whole and streamed; a tool message goes back in; `auto` reads Hermes'
+/// `<tool_call>` blocks out of the text.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tool_calls_enforced_by_a_grammar() {
+async fn tool_calls_named_required_and_auto() {
+    fn regex_escape(s: &str) -> String {
+        s.chars()
+            .flat_map(|c| {
+                let special = "\\.+*?()|[]{}^$#&-~".contains(c);
+                special.then_some('\\').into_iter().chain([c])
+            })
+            .collect()
+    }
     use tl_engine::api::sse::StreamEvent;
     let c = cluster(2).await;
     let http = HttpClient::default();
@@ -1561,10 +1569,71 @@ async fn tool_calls_enforced_by_a_grammar() {
             assert!(calls[0].id.starts_with("call_"));
         }
     }
-    // `auto` (the default with tools), a choice naming no tool, and tools beside another
-    // constraint are refused by name.
+    // `auto` (the default with tools): the model's own Hermes blocks are read as calls (here
+    // written under a regex, the fake model being random), with the words around them kept;
+    // words alone stay text.
+    let hermes =
+        r#"Checking.<tool_call>{"name": "get_time", "arguments": {"city": "Rome"}}</tool_call>"#;
+    for stream in [false, true] {
+        let body = json!({ "messages": [{ "role": "user", "content": "time?" }], "tools": tools,
+            "guided_regex": regex_escape(hermes), "max_tokens": 120, "stream": stream });
+        let r = http
+            .post(&addr, "/v1/chat/completions", &[], body.to_string())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let said = if stream {
+            let mut said = tl_engine::api::AssistantText {
+                role: "assistant".into(),
+                content: None,
+                tool_calls: None,
+            };
+            for e in r.events().unwrap() {
+                let StreamEvent::Chunk(ch) = e else { continue };
+                for x in &ch.choices {
+                    let d = x.delta.clone().unwrap();
+                    if let Some(t) = d.content.filter(|t| !t.is_empty()) {
+                        said.content.get_or_insert_default().push_str(&t);
+                    }
+                    if d.tool_calls.is_some() {
+                        said.tool_calls = d.tool_calls;
+                    }
+                    if x.finish_reason.is_some() {
+                        assert_eq!(x.finish_reason, Some(tl_engine::api::Finish::ToolCalls));
+                    }
+                }
+            }
+            said
+        } else {
+            let v: tl_engine::api::Completion = serde_json::from_slice(&r.body).unwrap();
+            assert_eq!(
+                v.choices[0].finish_reason,
+                Some(tl_engine::api::Finish::ToolCalls)
+            );
+            v.choices[0].message.clone().unwrap()
+        };
+        assert_eq!(
+            said.content.as_deref(),
+            Some("Checking."),
+            "stream {stream}"
+        );
+        let calls = said.tool_calls.unwrap();
+        assert_eq!(calls[0].function.name, "get_time");
+        assert_eq!(calls[0].function.arguments, r#"{"city":"Rome"}"#);
+    }
+    let body = json!({ "messages": [{ "role": "user", "content": "hi" }], "tools": tools,
+        "tool_choice": "auto", "max_tokens": 8 });
+    let r: Value = http
+        .post(&addr, "/v1/chat/completions", &[], body.to_string())
+        .await
+        .unwrap()
+        .json();
+    assert!(r["choices"][0]["message"]["tool_calls"].is_null(), "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "length", "{r}");
+    // A choice naming no tool, `auto` or `required` without tools, and a call a grammar
+    // enforces beside another constraint are refused by name.
     let refused = [
-        (json!({ "tools": tools }), "tool_choice"),
+        (json!({ "tool_choice": "auto" }), "tool_choice"),
         (
             json!({ "tools": tools, "tool_choice": { "type": "function", "function": { "name": "x" } } }),
             "tool_choice.function.name",

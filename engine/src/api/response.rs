@@ -436,8 +436,8 @@ impl ResponseMeta {
             return;
         };
         let text = said.content.as_deref().unwrap_or_default();
-        if let Some(calls) = super::tools::calls(mode, text, &self.id, choice) {
-            said.content = None;
+        if let Some((words, calls)) = super::tools::calls(mode, text, &self.id, choice) {
+            said.content = words;
             said.tool_calls = Some(calls);
             *finish = Some(Finish::ToolCalls);
         }

@@ -1,11 +1,11 @@
-//! OpenAI's tool calls, where a grammar can enforce them: `tool_choice` a named function or
-//! `required`. The output is constrained to JSON (a named function's arguments, or a list of
-//! `{"name", "parameters"}` calls, vLLM's shape), so it always parses; the answer then carries
-//! it as `message.tool_calls` with `finish_reason: "tool_calls"`.
-//!
-//! `auto` needs a parser for the checkpoint's own tool-call format (Hermes' `<tool_call>`, ...)
-//! and a template that renders `tools`; like vLLM without `--enable-auto-tool-choice`, it is
-//! refused by name. `none` (or no `tools`) is plain text.
+//! OpenAI's tool calls. With `tool_choice` a named function or `required`, a grammar enforces
+//! them: the output is constrained to JSON (a named function's arguments, or a list of
+//! `{"name", "parameters"}` calls, vLLM's shape), so it always parses. With `auto` (OpenAI's
+//! default when `tools` are given) the model decides: calls written in the Hermes format
+//! (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, which Qwen2.5 and Hermes
+//! checkpoints write and vLLM's `hermes` parser reads) are read out of the text. Either way the
+//! answer carries them as `message.tool_calls` with `finish_reason: "tool_calls"`. `none` (or
+//! no `tools`) is plain text.
 
 use serde::{Deserialize, Serialize};
 
@@ -77,6 +77,8 @@ pub enum ToolMode {
     Named(String),
     /// The output is a list of `{"name", "parameters"}`.
     Required,
+    /// The output is text, with calls in Hermes' `<tool_call>` blocks if the model wrote any.
+    Auto,
 }
 
 /// One call as OpenAI answers it.
@@ -110,16 +112,16 @@ fn valid_name(n: &str) -> bool {
 }
 
 /// What `tools`, `tool_choice` and `parallel_tool_calls` ask for: nothing (no tools, or
-/// `none`), or the mode and the grammar that enforces it.
+/// `none`), or the mode and the grammar that enforces it (none for `auto`).
 ///
 /// # Errors
-/// 400 naming the field: a malformed tool, a choice naming no listed tool, `required` without
-/// tools, or `auto` (not served).
+/// 400 naming the field: a malformed tool, a choice naming no listed tool, or `required` or
+/// `auto` without tools.
 pub fn tool_mode(
     tools: Option<&[Tool]>,
     choice: Option<&ToolChoice>,
     parallel: Option<bool>,
-) -> Result<Option<(ToolMode, Spec)>, ApiError> {
+) -> Result<Option<(ToolMode, Option<Spec>)>, ApiError> {
     let tools = tools.unwrap_or_default();
     if tools.len() > MAX_TOOLS {
         return Err(ApiError::bad_field(
@@ -173,7 +175,7 @@ pub fn tool_mode(
                 ));
             };
             let spec = Spec::json_schema(&params(t));
-            return Ok(Some((ToolMode::Named(function.name.clone()), spec)));
+            return Ok(Some((ToolMode::Named(function.name.clone()), Some(spec))));
         }
     };
     match mode {
@@ -205,13 +207,13 @@ pub fn tool_mode(
             if parallel == Some(false) {
                 list["maxItems"] = serde_json::json!(1);
             }
-            Ok(Some((ToolMode::Required, Spec::json_schema(&list))))
+            Ok(Some((ToolMode::Required, Some(Spec::json_schema(&list)))))
         }
-        "auto" => Err(ApiError::bad_field(
+        "auto" if tools.is_empty() => Err(ApiError::bad_field(
             "tool_choice",
-            "`auto` (the default with `tools`) is not served: it needs a parser for this \
-             checkpoint's tool-call format; ask for `required` or a named function",
+            "is `auto` but `tools` lists none",
         )),
+        "auto" => Ok(Some((ToolMode::Auto, None))),
         other => Err(ApiError::bad_field(
             "tool_choice",
             format!("is {other:?}; expected none, auto, required or a named function"),
@@ -219,10 +221,16 @@ pub fn tool_mode(
     }
 }
 
-/// The calls in an answer's text, as `mode` constrained it; `None` when the text does not
-/// hold them (cut short by `max_tokens`).
+/// The calls in an answer's text, as `mode` constrained it, and the text beside them (`auto`'s
+/// words around its blocks, none if only blanks); `None` when the text holds no calls (cut
+/// short by `max_tokens`, or an `auto` answer in words).
 #[must_use]
-pub fn calls(mode: &ToolMode, text: &str, request_id: &str, choice: u32) -> Option<Vec<ToolCall>> {
+pub fn calls(
+    mode: &ToolMode,
+    text: &str,
+    request_id: &str,
+    choice: u32,
+) -> Option<(Option<String>, Vec<ToolCall>)> {
     let id = |i: usize| {
         format!(
             "call_{}_{choice}_{i}",
@@ -235,12 +243,29 @@ pub fn calls(mode: &ToolMode, text: &str, request_id: &str, choice: u32) -> Opti
         kind: "function".into(),
         function: CalledFunction { name, arguments },
     };
+    if *mode == ToolMode::Auto {
+        let (words, blocks) = hermes_blocks(text)?;
+        let calls = blocks
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let v: serde_json::Value = serde_json::from_str(b.trim()).ok()?;
+                let args = match v.get("arguments")? {
+                    serde_json::Value::String(s) => s.clone(),
+                    a => a.to_string(),
+                };
+                Some(call(i, v["name"].as_str()?.to_owned(), args))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let words = words.trim();
+        return Some(((!words.is_empty()).then(|| words.to_owned()), calls));
+    }
     let v: serde_json::Value = serde_json::from_str(text).ok()?;
-    match mode {
+    let calls = match mode {
         ToolMode::Named(name) => v
             .is_object()
             .then(|| vec![call(0, name.clone(), text.to_owned())]),
-        ToolMode::Required => v
+        _ => v
             .as_array()?
             .iter()
             .enumerate()
@@ -252,7 +277,27 @@ pub fn calls(mode: &ToolMode, text: &str, request_id: &str, choice: u32) -> Opti
                 ))
             })
             .collect(),
+    }?;
+    Some((None, calls))
+}
+
+/// The text outside Hermes' `<tool_call>...</tool_call>` blocks and each block's inside;
+/// `None` without a block, or with one left open.
+fn hermes_blocks(text: &str) -> Option<(String, Vec<&str>)> {
+    const OPEN: &str = "<tool_call>";
+    const CLOSE: &str = "</tool_call>";
+    let mut words = String::new();
+    let mut blocks = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find(OPEN) {
+        words.push_str(&rest[..at]);
+        let inside = &rest[at + OPEN.len()..];
+        let end = inside.find(CLOSE)?;
+        blocks.push(&inside[..end]);
+        rest = &inside[end + CLOSE.len()..];
     }
+    words.push_str(rest);
+    (!blocks.is_empty()).then_some((words, blocks))
 }
 
 #[cfg(test)]
@@ -296,10 +341,17 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(m, ToolMode::Required);
+        let spec = spec.unwrap();
         assert!(spec.text.contains("\"maxItems\":1"), "{}", spec.text);
+        // `auto`, OpenAI's default with tools: no grammar.
+        assert_eq!(
+            tool_mode(Some(&tools), None, None).unwrap(),
+            Some((ToolMode::Auto, None))
+        );
         let refused =
             |t: Option<&[Tool]>, c: Option<&ToolChoice>| tool_mode(t, c, None).unwrap_err().param;
-        assert_eq!(refused(Some(&tools), None).as_deref(), Some("tool_choice"));
+        let auto = ToolChoice::Mode("auto".into());
+        assert_eq!(refused(None, Some(&auto)).as_deref(), Some("tool_choice"));
         assert_eq!(refused(None, Some(&req)).as_deref(), Some("tool_choice"));
         let other = ToolChoice::Named {
             kind: "function".into(),
@@ -321,16 +373,27 @@ mod tests {
     #[test]
     fn calls_are_read_from_the_constrained_text() {
         let named = ToolMode::Named("get_weather".into());
-        let c = calls(&named, r#"{"city":"Paris"}"#, "cmpl-7", 0).unwrap();
+        let c = calls(&named, r#"{"city":"Paris"}"#, "cmpl-7", 0).unwrap().1;
         assert_eq!(c[0].function.name, "get_weather");
         assert_eq!(c[0].function.arguments, r#"{"city":"Paris"}"#);
         let text = r#"[{"name":"get_time","parameters":{"city":"Rome"}},{"name":"get_weather","parameters":{"city":"Oslo"}}]"#;
-        let c = calls(&ToolMode::Required, text, "cmpl-7", 1).unwrap();
+        let c = calls(&ToolMode::Required, text, "cmpl-7", 1).unwrap().1;
         assert_eq!(c.len(), 2);
         assert_eq!(c[1].function.name, "get_weather");
         assert_eq!(c[1].function.arguments, r#"{"city":"Oslo"}"#);
         assert_ne!(c[0].id, c[1].id);
         // Cut short: no calls.
         assert_eq!(calls(&named, r#"{"city":"Pa"#, "cmpl-7", 0), None);
+        // Hermes blocks, with words around them; words alone, or a block left open, are text.
+        let text = "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        let (words, c) = calls(&ToolMode::Auto, text, "cmpl-7", 0).unwrap();
+        assert_eq!(words.as_deref(), Some("Let me look."));
+        assert_eq!(c[0].function.name, "get_weather");
+        assert_eq!(c[0].function.arguments, r#"{"city":"Paris"}"#);
+        assert_eq!(calls(&ToolMode::Auto, "It is sunny.", "cmpl-7", 0), None);
+        assert_eq!(
+            calls(&ToolMode::Auto, "<tool_call>{\"name\":", "cmpl-7", 0),
+            None
+        );
     }
 }

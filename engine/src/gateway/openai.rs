@@ -332,7 +332,7 @@ async fn start(
     prep: Prep,
     mut params: GenerationParams,
     flavor: Flavor,
-    tools: Option<(tools::ToolMode, Spec)>,
+    tools: Option<(tools::ToolMode, Option<Spec>)>,
 ) -> Response {
     let salt = params.cache_salt.as_deref();
     if salt.is_some_and(|s| s.len() > MAX_CACHE_SALT) {
@@ -354,15 +354,15 @@ async fn start(
     };
     let structured = match (params.structured(), &tools) {
         (Err(e), _) => return e.into_response(),
-        (Ok(Some((field, _))), Some(_)) => {
+        (Ok(Some((field, _))), Some((_, Some(_)))) => {
             return ApiError::bad_field(
                 field,
                 "cannot be asked for with `tool_choice` required or a named function",
             )
             .into_response();
         }
-        (Ok(None), Some((_, spec))) => Some(("tools".to_owned(), spec.clone())),
-        (Ok(s), None) => s,
+        (Ok(None), Some((_, Some(spec)))) => Some(("tools".to_owned(), spec.clone())),
+        (Ok(s), _) => s,
     };
     let tool_mode = tools.map(|(m, _)| m);
     let spec = structured.as_ref().map(|(_, s)| s.clone());
