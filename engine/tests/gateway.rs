@@ -662,8 +662,8 @@ async fn unsupported_fields_are_400() {
         ),
         (
             "/v1/chat/completions",
-            json!({ "messages": [{ "role": "user", "content": "x" }], "tools": [] }),
-            "`tools` is not supported",
+            json!({ "messages": [{ "role": "user", "content": "x" }], "functions": [] }),
+            "`functions` is not supported",
         ),
         (
             "/v1/chat/completions",
