@@ -67,7 +67,7 @@ fn every_type_dequantizes_as_ggufs_own_library_does() {
     assert_eq!(
         seen,
         [
-            "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"
+            "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"
         ]
     );
     std::fs::remove_dir_all(&out).unwrap();

@@ -50,7 +50,7 @@ pub enum CheckpointError {
     },
     /// A tensor's dtype is not bf16, f16 or f32 (or differs within one matrix).
     #[error(
-        "tensor {name} has dtype {dtype}: not served (safetensors: BF16, F16, F32; GGUF: those and Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)"
+        "tensor {name} has dtype {dtype}: not served (safetensors: BF16, F16, F32; GGUF: those and Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)"
     )]
     Dtype {
         /// The tensor.

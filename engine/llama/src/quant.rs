@@ -78,6 +78,33 @@ pub struct BlockQ4_1 {
     pub qs: [u8; 16],
 }
 
+/// Q5_0: a scale `d`, the 32 values' fifth bits in `qh` (a little-endian u32, bit `j` for
+/// value `j`), then their low four bits as Q4_0's nibbles; a value is `(q - 16) * d`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+pub struct BlockQ5_0 {
+    /// The scale, f16.
+    pub d: [u8; 2],
+    /// The fifth bits.
+    pub qh: [u8; 4],
+    /// The low nibbles.
+    pub qs: [u8; 16],
+}
+
+/// Q5_1: as Q5_0 with a minimum `m` after the scale; a value is `q * d + m`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+pub struct BlockQ5_1 {
+    /// The scale, f16.
+    pub d: [u8; 2],
+    /// The minimum, f16.
+    pub m: [u8; 2],
+    /// The fifth bits.
+    pub qh: [u8; 4],
+    /// The low nibbles.
+    pub qs: [u8; 16],
+}
+
 /// Q4_K: 256 values in 8 groups of 32; an f16 super-scale and super-minimum, each group's
 /// six-bit scale and minimum packed in 12 bytes, then the nibbles (64 values per 32 bytes:
 /// low nibbles first, then high).
@@ -129,6 +156,8 @@ pub struct BlockQ6K {
 const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
 const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
 const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == 20);
+const _: () = assert!(std::mem::size_of::<BlockQ5_0>() == 22);
+const _: () = assert!(std::mem::size_of::<BlockQ5_1>() == 24);
 const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
 const _: () = assert!(std::mem::size_of::<BlockQ5K>() == 176);
 const _: () = assert!(std::mem::size_of::<BlockQ6K>() == 210);
@@ -172,6 +201,48 @@ impl Block for BlockQ4_1 {
         for (j, &q) in self.qs.iter().enumerate() {
             lo[j] = f32::from(q & 0xF) * d + m;
             hi[j] = f32::from(q >> 4) * d + m;
+        }
+    }
+}
+
+/// The 32 five-bit values of a Q5_0 or Q5_1 block, in order: value `j` and `j + 16` from byte
+/// `j`'s low and high nibble, each with its fifth bit from `qh`.
+#[inline(always)]
+fn five_bits(qh: [u8; 4], qs: &[u8; 16]) -> impl Iterator<Item = (usize, u8, u8)> + '_ {
+    let h = u32::from_le_bytes(qh);
+    qs.iter().enumerate().map(move |(j, &q)| {
+        let lo = (q & 0xF) | ((((h >> j) << 4) & 0x10) as u8);
+        let hi = (q >> 4) | (((h >> (j + 12)) & 0x10) as u8);
+        (j, lo, hi)
+    })
+}
+
+impl Block for BlockQ5_0 {
+    const NAME: &'static str = "Q5_0";
+    const VALUES: usize = 32;
+
+    #[inline(always)]
+    fn dequantize(&self, out: &mut [f32]) {
+        let d = half(self.d);
+        let (lo, hi) = out[..32].split_at_mut(16);
+        for (j, x0, x1) in five_bits(self.qh, &self.qs) {
+            lo[j] = (i32::from(x0) - 16) as f32 * d;
+            hi[j] = (i32::from(x1) - 16) as f32 * d;
+        }
+    }
+}
+
+impl Block for BlockQ5_1 {
+    const NAME: &'static str = "Q5_1";
+    const VALUES: usize = 32;
+
+    #[inline(always)]
+    fn dequantize(&self, out: &mut [f32]) {
+        let (d, m) = (half(self.d), half(self.m));
+        let (lo, hi) = out[..32].split_at_mut(16);
+        for (j, x0, x1) in five_bits(self.qh, &self.qs) {
+            lo[j] = f32::from(x0) * d + m;
+            hi[j] = f32::from(x1) * d + m;
         }
     }
 }

@@ -236,6 +236,8 @@ mod tests {
             (GgmlType::Q8_0, (32, 34)),
             (GgmlType::Q4_0, (32, 18)),
             (GgmlType::Q4_1, (32, 20)),
+            (GgmlType::Q5_0, (32, 22)),
+            (GgmlType::Q5_1, (32, 24)),
             (GgmlType::Q4K, (256, 144)),
             (GgmlType::Q5K, (256, 176)),
             (GgmlType::Q6K, (256, 210)),

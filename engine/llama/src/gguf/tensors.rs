@@ -3,7 +3,10 @@
 //! of a `llama` file put back in Hugging Face's order.
 
 use super::*;
-use crate::quant::{self, Block, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8_0};
+use crate::quant::{
+    self, Block, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, BlockQ6K,
+    BlockQ8_0,
+};
 
 /// A tensor's ggml type, among those this loader reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,6 +23,10 @@ pub enum GgmlType {
     Q4_0,
     /// 32 values: an f16 scale, an f16 minimum and 32 nibbles.
     Q4_1,
+    /// 32 values: an f16 scale, 32 fifth bits and 32 nibbles, offset by 16.
+    Q5_0,
+    /// 32 values: an f16 scale, an f16 minimum, 32 fifth bits and 32 nibbles.
+    Q5_1,
     /// 256 values: f16 super-scale and super-minimum, 8 six-bit scales and minimums, nibbles.
     Q4K,
     /// As Q4_K with a fifth bit a value.
@@ -51,13 +58,14 @@ impl GgmlType {
             8 => Self::Q8_0,
             2 => Self::Q4_0,
             3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            7 => Self::Q5_1,
             12 => Self::Q4K,
             13 => Self::Q5K,
             14 => Self::Q6K,
             other => {
                 let name = match other {
                     6 => "Q5_0",
-                    7 => "Q5_1",
                     9 => "Q8_1",
                     10 => "Q2_K",
                     11 => "Q3_K",
@@ -78,8 +86,8 @@ impl GgmlType {
         })
     }
 
-    /// The weight type the kernels read this type's bytes as, in place; `None` for the
-    /// K-quants, which are dequantized to f32 at load.
+    /// The weight type the kernels read this type's bytes as, in place; `None` for Q5_0, Q5_1
+    /// and the K-quants, which are dequantized to f32 at load.
     #[must_use]
     pub fn stored(self) -> Option<DType> {
         match self {
@@ -89,7 +97,7 @@ impl GgmlType {
             Self::Q8_0 => Some(DType::Q8_0),
             Self::Q4_0 => Some(DType::Q4_0),
             Self::Q4_1 => Some(DType::Q4_1),
-            Self::Q4K | Self::Q5K | Self::Q6K => None,
+            Self::Q5_0 | Self::Q5_1 | Self::Q4K | Self::Q5K | Self::Q6K => None,
         }
     }
 
@@ -106,6 +114,8 @@ impl GgmlType {
             Self::Q8_0 => of::<BlockQ8_0>(),
             Self::Q4_0 => of::<BlockQ4_0>(),
             Self::Q4_1 => of::<BlockQ4_1>(),
+            Self::Q5_0 => of::<BlockQ5_0>(),
+            Self::Q5_1 => of::<BlockQ5_1>(),
             Self::Q4K => of::<BlockQ4K>(),
             Self::Q5K => of::<BlockQ5K>(),
             Self::Q6K => of::<BlockQ6K>(),
@@ -122,6 +132,8 @@ impl GgmlType {
             Self::Q8_0 => BlockQ8_0::NAME,
             Self::Q4_0 => BlockQ4_0::NAME,
             Self::Q4_1 => BlockQ4_1::NAME,
+            Self::Q5_0 => BlockQ5_0::NAME,
+            Self::Q5_1 => BlockQ5_1::NAME,
             Self::Q4K => BlockQ4K::NAME,
             Self::Q5K => BlockQ5K::NAME,
             Self::Q6K => BlockQ6K::NAME,
@@ -265,6 +277,8 @@ pub fn dequantize(kind: GgmlType, bytes: &[u8], out: &mut [f32]) {
         GgmlType::Q8_0 => quant::dequantize::<BlockQ8_0>(bytes, out),
         GgmlType::Q4_0 => quant::dequantize::<BlockQ4_0>(bytes, out),
         GgmlType::Q4_1 => quant::dequantize::<BlockQ4_1>(bytes, out),
+        GgmlType::Q5_0 => quant::dequantize::<BlockQ5_0>(bytes, out),
+        GgmlType::Q5_1 => quant::dequantize::<BlockQ5_1>(bytes, out),
         GgmlType::Q4K => quant::dequantize::<BlockQ4K>(bytes, out),
         GgmlType::Q5K => quant::dequantize::<BlockQ5K>(bytes, out),
         GgmlType::Q6K => quant::dequantize::<BlockQ6K>(bytes, out),
