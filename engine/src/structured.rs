@@ -76,7 +76,7 @@ impl Spec {
                 "choices are one or more non-empty strings".into(),
             ));
         }
-        let alternatives: Vec<String> = choices.iter().map(|c| regex_escape(c)).collect();
+        let alternatives: Vec<String> = choices.iter().map(|c| regex_syntax::escape(c)).collect();
         Ok(Spec {
             kind: Kind::Regex,
             text: format!("(?:{})", alternatives.join("|")),
@@ -140,18 +140,6 @@ impl Spec {
             Kind::Lark => TopLevelGrammar::from_lark(self.text.clone()),
         })
     }
-}
-
-/// `s` as a regular expression matching exactly it.
-fn regex_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if "\\.+*?()|[]{}^$#&-~".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
 }
 
 /// Why a spec was refused (HTTP 400, INVALID_ARGUMENT).

@@ -1486,14 +1486,6 @@ async fn structured_outputs_match_and_equal_colocated_across_prefill_and_decode(
 /// `<tool_call>` blocks out of the text.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tool_calls_named_required_and_auto() {
-    fn regex_escape(s: &str) -> String {
-        s.chars()
-            .flat_map(|c| {
-                let special = "\\.+*?()|[]{}^$#&-~".contains(c);
-                special.then_some('\\').into_iter().chain([c])
-            })
-            .collect()
-    }
     use tl_engine::api::sse::StreamEvent;
     let c = cluster(2).await;
     let http = HttpClient::default();
@@ -1576,7 +1568,7 @@ async fn tool_calls_named_required_and_auto() {
         r#"Checking.<tool_call>{"name": "get_time", "arguments": {"city": "Rome"}}</tool_call>"#;
     for stream in [false, true] {
         let body = json!({ "messages": [{ "role": "user", "content": "time?" }], "tools": tools,
-            "guided_regex": regex_escape(hermes), "max_tokens": 120, "stream": stream });
+            "guided_regex": tl_engine::structured::Spec::choice(&[hermes.into()]).unwrap().text, "max_tokens": 120, "stream": stream });
         let r = http
             .post(&addr, "/v1/chat/completions", &[], body.to_string())
             .await
