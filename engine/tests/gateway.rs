@@ -1627,6 +1627,10 @@ async fn tool_calls_named_required_and_auto() {
     let refused = [
         (json!({ "tool_choice": "auto" }), "tool_choice"),
         (
+            json!({ "tools": tools, "tool_choice": "sometimes" }),
+            "tool_choice",
+        ),
+        (
             json!({ "tools": tools, "tool_choice": { "type": "function", "function": { "name": "x" } } }),
             "tool_choice.function.name",
         ),

@@ -51,7 +51,7 @@ pub struct FunctionDef {
 )]
 pub enum ToolChoice {
     /// `none`, `auto` or `required`.
-    Mode(String),
+    Mode(ChoiceMode),
     /// `{"type": "function", "function": {"name": ...}}`.
     Named {
         /// Always `function`.
@@ -60,6 +60,18 @@ pub enum ToolChoice {
         /// The function's name.
         function: NamedFunction,
     },
+}
+
+/// The named modes of `tool_choice`.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ChoiceMode {
+    /// No call: the tools are not offered.
+    None,
+    /// The model chooses between words and calls.
+    Auto,
+    /// At least one call.
+    Required,
 }
 
 /// The function a named `tool_choice` forces.
@@ -162,8 +174,8 @@ pub fn tool_mode(
     let mode = match choice {
         None if tools.is_empty() => return Ok(None),
         // OpenAI's default with tools.
-        None => "auto",
-        Some(ToolChoice::Mode(m)) => m.as_str(),
+        None => ChoiceMode::Auto,
+        Some(ToolChoice::Mode(m)) => *m,
         Some(ToolChoice::Named { kind, function }) => {
             if kind != "function" {
                 return Err(ApiError::bad_field("tool_choice.type", "is `function`"));
@@ -179,12 +191,12 @@ pub fn tool_mode(
         }
     };
     match mode {
-        "none" => Ok(None),
-        "required" if tools.is_empty() => Err(ApiError::bad_field(
+        ChoiceMode::None => Ok(None),
+        ChoiceMode::Required if tools.is_empty() => Err(ApiError::bad_field(
             "tool_choice",
             "is `required` but `tools` lists none",
         )),
-        "required" => {
+        ChoiceMode::Required => {
             let calls: Vec<serde_json::Value> = tools
                 .iter()
                 .map(|t| {
@@ -209,15 +221,11 @@ pub fn tool_mode(
             }
             Ok(Some((ToolMode::Required, Some(Spec::json_schema(&list)))))
         }
-        "auto" if tools.is_empty() => Err(ApiError::bad_field(
+        ChoiceMode::Auto if tools.is_empty() => Err(ApiError::bad_field(
             "tool_choice",
             "is `auto` but `tools` lists none",
         )),
-        "auto" => Ok(Some((ToolMode::Auto, None))),
-        other => Err(ApiError::bad_field(
-            "tool_choice",
-            format!("is {other:?}; expected none, auto, required or a named function"),
-        )),
+        ChoiceMode::Auto => Ok(Some((ToolMode::Auto, None))),
     }
 }
 
@@ -324,7 +332,7 @@ mod tests {
     fn modes_and_refusals() {
         let tools = [tool("get_weather"), tool("get_time")];
         assert_eq!(tool_mode(None, None, None).unwrap(), None);
-        let none = ToolChoice::Mode("none".into());
+        let none = ToolChoice::Mode(ChoiceMode::None);
         assert_eq!(tool_mode(Some(&tools), Some(&none), None).unwrap(), None);
         let named = ToolChoice::Named {
             kind: "function".into(),
@@ -336,7 +344,7 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(m, ToolMode::Named("get_time".into()));
-        let req = ToolChoice::Mode("required".into());
+        let req = ToolChoice::Mode(ChoiceMode::Required);
         let (m, spec) = tool_mode(Some(&tools), Some(&req), Some(false))
             .unwrap()
             .unwrap();
@@ -350,7 +358,7 @@ mod tests {
         );
         let refused =
             |t: Option<&[Tool]>, c: Option<&ToolChoice>| tool_mode(t, c, None).unwrap_err().param;
-        let auto = ToolChoice::Mode("auto".into());
+        let auto = ToolChoice::Mode(ChoiceMode::Auto);
         assert_eq!(refused(None, Some(&auto)).as_deref(), Some("tool_choice"));
         assert_eq!(refused(None, Some(&req)).as_deref(), Some("tool_choice"));
         let other = ToolChoice::Named {

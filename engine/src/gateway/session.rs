@@ -32,7 +32,6 @@ use std::collections::HashMap;
 
 use kvwire_grpc::pb::engine::{
     DecodeHolds, GenerateEvents, GenerateRequest, KvHandle, PrefillRequest, Resume, SamplingParams,
-    StopRules,
 };
 use tonic::Code;
 
@@ -826,7 +825,7 @@ impl Session {
     /// (the prompt's last `held` tokens, which the penalties count as output).
     fn sampling_params(&self, seed: Option<u64>, held: u32) -> SamplingParams {
         let p = &self.job.params;
-        crate::node::front::sampling_params(
+        crate::node::wire::sampling_params(
             &p.sampling(),
             self.job.structured.as_ref(),
             seed,
@@ -846,15 +845,10 @@ impl Session {
         n: u32,
         resume: Option<Resume>,
     ) -> GenerateRequest {
-        let stop = &self.job.stop;
         GenerateRequest {
             prompt_tokens: prompt,
             sampling: Some(self.sampling_params(seed, held)),
-            stop: Some(StopRules {
-                sequences: stop.sequences.clone(),
-                token_ids: stop.token_ids.clone(),
-                min_tokens: stop.min_tokens.saturating_sub(held),
-            }),
+            stop: Some(crate::node::wire::stop_rules(&self.job.stop, held)),
             n,
             logprobs: self.job.choices.logprobs,
             cache_scope: self.job.scope,

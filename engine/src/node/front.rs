@@ -6,21 +6,17 @@
 
 use std::sync::Arc;
 
-use crate::structured::Spec;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use kvwire_grpc::pb::engine::{
-    GenerateEvents, GenerateRequest, SamplingParams, StopRules, Structured,
-};
+use kvwire_grpc::pb::engine::{GenerateEvents, GenerateRequest};
 use tl_engine_core::logprobs::MAX_TOP_LOGPROBS;
 use tl_engine_core::request::Limits;
-use tl_engine_core::sampler::SamplingRequest;
-use tl_engine_core::stop::Stop;
 use tracing::Instrument;
 
 use super::generate::{Generator, Started};
 use super::state::NodeState;
+use super::wire::{sampling_params, stop_rules};
 use crate::api::render::{self, ChoiceEvent, ChoiceSource};
 use crate::api::{
     ApiError, COMPLETION_FIELDS, CompletionRequest, Flavor, Prompt, ResponseMeta, TextRender,
@@ -98,7 +94,7 @@ impl DecodeFront {
                     p.max_tokens(),
                     0,
                 )),
-                stop: Some(stop_rules(&stop)),
+                stop: Some(stop_rules(&stop, 0)),
                 n: choices.n,
                 logprobs: choices.logprobs,
                 cache_scope: 0,
@@ -131,46 +127,6 @@ impl DecodeFront {
             let mut src = src;
             render::whole(&meta, choices.n, &mut src).await
         }
-    }
-}
-
-/// A request's sampling as the wire carries it: with `seed`, `max_tokens` (this engine's), and
-/// `earlier_output` (the prompt's last tokens that are the request's own output, after a
-/// failover). [`super::generate::sampling_request`] reads it back.
-#[must_use]
-pub fn sampling_params(
-    s: &SamplingRequest,
-    structured: Option<&Spec>,
-    seed: Option<u64>,
-    max_tokens: u32,
-    earlier_output: u32,
-) -> SamplingParams {
-    SamplingParams {
-        temperature: s.temperature,
-        top_p: s.top_p,
-        top_k: s.top_k,
-        seed,
-        max_tokens,
-        min_p: s.min_p,
-        presence_penalty: s.presence_penalty,
-        frequency_penalty: s.frequency_penalty,
-        repetition_penalty: s.repetition_penalty,
-        logit_bias: s.logit_bias.iter().copied().collect(),
-        earlier_output,
-        structured: structured.map(|s| Structured {
-            kind: s.kind.name().to_owned(),
-            text: s.text.clone(),
-        }),
-    }
-}
-
-/// A request's stop rules as the wire carries them.
-#[must_use]
-pub fn stop_rules(stop: &Stop) -> StopRules {
-    StopRules {
-        sequences: stop.sequences.clone(),
-        token_ids: stop.token_ids.clone(),
-        min_tokens: stop.min_tokens,
     }
 }
 

@@ -18,15 +18,14 @@ use tl_engine_core::logprobs::TokenLogprobs;
 use tl_engine_core::pool::Blocks;
 use tl_engine_core::request::{Limits, Params};
 use tl_engine_core::rng::entropy_seed;
-use tl_engine_core::sampler::SamplingRequest;
 use tl_engine_core::stop::Stop;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Status};
 
-use super::prefill::{request_status, seq_status};
 use super::runner::Heard;
 use super::state::NodeState;
+use super::wire::{request_status, sampling_request, seq_status};
 
 /// The most stop rules a request may carry to an engine: the gateway's bounds on what a client
 /// names (4 strings of 64 bytes, 64 token ids), with room for the checkpoint's EOS ids.
@@ -205,22 +204,6 @@ impl Generator {
             )));
         };
         Ok((claimed.scope(), claimed.into_ids()))
-    }
-}
-
-/// The sampling a peer sent, as stated, for [`Params::validate`] (which bounds every field):
-/// the inverse of [`super::front::sampling_params`].
-pub(crate) fn sampling_request(sp: &kvwire_grpc::pb::engine::SamplingParams) -> SamplingRequest {
-    SamplingRequest {
-        temperature: sp.temperature,
-        top_p: sp.top_p,
-        top_k: sp.top_k,
-        min_p: sp.min_p,
-        presence_penalty: sp.presence_penalty,
-        frequency_penalty: sp.frequency_penalty,
-        repetition_penalty: sp.repetition_penalty,
-        // A map on the wire: at most one bias per token.
-        logit_bias: sp.logit_bias.iter().map(|(&t, &b)| (t, b)).collect(),
     }
 }
 

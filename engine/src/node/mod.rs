@@ -25,6 +25,7 @@ pub mod registrar;
 pub mod runner;
 pub mod state;
 pub mod store;
+pub mod wire;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -16,9 +16,9 @@ use kvwire_grpc::pb::engine::{DecodeHolds, KvHandle, PrefillRequest};
 use kvwire_grpc::{
     BlockId, GrpcTransport, KvStore, KvTransport, Push, TransferError, TransferStats,
 };
-use tl_engine_core::engine::{Mode, PrefillOutput, PrefillProgress, Request, SeqError, StepEvent};
-use tl_engine_core::pool::{Blocks, PoolError, SharedKv};
-use tl_engine_core::request::{Limits, Params, RequestError};
+use tl_engine_core::engine::{Mode, PrefillOutput, PrefillProgress, Request, StepEvent};
+use tl_engine_core::pool::{Blocks, SharedKv};
+use tl_engine_core::request::{Limits, Params};
 use tl_engine_core::rng::entropy_seed;
 use tl_engine_core::sampler::Sampling;
 use tokio::sync::{mpsc as tmpsc, oneshot, watch};
@@ -28,22 +28,8 @@ use tracing::Instrument;
 use super::runner::Heard;
 use super::state::NodeState;
 use super::store::PoolStore;
+use super::wire::{request_status, sampling_request, seq_status};
 use crate::telemetry::metrics::SharedMetrics;
-
-/// The one mapping of a refused request to gRPC.
-#[must_use]
-pub fn request_status(e: &RequestError) -> Status {
-    Status::invalid_argument(e.to_string())
-}
-
-/// The gRPC status of a sequence that failed while running.
-#[must_use]
-pub fn seq_status(e: &SeqError) -> Status {
-    match e {
-        SeqError::Pool(PoolError::Exhausted { .. }) => Status::resource_exhausted(e.to_string()),
-        _ => Status::internal(e.to_string()),
-    }
-}
 
 /// Prefill requests in flight, by request id, each with the switch that cancels it.
 #[derive(Debug)]
@@ -254,7 +240,7 @@ impl PrefillService {
             // A prefill samples one token; max_tokens (0 on the wire: unset) is the decode
             // side's business.
             max_tokens: sp.max_tokens.max(1),
-            sampling: super::generate::sampling_request(&sp),
+            sampling: sampling_request(&sp),
         };
         let sampling = params
             .validate(Limits::of(self.state.runner().model().as_ref()))

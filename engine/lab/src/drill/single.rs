@@ -627,6 +627,35 @@ fn by_phase(
     (ttft, tpot, routes)
 }
 
+/// What the registry did after the fault, in ms from it, until the restore: after a gateway
+/// restart, when the engines had registered again with the new registry; otherwise, when the
+/// registry forgot the lost engine (after 3 missed beats).
+async fn registry_after_fault(
+    http: &str,
+    fault: Fault,
+    victim_id: &str,
+    t0: Instant,
+    fault_time: Duration,
+    restore_at: Duration,
+) -> (Option<f64>, Option<f64>) {
+    let since_fault = || Some((t0.elapsed() - fault_time).as_secs_f64() * 1e3);
+    while t0.elapsed() < restore_at {
+        let live = live_workers(http).await;
+        if fault == Fault::RegistryRestart {
+            if live.is_some_and(|w| w.len() == 3) {
+                return (since_fault(), None);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        } else {
+            if live.is_some_and(|w| !w.iter().any(|id| id == victim_id)) {
+                return (None, since_fault());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    (None, None)
+}
+
 pub(super) async fn run(a: &DrillArgs) -> Result<SingleReport, DrillError> {
     let mut cluster = Cluster::start(a).await?;
     let http = cluster.http();
@@ -671,29 +700,8 @@ pub(super) async fn run(a: &DrillArgs) -> Result<SingleReport, DrillError> {
     cluster.fault(v, a.fault)?;
     // Once the fault has landed (a `docker` command takes a moment).
     let fault_time = t0.elapsed();
-    // After a gateway restart, the engines register again with the new registry.
-    let mut reregistered_ms = None;
-    if a.fault == Fault::RegistryRestart {
-        while t0.elapsed() < restore_at {
-            if live_workers(&http).await.is_some_and(|w| w.len() == 3) {
-                reregistered_ms = Some((t0.elapsed() - fault_time).as_secs_f64() * 1e3);
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    }
-    // The registry forgets a lost engine after 3 missed beats.
-    let mut evicted_ms = None;
-    while a.fault != Fault::RegistryRestart && t0.elapsed() < restore_at {
-        if live_workers(&http)
-            .await
-            .is_some_and(|w| !w.iter().any(|id| id == victim_id))
-        {
-            evicted_ms = Some((t0.elapsed() - fault_time).as_secs_f64() * 1e3);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let (reregistered_ms, evicted_ms) =
+        registry_after_fault(&http, a.fault, victim_id, t0, fault_time, restore_at).await;
     tokio::time::sleep_until((t0 + restore_at).into()).await;
     let restore_time = t0.elapsed();
     cluster.restore(v, a.fault, a)?;
