@@ -472,6 +472,36 @@ async fn langchain_completions_llm_sends_prompt_lists() {
     assert_eq!(out["token_usage"]["prompt_tokens"], prompt_tokens);
 }
 
+/// `tl serve --model` on the Gemma 3 270M file (a base model, SentencePiece vocabulary,
+/// sliding-window layers), as a user runs it: the official client's completion of "The capital
+/// of France is" continues it in words, greedy.
+#[test]
+fn tl_serve_completes_with_gemma3_through_the_official_client() {
+    let gguf = common::fetch::gemma3_gguf();
+    let dir = client_dir();
+    let (child, listening, _) = start_serve(&gguf);
+    assert_eq!(listening["model"], "gemma-3-270m-q4_k_m");
+    let plan = json!({
+        "base_url": listening["base_url"],
+        "requests": [
+            {"name": "france", "api": "completions", "stream": false, "kwargs": {
+                "model": listening["model"], "max_tokens": 12, "temperature": 0.0,
+                "prompt": "The capital of France is"}},
+        ],
+    });
+    let got = run_script("client.py", &dir, &plan);
+    let text = got["france"]["body"]["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    // The float64 reference's greedy continuation (gemma3_matches_the_independent_reference).
+    assert!(
+        text.starts_with(" the capital of the country of France."),
+        "{got}"
+    );
+    stop_serve(child);
+}
+
 /// `tl serve --model GGUF` on a free port: the child, its listening line, what it said before.
 fn start_serve(gguf: &std::path::Path) -> (std::process::Child, Value, String) {
     use std::io::BufRead;

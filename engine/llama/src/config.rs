@@ -130,6 +130,26 @@ pub struct LlamaConfig {
     pub eos: Vec<u32>,
     /// The token a text prompt starts with, if any.
     pub bos: Option<u32>,
+    /// Gemma 3's layer, where the architecture is Gemma 3.
+    pub gemma: Option<Gemma>,
+}
+
+/// What Gemma 3's layer is, beside Llama's: RMSNorm on each head of Q and K, a norm after the
+/// attention and after the MLP as well as before them, GeGLU (GELU's tanh form) for SwiGLU, the
+/// embedding scaled by the square root of the width, and local layers that attend to a window
+/// of the latest positions, with RoPE of their own base, between global ones. Served from GGUF
+/// files, whose converter folds the norms' `+1` into their weights.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gemma {
+    /// The positions a local layer attends to, its own included.
+    pub window: usize,
+    /// Layer `l` is global when `(l + 1)` is a multiple of it (6: the 6th, 12th, ...), local
+    /// otherwise.
+    pub global_every: usize,
+    /// RoPE's base on the local layers (`rope_theta` is the global layers').
+    pub local_theta: f64,
+    /// Attention scores are scaled by its inverse square root (`query_pre_attn_scalar`).
+    pub query_scalar: f64,
 }
 
 impl LlamaConfig {
@@ -138,9 +158,18 @@ impl LlamaConfig {
     /// may cut, nor the EOS ids). Engines and the gateway hash it into the model's fingerprint.
     #[must_use]
     pub fn identity(&self) -> String {
+        let gemma = self.gemma.map_or(String::new(), |g| {
+            format!(
+                " window={} global_every={} local_theta={:#x} query_scalar={:#x}",
+                g.window,
+                g.global_every,
+                g.local_theta.to_bits(),
+                g.query_scalar.to_bits()
+            )
+        });
         format!(
             "{} hidden={} intermediate={} layers={} heads={} kv_heads={} head_dim={} vocab={} \
-             rms_eps={:#x} rope_theta={:#x} rope={:?} tied={} qkv_bias={}",
+             rms_eps={:#x} rope_theta={:#x} rope={:?} tied={} qkv_bias={}{gemma}",
             self.architecture.hf_name(),
             self.hidden,
             self.intermediate,
@@ -181,6 +210,12 @@ struct Raw {
     sliding_window: Option<serde_json::Value>,
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
+    hidden_activation: Option<String>,
+    sliding_window_pattern: Option<usize>,
+    rope_local_base_freq: Option<f64>,
+    query_pre_attn_scalar: Option<f64>,
+    attn_logit_softcapping: Option<f64>,
+    final_logit_softcapping: Option<f64>,
 }
 
 /// The widest attention head taken (published models use 64 to 256).
@@ -197,11 +232,13 @@ pub enum Architecture {
     Mistral,
     /// `Qwen2ForCausalLM`: Llama's layout with Q, K and V biases.
     Qwen2,
+    /// `Gemma3ForCausalLM`: Gemma 3's layer ([`Gemma`]).
+    Gemma3,
 }
 
 impl Architecture {
     /// Every one served.
-    pub const ALL: [Architecture; 3] = [Self::Llama, Self::Mistral, Self::Qwen2];
+    pub const ALL: [Architecture; 4] = [Self::Llama, Self::Mistral, Self::Qwen2, Self::Gemma3];
 
     /// Its name in `config.json`'s `architectures`.
     #[must_use]
@@ -210,6 +247,7 @@ impl Architecture {
             Self::Llama => "LlamaForCausalLM",
             Self::Mistral => "MistralForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -237,6 +275,52 @@ fn ids(v: Option<&serde_json::Value>) -> Vec<u32> {
             .collect(),
         _ => Vec::new(),
     }
+}
+
+/// Gemma 3's figures: a window of 1 to 2^20 positions, a global layer every 1 to 64, RoPE's
+/// local base (10,000 when not given) and `query_pre_attn_scalar` (`head_dim` when not given).
+fn gemma_of(raw: &Raw) -> Result<Gemma, CheckpointError> {
+    let window = raw
+        .sliding_window
+        .as_ref()
+        .and_then(serde_json::Value::as_u64)
+        .ok_or_else(|| unsupported("sliding_window", "none", "Gemma 3 needs its window"))?;
+    if window == 0 || window > 1 << 20 {
+        return Err(unsupported("sliding_window", window, "must be 1 to 2^20"));
+    }
+    let every = raw.sliding_window_pattern.unwrap_or(6);
+    if every == 0 || every > 64 {
+        return Err(unsupported(
+            "sliding_window_pattern",
+            every,
+            "must be 1 to 64",
+        ));
+    }
+    let local_theta = raw.rope_local_base_freq.unwrap_or(10_000.0);
+    if !(local_theta > 1.0 && local_theta.is_finite()) {
+        return Err(unsupported(
+            "rope_local_base_freq",
+            local_theta,
+            "must be above 1",
+        ));
+    }
+    let head_dim = raw
+        .head_dim
+        .unwrap_or(raw.hidden_size / raw.num_attention_heads.max(1));
+    let query_scalar = raw.query_pre_attn_scalar.unwrap_or(head_dim as f64);
+    if !(query_scalar > 0.0 && query_scalar.is_finite()) {
+        return Err(unsupported(
+            "query_pre_attn_scalar",
+            query_scalar,
+            "must be positive",
+        ));
+    }
+    Ok(Gemma {
+        window: window as usize,
+        global_every: every,
+        local_theta,
+        query_scalar,
+    })
 }
 
 /// RoPE's scaling from `rope_scaling`: none, `default`, or `llama3` with its four figures.
@@ -382,6 +466,16 @@ impl LlamaConfig {
     /// [`CheckpointError::Json`] for malformed JSON or a missing required field, and
     /// [`CheckpointError::Unsupported`] naming the first field this engine does not compute.
     pub fn parse(path: &str, text: &str) -> Result<Self, CheckpointError> {
+        Self::parse_from(path, text, false)
+    }
+
+    /// As [`parse`](Self::parse), for a configuration a GGUF file's metadata gave, whose norms'
+    /// weights hold Gemma's `+1` already.
+    pub(crate) fn parse_folded(path: &str, text: &str) -> Result<Self, CheckpointError> {
+        Self::parse_from(path, text, true)
+    }
+
+    fn parse_from(path: &str, text: &str, folded: bool) -> Result<Self, CheckpointError> {
         let raw: Raw = serde_json::from_str(text).map_err(|e| CheckpointError::Json {
             path: path.to_owned(),
             message: e.to_string(),
@@ -396,13 +490,43 @@ impl LlamaConfig {
             ));
         };
         let qwen2 = arch == Architecture::Qwen2 || raw.model_type.as_deref() == Some("qwen2");
-        if let Some(act) = raw.hidden_act.as_deref()
-            && act != "silu"
+        let gemma = if arch == Architecture::Gemma3 {
+            if !folded {
+                return Err(unsupported(
+                    "architectures",
+                    arch.hf_name(),
+                    "Gemma 3 is served from GGUF files (whose converter folds the norms' +1 \
+                     into their weights); its safetensors checkpoints are not yet",
+                ));
+            }
+            Some(gemma_of(&raw)?)
+        } else {
+            None
+        };
+        for (field, v) in [
+            ("attn_logit_softcapping", raw.attn_logit_softcapping),
+            ("final_logit_softcapping", raw.final_logit_softcapping),
+        ] {
+            if let Some(v) = v.filter(|v| *v != 0.0) {
+                return Err(unsupported(field, v, "logit softcapping is not served"));
+            }
+        }
+        let (act_field, act, want) = if gemma.is_some() {
+            (
+                "hidden_activation",
+                raw.hidden_activation.as_deref(),
+                "gelu_pytorch_tanh",
+            )
+        } else {
+            ("hidden_act", raw.hidden_act.as_deref(), "silu")
+        };
+        if let Some(act) = act
+            && act != want
         {
             return Err(unsupported(
-                "hidden_act",
+                act_field,
                 act,
-                "only silu (SwiGLU) is served",
+                &format!("only {want} is served for {}", arch.hf_name()),
             ));
         }
         if raw.mlp_bias == Some(true) {
@@ -424,7 +548,7 @@ impl LlamaConfig {
             .and_then(serde_json::Value::as_u64)
             .map(|w| w as usize);
         let max_positions = match window {
-            Some(w) if w > 0 && w < max_positions => w,
+            Some(w) if w > 0 && w < max_positions && gemma.is_none() => w,
             _ => max_positions,
         };
         let rope = rope_of(raw.rope_scaling.as_ref())?;
@@ -445,7 +569,38 @@ impl LlamaConfig {
             qkv_bias: raw.attention_bias.unwrap_or(qwen2),
             eos: ids(raw.eos_token_id.as_ref()),
             bos: ids(raw.bos_token_id.as_ref()).first().copied(),
+            gemma,
         })
+    }
+
+    /// The positions layer `l` attends to, its own included, when it is a local layer.
+    #[must_use]
+    pub fn window(&self, l: usize) -> Option<usize> {
+        self.gemma
+            .filter(|g| !(l + 1).is_multiple_of(g.global_every))
+            .map(|g| g.window)
+    }
+
+    /// The scale of attention scores: `head_dim`'s inverse square root, or Gemma's
+    /// `query_pre_attn_scalar`'s.
+    #[must_use]
+    pub fn attn_scale(&self) -> f32 {
+        match self.gemma {
+            Some(g) => 1.0 / (g.query_scalar as f32).sqrt(),
+            None => 1.0 / (self.head_dim as f32).sqrt(),
+        }
+    }
+
+    /// RoPE's inverse frequencies on the local layers, where the model has any.
+    #[must_use]
+    pub fn local_inv_freq(&self) -> Option<Vec<f64>> {
+        let g = self.gemma?;
+        let d = self.head_dim as f64;
+        Some(
+            (0..self.head_dim / 2)
+                .map(|i| g.local_theta.powf(-(2.0 * i as f64) / d))
+                .collect(),
+        )
     }
 
     /// RoPE's inverse frequencies, one per pair of dimensions, with the scaling applied.

@@ -4,7 +4,7 @@
 
 use half::f16;
 
-use crate::quant::{Block, BlockQ4_0, BlockQ4_1, BlockQ8_0};
+use crate::quant::{Block, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0};
 
 /// A checkpoint dtype the kernels read: an element type, or one of ggml's block-quantized types
 /// (32 values a block), read as they are and dequantized where they are used.
@@ -22,6 +22,10 @@ pub enum DType {
     Q4_0,
     /// ggml's Q4_1 ([`BlockQ4_1`]).
     Q4_1,
+    /// ggml's Q5_0 ([`BlockQ5_0`]).
+    Q5_0,
+    /// ggml's Q5_1 ([`BlockQ5_1`]).
+    Q5_1,
 }
 
 impl DType {
@@ -35,6 +39,8 @@ impl DType {
             DType::Q8_0 => BlockQ8_0::BYTES,
             DType::Q4_0 => BlockQ4_0::BYTES,
             DType::Q4_1 => BlockQ4_1::BYTES,
+            DType::Q5_0 => BlockQ5_0::BYTES,
+            DType::Q5_1 => BlockQ5_1::BYTES,
         }
     }
 
@@ -46,6 +52,8 @@ impl DType {
             DType::Q8_0 => BlockQ8_0::VALUES,
             DType::Q4_0 => BlockQ4_0::VALUES,
             DType::Q4_1 => BlockQ4_1::VALUES,
+            DType::Q5_0 => BlockQ5_0::VALUES,
+            DType::Q5_1 => BlockQ5_1::VALUES,
         }
     }
 
@@ -67,6 +75,8 @@ pub fn dequantize_block(dtype: DType, b: &[u8], out: &mut [f32]) {
         DType::Q8_0 => one::<BlockQ8_0>(b, out),
         DType::Q4_0 => one::<BlockQ4_0>(b, out),
         DType::Q4_1 => one::<BlockQ4_1>(b, out),
+        DType::Q5_0 => one::<BlockQ5_0>(b, out),
+        DType::Q5_1 => one::<BlockQ5_1>(b, out),
         DType::Bf16 | DType::F16 | DType::F32 => widen(b, dtype, out),
     }
 }
@@ -133,6 +143,8 @@ pub fn widen(bytes: &[u8], dtype: DType, out: &mut [f32]) {
                 }
             }
         },
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => unreachable!("block types return above"),
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 => {
+            unreachable!("block types return above")
+        }
     }
 }

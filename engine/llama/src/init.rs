@@ -31,6 +31,7 @@ impl LlamaConfig {
             rms_eps: 1e-5,
             eos: Vec::new(),
             bos: None,
+            gemma: None,
         }
     }
 
@@ -54,6 +55,7 @@ impl LlamaConfig {
             rms_eps: 1e-5,
             eos: Vec::new(),
             bos: None,
+            gemma: None,
         }
     }
 
@@ -160,7 +162,7 @@ fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
             .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
             .collect(),
         // Refused by `write_checkpoint` before anything is encoded.
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => Vec::new(),
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 => Vec::new(),
     }
 }
 
@@ -206,7 +208,7 @@ pub fn write_checkpoint(
         DType::Bf16 => safetensors::Dtype::BF16,
         DType::F16 => safetensors::Dtype::F16,
         DType::F32 => safetensors::Dtype::F32,
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 => {
             return Err(CheckpointError::Unsupported {
                 field: "dtype",
                 value: format!("{dtype:?}"),

@@ -17,6 +17,7 @@ pub mod init;
 pub mod kernels;
 pub mod model;
 pub mod quant;
+pub mod spm;
 pub mod text;
 mod turns;
 pub mod weights;

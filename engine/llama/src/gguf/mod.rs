@@ -35,7 +35,7 @@ use self::file::parse;
 #[cfg(test)]
 use self::tensors::unpermute_rows;
 pub use self::tensors::{GgmlType, dequantize};
-pub use self::tokenizer::{TextParts, text_parts};
+pub use self::tokenizer::{TextParts, Tokenizer, text_parts};
 
 /// `GGUF` read as a little-endian u32.
 const MAGIC: u32 = 0x4655_4747;
@@ -47,16 +47,20 @@ const MAX_DIMS: usize = 4;
 const MAX_NAME: usize = 1 << 16;
 /// Most metadata keys taken (a real file has a few dozen).
 const MAX_KEYS: usize = 1 << 16;
-/// Most entries of a tokenizer array taken (tokens, their types, merges): eight times the
+/// Most entries of an array read (tokens, their types and scores, merges): eight times the
 /// largest vocabulary served today.
 const MAX_TOKENIZER_ENTRIES: usize = 1 << 21;
 /// The arrays this loader reads, with the value types each may hold; every other array is
 /// walked and checked but not kept ([`Meta::Unread`]), so a file's metadata costs memory in
 /// proportion to what is read, not to how many elements it declares.
-const READ_ARRAYS: [(&str, &[u32]); 3] = [
+const READ_ARRAYS: [(&str, &[u32]); 5] = [
     ("tokenizer.ggml.tokens", &[8]),
     ("tokenizer.ggml.merges", &[8]),
     ("tokenizer.ggml.token_type", &[0, 1, 2, 3, 4, 5, 10, 11]),
+    // SentencePiece's scores: f32 or f64.
+    ("tokenizer.ggml.scores", &[6, 12]),
+    // Which of Gemma 3's layers are local: bools.
+    ("gemma3.attention.sliding_window_pattern", &[7]),
 ];
 
 /// A metadata value.

@@ -65,7 +65,6 @@ impl GgmlType {
             14 => Self::Q6K,
             other => {
                 let name = match other {
-                    6 => "Q5_0",
                     9 => "Q8_1",
                     10 => "Q2_K",
                     11 => "Q3_K",
@@ -86,8 +85,8 @@ impl GgmlType {
         })
     }
 
-    /// The weight type the kernels read this type's bytes as, in place; `None` for Q5_0, Q5_1
-    /// and the K-quants, which are dequantized to f32 at load.
+    /// The weight type the kernels read this type's bytes as, in place; `None` for the
+    /// K-quants, which are dequantized to f32 at load.
     #[must_use]
     pub fn stored(self) -> Option<DType> {
         match self {
@@ -97,7 +96,9 @@ impl GgmlType {
             Self::Q8_0 => Some(DType::Q8_0),
             Self::Q4_0 => Some(DType::Q4_0),
             Self::Q4_1 => Some(DType::Q4_1),
-            Self::Q5_0 | Self::Q5_1 | Self::Q4K | Self::Q5K | Self::Q6K => None,
+            Self::Q5_0 => Some(DType::Q5_0),
+            Self::Q5_1 => Some(DType::Q5_1),
+            Self::Q4K | Self::Q5K | Self::Q6K => None,
         }
     }
 
@@ -150,10 +151,12 @@ impl Gguf {
     /// A tensor of a type this loader does not read (named with it), or a shape that is not
     /// the configuration's.
     pub fn weights(&self, cfg: &LlamaConfig) -> Result<Weights, CheckpointError> {
-        let llama = self.architecture()? == "llama";
+        let arch = self.architecture()?;
+        let llama = arch == "llama";
+        let gemma = arch == "gemma3";
         let mut out = Vec::with_capacity(self.tensors.len());
         for t in &self.tensors {
-            let Some(name) = hf_name(&t.name) else {
+            let Some(name) = hf_name(&t.name, gemma) else {
                 continue;
             };
             let (rows, cols) = match t.dims[..] {
@@ -229,8 +232,9 @@ pub fn unpermute_rows(data: &[u8], head_dim: usize, row_bytes: usize) -> Vec<u8>
     out
 }
 
-/// The Hugging Face name of a GGUF tensor the model reads; `None` for one it does not.
-pub(super) fn hf_name(gguf: &str) -> Option<String> {
+/// The Hugging Face name of a GGUF tensor the model reads (`gemma`: of a Gemma 3 file, whose
+/// four norms a layer have names of their own); `None` for one it does not.
+pub(super) fn hf_name(gguf: &str, gemma: bool) -> Option<String> {
     Some(match gguf {
         "token_embd.weight" => "model.embed_tokens.weight".into(),
         "output_norm.weight" => "model.norm.weight".into(),
@@ -241,7 +245,12 @@ pub(super) fn hf_name(gguf: &str) -> Option<String> {
             let layer: usize = layer.parse().ok()?;
             let hf = match part {
                 "attn_norm.weight" => "input_layernorm.weight",
+                "ffn_norm.weight" if gemma => "pre_feedforward_layernorm.weight",
                 "ffn_norm.weight" => "post_attention_layernorm.weight",
+                "post_attention_norm.weight" if gemma => "post_attention_layernorm.weight",
+                "post_ffw_norm.weight" if gemma => "post_feedforward_layernorm.weight",
+                "attn_q_norm.weight" if gemma => "self_attn.q_norm.weight",
+                "attn_k_norm.weight" if gemma => "self_attn.k_norm.weight",
                 "attn_q.weight" => "self_attn.q_proj.weight",
                 "attn_k.weight" => "self_attn.k_proj.weight",
                 "attn_v.weight" => "self_attn.v_proj.weight",

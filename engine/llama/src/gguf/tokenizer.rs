@@ -1,7 +1,9 @@
-//! The tokenizer: `tokenizer.json` rebuilt from `tokenizer.ggml.*`, with the chat template and
+//! The tokenizer: `tokenizer.json` rebuilt from `tokenizer.ggml.*` (byte-level BPE), or a
+//! SentencePiece vocabulary built from its pieces, scores and types, with the chat template and
 //! the end-of-sequence ids a file carries.
 
 use super::*;
+use crate::spm::Spm;
 
 /// The tokenizer, template and EOS ids a GGUF file carries, as the pieces of a
 /// [`crate::Text`]: `tokenizer.json` rebuilt from `tokenizer.ggml.*`, the chat template, the
@@ -9,23 +11,14 @@ use super::*;
 /// token).
 ///
 /// # Errors
-/// A tokenizer model other than `gpt2` (byte-level BPE), an unknown pre-tokenizer, or missing
-/// keys, named.
+/// A tokenizer model other than `gpt2` (byte-level BPE) and `llama` (SentencePiece), an
+/// unknown pre-tokenizer, or missing keys, named.
 pub fn text_parts(g: &Gguf) -> Result<TextParts, CheckpointError> {
     let path = &g.path;
     let model = g
         .get("tokenizer.ggml.model")
         .and_then(Meta::as_str)
         .ok_or_else(|| bad(path, "tokenizer.ggml.model: missing"))?;
-    if model != "gpt2" {
-        return Err(bad(
-            path,
-            format!(
-                "tokenizer.ggml.model = {model:?}: served: \"gpt2\" (byte-level BPE); \
-                 SentencePiece (\"llama\") vocabularies are not built yet"
-            ),
-        ));
-    }
     let Some(Meta::Array(tokens)) = g.get("tokenizer.ggml.tokens") else {
         return Err(bad(path, "tokenizer.ggml.tokens: missing"));
     };
@@ -34,6 +27,92 @@ pub fn text_parts(g: &Gguf) -> Result<TextParts, CheckpointError> {
         Some(Meta::Array(a)) => a.iter().map(|t| t.as_u64().unwrap_or(1)).collect(),
         _ => vec![1; tokens.len()],
     };
+    let tokenizer = match model {
+        "gpt2" => Tokenizer::Json(byte_level_json(g, &tokens, &types)?),
+        "llama" => Tokenizer::Spm(Box::new(sentencepiece(g, &tokens, &types)?)),
+        other => {
+            return Err(bad(
+                path,
+                format!(
+                    "tokenizer.ggml.model = {other:?}: served: \"gpt2\" (byte-level BPE), \
+                     \"llama\" (SentencePiece)"
+                ),
+            ));
+        }
+    };
+    let id_of = |key: &str| g.get(key).and_then(Meta::as_u64).map(|v| v as u32);
+    let name = |id: Option<u32>| {
+        id.and_then(|i| tokens.get(i as usize))
+            .map(|s| (*s).to_owned())
+    };
+    let bos_id = id_of("tokenizer.ggml.bos_token_id");
+    let template = g
+        .get("tokenizer.chat_template")
+        .and_then(Meta::as_str)
+        .map(str::to_owned);
+    let eos_id = id_of("tokenizer.ggml.eos_token_id");
+    let mut eos_ids: Vec<u32> = eos_id.into_iter().collect();
+    // The template's end of turn ends a completion too.
+    if let Some(t) = &template {
+        let controls = tokens
+            .iter()
+            .zip(&types)
+            .enumerate()
+            .filter(|(_, (_, ty))| **ty == 3)
+            .map(|(id, (tok, _))| (id as u32, (*tok).to_owned()));
+        for id in crate::turns::end_of_turn(t, controls) {
+            if !eos_ids.contains(&id) {
+                eos_ids.push(id);
+            }
+        }
+    }
+    Ok(TextParts {
+        tokenizer,
+        template,
+        bos: name(bos_id),
+        eos: name(eos_id),
+        eos_ids,
+    })
+}
+
+/// Whether a boolean key is true, or `default` where the file does not say.
+fn flag(g: &Gguf, key: &str, default: bool) -> bool {
+    match g.get(key) {
+        Some(Meta::Bool(b)) => *b,
+        _ => default,
+    }
+}
+
+/// The SentencePiece vocabulary of a `llama` tokenizer: its pieces, scores and types, a BOS
+/// when `add_bos_token` (llama.cpp's default for it: yes), a `▁` prefix when
+/// `add_space_prefix` (default: yes).
+fn sentencepiece(g: &Gguf, tokens: &[&str], types: &[u64]) -> Result<Spm, CheckpointError> {
+    let scores: Vec<f32> = match g.get("tokenizer.ggml.scores") {
+        Some(Meta::Array(a)) => a.iter().map(|s| s.as_f64().unwrap_or(0.0) as f32).collect(),
+        _ => return Err(bad(&g.path, "tokenizer.ggml.scores: missing")),
+    };
+    let bos = g
+        .get("tokenizer.ggml.bos_token_id")
+        .and_then(Meta::as_u64)
+        .map(|v| v as u32)
+        .filter(|_| flag(g, "tokenizer.ggml.add_bos_token", true));
+    Spm::new(
+        tokens.iter().map(|t| (*t).to_owned()).collect(),
+        scores,
+        types
+            .iter()
+            .map(|t| u8::try_from(*t).unwrap_or(0))
+            .collect(),
+        bos,
+        flag(g, "tokenizer.ggml.add_space_prefix", true),
+    )
+    .map_err(|e| bad(&g.path, format!("the SentencePiece vocabulary: {e}")))
+}
+
+/// `tokenizer.json` for a byte-level BPE tokenizer (`gpt2`), rebuilt from its vocabulary,
+/// merges and pre-tokenizer.
+fn byte_level_json(g: &Gguf, tokens: &[&str], types: &[u64]) -> Result<String, CheckpointError> {
+    let path = &g.path;
     let merges: Vec<&str> = match g.get("tokenizer.ggml.merges") {
         Some(Meta::Array(a)) => a.iter().filter_map(Meta::as_str).collect(),
         _ => return Err(bad(path, "tokenizer.ggml.merges: missing")),
@@ -66,7 +145,7 @@ pub fn text_parts(g: &Gguf) -> Result<TextParts, CheckpointError> {
     };
     let mut vocab = serde_json::Map::with_capacity(tokens.len());
     let mut added = Vec::new();
-    for (id, (&t, &ty)) in tokens.iter().zip(&types).enumerate() {
+    for (id, (&t, &ty)) in tokens.iter().zip(types).enumerate() {
         vocab.insert(t.to_owned(), json!(id));
         // 3: control (special), 4: user-defined (added, not special).
         if ty == 3 || ty == 4 {
@@ -107,40 +186,23 @@ pub fn text_parts(g: &Gguf) -> Result<TextParts, CheckpointError> {
             "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
             "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": merges},
     });
-    let template = g
-        .get("tokenizer.chat_template")
-        .and_then(Meta::as_str)
-        .map(str::to_owned);
-    let eos_id = id_of("tokenizer.ggml.eos_token_id");
-    let mut eos_ids: Vec<u32> = eos_id.into_iter().collect();
-    // The template's end of turn ends a completion too.
-    if let Some(t) = &template {
-        let controls = tokens
-            .iter()
-            .zip(&types)
-            .enumerate()
-            .filter(|(_, (_, ty))| **ty == 3)
-            .map(|(id, (tok, _))| (id as u32, (*tok).to_owned()));
-        for id in crate::turns::end_of_turn(t, controls) {
-            if !eos_ids.contains(&id) {
-                eos_ids.push(id);
-            }
-        }
-    }
-    Ok(TextParts {
-        tokenizer: tokenizer.to_string(),
-        template,
-        bos: name(bos_id),
-        eos: name(eos_id),
-        eos_ids,
-    })
+    Ok(tokenizer.to_string())
+}
+
+/// A tokenizer as a GGUF file gives it.
+#[derive(Debug)]
+pub enum Tokenizer {
+    /// A `tokenizer.json` (byte-level BPE).
+    Json(String),
+    /// A SentencePiece vocabulary.
+    Spm(Box<Spm>),
 }
 
 /// What [`text_parts`] gives.
 #[derive(Debug)]
 pub struct TextParts {
-    /// A `tokenizer.json`.
-    pub tokenizer: String,
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
     /// The chat template.
     pub template: Option<String>,
     /// The BOS token's text.

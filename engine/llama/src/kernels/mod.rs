@@ -148,6 +148,19 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `gelu(gate) * up`, element by element, into `gate`, GELU in its tanh form:
+/// `x / (1 + e^(-2u))` with `u = sqrt(2/pi) (x + 0.044715 x^3)`, which is
+/// `x (1 + tanh u) / 2` with the tanh written through [`exp`] (the same bits on every CPU).
+#[inline(always)]
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+    for (g, u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        let t = C * (x + 0.044_715 * x * x * x);
+        *g = x / (1.0 + exp(-2.0 * t)) * u;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

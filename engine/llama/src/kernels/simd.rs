@@ -435,10 +435,10 @@ fn direct(
     dst: &mut [f32],
 ) {
     use crate::dtype::DType;
-    if w.dtype == DType::F16 {
-        // No f16 conversion in registers here: the rows are widened (exactly) into this
-        // thread's scratch, a block at a time, and read as f32.
-        return direct_f16(isa, x, w, bias, j0, j1, dst);
+    if matches!(w.dtype, DType::F16 | DType::Q5_0 | DType::Q5_1) {
+        // No f16 conversion or fifth bits in registers here: the rows are widened (exactly)
+        // into this thread's scratch, a block at a time, and read as f32.
+        return direct_widened(isa, x, w, bias, j0, j1, dst);
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 && matches!(w.dtype, DType::Bf16 | DType::F32) && v4::available() {
@@ -461,9 +461,9 @@ fn direct(
     direct_portable(x, w, bias, j0, j1, dst);
 }
 
-/// [`direct`] on f16 weights: blocks of rows widened into this thread's scratch, then read as
-/// f32 (the same values, so the same bits).
-fn direct_f16(
+/// [`direct`] on f16, Q5_0 or Q5_1 weights: blocks of rows widened into this thread's
+/// scratch, then read as f32 (the same values, so the same bits).
+fn direct_widened(
     isa: Isa,
     x: &[f32],
     w: MatRef<'_>,
@@ -482,7 +482,8 @@ fn direct_f16(
         while j < j1 {
             let e = (j + block).min(j1);
             let wide = &mut scratch[..(e - j) * k];
-            widen(&w.bytes[j * k * 2..e * k * 2], w.dtype, wide);
+            let s = w.dtype.row_bytes(k);
+            widen(&w.bytes[j * s..e * s], w.dtype, wide);
             let f32s = MatRef {
                 bytes: bytemuck::cast_slice(wide),
                 dtype: crate::dtype::DType::F32,
@@ -640,7 +641,7 @@ mod tests {
                     let d = half::f16::from_f32((hash(b) % 200) as f32 / 4000.0 - 0.02);
                     let m = half::f16::from_f32((hash(b + 7) % 100) as f32 / 1000.0 - 0.05);
                     let mut block = d.to_le_bytes().to_vec();
-                    if dtype == DType::Q4_1 {
+                    if matches!(dtype, DType::Q4_1 | DType::Q5_1) {
                         block.extend(m.to_le_bytes());
                     }
                     let quants = dtype.size() - block.len();
@@ -664,7 +665,7 @@ mod tests {
     /// Every vector path this CPU runs (portable, AVX2, AVX-512: [`Isa::here`]) and every
     /// shape within it (rows read in place against four and one batch rows, one or two weight
     /// rows at once; widened blocks, tiles of one to six batch rows by one to four weight rows;
-    /// on 1 to 3 threads; bf16, f16, f32, Q8_0, Q4_0 and Q4_1) is the order [`dot16`] writes
+    /// on 1 to 3 threads; bf16, f16, f32, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1) is the order [`dot16`] writes
     /// out, bit for bit, for every row of every batch from 1 to 40.
     /// So batch 1 and batch N take the same order: if either path changed its order, the row
     /// would differ from [`dot16`] here.
@@ -677,6 +678,8 @@ mod tests {
             DType::Q8_0,
             DType::Q4_0,
             DType::Q4_1,
+            DType::Q5_0,
+            DType::Q5_1,
         ];
         for (n, k) in [
             (9usize, 16usize),

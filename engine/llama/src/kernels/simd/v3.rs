@@ -245,7 +245,9 @@ impl NullaryFnOnce for Direct<'_> {
             DType::Q8_0 => columns::<2, { BlockQ8_0::BYTES }>(simd, x, w, bias, j0, j1, dst),
             DType::Q4_0 => columns::<3, { BlockQ4_0::BYTES }>(simd, x, w, bias, j0, j1, dst),
             DType::Q4_1 => columns::<4, { BlockQ4_1::BYTES }>(simd, x, w, bias, j0, j1, dst),
-            DType::F16 => unreachable!("f16 rows are widened before they get here"),
+            DType::F16 | DType::Q5_0 | DType::Q5_1 => {
+                unreachable!("f16, Q5_0 and Q5_1 rows are widened before they get here")
+            }
         }
     }
 }
