@@ -331,8 +331,8 @@ impl Spm {
     }
 }
 
-/// The byte a `<0xNN>` piece stands for.
-fn byte_piece(piece: &str) -> Option<u8> {
+/// The byte a `<0xNN>` piece (SentencePiece's byte fallback) stands for.
+pub(crate) fn byte_piece(piece: &str) -> Option<u8> {
     let hex = piece.strip_prefix("<0x")?.strip_suffix('>')?;
     if hex.len() != 2 {
         return None;

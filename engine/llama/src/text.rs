@@ -546,7 +546,7 @@ impl Text {
                 }
                 out
             } else if metaspace {
-                match byte_fallback(&piece) {
+                match crate::spm::byte_piece(&piece) {
                     Some(b) => vec![b],
                     None => piece.replace('\u{2581}', " ").into_bytes(),
                 }
@@ -598,15 +598,6 @@ fn decoder_kinds(v: &Value) -> Vec<String> {
         }
     }
     out
-}
-
-/// The byte a SentencePiece byte-fallback token (`<0xNN>`) stands for.
-fn byte_fallback(tok: &str) -> Option<u8> {
-    let hex = tok.strip_prefix("<0x")?.strip_suffix('>')?;
-    if hex.len() != 2 {
-        return None;
-    }
-    u8::from_str_radix(hex, 16).ok()
 }
 
 /// Text of a growing list of ids, piece by piece: each piece is what the newest ids add to the
